@@ -1,0 +1,48 @@
+"""celery-fence: fenced, retry-safe Celery tasks.
+
+A Redis lease with an owner token and an ever-increasing generation decides who works; a SQL
+store fenced on that generation decides whose result counts.
+"""
+
+from .config import FenceConfig
+from .errors import (
+    ConfigurationError,
+    FenceError,
+    JobDead,
+    LeaseBusy,
+    LeaseError,
+    LeaseLost,
+    PermanentError,
+    ResultNotSerializable,
+    StaleGeneration,
+    StoreError,
+)
+from .fence import Fence
+from .outbox import idempotency_key, storage_key
+from .schema import metadata
+from .store import JobRecord, Store
+from .task import FencedTask, get_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigurationError",
+    "Fence",
+    "FenceConfig",
+    "FenceError",
+    "FencedTask",
+    "JobDead",
+    "JobRecord",
+    "LeaseBusy",
+    "LeaseError",
+    "LeaseLost",
+    "PermanentError",
+    "ResultNotSerializable",
+    "StaleGeneration",
+    "Store",
+    "StoreError",
+    "get_store",
+    "idempotency_key",
+    "metadata",
+    "storage_key",
+]

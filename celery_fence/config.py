@@ -1,0 +1,277 @@
+"""Settings, read once from ``app.conf`` into a validated, frozen :class:`FenceConfig`.
+
+Every setting is lowercase and prefixed ``fence_`` like Celery's own (``fence_lease_ttl``); the
+upper-case forms (``FENCE_LEASE_TTL``, and ``CELERY_FENCE_LEASE_TTL`` for Django's ``CELERY_``
+namespace) are read too. Nothing falls back to ``broker_url``: the lease store is named on purpose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import ConfigurationError
+
+#: Redis that holds leases and generation counters.
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+#: The embedded default result store: a SQLite file in the working directory.
+DEFAULT_DATABASE_URL = "sqlite:///celery_fence.sqlite3"
+#: Seconds a lease lives without renewal.
+DEFAULT_LEASE_TTL = 30.0
+#: Seconds between renewals; must be below the TTL (a third of it leaves two chances).
+DEFAULT_RENEW_INTERVAL = 10.0
+#: Prefix of every Redis key celery-fence writes.
+DEFAULT_KEY_PREFIX = "fence"
+#: Fraction of the TTL kept as a safety margin on the local lease deadline.
+DEFAULT_LEASE_MARGIN = 0.1
+#: Executions (claimed attempts) before a job goes to the terminal ``dead`` state.
+DEFAULT_MAX_ATTEMPTS = 5
+#: Base delay of the exponential backoff, seconds.
+DEFAULT_RETRY_BACKOFF = 1.0
+#: Cap of the backoff, seconds.
+DEFAULT_RETRY_BACKOFF_MAX = 300.0
+#: Retries allowed per task name, as a fraction of its recent calls ...
+DEFAULT_RETRY_BUDGET_RATIO = 0.2
+#: ... plus this many retries per budget window regardless of traffic.
+DEFAULT_RETRY_BUDGET_FLOOR = 10
+#: Budget window, seconds.
+DEFAULT_RETRY_BUDGET_WINDOW = 60.0
+#: Characters of an error message kept in the store.
+DEFAULT_ERROR_MESSAGE_LENGTH = 500
+
+
+def _as_float(name: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(
+            f"{name}={value!r} is not a number of seconds: set it to a number like 30.0."
+        ) from None
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigurationError(f"{name}={value!r} is not a whole number: set it to e.g. 5.")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigurationError(
+            f"{name}={value!r} is not a whole number: set it to e.g. 5."
+        ) from None
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in {
+        "1",
+        "true",
+        "yes",
+        "on",
+        "0",
+        "false",
+        "no",
+        "off",
+    }:
+        return value.lower() in {"1", "true", "yes", "on"}
+    raise ConfigurationError(f"{name}={value!r} is not a boolean: set it to True or False.")
+
+
+def _as_types(name: str, value: Any) -> tuple[type[BaseException], ...]:
+    if value is None:
+        return ()
+    items = value if isinstance(value, (list, tuple, set, frozenset)) else [value]
+    out: list[type[BaseException]] = []
+    for item in items:
+        if isinstance(item, str):
+            module, _, attr = item.rpartition(".")
+            if not module:
+                raise ConfigurationError(
+                    f"{name}: {item!r} is not a dotted path; write 'package.module.ExceptionName'."
+                )
+            try:
+                import importlib
+
+                item = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError):
+                raise ConfigurationError(
+                    f"{name}: cannot import {item!r}; check the dotted path."
+                ) from None
+        if not (isinstance(item, type) and issubclass(item, BaseException)):
+            raise ConfigurationError(f"{name}: {item!r} is not an exception class.")
+        out.append(item)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class FenceConfig:
+    """The validated settings. Build one with :meth:`from_app` or :meth:`from_mapping`."""
+
+    redis_url: str = DEFAULT_REDIS_URL
+    redis_client: Callable[[], Any] | None = None
+    database_url: str = DEFAULT_DATABASE_URL
+    lease_ttl: float = DEFAULT_LEASE_TTL
+    renew_interval: float = DEFAULT_RENEW_INTERVAL
+    lease_margin: float = DEFAULT_LEASE_MARGIN
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    retry_backoff: float = DEFAULT_RETRY_BACKOFF
+    retry_backoff_max: float = DEFAULT_RETRY_BACKOFF_MAX
+    retry_budget_ratio: float = DEFAULT_RETRY_BUDGET_RATIO
+    retry_budget_floor: int = DEFAULT_RETRY_BUDGET_FLOOR
+    retry_budget_window: float = DEFAULT_RETRY_BUDGET_WINDOW
+    permanent_exceptions: tuple[type[BaseException], ...] = ()
+    transient_exceptions: tuple[type[BaseException], ...] | None = None  # None: the defaults
+    retry_unknown_errors: bool = True
+    error_message_length: int = DEFAULT_ERROR_MESSAGE_LENGTH
+    record_transitions: bool = True
+    send_events: bool = True
+    redact_celery_logs: bool = False
+    unfenced: bool = False  # chaos demonstration only: turns off the store's generation fence
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def lease_ttl_ms(self) -> int:
+        return round(self.lease_ttl * 1000)
+
+    def validate(self) -> None:
+        if self.lease_ttl <= 0:
+            raise ConfigurationError(
+                f"fence_lease_ttl={self.lease_ttl} must be positive: set it to the seconds a lease "
+                "may live without renewal, e.g. 30.0."
+            )
+        if not 0 < self.renew_interval < self.lease_ttl:
+            raise ConfigurationError(
+                f"fence_renew_interval={self.renew_interval} must be positive and less than "
+                f"fence_lease_ttl={self.lease_ttl}, or leases expire between renewals: set it to "
+                f"about a third of the TTL (e.g. {self.lease_ttl / 3:g})."
+            )
+        if not 0 <= self.lease_margin < 0.5:
+            raise ConfigurationError(
+                f"fence_lease_margin={self.lease_margin} must be a fraction in [0, 0.5), e.g. 0.1."
+            )
+        if not self.key_prefix or any(c in self.key_prefix for c in "{} "):
+            raise ConfigurationError(
+                f"fence_key_prefix={self.key_prefix!r} must be non-empty, without spaces or braces "
+                "(braces are Redis Cluster hash tags): e.g. 'fence'."
+            )
+        if self.max_attempts < 1:
+            raise ConfigurationError(f"fence_max_attempts={self.max_attempts} must be at least 1.")
+        if self.retry_backoff < 0 or self.retry_backoff_max < self.retry_backoff:
+            raise ConfigurationError(
+                f"fence_retry_backoff={self.retry_backoff} must be >= 0 and at most "
+                f"fence_retry_backoff_max={self.retry_backoff_max}."
+            )
+        if not self.retry_budget_ratio >= 0 or self.retry_budget_floor < 0:
+            raise ConfigurationError(
+                "fence_retry_budget_ratio and fence_retry_budget_floor must not be negative."
+            )
+        if self.retry_budget_window <= 0:
+            raise ConfigurationError(
+                "fence_retry_budget_window must be a positive number of seconds."
+            )
+        if "://" not in self.database_url:
+            raise ConfigurationError(
+                f"fence_database_url={self.database_url!r} is not an SQLAlchemy URL: use e.g. "
+                "'sqlite:///celery_fence.sqlite3' or 'postgresql+psycopg2://user@host/db'."
+            )
+        if self.redis_client is None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ConfigurationError(
+                f"fence_redis_url={self.redis_url!r} must start with redis://, rediss:// or unix://"
+                " (or set fence_redis_client to a callable returning a redis client)."
+            )
+
+    def replace(self, **changes: Any) -> FenceConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_mapping(cls, conf: Mapping[str, Any], **overrides: Any) -> FenceConfig:
+        """Read ``fence_*`` settings from a Celery ``app.conf`` (or any mapping)."""
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            found, raw = _lookup(conf, f"fence_{f.name}")
+            if found:
+                values[f.name] = _parse(f.name, raw)
+        for name, raw in overrides.items():
+            values[name] = _parse(name, raw)
+        return cls(**values)
+
+    @classmethod
+    def from_app(cls, app: Any) -> FenceConfig:
+        cached = getattr(app, "_fence_config", None)
+        if cached is None:
+            cached = cls.from_mapping(app.conf)
+            app._fence_config = cached
+        return cached
+
+
+_FLOATS = {
+    "lease_ttl",
+    "renew_interval",
+    "lease_margin",
+    "retry_backoff",
+    "retry_backoff_max",
+    "retry_budget_ratio",
+    "retry_budget_window",
+}
+_INTS = {"max_attempts", "retry_budget_floor", "error_message_length"}
+_BOOLS = {
+    "retry_unknown_errors",
+    "record_transitions",
+    "send_events",
+    "redact_celery_logs",
+    "unfenced",
+}
+_STRS = {"redis_url", "database_url", "key_prefix"}
+FIELD_NAMES = frozenset(
+    f.name for f in dataclasses.fields(FenceConfig) if not f.name.startswith("_")
+)
+
+
+def _parse(name: str, raw: Any) -> Any:
+    setting = f"fence_{name}"
+    if name not in FIELD_NAMES:
+        raise ConfigurationError(f"unknown celery-fence setting {setting!r}.")
+    if name in _FLOATS:
+        return _as_float(setting, raw)
+    if name in _INTS:
+        return _as_int(setting, raw)
+    if name in _BOOLS:
+        return _as_bool(setting, raw)
+    if name in _STRS:
+        if not isinstance(raw, str):
+            raise ConfigurationError(f"{setting}={raw!r} must be a string.")
+        return raw
+    if name == "redis_client":
+        if raw is not None and not callable(raw):
+            raise ConfigurationError(f"{setting} must be a callable returning a redis client.")
+        return raw
+    if name == "transient_exceptions":
+        return None if raw is None else _as_types(setting, raw)
+    if name == "permanent_exceptions":
+        return _as_types(setting, raw)
+    return raw
+
+
+def _lookup(conf: Mapping[str, Any], name: str) -> tuple[bool, Any]:
+    for candidate in (name, name.upper(), "CELERY_" + name.upper()):
+        try:
+            value = conf[candidate]
+        except KeyError:
+            continue
+        if value is not None:
+            return True, value
+    return False, None
+
+
+#: Task options that override a setting for one task: ``@app.task(base=FencedTask, lease_ttl=5)``.
+TASK_OPTION_ALIASES = {
+    "lease_ttl": "lease_ttl",
+    "renew_interval": "renew_interval",
+    "max_attempts": "max_attempts",
+}

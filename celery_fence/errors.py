@@ -1,0 +1,54 @@
+"""Every exception celery-fence raises, under one root: :class:`FenceError`.
+
+The class docstring is the default message, so ``raise LeaseLost()`` still says something useful.
+"""
+
+from __future__ import annotations
+
+
+class FenceError(Exception):
+    """A celery-fence error."""
+
+    def __init__(self, message: str | None = None, **context: object) -> None:
+        self.context = context
+        super().__init__(message or (self.__doc__ or "").strip().splitlines()[0])
+
+
+class ConfigurationError(FenceError):
+    """A celery-fence setting is missing or invalid."""
+
+
+class LeaseError(FenceError):
+    """The Redis lease for a key could not be used."""
+
+
+class LeaseLost(LeaseError):
+    """The lease was lost: this attempt must not start new side effects."""
+
+
+class LeaseBusy(LeaseError):
+    """Another attempt holds a live lease for this key."""
+
+    def __init__(self, message: str | None = None, *, remaining: float = 0.0, **ctx: object):
+        self.remaining = remaining  # seconds left on the holder's lease
+        super().__init__(message, remaining=remaining, **ctx)
+
+
+class StoreError(FenceError):
+    """The result store refused an operation."""
+
+
+class StaleGeneration(StoreError):
+    """A newer generation owns this key: the write from the older one was rejected."""
+
+
+class JobDead(StoreError):
+    """The job is in the terminal ``dead`` state; requeue it with ``celery fence requeue``."""
+
+
+class ResultNotSerializable(StoreError):
+    """The task's return value is not JSON; return plain dicts, lists, str, int, float, bool."""
+
+
+class PermanentError(FenceError):
+    """Raised by a task body: this input will never succeed, so do not retry it."""

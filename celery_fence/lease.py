@@ -1,0 +1,156 @@
+"""The Redis side: claim, renew, release and raise-generation, each one Lua script.
+
+Redis is a liveness hint here, not the authority: the SQL store fences every write on the
+generation, so a Redis restart or failover that loses a counter or a lease costs availability
+(a retry), never correctness.
+
+Key layout for a logical key K (both keys share one Redis Cluster hash tag, so a script touches
+one slot; the tag is a digest of K, so any user string is safe)::
+
+    <prefix>:{<digest(K)>}:lease   "<token>:<generation>" with a PX expiry
+    <prefix>:{<digest(K)>}:gen     integer generation counter
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.exceptions import NoScriptError
+
+from .config import FenceConfig
+from .errors import LeaseBusy
+
+logger = logging.getLogger(__name__)
+
+CLAIMED, BUSY = 1, 0
+
+
+def _script_source(name: str) -> str:
+    return resources.files("celery_fence").joinpath(f"lua/{name}.lua").read_text("utf-8")
+
+
+class _Script:
+    """A Lua script called by SHA, re-loaded once on ``NOSCRIPT`` (restart, failover, new node)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.source = _script_source(name)
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            client.script_load(self.source)
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+
+
+CLAIM = _Script("claim")
+RENEW = _Script("renew")
+RELEASE = _Script("release")
+RAISE_GENERATION = _Script("raise_generation")
+
+
+def make_redis_client(config: FenceConfig) -> Any:
+    """The redis-py client for leases: ``fence_redis_client()`` when set, else from the URL."""
+    if config.redis_client is not None:
+        return config.redis_client()
+    timeout = max(0.5, min(5.0, config.lease_ttl / 3))
+    return redis.Redis.from_url(
+        config.redis_url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        health_check_interval=30,
+    )
+
+
+@dataclass(frozen=True)
+class LeaseKeys:
+    lease: str
+    generation: str
+
+
+class LeaseStore:
+    """Lease operations against one Redis client. Safe to share between threads."""
+
+    def __init__(self, client: Any, *, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+
+    def keys_for(self, key: str) -> LeaseKeys:
+        tag = hashlib.blake2b(key.encode("utf-8"), digest_size=12).hexdigest()
+        base = f"{self.prefix}:{{{tag}}}"
+        return LeaseKeys(lease=f"{base}:lease", generation=f"{base}:gen")
+
+    def claim(self, key: str, token: str, ttl_ms: int) -> int:
+        """Claim ``key`` for ``ttl_ms`` milliseconds; return the new generation.
+
+        Raises :class:`LeaseBusy` (with ``remaining`` in seconds) when a live lease exists.
+        """
+        keys = self.keys_for(key)
+        status, value = CLAIM(self.client, [keys.lease, keys.generation], [token, ttl_ms])
+        if int(status) == CLAIMED:
+            return int(value)
+        remaining_ms = int(value)
+        remaining = ttl_ms / 1000 if remaining_ms < 0 else remaining_ms / 1000
+        raise LeaseBusy(f"lease for {key!r} is held by another attempt", remaining=remaining)
+
+    def raise_generation(self, key: str, floor: int) -> int:
+        """Raise the generation counter to at least ``floor`` (set-if-greater); return it."""
+        keys = self.keys_for(key)
+        return int(RAISE_GENERATION(self.client, [keys.generation], [floor]))
+
+    def release(self, lease_key: str, value: str) -> bool:
+        """Compare-and-delete one lease; True when it was still ours."""
+        return bool(RELEASE(self.client, [lease_key], [value]))
+
+    def renew(self, lease_key: str, value: str, ttl_ms: int) -> bool:
+        return bool(RENEW(self.client, [lease_key], [value, ttl_ms]))
+
+    def batch(
+        self,
+        renewals: Sequence[tuple[str, str, int]],
+        releases: Sequence[tuple[str, str]],
+    ) -> tuple[list[bool], list[bool]]:
+        """Renew and release many leases in one pipelined round trip.
+
+        ``renewals`` are (lease key, value, ttl ms); ``releases`` are (lease key, value).
+        Returns one bool per renewal (still ours) and per release (deleted).
+        """
+        if not renewals and not releases:
+            return [], []
+        for attempt in (1, 2):
+            pipe = self.client.pipeline(transaction=False)
+            for lease_key, value, ttl_ms in renewals:
+                pipe.evalsha(RENEW.sha, 1, lease_key, value, ttl_ms)
+            for lease_key, value in releases:
+                pipe.evalsha(RELEASE.sha, 1, lease_key, value)
+            results = pipe.execute(raise_on_error=False)
+            if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
+                self.client.script_load(RENEW.source)
+                self.client.script_load(RELEASE.source)
+                continue
+            for r in results:
+                if isinstance(r, Exception):
+                    raise r
+            flags = [bool(r) for r in results]
+            return flags[: len(renewals)], flags[len(renewals) :]
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def remaining(self, key: str) -> tuple[float | None, int | None]:
+        """(seconds left on the live lease or None, the lease's generation or None)."""
+        keys = self.keys_for(key)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.pttl(keys.lease)
+        pipe.get(keys.lease)
+        pttl, value = pipe.execute()
+        if value is None or pttl < 0:
+            return None, None
+        generation = int(value.rsplit(b":", 1)[1]) if isinstance(value, bytes) else None
+        return pttl / 1000, generation

@@ -1,0 +1,14 @@
+-- claim.lua: take the lease for one logical key, with a new generation.
+-- KEYS[1]  lease key       "<prefix>:{<tag>}:lease"  value "<token>:<generation>"
+-- KEYS[2]  generation key  "<prefix>:{<tag>}:gen"    an integer counter, only ever INCRed or raised
+-- ARGV[1]  owner token (random, unique per attempt)
+-- ARGV[2]  lease TTL in milliseconds
+-- Returns {1, generation} when claimed,
+--         {0, remaining_ms} when a live lease exists (busy; -1 means it has no expiry).
+local remaining = redis.call('PTTL', KEYS[1])
+if remaining ~= -2 then
+  return {0, remaining}
+end
+local generation = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. generation, 'PX', ARGV[2])
+return {1, generation}

@@ -1,0 +1,253 @@
+"""The heartbeat: one daemon thread per worker process renews every lease the process holds.
+
+Each tick sends one pipelined round trip to Redis, whatever the number of leases, carrying the
+renewals and any pending releases. Every :class:`HeldLease` keeps a local monotonic deadline: the
+send time of its last confirmed renewal plus the TTL minus a safety margin. Once that passes
+unconfirmed, the lease is lost, ``check()`` raises, and the owner is told through ``on_lost`` —
+a failing renewal is never silent (python-redis-lock's issue #85 is the counter-example).
+
+The thread starts lazily in the process that holds leases (prefork children included) and is
+re-created after a fork.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from .errors import LeaseLost
+from .lease import LeaseStore
+
+logger = logging.getLogger("celery_fence.renewer")
+
+
+class HeldLease:
+    """One lease held by one attempt: the attempt's view of its own authority."""
+
+    def __init__(
+        self,
+        *,
+        key: str,
+        lease_key: str,
+        token: str,
+        generation: int,
+        ttl: float,
+        interval: float,
+        margin: float,
+        claimed_at: float,
+        on_lost: Callable[[HeldLease, str], None] | None = None,
+        on_renewed: Callable[[HeldLease], None] | None = None,
+    ) -> None:
+        self.key = key
+        self.lease_key = lease_key
+        self.token = token
+        self.generation = generation
+        self.value = f"{token}:{generation}"
+        self.ttl = ttl
+        self.ttl_ms = round(ttl * 1000)
+        self.interval = interval
+        self.margin = margin
+        self.on_lost = on_lost
+        self.on_renewed = on_renewed
+        self._lock = threading.Lock()
+        self.deadline = claimed_at + self._validity()
+        self.lost_reason: str | None = None
+
+    def _validity(self) -> float:
+        return self.ttl * (1.0 - self.margin)
+
+    def confirm(self, sent_at: float) -> None:
+        """A renewal sent at monotonic ``sent_at`` was confirmed by Redis."""
+        with self._lock:
+            if self.lost_reason is None:
+                self.deadline = max(self.deadline, sent_at + self._validity())
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    @property
+    def lost(self) -> bool:
+        return self.lost_reason is not None or time.monotonic() > self.deadline
+
+    def mark_lost(self, reason: str) -> bool:
+        """Record the loss once; return True for the call that recorded it."""
+        with self._lock:
+            if self.lost_reason is not None:
+                return False
+            self.lost_reason = reason
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self, reason)
+            except Exception:  # the loss is recorded; a failing observer must not hide it
+                logger.exception("lease_lost observer failed for key=%s", self.key)
+        return True
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` once the lease is lost or its deadline passed unconfirmed.
+
+        Decides from the local deadline itself: after a process pause the renewal thread and the
+        task resume in either order, and the task must not trust a flag the thread did not set yet.
+        """
+        if self.lost_reason is None and time.monotonic() > self.deadline:
+            self.mark_lost("deadline passed without a confirmed renewal")
+        if self.lost_reason is not None:
+            raise LeaseLost(
+                f"lease lost for key {self.key!r} at generation {self.generation}: "
+                f"{self.lost_reason}",
+                key=self.key,
+                generation=self.generation,
+            )
+
+
+class Renewer:
+    """Renews held leases and flushes releases, one pipelined round trip per tick."""
+
+    def __init__(self, leases: LeaseStore) -> None:
+        self.leases = leases
+        self._pid = -1
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._cond = threading.Condition(threading.Lock())
+        self._held: dict[str, HeldLease] = {}
+        self._releases: list[tuple[str, str]] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.ticks = 0  # round trips sent (for tests and the benchmark)
+
+    def _ensure_process(self) -> None:
+        if self._pid != os.getpid():  # forked: the parent's thread and lock are not ours
+            self._reset()
+
+    def add(self, lease: HeldLease) -> None:
+        self._ensure_process()
+        with self._cond:
+            self._held[lease.value] = lease
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                self._thread = threading.Thread(
+                    target=self._run, name="celery-fence-renewer", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def discard(self, lease: HeldLease, *, release: bool = True) -> None:
+        """Stop renewing ``lease``; queue its compare-and-delete for the thread's next trip."""
+        self._ensure_process()
+        with self._cond:
+            self._held.pop(lease.value, None)
+            if release:
+                self._releases.append((lease.lease_key, lease.value))
+                self._cond.notify()
+
+    def held(self) -> int:
+        return len(self._held)
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Wait until queued releases were sent (tests, worker shutdown)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self._cond:
+                if not self._releases:
+                    return
+                self._cond.notify()
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+    def _interval(self) -> float:
+        return min((lease.interval for lease in self._held.values()), default=1.0)
+
+    def _run(self) -> None:
+        next_renewal = time.monotonic() + self._interval()
+        while True:
+            with self._cond:
+                while not (
+                    self._stopping
+                    or self._releases
+                    or (self._held and time.monotonic() >= next_renewal)
+                ):
+                    if self._held:
+                        self._cond.wait(max(0.0, next_renewal - time.monotonic()))
+                    else:  # idle until a lease is added or a release queued
+                        self._cond.wait()
+                        next_renewal = time.monotonic() + self._interval()
+                releases, self._releases = self._releases, []
+                held: list[HeldLease] = []
+                if self._held and time.monotonic() >= next_renewal:
+                    held = list(self._held.values())
+                    next_renewal = time.monotonic() + self._interval()
+                stopping = self._stopping
+            if held or releases:
+                self._trip(held, releases)
+            if stopping:
+                return
+
+    def _trip(self, held: list[HeldLease], releases: list[tuple[str, str]]) -> None:
+        sent_at = time.monotonic()
+        try:
+            renewed, _ = self.leases.batch(
+                [(lease.lease_key, lease.value, lease.ttl_ms) for lease in held], releases
+            )
+        except Exception as exc:  # Redis down or slow: the deadlines decide, loudly
+            logger.warning(
+                "lease renewal round trip failed (%s: %s); %d lease(s) will be lost at their "
+                "deadline unless a renewal is confirmed",
+                type(exc).__name__,
+                exc,
+                len(held),
+                extra={"action": "renew_failed", "reason": type(exc).__name__},
+            )
+            for lease in held:
+                if time.monotonic() > lease.deadline:
+                    lease.mark_lost(f"renewal failed ({type(exc).__name__}) past the deadline")
+            return
+        finally:
+            self.ticks += 1
+        for lease, ok in zip(held, renewed, strict=True):
+            if ok:
+                lease.confirm(sent_at)
+                if lease.on_renewed is not None:
+                    try:
+                        lease.on_renewed(lease)
+                    except Exception:
+                        logger.exception("lease_renewed observer failed for key=%s", lease.key)
+            else:
+                lease.mark_lost("lease expired or taken over in Redis")
+
+
+_renewers: dict[int, Renewer] = {}
+_renewers_lock = threading.Lock()
+
+
+def renewer_for(leases: LeaseStore) -> Renewer:
+    """The process-wide renewer for one lease store."""
+    with _renewers_lock:
+        renewer = _renewers.get(id(leases))
+        if renewer is None:
+            renewer = _renewers[id(leases)] = Renewer(leases)
+        return renewer
+
+
+def _after_fork_in_child() -> None:
+    global _renewers_lock
+    _renewers_lock = threading.Lock()
+    for renewer in _renewers.values():
+        renewer._reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+__all__ = ["HeldLease", "Renewer", "renewer_for"]

@@ -1,0 +1,84 @@
+"""The tables. ``metadata`` is exported so users' own Alembic environments can include it.
+
+- ``fence_jobs``: one row per logical key; the generation fence and the single result live here.
+- ``fence_transitions``: the history of a key (claimed, completed, stale, retry, dead, ...), no
+  payloads; written in the same statement or transaction as the state change it records.
+- ``fence_outbox``: external effects staged by a completed job, each with a stable idempotency key.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
+
+metadata = sa.MetaData()
+
+#: BIGSERIAL on PostgreSQL, INTEGER PRIMARY KEY (the rowid) on SQLite.
+BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+Json = sa.JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
+Timestamp = sa.DateTime(timezone=True)
+
+KEY_LENGTH = 512
+
+#: Job statuses. ``completed`` and ``dead`` are terminal; ``pending`` is a requeued dead job.
+RUNNING, RETRYING, COMPLETED, DEAD, PENDING = "running", "retrying", "completed", "dead", "pending"
+STATUSES = (RUNNING, RETRYING, COMPLETED, DEAD, PENDING)
+
+jobs = sa.Table(
+    "fence_jobs",
+    metadata,
+    sa.Column("key", sa.String(KEY_LENGTH), primary_key=True),
+    sa.Column("task_name", sa.String(255), nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("generation", sa.BigInteger, nullable=False),
+    sa.Column("attempt_id", sa.String(64), nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("result", Json, nullable=True),
+    sa.Column("request", Json, nullable=True),
+    sa.Column("error_type", sa.String(255), nullable=True),
+    sa.Column("error_message", sa.Text, nullable=True),
+    sa.Column("created_at", Timestamp, nullable=False),
+    sa.Column("updated_at", Timestamp, nullable=False),
+    sa.Column("finished_at", Timestamp, nullable=True),
+    sa.Column("retry_at", Timestamp, nullable=True),
+    sa.Index("ix_fence_jobs_status_finished", "status", "finished_at"),
+    sa.Index("ix_fence_jobs_task_status", "task_name", "status"),
+)
+
+transitions = sa.Table(
+    "fence_transitions",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("key", sa.String(KEY_LENGTH), nullable=False),
+    sa.Column("generation", sa.BigInteger, nullable=True),
+    sa.Column("attempt_id", sa.String(64), nullable=True),
+    sa.Column("action", sa.String(32), nullable=False),
+    sa.Column("reason", sa.String(255), nullable=True),
+    sa.Column("at", Timestamp, nullable=False),
+    sa.Index("ix_fence_transitions_key_id", "key", "id"),
+)
+
+outbox = sa.Table(
+    "fence_outbox",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("key", sa.String(KEY_LENGTH), nullable=False),
+    sa.Column("name", sa.String(255), nullable=False),
+    sa.Column("idempotency_key", sa.String(128), nullable=False, unique=True),
+    sa.Column("payload", Json, nullable=True),
+    sa.Column("status", sa.String(16), nullable=False),  # pending, delivered, dead
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("available_at", Timestamp, nullable=False),
+    sa.Column("claimed_by", sa.String(64), nullable=True),
+    sa.Column("claimed_until", Timestamp, nullable=True),
+    sa.Column("last_error", sa.Text, nullable=True),
+    sa.Column("created_at", Timestamp, nullable=False),
+    sa.Column("delivered_at", Timestamp, nullable=True),
+    sa.Index("ix_fence_outbox_status_available", "status", "available_at"),
+    sa.Index("ix_fence_outbox_key", "key"),
+)
+
+
+def create_schema(engine: sa.Engine) -> None:
+    """Create the tables if they do not exist (``celery fence init-db`` does this via Alembic)."""
+    metadata.create_all(engine)

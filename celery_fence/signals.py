@@ -1,0 +1,96 @@
+"""Transition signals and the structured log line that goes with each.
+
+Every signal is a Celery :class:`~celery.utils.dispatch.Signal` whose sender is the task, sent
+with keyword arguments ``key``, ``attempt_id``, ``generation`` and ``reason`` (plus a few more
+where they fit: ``remaining`` for ``lease_busy``, ``countdown`` and ``attempts`` for retries).
+Nothing here ever carries args, kwargs, results or outbox payloads.
+
+A receiver that raises never breaks the fenced path: :func:`emit` sends with ``send_robust``
+semantics and logs the receiver's failure.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.utils.dispatch import Signal
+
+logger = logging.getLogger("celery_fence")
+renew_logger = logging.getLogger("celery_fence.renewer")
+
+_ARGS = {"key", "attempt_id", "generation", "reason"}
+
+lease_claimed = Signal(name="lease_claimed", providing_args=_ARGS)
+lease_renewed = Signal(name="lease_renewed", providing_args=_ARGS)
+lease_lost = Signal(name="lease_lost", providing_args=_ARGS)
+lease_busy = Signal(name="lease_busy", providing_args=_ARGS | {"remaining"})
+job_completed = Signal(name="job_completed", providing_args=_ARGS)
+job_replayed = Signal(name="job_replayed", providing_args=_ARGS)
+stale_rejected = Signal(name="stale_rejected", providing_args=_ARGS)
+job_retry_scheduled = Signal(name="job_retry_scheduled", providing_args=_ARGS | {"countdown"})
+job_dead = Signal(name="job_dead", providing_args=_ARGS | {"attempts"})
+
+#: signal -> (action name used in logs, events and the transitions table, log level)
+ACTIONS: dict[Signal, tuple[str, int]] = {
+    lease_claimed: ("claimed", logging.INFO),
+    lease_renewed: ("renewed", logging.DEBUG),
+    lease_lost: ("lost", logging.WARNING),
+    lease_busy: ("busy", logging.INFO),
+    job_completed: ("completed", logging.INFO),
+    job_replayed: ("replayed", logging.INFO),
+    stale_rejected: ("stale", logging.WARNING),
+    job_retry_scheduled: ("retry", logging.WARNING),
+    job_dead: ("dead", logging.ERROR),
+}
+
+
+def emit(
+    signal: Signal,
+    sender: Any,
+    *,
+    key: str,
+    attempt_id: str | None,
+    generation: int | None,
+    reason: str | None = None,
+    **extra: Any,
+) -> None:
+    """Log the transition (key, attempt, generation, reason: never payloads) and send the signal."""
+    action, level = ACTIONS[signal]
+    log = renew_logger if signal is lease_renewed else logger
+    if log.isEnabledFor(level):
+        log.log(
+            level,
+            "fence %s key=%s generation=%s attempt=%s%s",
+            action,
+            key,
+            generation,
+            attempt_id,
+            f" reason={reason}" if reason else "",
+            extra={
+                "action": action,
+                "fence_key": key,
+                "attempt_id": attempt_id,
+                "generation": generation,
+                "reason": reason,
+            },
+        )
+    if signal.receivers:  # Celery's send() catches and logs a receiver's exception
+        signal.send(
+            sender, key=key, attempt_id=attempt_id, generation=generation, reason=reason, **extra
+        )
+
+
+__all__ = [
+    "ACTIONS",
+    "emit",
+    "job_completed",
+    "job_dead",
+    "job_replayed",
+    "job_retry_scheduled",
+    "lease_busy",
+    "lease_claimed",
+    "lease_lost",
+    "lease_renewed",
+    "stale_rejected",
+]

@@ -1,0 +1,584 @@
+"""The fenced result store: the only module that runs SQL.
+
+Every write on a fenced path is one conditional statement (or, on SQLite, one short
+``BEGIN IMMEDIATE`` transaction) whose ``WHERE`` names the key, the generation and the attempt:
+"no row returned" is turned into a domain error in one place, :meth:`Store._fenced`, and never
+followed by an unconditional write. On PostgreSQL a transition record and staged outbox rows ride
+in the same statement as data-modifying CTEs, so the hot path is one round trip per write on an
+AUTOCOMMIT engine.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from . import schema
+from .errors import ConfigurationError, JobDead, StaleGeneration, StoreError
+from .schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, jobs, outbox, transitions
+
+logger = logging.getLogger(__name__)
+
+Outcome = Literal["registered", "completed", "dead", "stale"]
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One logical job as the store knows it."""
+
+    key: str
+    task_name: str
+    status: str
+    generation: int
+    attempt_id: str
+    attempts: int
+    result: Any
+    request: Mapping[str, Any] | None
+    error_type: str | None
+    error_message: str | None
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    finished_at: dt.datetime | None
+    retry_at: dt.datetime | None
+
+
+@dataclass(frozen=True)
+class Transition:
+    key: str
+    generation: int | None
+    attempt_id: str | None
+    action: str
+    reason: str | None
+    at: dt.datetime
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What :meth:`Store.register` found: run the body only when ``outcome == "registered"``."""
+
+    outcome: Outcome
+    attempts: int
+    stored_generation: int
+    record: JobRecord | None = None
+
+
+@dataclass(frozen=True)
+class Effect:
+    """An external effect staged by a task body, written with the fenced completion."""
+
+    name: str
+    payload: Any
+    idempotency_key: str
+
+
+def dumps_strict(value: Any, what: str = "value") -> str:
+    """JSON or a clear error; never a lossy conversion (no NaN, no ``default=str``)."""
+    try:
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        from .errors import ResultNotSerializable
+
+        raise ResultNotSerializable(
+            f"the {what} is not JSON ({exc}); return plain dicts, lists, str, int, float, bool "
+            "or None, e.g. convert dates with .isoformat()"
+        ) from None
+
+
+def _record(row: Any) -> JobRecord:
+    m = row._mapping
+    return JobRecord(**{name: m[name] for name in JobRecord.__dataclass_fields__})
+
+
+class Store:
+    """The SQLAlchemy repository. Safe to share between threads; re-creates its pool after fork."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        record_transitions: bool = True,
+        unfenced: bool = False,
+        error_message_length: int = 500,
+        engine_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.url = url
+        self.record_transitions = record_transitions
+        self.unfenced = unfenced
+        self.error_message_length = error_message_length
+        self._engine_options = dict(engine_options or {})
+        self._lock = threading.Lock()
+        self._engine: sa.Engine | None = None
+        self._pid = os.getpid()
+        try:
+            self.dialect = sa.engine.make_url(url).get_backend_name()
+        except Exception as exc:
+            raise ConfigurationError(
+                f"fence_database_url={url!r} is not a valid URL: {exc}"
+            ) from None
+        if self.dialect not in ("postgresql", "sqlite"):
+            raise ConfigurationError(
+                f"fence_database_url uses {self.dialect!r}; celery-fence supports postgresql and "
+                "sqlite."
+            )
+
+    # -- engine -------------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> sa.Engine:
+        if self._engine is not None and self._pid == os.getpid():
+            return self._engine
+        with self._lock:
+            if self._engine is not None and self._pid != os.getpid():
+                self._engine.dispose(close=False)  # the parent's sockets are not ours
+                self._engine = None
+            if self._engine is None:
+                self._engine = self._create_engine()
+                self._pid = os.getpid()
+            return self._engine
+
+    def _create_engine(self) -> sa.Engine:
+        options: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_pre_ping": False}
+        if self.dialect == "sqlite":
+            options["connect_args"] = {"timeout": 30, "check_same_thread": False}
+        else:
+            options.update(pool_size=5, max_overflow=10, pool_recycle=1800)
+            options["connect_args"] = {"connect_timeout": 10}
+        options.update(self._engine_options)
+        engine = sa.create_engine(self.url, **options)
+        if self.dialect == "sqlite":
+
+            @sa.event.listens_for(engine, "connect")
+            def _sqlite_pragmas(dbapi_conn: Any, _: Any) -> None:
+                cur = dbapi_conn.cursor()
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=NORMAL")
+                cur.execute("PRAGMA busy_timeout=30000")
+                cur.close()
+
+        return engine
+
+    def dispose(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+
+    def create_schema(self) -> None:
+        schema.create_schema(self.engine)
+
+    @contextmanager
+    def _tx(self) -> Iterator[sa.Connection]:
+        """A short explicit transaction on the AUTOCOMMIT engine (BEGIN IMMEDIATE on SQLite)."""
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if self.dialect == "sqlite" else "BEGIN")
+            try:
+                yield conn
+            except BaseException:
+                conn.exec_driver_sql("ROLLBACK")
+                raise
+            conn.exec_driver_sql("COMMIT")
+
+    # -- the fenced write helper ---------------------------------------------------------------
+
+    def _transition_row(self, action: str, reason: str | None, at: dt.datetime) -> dict[str, Any]:
+        return {"action": action, "reason": (reason or "")[:255] or None, "at": at}
+
+    def _fenced(
+        self,
+        stmt: Any,
+        *,
+        action: str,
+        reason: str | None,
+        at: dt.datetime,
+        effects: Sequence[Effect] = (),
+    ) -> Any:
+        """Run a conditional write that RETURNS (key, generation, attempt_id, attempts).
+
+        With it, in the same statement or transaction: the transition record and staged outbox rows.
+        Returns the returned row, or None when the condition did not match (the caller decides
+        what that means; it never falls back to an unconditional write).
+        """
+        stmt = stmt.returning(jobs.c.key, jobs.c.generation, jobs.c.attempt_id, jobs.c.attempts)
+        record = self.record_transitions
+        if self.dialect == "postgresql" and (record or effects):
+            upd = stmt.cte("fenced")
+            query = sa.select(upd.c.key, upd.c.generation, upd.c.attempt_id, upd.c.attempts)
+            if record:
+                t = self._transition_row(action, reason, at)
+                ins = transitions.insert().from_select(
+                    ["key", "generation", "attempt_id", "action", "reason", "at"],
+                    sa.select(
+                        upd.c.key,
+                        upd.c.generation,
+                        upd.c.attempt_id,
+                        sa.literal(t["action"], sa.String),
+                        sa.literal(t["reason"], sa.String),
+                        sa.literal(t["at"], schema.Timestamp),
+                    ),
+                )
+                query = query.add_cte(ins.cte("transition"))
+            for i, effect in enumerate(effects):
+                ins = outbox.insert().from_select(
+                    [
+                        "key",
+                        "name",
+                        "idempotency_key",
+                        "payload",
+                        "status",
+                        "attempts",
+                        "available_at",
+                        "created_at",
+                    ],
+                    sa.select(
+                        upd.c.key,
+                        sa.literal(effect.name, sa.String),
+                        sa.literal(effect.idempotency_key, sa.String),
+                        sa.literal(effect.payload, postgresql.JSONB(none_as_null=True)),
+                        sa.literal("pending", sa.String),
+                        sa.literal(0, sa.Integer),
+                        sa.literal(at, schema.Timestamp),
+                        sa.literal(at, schema.Timestamp),
+                    ),
+                )
+                query = query.add_cte(ins.cte(f"effect_{i}"))
+            with self.engine.connect() as conn:
+                return conn.execute(query).first()
+        if not record and not effects:
+            with self.engine.connect() as conn:
+                return conn.execute(stmt).first()
+        with self._tx() as conn:
+            row = conn.execute(stmt).first()
+            if row is None:
+                return None
+            if record:
+                conn.execute(
+                    transitions.insert().values(
+                        key=row.key,
+                        generation=row.generation,
+                        attempt_id=row.attempt_id,
+                        **self._transition_row(action, reason, at),
+                    )
+                )
+            if effects:
+                conn.execute(
+                    outbox.insert(),
+                    [
+                        {
+                            "key": row.key,
+                            "name": e.name,
+                            "idempotency_key": e.idempotency_key,
+                            "payload": e.payload,
+                            "status": "pending",
+                            "attempts": 0,
+                            "available_at": at,
+                            "created_at": at,
+                        }
+                        for e in effects
+                    ],
+                )
+            return row
+
+    def _insert(self) -> Any:
+        return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(jobs)
+
+    # -- the fenced path ------------------------------------------------------------------------
+
+    def register(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        task_name: str,
+        request: Mapping[str, Any] | None = None,
+    ) -> Registration:
+        """Register generation ``generation`` as the owner of ``key`` before the body runs.
+
+        One statement: the row takes (generation, attempt, running) and counts one attempt only
+        if ``generation`` is strictly greater than the stored one and the job is neither completed
+        nor dead. Otherwise nothing changes and the stored state says why.
+        """
+        now = utcnow()
+        ins = self._insert().values(
+            key=key,
+            task_name=task_name,
+            status=RUNNING,
+            generation=generation,
+            attempt_id=attempt_id,
+            attempts=1,
+            request=request,
+            created_at=now,
+            updated_at=now,
+        )
+        fence = jobs.c.status.not_in((COMPLETED, DEAD))
+        if not self.unfenced:
+            fence = fence & (jobs.c.generation < ins.excluded.generation)
+        stmt = ins.on_conflict_do_update(
+            index_elements=[jobs.c.key],
+            set_={
+                "generation": ins.excluded.generation,
+                "attempt_id": ins.excluded.attempt_id,
+                "status": RUNNING,
+                "attempts": jobs.c.attempts + 1,
+                "updated_at": ins.excluded.updated_at,
+                "retry_at": None,
+            },
+            where=fence,
+        )
+        row = self._fenced(stmt, action="claimed", reason=None, at=now)
+        if row is not None:
+            return Registration("registered", row.attempts, row.generation)
+        record = self.get(key)
+        if record is None:  # deleted between the two statements (purge): let the caller retry
+            raise StoreError(f"job {key!r} vanished during registration; retry")
+        if record.status == COMPLETED:
+            return Registration("completed", record.attempts, record.generation, record)
+        if record.status == DEAD:
+            return Registration("dead", record.attempts, record.generation, record)
+        return Registration("stale", record.attempts, record.generation, record)
+
+    def _owned(self, key: str, generation: int, attempt_id: str) -> Any:
+        where = jobs.c.key == key
+        if not self.unfenced:
+            where = (
+                where
+                & (jobs.c.generation == generation)
+                & (jobs.c.attempt_id == attempt_id)
+                & (jobs.c.status == RUNNING)
+            )
+        return where
+
+    def _rejected(self, key: str, generation: int, attempt_id: str, what: str) -> StaleGeneration:
+        record = self.get(key)
+        if record is None:
+            detail = "no job row"
+        else:
+            detail = (
+                f"stored generation {record.generation} (attempt {record.attempt_id}), "
+                f"status {record.status}"
+            )
+        return StaleGeneration(
+            f"{what} for {key!r} from generation {generation} (attempt {attempt_id}) rejected: "
+            f"{detail}",
+            key=key,
+            generation=generation,
+            attempt_id=attempt_id,
+            stored_generation=None if record is None else record.generation,
+            stored_status=None if record is None else record.status,
+        )
+
+    def complete(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        result: Any,
+        effects: Sequence[Effect] = (),
+    ) -> None:
+        """Store the result and ``completed`` where this attempt still owns the row.
+
+        Staged effects are written in the same statement/transaction. Raises
+        :class:`StaleGeneration` when the row is not this attempt's (nothing is stored).
+        """
+        dumps_strict(result, "task's return value")
+        now = utcnow()
+        stmt = (
+            jobs.update()
+            .where(self._owned(key, generation, attempt_id))
+            .values(
+                status=COMPLETED,
+                result=result,
+                updated_at=now,
+                finished_at=now,
+                error_type=None,
+                error_message=None,
+            )
+        )
+        if self.unfenced:  # demonstration mode: a plain last-writer-wins write
+            stmt = stmt.values(generation=generation, attempt_id=attempt_id)
+        if self._fenced(stmt, action="completed", reason=None, at=now, effects=effects) is None:
+            raise self._rejected(key, generation, attempt_id, "completion")
+
+    def _error_fields(self, error: BaseException | None) -> dict[str, Any]:
+        if error is None:
+            return {}
+        message = str(error)
+        if len(message) > self.error_message_length:
+            message = message[: self.error_message_length - 1] + "…"
+        return {
+            "error_type": f"{type(error).__module__}.{type(error).__qualname__}",
+            "error_message": message,
+        }
+
+    def schedule_retry(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        error: BaseException | None,
+        retry_at: dt.datetime,
+        reason: str,
+    ) -> None:
+        """Record that this attempt failed and a retry is scheduled (fenced)."""
+        now = utcnow()
+        stmt = (
+            jobs.update()
+            .where(self._owned(key, generation, attempt_id))
+            .values(status=RETRYING, updated_at=now, retry_at=retry_at, **self._error_fields(error))
+        )
+        if self._fenced(stmt, action="retry_scheduled", reason=reason, at=now) is None:
+            raise self._rejected(key, generation, attempt_id, "retry")
+
+    def mark_dead(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        error: BaseException | None,
+        reason: str,
+    ) -> None:
+        """Move the job to the terminal ``dead`` state (fenced on this attempt)."""
+        now = utcnow()
+        stmt = (
+            jobs.update()
+            .where(self._owned(key, generation, attempt_id))
+            .values(
+                status=DEAD,
+                updated_at=now,
+                finished_at=now,
+                retry_at=None,
+                **self._error_fields(error),
+            )
+        )
+        if self._fenced(stmt, action="dead", reason=reason, at=now) is None:
+            raise self._rejected(key, generation, attempt_id, "dead-letter")
+
+    def record(
+        self,
+        key: str,
+        *,
+        action: str,
+        generation: int | None = None,
+        attempt_id: str | None = None,
+        reason: str | None = None,
+    ) -> None:
+        """Record a transition that is not itself a SQL state change (lease lost, stale, busy)."""
+        if not self.record_transitions:
+            return
+        with self.engine.connect() as conn:
+            conn.execute(
+                transitions.insert().values(
+                    key=key,
+                    generation=generation,
+                    attempt_id=attempt_id,
+                    **self._transition_row(action, reason, utcnow()),
+                )
+            )
+
+    # -- operator verbs ---------------------------------------------------------------------------
+
+    def get(self, key: str) -> JobRecord | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(jobs).where(jobs.c.key == key)).first()
+        return None if row is None else _record(row)
+
+    def history(self, key: str) -> list[Transition]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(transitions).where(transitions.c.key == key).order_by(transitions.c.id)
+            ).all()
+        return [
+            Transition(r.key, r.generation, r.attempt_id, r.action, r.reason, r.at) for r in rows
+        ]
+
+    def list(
+        self, *, status: str | None = None, task_name: str | None = None, limit: int = 50
+    ) -> list[JobRecord]:
+        query = sa.select(jobs).order_by(jobs.c.updated_at.desc()).limit(limit)
+        if status is not None:
+            query = query.where(jobs.c.status == status)
+        if task_name is not None:
+            query = query.where(jobs.c.task_name == task_name)
+        with self.engine.connect() as conn:
+            return [_record(r) for r in conn.execute(query).all()]
+
+    def requeue(self, key: str) -> JobRecord:
+        """Move a dead job to ``pending`` with a fresh attempt budget; refuse any other status."""
+        now = utcnow()
+        stmt = (
+            jobs.update()
+            .where((jobs.c.key == key) & (jobs.c.status == DEAD))
+            .values(status=PENDING, attempts=0, updated_at=now, finished_at=None)
+        )
+        if self._fenced(stmt, action="requeued", reason="operator", at=now) is None:
+            record = self.get(key)
+            if record is None:
+                raise StoreError(f"no job with key {key!r}")
+            raise JobDead(f"job {key!r} is {record.status}, not dead: only dead jobs are requeued")
+        record = self.get(key)
+        assert record is not None
+        return record
+
+    def purge(self, *, finished_before: dt.datetime) -> int:
+        """Delete completed and dead jobs (and their history) finished before the date."""
+        done = (jobs.c.status.in_((COMPLETED, DEAD))) & (jobs.c.finished_at < finished_before)
+        with self._tx() as conn:
+            keys = sa.select(jobs.c.key).where(done)
+            conn.execute(transitions.delete().where(transitions.c.key.in_(keys)))
+            return int(conn.execute(jobs.delete().where(done)).rowcount or 0)
+
+
+_stores: dict[tuple[Any, ...], Store] = {}
+_stores_lock = threading.Lock()
+
+
+def store_for(config: Any) -> Store:
+    """The process-wide store for a :class:`~celery_fence.config.FenceConfig`."""
+    ident = (
+        config.database_url,
+        config.record_transitions,
+        config.unfenced,
+        config.error_message_length,
+    )
+    with _stores_lock:
+        store = _stores.get(ident)
+        if store is None:
+            store = _stores[ident] = Store(
+                config.database_url,
+                record_transitions=config.record_transitions,
+                unfenced=config.unfenced,
+                error_message_length=config.error_message_length,
+            )
+        return store
+
+
+__all__ = [
+    "COMPLETED",
+    "DEAD",
+    "PENDING",
+    "RETRYING",
+    "RUNNING",
+    "Effect",
+    "JobRecord",
+    "Registration",
+    "Store",
+    "Transition",
+    "dumps_strict",
+    "store_for",
+]

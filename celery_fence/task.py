@@ -1,0 +1,563 @@
+"""FencedTask: the orchestration of one fenced execution, and nothing else.
+
+claim (Redis, one round trip) -> register (SQL, one statement) -> body -> complete (SQL, one
+statement) -> release (batched off the critical path by the renewer) -> Celery acks (late).
+Every failure path ends in a fenced state change before the message is acked: completed, retry
+scheduled (the retry message published first), dead — or, when a newer generation owns the key,
+nothing, because the newer attempt is responsible for it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from celery import Task
+from celery.app.task import _task_stack
+from celery.exceptions import Ignore, Reject, Retry
+
+from . import signals
+from .config import FenceConfig
+from .errors import (
+    ConfigurationError,
+    FenceError,
+    JobDead,
+    LeaseBusy,
+    LeaseLost,
+    ResultNotSerializable,
+    StaleGeneration,
+)
+from .events import send_transition_event
+from .fence import Fence
+from .lease import LeaseStore, make_redis_client
+from .renewer import HeldLease, Renewer, renewer_for
+from .retry import DEFAULT_TRANSIENT, RetryPolicy, backoff
+from .schema import KEY_LENGTH
+from .store import Registration, Store, store_for
+
+logger = logging.getLogger("celery_fence")
+
+#: How many times a claim is retried after the store showed Redis had lost its counter.
+CLAIM_ROUNDS = 3
+
+_lease_stores: dict[tuple[Any, ...], LeaseStore] = {}
+
+
+def lease_store_for(config: FenceConfig) -> LeaseStore:
+    ident = (config.redis_url, config.redis_client, config.key_prefix)
+    store = _lease_stores.get(ident)
+    if store is None:
+        store = _lease_stores[ident] = LeaseStore(
+            make_redis_client(config), prefix=config.key_prefix
+        )
+    return store
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+    return value
+
+
+class FencedTask(Task):
+    """Base class for fenced tasks: ``@app.task(base=FencedTask, bind=True, fence_key=...)``.
+
+    Task options: ``fence_key`` (callable given the task's args and kwargs, returning the stable
+    logical key; default: the Celery task id), ``lease_ttl``, ``renew_interval``,
+    ``max_attempts`` and any ``fence_<setting>`` to override a setting for this task.
+    """
+
+    abstract = True
+    acks_late = True
+    reject_on_worker_lost = True
+    max_retries = None  # the store counts attempts (fence_max_attempts); busy reschedules are free
+    fence_key: Callable[..., str] | None = None
+    lease_ttl: float | None = None
+    renew_interval: float | None = None
+    max_attempts: int | None = None
+
+    _fence_cache: tuple[FenceConfig, Store, LeaseStore, RetryPolicy] | None = None
+
+    # -- configuration ---------------------------------------------------------------------------
+
+    def fence_config(self) -> FenceConfig:
+        return self._fence_backends()[0]
+
+    def _fence_backends(self) -> tuple[FenceConfig, Store, LeaseStore, RetryPolicy]:
+        cache = self.__dict__.get("_fence_cache")
+        if cache is None:
+            config = FenceConfig.from_app(self.app)
+            overrides: dict[str, Any] = {}
+            for name in ("lease_ttl", "renew_interval", "max_attempts"):
+                value = getattr(self, name, None)
+                if value is not None:
+                    overrides[name] = value
+            for name in dir(type(self)):
+                if name.startswith("fence_") and name not in ("fence_key", "fence_config"):
+                    short = name[len("fence_") :]
+                    if short in config.__dataclass_fields__:
+                        overrides[short] = getattr(self, name)
+            if overrides:
+                try:
+                    config = FenceConfig.from_mapping({}, **{**_as_settings(config), **overrides})
+                except ConfigurationError as exc:
+                    raise ConfigurationError(f"task {self.name}: {exc}") from None
+            cache = (config, store_for(config), lease_store_for(config), RetryPolicy(config))
+            self.__dict__["_fence_cache"] = cache
+        return cache
+
+    def _raw_fence_key(self) -> Callable[..., Any] | None:
+        for klass in type(self).__mro__:
+            if "fence_key" in klass.__dict__:
+                raw = klass.__dict__["fence_key"]
+                return raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+        return None
+
+    def _logical_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        fn = self._raw_fence_key()
+        if fn is None:
+            key = self.request.id
+            if not key:
+                raise FenceError(
+                    f"task {self.name} was called directly without a fence_key: call it with "
+                    ".delay()/.apply_async(), or give the task a fence_key=lambda ...: '...'"
+                )
+            return str(key)
+        try:
+            key = fn(*args, **kwargs)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"fence_key of task {self.name} raised {type(exc).__name__}: {exc}; it is called "
+                "with the task's own args and kwargs and must return a str"
+            ) from exc
+        if not isinstance(key, str) or not key or len(key) > KEY_LENGTH:
+            raise ConfigurationError(
+                f"fence_key of task {self.name} returned a {type(key).__name__} "
+                f"({len(key) if isinstance(key, str) else '-'} chars); it must return a non-empty "
+                f"str of at most {KEY_LENGTH} characters, e.g. f'report:{{report_id}}'"
+            )
+        return key
+
+    # -- the current attempt ---------------------------------------------------------------------
+
+    @property
+    def fence(self) -> Fence:
+        fence = getattr(self.request, "fence", None)
+        if fence is None:
+            raise FenceError(f"self.fence is only available while fenced task {self.name} runs")
+        return fence
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.request.called_directly:  # a plain function call: set up what the tracer does
+            _task_stack.push(self)
+            self.push_request(args=args, kwargs=kwargs)
+            try:
+                return self._run_fenced(args, kwargs)
+            finally:
+                self.pop_request()
+                _task_stack.pop()
+        return self._run_fenced(args, kwargs)
+
+    # -- orchestration ---------------------------------------------------------------------------
+
+    def _emit(
+        self,
+        signal: Any,
+        fence_key: str,
+        attempt_id: str | None,
+        generation: int | None,
+        reason: str | None = None,
+        **extra: Any,
+    ) -> None:
+        signals.emit(
+            signal,
+            self,
+            key=fence_key,
+            attempt_id=attempt_id,
+            generation=generation,
+            reason=reason,
+            **extra,
+        )
+        config = self._fence_backends()[0]
+        if config.send_events:
+            send_transition_event(
+                self,
+                signals.ACTIONS[signal][0],
+                fence_key=fence_key,
+                attempt_id=attempt_id,
+                generation=generation,
+                reason=reason,
+            )
+
+    def _request_info(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        delivery = self.request.delivery_info or {}
+        return _jsonable(
+            {
+                "task": self.name,
+                "args": list(args),
+                "kwargs": kwargs,
+                "options": {
+                    "queue": delivery.get("routing_key") or None,
+                    "exchange": delivery.get("exchange") or None,
+                    "priority": delivery.get("priority"),
+                },
+            }
+        )
+
+    def _run_fenced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        config, store, leases, policy = self._fence_backends()
+        key = self._logical_key(args, kwargs)
+        attempt_id = uuid.uuid4().hex
+        renewer = renewer_for(leases)
+        policy.budget.record_call(self.name)
+
+        lease, registration = self._claim_and_register(
+            key, attempt_id, config, store, leases, renewer, args, kwargs
+        )
+        try:
+            return self._execute(
+                key, attempt_id, lease, registration, config, store, policy, args, kwargs
+            )
+        finally:
+            renewer.discard(lease)  # compare-and-delete, batched by the renewer thread
+
+    def _claim_and_register(
+        self,
+        key: str,
+        attempt_id: str,
+        config: FenceConfig,
+        store: Store,
+        leases: LeaseStore,
+        renewer: Renewer,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[HeldLease, Registration]:
+        request_info: dict[str, Any] | None = None
+        for _ in range(CLAIM_ROUNDS):
+            claimed_at = time.monotonic()
+            try:
+                generation = leases.claim(key, attempt_id, config.lease_ttl_ms)
+            except LeaseBusy as busy:
+                self._emit(
+                    signals.lease_busy,
+                    key,
+                    attempt_id,
+                    None,
+                    reason=f"held for {busy.remaining:.3f}s more",
+                    remaining=busy.remaining,
+                )
+                jitter = random.uniform(0, max(0.05, config.renew_interval / 4))
+                self._reschedule(busy, countdown=busy.remaining + jitter)
+            except DEFAULT_TRANSIENT as exc:  # Redis unreachable: retry the message, never drop it
+                self._reschedule(
+                    exc,
+                    countdown=backoff(1 + self.request.retries, config),
+                    reason=f"lease store unavailable ({type(exc).__name__})",
+                )
+            lease = HeldLease(
+                key=key,
+                lease_key=leases.keys_for(key).lease,
+                token=attempt_id,
+                generation=generation,
+                ttl=config.lease_ttl,
+                interval=config.renew_interval,
+                margin=config.lease_margin,
+                claimed_at=claimed_at,
+                on_lost=self._on_lease_lost,
+                on_renewed=self._on_lease_renewed,
+            )
+            renewer.add(lease)
+            self._emit(signals.lease_claimed, key, attempt_id, generation)
+            if request_info is None:
+                request_info = self._request_info(args, kwargs) or {}
+            try:
+                registration = store.register(
+                    key,
+                    generation=generation,
+                    attempt_id=attempt_id,
+                    task_name=self.name,
+                    request=request_info or None,
+                )
+            except Exception as exc:
+                renewer.discard(lease)
+                if isinstance(exc, DEFAULT_TRANSIENT):
+                    self._reschedule(
+                        exc,
+                        countdown=backoff(1 + self.request.retries, config),
+                        reason=f"store unavailable ({type(exc).__name__})",
+                    )
+                raise
+            if registration.outcome != "stale":
+                return lease, registration
+            # Redis handed out a generation the store already saw (its counter was lost):
+            # raise the counter above the store's and claim again. The store stays the authority.
+            renewer.discard(lease)
+            logger.warning(
+                "fence generation regressed key=%s generation=%s stored=%s; raising the counter",
+                key,
+                generation,
+                registration.stored_generation,
+                extra={
+                    "action": "regressed",
+                    "fence_key": key,
+                    "attempt_id": attempt_id,
+                    "generation": generation,
+                    "reason": "redis counter behind the store",
+                },
+            )
+            leases.raise_generation(key, registration.stored_generation)
+        raise FenceError(f"could not claim a generation above the store's for {key!r}")
+
+    def _reschedule(self, exc: BaseException, *, countdown: float, reason: str = "") -> None:
+        """Re-send this message (same task id) after ``countdown`` seconds; never drop it."""
+        if self.request.called_directly:
+            raise exc
+        if reason:
+            logger.warning(
+                "fence reschedule task=%s id=%s in %.2fs: %s",
+                self.name,
+                self.request.id,
+                countdown,
+                reason,
+                extra={"action": "reschedule", "reason": reason},
+            )
+        raise self.retry(exc=exc, countdown=max(0.0, countdown), max_retries=None)
+
+    def _on_lease_lost(self, lease: HeldLease, reason: str) -> None:
+        self._emit(signals.lease_lost, lease.key, lease.token, lease.generation, reason=reason)
+
+    def _on_lease_renewed(self, lease: HeldLease) -> None:
+        self._emit(signals.lease_renewed, lease.key, lease.token, lease.generation)
+
+    def _execute(
+        self,
+        key: str,
+        attempt_id: str,
+        lease: HeldLease,
+        registration: Registration,
+        config: FenceConfig,
+        store: Store,
+        policy: RetryPolicy,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        generation = lease.generation
+        if registration.outcome == "completed":
+            assert registration.record is not None
+            self._emit(
+                signals.job_replayed, key, attempt_id, generation, reason="already completed"
+            )
+            return registration.record.result
+        if registration.outcome == "dead":
+            record = registration.record
+            raise JobDead(
+                f"job {key!r} is dead ({record.error_type if record else 'unknown error'}); "
+                f"requeue it with: celery -A <app> fence requeue {key}"
+            )
+        if registration.attempts > config.max_attempts:
+            # The message kept coming back without finishing (a crash, a lost worker): stop.
+            error = JobDead(
+                f"{registration.attempts - 1} attempts ended without a result "
+                f"(worker lost?); max_attempts={config.max_attempts}"
+            )
+            return self._dead(
+                key,
+                attempt_id,
+                generation,
+                store,
+                error,
+                reason="attempts exhausted",
+                attempts=registration.attempts,
+            )
+
+        fence = Fence(
+            key=key,
+            attempt_id=attempt_id,
+            generation=generation,
+            attempts=registration.attempts,
+            lease=lease,
+        )
+        self.request.fence = fence
+        try:
+            result = self.run(*args, **kwargs)
+        except (Retry, Ignore, Reject):
+            raise  # the body's own Celery control flow
+        except LeaseLost as exc:
+            return self._after_lost(fence, store, config, exc)
+        except Exception as exc:
+            return self._after_error(fence, store, policy, exc)
+        finally:
+            self.request.fence = None
+        return self._complete(fence, store, config, result)
+
+    def _complete(self, fence: Fence, store: Store, config: FenceConfig, result: Any) -> Any:
+        key, attempt_id, generation = fence.key, fence.attempt_id, fence.generation
+        try:
+            store.complete(
+                key,
+                generation=generation,
+                attempt_id=attempt_id,
+                result=result,
+                effects=fence.outbox.staged,
+            )
+        except StaleGeneration as exc:
+            return self._after_stale(fence, store, exc)
+        except ResultNotSerializable as exc:
+            return self._dead(
+                key,
+                attempt_id,
+                generation,
+                store,
+                exc,
+                reason="result is not JSON",
+                attempts=fence.attempts,
+            )
+        except DEFAULT_TRANSIENT as exc:
+            # Not acked as a success: the message is re-sent and the next attempt converges
+            # (on the stored result if this commit did land before the connection broke).
+            self._reschedule(
+                exc,
+                countdown=backoff(fence.attempts, config),
+                reason=f"store unavailable at completion ({type(exc).__name__})",
+            )
+        self._emit(signals.job_completed, key, attempt_id, generation)
+        if fence.outbox.staged:
+            self._after_commit_effects(fence)
+        return result
+
+    def _after_commit_effects(self, fence: Fence) -> None:
+        """Hook: the outbox sender is triggered here once effects are committed."""
+
+    def _after_stale(self, fence: Fence, store: Store, exc: StaleGeneration) -> Any:
+        """This attempt lost to a newer generation: record it, then converge or step aside."""
+        key, attempt_id, generation = fence.key, fence.attempt_id, fence.generation
+        self._emit(
+            signals.stale_rejected,
+            key,
+            attempt_id,
+            generation,
+            reason=f"stored generation {exc.context.get('stored_generation')}",
+        )
+        try:
+            store.record(
+                key,
+                action="stale",
+                generation=generation,
+                attempt_id=attempt_id,
+                reason=f"stored generation {exc.context.get('stored_generation')}",
+            )
+        except Exception:
+            logger.exception("could not record the stale rejection for key=%s", key)
+        record = store.get(key)
+        if record is not None and record.status == "completed":
+            return record.result  # every caller of this task id converges on the one result
+        raise Ignore()  # the newer generation owns the job and its own message
+
+    def _after_lost(self, fence: Fence, store: Store, config: FenceConfig, exc: LeaseLost) -> Any:
+        """The body stopped on a lost lease. Unless a newer attempt owns the job, re-send it."""
+        countdown = backoff(fence.attempts, config)
+        try:
+            store.schedule_retry(
+                fence.key,
+                generation=fence.generation,
+                attempt_id=fence.attempt_id,
+                error=exc,
+                retry_at=_at(countdown),
+                reason="lease lost",
+            )
+        except StaleGeneration as stale:
+            return self._after_stale(fence, store, stale)
+        self._emit(
+            signals.job_retry_scheduled,
+            fence.key,
+            fence.attempt_id,
+            fence.generation,
+            reason="lease lost",
+            countdown=countdown,
+            attempts=fence.attempts,
+        )
+        self._reschedule(exc, countdown=countdown)
+
+    def _after_error(self, fence: Fence, store: Store, policy: RetryPolicy, exc: Exception) -> Any:
+        key, attempt_id, generation = fence.key, fence.attempt_id, fence.generation
+        decision = policy.decide(exc, attempts=fence.attempts, task_name=self.name)
+        if decision.action == "dead":
+            self._dead(
+                key,
+                attempt_id,
+                generation,
+                store,
+                exc,
+                reason=decision.reason,
+                attempts=fence.attempts,
+            )
+        try:
+            store.schedule_retry(
+                key,
+                generation=generation,
+                attempt_id=attempt_id,
+                error=exc,
+                retry_at=_at(decision.countdown),
+                reason=decision.reason,
+            )
+        except StaleGeneration as stale:
+            return self._after_stale(fence, store, stale)
+        except DEFAULT_TRANSIENT:
+            logger.warning(
+                "could not record the retry of key=%s generation=%s; re-sending anyway",
+                key,
+                generation,
+                extra={"action": "retry", "fence_key": key, "generation": generation},
+            )
+        else:
+            self._emit(
+                signals.job_retry_scheduled,
+                key,
+                attempt_id,
+                generation,
+                reason=decision.reason,
+                countdown=decision.countdown,
+                attempts=fence.attempts,
+            )
+        self._reschedule(exc, countdown=decision.countdown)
+
+    def _dead(
+        self,
+        key: str,
+        attempt_id: str,
+        generation: int,
+        store: Store,
+        error: BaseException,
+        *,
+        reason: str,
+        attempts: int,
+    ) -> Any:
+        try:
+            store.mark_dead(
+                key, generation=generation, attempt_id=attempt_id, error=error, reason=reason
+            )
+        except StaleGeneration as stale:
+            raise Ignore() from stale
+        self._emit(signals.job_dead, key, attempt_id, generation, reason=reason, attempts=attempts)
+        raise error  # Celery records FAILURE and, with acks_late, acks after this durable write
+
+
+def _at(countdown: float) -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=countdown)
+
+
+def _as_settings(config: FenceConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in config.__dataclass_fields__}
+
+
+def get_store(app: Any) -> Store:
+    """The store an app's fenced tasks write to: ``get_store(app).get(key)``."""
+    return store_for(FenceConfig.from_app(app))
