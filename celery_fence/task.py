@@ -333,6 +333,21 @@ class FencedTask(Task):
 
     def _on_lease_lost(self, lease: HeldLease, reason: str) -> None:
         self._emit(signals.lease_lost, lease.key, lease.token, lease.generation, reason=reason)
+        try:
+            self._fence_backends()[1].record(
+                lease.key,
+                action="lost",
+                generation=lease.generation,
+                attempt_id=lease.token,
+                reason=reason,
+            )
+        except Exception as exc:  # the loss is already in force locally; the record is history
+            logger.warning(
+                "could not record lease loss key=%s generation=%s: %s",
+                lease.key,
+                lease.generation,
+                type(exc).__name__,
+            )
 
     def _on_lease_renewed(self, lease: HeldLease) -> None:
         self._emit(signals.lease_renewed, lease.key, lease.token, lease.generation)
@@ -409,7 +424,7 @@ class FencedTask(Task):
                 effects=fence.outbox.staged,
             )
         except StaleGeneration as exc:
-            return self._after_stale(fence, store, exc)
+            return self._after_stale(key, attempt_id, generation, store, exc)
         except ResultNotSerializable as exc:
             return self._dead(
                 key,
@@ -436,9 +451,10 @@ class FencedTask(Task):
     def _after_commit_effects(self, fence: Fence) -> None:
         """Hook: the outbox sender is triggered here once effects are committed."""
 
-    def _after_stale(self, fence: Fence, store: Store, exc: StaleGeneration) -> Any:
-        """This attempt lost to a newer generation: record it, then converge or step aside."""
-        key, attempt_id, generation = fence.key, fence.attempt_id, fence.generation
+    def _after_stale(
+        self, key: str, attempt_id: str, generation: int, store: Store, exc: StaleGeneration
+    ) -> Any:
+        """This attempt lost to a newer generation: record it, then converge on its result."""
         self._emit(
             signals.stale_rejected,
             key,
@@ -459,7 +475,10 @@ class FencedTask(Task):
         record = store.get(key)
         if record is not None and record.status == "completed":
             return record.result  # every caller of this task id converges on the one result
-        raise Ignore()  # the newer generation owns the job and its own message
+        # The newer generation is still working: come back later and converge on its result
+        # (or take over, if it dies). Never drop the message.
+        config = self._fence_backends()[0]
+        self._reschedule(exc, countdown=config.lease_ttl + random.uniform(0, config.renew_interval))
 
     def _after_lost(self, fence: Fence, store: Store, config: FenceConfig, exc: LeaseLost) -> Any:
         """The body stopped on a lost lease. Unless a newer attempt owns the job, re-send it."""
@@ -474,7 +493,7 @@ class FencedTask(Task):
                 reason="lease lost",
             )
         except StaleGeneration as stale:
-            return self._after_stale(fence, store, stale)
+            return self._after_stale(fence.key, fence.attempt_id, fence.generation, store, stale)
         self._emit(
             signals.job_retry_scheduled,
             fence.key,
@@ -509,7 +528,7 @@ class FencedTask(Task):
                 reason=decision.reason,
             )
         except StaleGeneration as stale:
-            return self._after_stale(fence, store, stale)
+            return self._after_stale(fence.key, fence.attempt_id, fence.generation, store, stale)
         except DEFAULT_TRANSIENT:
             logger.warning(
                 "could not record the retry of key=%s generation=%s; re-sending anyway",
@@ -545,7 +564,7 @@ class FencedTask(Task):
                 key, generation=generation, attempt_id=attempt_id, error=error, reason=reason
             )
         except StaleGeneration as stale:
-            raise Ignore() from stale
+            return self._after_stale(key, attempt_id, generation, store, stale)
         self._emit(signals.job_dead, key, attempt_id, generation, reason=reason, attempts=attempts)
         raise error  # Celery records FAILURE and, with acks_late, acks after this durable write
 

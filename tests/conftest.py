@@ -1,0 +1,131 @@
+"""Fixtures: real Redis, a fresh PostgreSQL database per session, SQLite files, real workers.
+
+Isolation: every test gets its own key prefix, queue and SQLite file; PostgreSQL tests share one
+database created for this session (and dropped after it), with keys unique per test.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from celery_fence.lease import LeaseStore
+from celery_fence.store import Store
+from tests.support.env import BROKER_URL, PG_ADMIN_URL, REDIS_URL
+from tests.support.worker import Worker
+
+
+@pytest.fixture(scope="session")
+def redis_client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL)
+    client.ping()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def prefix(redis_client: redis.Redis) -> Iterator[str]:
+    """A key prefix of this test's own; its keys are deleted afterwards."""
+    p = f"t{uuid.uuid4().hex[:10]}"
+    yield p
+    for k in redis_client.scan_iter(f"{p}:*", count=1000):
+        redis_client.delete(k)
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A PostgreSQL database created for this session and dropped after it."""
+    name = f"celery_fence_test_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = sa.engine.make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    Store(url).create_schema()
+    yield url
+    from celery_fence.store import _stores
+
+    for store in list(_stores.values()):
+        store.dispose()
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.dispose()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'fence.sqlite3'}"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'fence.sqlite3'}"
+        Store(url).create_schema()
+        return url
+    return str(request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    s = Store(db_url)
+    s.create_schema()
+    yield s
+    s.dispose()
+
+
+@pytest.fixture
+def leases(redis_client: redis.Redis, prefix: str) -> LeaseStore:
+    return LeaseStore(redis_client, prefix=prefix)
+
+
+@pytest.fixture
+def worker_env(prefix: str, db_url: str) -> dict[str, str]:
+    """Environment for tests/support/app.py workers of this test."""
+    return {
+        "FENCE_T_PREFIX": prefix,
+        "FENCE_T_QUEUE": f"{prefix}-q",
+        "FENCE_T_BROKER": BROKER_URL,
+        "FENCE_T_REDIS": REDIS_URL,
+        "FENCE_T_DB": db_url,
+    }
+
+
+@pytest.fixture
+def spawn_worker(tmp_path: Path, worker_env: dict[str, str]) -> Iterator[Any]:
+    """``spawn_worker(name, **env_overrides)`` -> a started :class:`Worker`; all stopped after."""
+    started: list[Worker] = []
+
+    def spawn(name: str = "w1", *, concurrency: int = 1, pool: str = "prefork",
+              loglevel: str = "INFO", **env: str) -> Worker:
+        w = Worker(
+            "tests.support.app", env={**worker_env, **env}, queue=worker_env["FENCE_T_QUEUE"],
+            name=f"{name}-{uuid.uuid4().hex[:6]}", log_dir=tmp_path, concurrency=concurrency,
+            pool=pool, loglevel=loglevel,
+        )
+        started.append(w)
+        return w.start()
+
+    yield spawn
+    for w in started:
+        w.stop()
+
+
+@pytest.fixture
+def client_app(worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The same app module as the workers, imported in the test process (to send and read)."""
+    import importlib
+    import sys
+
+    for k, v in worker_env.items():
+        monkeypatch.setenv(k, v)
+    sys.modules.pop("tests.support.app", None)
+    module = importlib.import_module("tests.support.app")
+    yield module
+    module.app.close()
+    sys.modules.pop("tests.support.app", None)

@@ -1,0 +1,1 @@
+"""Shared test support: service URLs, per-test isolation, real worker processes."""

@@ -1,0 +1,84 @@
+"""The Celery app that acceptance-test workers run (configured from FENCE_T_* variables).
+
+The workload writes a ledger of what really happened to Redis, so tests assert on effects:
+``<prefix>:runs:<key>``     one entry per body start ("<generation>:<attempt id>")
+``<prefix>:effects:<key>``  one entry per side effect performed
+One-shot fault flags (``<prefix>:kill:<window>:<key>``) are consumed with GETDEL before the kill,
+so a fault happens once even though the process dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_fence import FencedTask, PermanentError
+from celery_fence import signals as fence_signals
+
+E = os.environ
+PREFIX = E.get("FENCE_T_PREFIX", "t")
+app = Celery("fence_tests", broker=E.get("FENCE_T_BROKER"), backend=E.get("FENCE_T_BROKER"))
+app.conf.update(
+    task_default_queue=E.get("FENCE_T_QUEUE", "celery"),
+    worker_prefetch_multiplier=1,
+    result_expires=600,
+    broker_connection_retry_on_startup=True,
+    fence_redis_url=E.get("FENCE_T_REDIS"),
+    fence_database_url=E.get("FENCE_T_DB"),
+    fence_key_prefix=PREFIX,
+    fence_lease_ttl=float(E.get("FENCE_T_TTL", "2.0")),
+    fence_renew_interval=float(E.get("FENCE_T_RENEW", "0.5")),
+    fence_max_attempts=int(E.get("FENCE_T_MAX_ATTEMPTS", "5")),
+    fence_retry_backoff=float(E.get("FENCE_T_BACKOFF", "0.2")),
+    fence_retry_backoff_max=float(E.get("FENCE_T_BACKOFF_MAX", "1.0")),
+    fence_unfenced=E.get("FENCE_T_UNFENCED", "0") == "1",
+)
+ledger = redis.Redis.from_url(E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"))
+
+
+def _kill_once(window: str, key: str) -> None:
+    if ledger.getdel(f"{PREFIX}:kill:{window}:{key}") is not None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
+def work(self: Any, key: str, *, sleep: float = 0.0, check: bool = True,
+         fail: str | None = None, marker: str | None = None) -> dict[str, Any]:
+    fence = self.fence
+    ledger.rpush(f"{PREFIX}:runs:{key}", f"{fence.generation}:{fence.attempt_id}")
+    _kill_once("before_effect", key)
+    end = time.monotonic() + sleep
+    while time.monotonic() < end:
+        time.sleep(0.02)
+    if fail == "transient":
+        failures = ledger.incr(f"{PREFIX}:failures:{key}")
+        limit = int(ledger.get(f"{PREFIX}:fail_times:{key}") or 10**6)
+        if failures <= limit:
+            raise ConnectionError("simulated transient failure")
+    if fail == "permanent":
+        raise PermanentError("simulated permanent failure")
+    if fail == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if check:
+        with fence.guard():
+            ledger.rpush(f"{PREFIX}:effects:{key}", f"{fence.generation}:{fence.attempt_id}")
+    else:
+        ledger.rpush(f"{PREFIX}:effects:{key}", f"{fence.generation}:{fence.attempt_id}")
+    _kill_once("before_commit", key)
+    result: dict[str, Any] = {"key": key, "generation": fence.generation,
+                              "attempt_id": fence.attempt_id}
+    if marker:
+        result["marker"] = marker
+    return result
+
+
+def _kill_after_commit(sender: Any = None, key: str = "", **_: Any) -> None:
+    _kill_once("after_commit", key)
+
+
+fence_signals.job_completed.connect(_kill_after_commit, weak=False)
