@@ -101,12 +101,23 @@ def spawn_worker(tmp_path: Path, worker_env: dict[str, str]) -> Iterator[Any]:
     """``spawn_worker(name, **env_overrides)`` -> a started :class:`Worker`; all stopped after."""
     started: list[Worker] = []
 
-    def spawn(name: str = "w1", *, concurrency: int = 1, pool: str = "prefork",
-              loglevel: str = "INFO", **env: str) -> Worker:
+    def spawn(
+        name: str = "w1",
+        *,
+        concurrency: int = 1,
+        pool: str = "prefork",
+        loglevel: str = "INFO",
+        **env: str,
+    ) -> Worker:
         w = Worker(
-            "tests.support.app", env={**worker_env, **env}, queue=worker_env["FENCE_T_QUEUE"],
-            name=f"{name}-{uuid.uuid4().hex[:6]}", log_dir=tmp_path, concurrency=concurrency,
-            pool=pool, loglevel=loglevel,
+            "tests.support.app",
+            env={**worker_env, **env},
+            queue=worker_env["FENCE_T_QUEUE"],
+            name=f"{name}-{uuid.uuid4().hex[:6]}",
+            log_dir=tmp_path,
+            concurrency=concurrency,
+            pool=pool,
+            loglevel=loglevel,
         )
         started.append(w)
         return w.start()

@@ -27,7 +27,11 @@ def _effects(redis_client: Any, prefix: str, key: str) -> list[str]:
 
 @pytest.mark.parametrize("checks", [True, False], ids=["checks", "does-not-check"])
 def test_pause_timeline_stale_attempt_loses(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, db_url: str,
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
     checks: bool,
 ) -> None:
     key = f"report:{uuid.uuid4().hex[:8]}"

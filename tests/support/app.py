@@ -47,8 +47,15 @@ def _kill_once(window: str, key: str) -> None:
 
 
 @app.task(base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
-def work(self: Any, key: str, *, sleep: float = 0.0, check: bool = True,
-         fail: str | None = None, marker: str | None = None) -> dict[str, Any]:
+def work(
+    self: Any,
+    key: str,
+    *,
+    sleep: float = 0.0,
+    check: bool = True,
+    fail: str | None = None,
+    marker: str | None = None,
+) -> dict[str, Any]:
     fence = self.fence
     ledger.rpush(f"{PREFIX}:runs:{key}", f"{fence.generation}:{fence.attempt_id}")
     _kill_once("before_effect", key)
@@ -70,8 +77,11 @@ def work(self: Any, key: str, *, sleep: float = 0.0, check: bool = True,
     else:
         ledger.rpush(f"{PREFIX}:effects:{key}", f"{fence.generation}:{fence.attempt_id}")
     _kill_once("before_commit", key)
-    result: dict[str, Any] = {"key": key, "generation": fence.generation,
-                              "attempt_id": fence.attempt_id}
+    result: dict[str, Any] = {
+        "key": key,
+        "generation": fence.generation,
+        "attempt_id": fence.attempt_id,
+    }
     if marker:
         result["marker"] = marker
     return result

@@ -45,15 +45,35 @@ class Worker:
 
     def start(self, timeout: float = 30.0) -> Worker:
         cmd = [
-            sys.executable, "-m", "celery", "-A", self.app, "worker",
-            "-P", self.pool, "-c", str(self.concurrency), "-n", f"{self.name}@%h",
-            "-Q", self.queue, "-l", self.loglevel, "--prefetch-multiplier=1",
-            "--without-heartbeat", "--without-mingle", "--without-gossip",
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            self.app,
+            "worker",
+            "-P",
+            self.pool,
+            "-c",
+            str(self.concurrency),
+            "-n",
+            f"{self.name}@%h",
+            "-Q",
+            self.queue,
+            "-l",
+            self.loglevel,
+            "--prefetch-multiplier=1",
+            "--without-heartbeat",
+            "--without-mingle",
+            "--without-gossip",
             *self.extra_args,
         ]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            cmd, env=self.env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+            cmd,
+            env=self.env,
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         end = time.monotonic() + timeout
