@@ -64,3 +64,72 @@ def test_pause_timeline_stale_attempt_loses(
     assert ("stale", 1) in actions or ("lost", 1) in actions
     assert ("completed", 2) in actions and ("completed", 1) not in actions
     b.stop()
+
+
+def test_sigkill_after_commit_before_ack_replays_without_rerunning_the_body(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
+) -> None:
+    key = f"report:{uuid.uuid4().hex[:8]}"
+    store = Store(db_url)
+    # Given a worker whose pool process dies right after the completion commits (before the ack),
+    redis_client.set(f"{prefix}:kill:after_commit:{key}", 1)
+    spawn_worker("w")
+    # when the job runs,
+    result = client_app.work.delay(key)
+    # then the redelivered message returns the stored result and the body ran once.
+    value = result.get(timeout=40)
+    record = store.get(key)
+    assert record is not None and record.status == "completed"
+    assert value == record.result
+    assert len(_runs(redis_client, prefix, key)) == 1
+    assert len(_effects(redis_client, prefix, key)) == 1
+    assert record.attempts == 1  # the replay is not a new attempt at the work
+    assert redis_client.exists(f"{prefix}:kill:after_commit:{key}") == 0  # the fault happened
+
+
+def test_two_workers_given_the_same_key_at_once_one_body_run_no_message_lost(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
+) -> None:
+    key = f"report:{uuid.uuid4().hex[:8]}"
+    store = Store(db_url)
+    spawn_worker("a")
+    spawn_worker("b")
+    # When the same logical job is sent four times at once (two workers take two each),
+    results = [client_app.work.delay(key, sleep=0.8) for _ in range(4)]
+    values = [r.get(timeout=60) for r in results]
+    # then every message ends with the one stored result, from one body run and one completion.
+    record = store.get(key)
+    assert record is not None and record.status == "completed"
+    assert all(v == record.result for v in values)
+    assert len(_runs(redis_client, prefix, key)) == 1
+    assert len(_effects(redis_client, prefix, key)) == 1
+    actions = [t.action for t in store.history(key)]
+    assert actions.count("completed") == 1
+
+
+def test_busy_lease_reschedules_with_the_same_task_id(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
+) -> None:
+    key = f"report:{uuid.uuid4().hex[:8]}"
+    spawn_worker("w", concurrency=2)
+    first = client_app.work.delay(key, sleep=1.0)
+    wait_until(lambda: len(_runs(redis_client, prefix, key)) == 1, 20, what="first body")
+    second = client_app.work.apply_async((key,), task_id=f"busy-{uuid.uuid4().hex}")
+    # the second message meets a live lease, is re-sent with its own id, and converges
+    assert second.get(timeout=40) == first.get(timeout=40)
+    assert second.id.startswith("busy-")
+    assert len(_runs(redis_client, prefix, key)) == 1
+    record = Store(db_url).get(key)
+    assert record is not None and record.attempts == 1  # a busy reschedule is not an attempt

@@ -1,0 +1,118 @@
+"""The Lua scripts against a real Redis: claim, busy, renew, renew-after-expiry refused,
+compare-and-delete, set-if-greater — and the pipelined batch the renewer uses."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from celery_fence.errors import LeaseBusy
+from celery_fence.lease import LeaseStore
+
+
+def test_claim_increments_generation_and_sets_the_lease(leases: LeaseStore) -> None:
+    g1 = leases.claim("report:1", "tok-a", 5_000)
+    keys = leases.keys_for("report:1")
+    assert leases.client.get(keys.lease) == f"tok-a:{g1}".encode()
+    assert 4_000 < leases.client.pttl(keys.lease) <= 5_000
+    assert leases.release(keys.lease, f"tok-a:{g1}")
+    g2 = leases.claim("report:1", "tok-b", 5_000)
+    assert g2 == g1 + 1
+
+
+def test_claim_on_a_live_lease_is_busy_with_the_holders_remaining_ttl(leases: LeaseStore) -> None:
+    g = leases.claim("k", "tok-a", 3_000)
+    with pytest.raises(LeaseBusy) as busy:
+        leases.claim("k", "tok-b", 3_000)
+    assert 2.0 < busy.value.remaining <= 3.0
+    # the busy claim neither took the lease nor consumed a generation
+    keys = leases.keys_for("k")
+    assert leases.client.get(keys.lease) == f"tok-a:{g}".encode()
+    assert int(leases.client.get(keys.generation)) == g
+
+
+def test_renew_extends_only_the_owners_lease(leases: LeaseStore) -> None:
+    g = leases.claim("k", "tok-a", 1_000)
+    keys = leases.keys_for("k")
+    assert leases.renew(keys.lease, f"tok-a:{g}", 5_000)
+    assert leases.client.pttl(keys.lease) > 4_000
+    assert not leases.renew(keys.lease, f"tok-b:{g}", 5_000)  # wrong token
+    assert not leases.renew(keys.lease, f"tok-a:{g + 1}", 5_000)  # wrong generation
+
+
+def test_renew_after_expiry_is_refused_and_does_not_revive(leases: LeaseStore) -> None:
+    g = leases.claim("k", "tok-a", 50)
+    keys = leases.keys_for("k")
+    time.sleep(0.12)
+    assert not leases.renew(keys.lease, f"tok-a:{g}", 5_000)
+    assert leases.client.exists(keys.lease) == 0
+
+
+def test_release_is_compare_and_delete(leases: LeaseStore) -> None:
+    g = leases.claim("k", "tok-a", 5_000)
+    keys = leases.keys_for("k")
+    assert not leases.release(keys.lease, f"tok-b:{g}")
+    assert leases.client.exists(keys.lease) == 1  # someone else's release removed nothing
+    assert leases.release(keys.lease, f"tok-a:{g}")
+    assert leases.client.exists(keys.lease) == 0
+    # A newer holder's lease survives the old holder's late release.
+    g2 = leases.claim("k", "tok-b", 5_000)
+    assert not leases.release(keys.lease, f"tok-a:{g}")
+    assert leases.client.get(keys.lease) == f"tok-b:{g2}".encode()
+
+
+def test_raise_generation_is_set_if_greater(leases: LeaseStore) -> None:
+    assert leases.raise_generation("k", 41) == 41
+    assert leases.raise_generation("k", 7) == 41  # never lowers
+    assert leases.claim("k", "tok", 1_000) == 42
+
+
+def test_keys_of_one_logical_key_share_a_hash_tag_for_any_string(leases: LeaseStore) -> None:
+    for key in ["plain", "with {braces}", "ünïcode/ключ", "a" * 500, "}{"]:
+        keys = leases.keys_for(key)
+        tag = keys.lease[keys.lease.index("{") + 1 : keys.lease.index("}")]
+        assert keys.generation == keys.lease.replace(":lease", ":gen")
+        assert tag.isalnum() and f"{{{tag}}}" in keys.generation
+
+
+class CountingConnection(redis.Connection):
+    """Counts network writes: one per command, one per pipeline."""
+
+    writes = 0
+
+    def send_packed_command(self, command: object, check_health: bool = True) -> None:
+        type(self).writes += 1
+        super().send_packed_command(command, check_health)  # type: ignore[arg-type]
+
+
+def test_batch_renews_and_releases_in_one_round_trip(leases: LeaseStore) -> None:
+    held = []
+    for i in range(20):
+        g = leases.claim(f"k{i}", f"t{i}", 1_000)
+        held.append((leases.keys_for(f"k{i}").lease, f"t{i}:{g}"))
+    kwargs = leases.client.connection_pool.connection_kwargs
+    pool = redis.ConnectionPool(connection_class=CountingConnection, **kwargs)
+    counted = LeaseStore(redis.Redis(connection_pool=pool), prefix=leases.prefix)
+    counted.client.ping()
+    before = CountingConnection.writes
+    renewed, released = counted.batch([(k, v, 5_000) for k, v in held[:15]], held[15:])
+    assert renewed == [True] * 15 and released == [True] * 5
+    assert CountingConnection.writes - before == 1
+    assert all(leases.client.exists(k) == 0 for k, _ in held[15:])
+    assert all(leases.client.pttl(k) > 4_000 for k, _ in held[:15])
+
+
+def test_scripts_reload_after_script_flush(leases: LeaseStore) -> None:
+    leases.claim("k", "t", 1_000)
+    leases.client.script_flush()  # what a restart or failover does to the script cache
+    g = leases.claim("k2", "t", 1_000)
+    assert g == 1
+    leases.client.script_flush()
+    renewed, _ = leases.batch([(leases.keys_for("k2").lease, f"t:{g}", 1_000)], [])
+    assert renewed == [True]
+
+
+def test_redis_is_real(redis_client: redis.Redis) -> None:
+    assert redis_client.ping()

@@ -1,0 +1,74 @@
+"""Settings are read once, validated, and a bad value names the setting and the fix."""
+
+from __future__ import annotations
+
+import pytest
+from celery import Celery
+
+from celery_fence import FencedTask
+from celery_fence.config import FenceConfig
+from celery_fence.errors import ConfigurationError, FenceError
+
+
+def test_defaults_are_the_embedded_ones() -> None:
+    config = FenceConfig.from_mapping({})
+    assert config.database_url.startswith("sqlite:///")
+    assert (config.lease_ttl, config.renew_interval, config.key_prefix) == (30.0, 10.0, "fence")
+
+
+def test_lowercase_uppercase_and_django_namespace_forms_are_read() -> None:
+    assert FenceConfig.from_mapping({"fence_lease_ttl": 12}).lease_ttl == 12.0
+    assert FenceConfig.from_mapping({"FENCE_LEASE_TTL": "12"}).lease_ttl == 12.0
+    assert FenceConfig.from_mapping({"CELERY_FENCE_LEASE_TTL": 12}).lease_ttl == 12.0
+
+
+def test_no_silent_fallback_to_the_broker_url() -> None:
+    config = FenceConfig.from_mapping({"broker_url": "redis://elsewhere:6379/3"})
+    assert "elsewhere" not in config.redis_url
+
+
+@pytest.mark.parametrize(
+    ("settings", "names"),
+    [
+        ({"fence_renew_interval": 30.0}, ["fence_renew_interval", "fence_lease_ttl", "third"]),
+        ({"fence_lease_ttl": 0}, ["fence_lease_ttl", "positive"]),
+        ({"fence_lease_ttl": "soon"}, ["fence_lease_ttl", "number"]),
+        ({"fence_key_prefix": "a{b}"}, ["fence_key_prefix", "braces"]),
+        ({"fence_max_attempts": 0}, ["fence_max_attempts"]),
+        ({"fence_database_url": "celery.sqlite3"}, ["fence_database_url", "sqlite:///"]),
+        ({"fence_redis_url": "localhost:6379"}, ["fence_redis_url", "redis://"]),
+        ({"fence_permanent_exceptions": ["nodots"]}, ["fence_permanent_exceptions", "dotted"]),
+        ({"fence_record_transitions": "maybe"}, ["fence_record_transitions", "True or False"]),
+    ],
+)
+def test_bad_values_fail_early_naming_the_setting_and_the_fix(
+    settings: dict[str, object], names: list[str]
+) -> None:
+    with pytest.raises(ConfigurationError) as err:
+        FenceConfig.from_mapping(settings)
+    assert isinstance(err.value, FenceError)
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_exception_types_may_be_dotted_paths() -> None:
+    config = FenceConfig.from_mapping({"fence_permanent_exceptions": ["json.JSONDecodeError"]})
+    import json
+
+    assert config.permanent_exceptions == (json.JSONDecodeError,)
+
+
+def test_per_task_options_override_and_are_validated() -> None:
+    app = Celery("t", set_as_current=False)
+    app.conf.update(fence_lease_ttl=30.0, fence_renew_interval=10.0)
+
+    @app.task(base=FencedTask, bind=True, lease_ttl=6.0, renew_interval=2.0, shared=False)
+    def quick(self: FencedTask) -> None: ...
+
+    @app.task(base=FencedTask, bind=True, lease_ttl=6.0, shared=False)
+    def broken(self: FencedTask) -> None: ...
+
+    config = quick.fence_config()
+    assert (config.lease_ttl, config.renew_interval) == (6.0, 2.0)
+    with pytest.raises(ConfigurationError, match=r"broken.*fence_renew_interval"):
+        broken.fence_config()
