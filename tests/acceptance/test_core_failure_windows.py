@@ -133,3 +133,17 @@ def test_busy_lease_reschedules_with_the_same_task_id(
     assert len(_runs(redis_client, prefix, key)) == 1
     record = Store(db_url).get(key)
     assert record is not None and record.attempts == 1  # a busy reschedule is not an attempt
+
+
+def test_a_fence_key_that_is_not_a_str_fails_clearly_and_loses_nothing(
+    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, db_url: str,
+) -> None:
+    spawn_worker("w")
+    result = client_app.badly_keyed.delay(7)
+    with pytest.raises(Exception, match=r"fence_key of task .*badly_keyed returned a int"):
+        result.get(timeout=30)
+    assert redis_client.get(f"{prefix}:badly_keyed_runs") is None  # the body never ran
+    record = Store(db_url).get(f"unkeyed:{client_app.badly_keyed.name}:{result.id}")
+    assert record is not None and record.status == "dead"
+    assert record.request is not None and record.request["args"] == [7]  # kept for a requeue
+    assert record.error_type is not None and record.error_type.endswith("ConfigurationError")
