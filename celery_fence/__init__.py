@@ -18,7 +18,7 @@ from .errors import (
     StoreError,
 )
 from .fence import Fence
-from .outbox import idempotency_key, storage_key
+from .outbox import Outbox, idempotency_key, register_handler, storage_key
 from .schema import metadata
 from .store import JobRecord, Store
 from .task import FencedTask, get_store
@@ -36,6 +36,7 @@ __all__ = [
     "LeaseBusy",
     "LeaseError",
     "LeaseLost",
+    "Outbox",
     "PermanentError",
     "ResultNotSerializable",
     "StaleGeneration",
@@ -44,5 +45,6 @@ __all__ = [
     "get_store",
     "idempotency_key",
     "metadata",
+    "register_handler",
     "storage_key",
 ]

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import ConfigurationError
+from .redis_client import parse_redis_settings
 
 #: Redis that holds leases and generation counters.
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -110,6 +111,10 @@ class FenceConfig:
 
     redis_url: str = DEFAULT_REDIS_URL
     redis_client: Callable[[], Any] | None = None
+    # Redis topology (see celery_fence.redis_client): a Cluster, TLS options, Sentinel options.
+    redis_cluster: bool = False
+    redis_ssl: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
+    redis_transport_options: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
     database_url: str = DEFAULT_DATABASE_URL
     lease_ttl: float = DEFAULT_LEASE_TTL
     renew_interval: float = DEFAULT_RENEW_INTERVAL
@@ -178,12 +183,12 @@ class FenceConfig:
                 f"fence_database_url={self.database_url!r} is not an SQLAlchemy URL: use e.g. "
                 "'sqlite:///celery_fence.sqlite3' or 'postgresql+psycopg2://user@host/db'."
             )
-        if self.redis_client is None and not self.redis_url.startswith(
-            ("redis://", "rediss://", "unix://")
-        ):
-            raise ConfigurationError(
-                f"fence_redis_url={self.redis_url!r} must start with redis://, rediss:// or unix://"
-                " (or set fence_redis_client to a callable returning a redis client)."
+        if self.redis_client is None:  # the escape hatch's client is the user's to configure
+            parse_redis_settings(
+                self.redis_url,
+                cluster=self.redis_cluster,
+                ssl=self.redis_ssl,
+                transport_options=self.redis_transport_options,
             )
 
     def replace(self, **changes: Any) -> FenceConfig:
@@ -226,7 +231,9 @@ _BOOLS = {
     "send_events",
     "redact_celery_logs",
     "unfenced",
+    "redis_cluster",
 }
+_DICTS = {"redis_ssl", "redis_transport_options"}
 _STRS = {"redis_url", "database_url", "key_prefix"}
 FIELD_NAMES = frozenset(
     f.name for f in dataclasses.fields(FenceConfig) if not f.name.startswith("_")
@@ -247,6 +254,17 @@ def _parse(name: str, raw: Any) -> Any:
         if not isinstance(raw, str):
             raise ConfigurationError(f"{setting}={raw!r} must be a string.")
         return raw
+    if name in _DICTS:
+        if raw is not None and not isinstance(raw, Mapping):
+            raise ConfigurationError(
+                f"{setting}={raw!r} must be a dict, e.g. "
+                + (
+                    "{'ssl_cert_reqs': 'required', 'ssl_ca_certs': '/etc/redis/ca.pem'}."
+                    if name == "redis_ssl"
+                    else "{'master_name': 'mymaster'}."
+                )
+            )
+        return None if raw is None else dict(raw)
     if name == "redis_client":
         if raw is not None and not callable(raw):
             raise ConfigurationError(f"{setting} must be a callable returning a redis client.")

@@ -1,15 +1,200 @@
-"""Celery events for fence transitions (``task-fence-<action>``), so Flower can show them."""
+"""Celery events for fence transitions, so Flower shows them and counts them in ``/metrics``.
+
+One event per transition, of type ``task-fence<action>`` (``task-fenceclaimed``,
+``task-fencerenewed``, ``task-fencelost``, ``task-fencebusy``, ``task-fencecompleted``,
+``task-fencereplayed``, ``task-fencestale``, ``task-fenceretry``, ``task-fencedead``), with the
+Celery task id as ``uuid`` and the fields ``fence_key``, ``attempt_id``, ``generation`` and
+``reason`` (plus ``remaining``, ``countdown`` or ``attempts`` where they fit) — never args, kwargs,
+results or payloads.
+
+Why one word after the dash: Celery's event state (which Flower uses) splits the type at the
+*first* dash, looks the subject up among its own task events and otherwise takes
+``subject.upper()`` as the task's state. ``task-fence-claimed`` would read ``FENCE-CLAIMED``;
+``task-claimed`` would read ``CLAIMED`` but lives in Celery's own namespace, where ``retry``
+becomes Celery's real ``RETRY`` state and any future Celery event may collide.
+``task-fence<action>`` reads ``FENCECLAIMED``, ``FENCESTALE``, ... and every fence event matches
+one Prometheus selector: ``flower_events_total{type=~"task-fence.*"}``.
+
+Events are cheap and never in the way: the fenced path (and the renewal thread) only put the
+event on a bounded in-memory queue; one daemon thread per process owns the one dispatcher (one
+broker connection) and publishes without retrying. When the broker is slow or down, events are
+dropped, never buffered without bound and never raised. They are sent only when the worker sends
+task events (``celery worker -E`` or ``worker_send_task_events=True``) and ``fence_send_events``
+is on (the default).
+"""
 
 from __future__ import annotations
 
-import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
 from typing import Any
 
+from celery import signals as celery_signals
 
-def send_transition_event(task: Any, action: str, **fields: Any) -> None:
-    """Send one ``task-fence-<action>`` event when the worker sends task events (``-E``)."""
-    app = task.app
-    if not app.conf.worker_send_task_events:
+logger = logging.getLogger("celery_fence.events")
+
+#: Event types are ``EVENT_PREFIX + action``: ``task-fenceclaimed``, ``task-fencestale``, ...
+EVENT_PREFIX = "task-fence"
+#: Events waiting for the sender thread; beyond this they are dropped (the broker lags behind).
+MAX_PENDING = 10_000
+
+_task_events: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def event_type(action: str) -> str:
+    """The Celery event type of a transition: ``event_type("stale") == "task-fencestale"``."""
+    return f"{EVENT_PREFIX}{action}"
+
+
+@celery_signals.worker_init.connect(weak=False)
+def _remember_task_events(sender: Any = None, **_: Any) -> None:
+    """``celery worker -E`` sets the worker's ``task_events``, not ``app.conf``: remember it here.
+
+    Runs in the worker's main process before the pool forks, so prefork children inherit it.
+    """
+    app = getattr(sender, "app", None)
+    if app is not None:
+        _task_events[app] = bool(getattr(sender, "task_events", False))
+
+
+def task_events_enabled(app: Any) -> bool:
+    """Whether this process's worker sends task events (``-E`` or ``worker_send_task_events``)."""
+    enabled = _task_events.get(app)
+    if enabled is None:
+        return bool(app.conf.worker_send_task_events)
+    return enabled
+
+
+class _Sender:
+    """One dispatcher, one connection and one daemon thread per (process, app, worker name)."""
+
+    def __init__(self, app: Any, hostname: str) -> None:
+        self.app = app
+        self.hostname = hostname
+        self.pending: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue(MAX_PENDING)
+        self.sent = 0
+        self.dropped = 0
+        self._dispatcher: Any = None
+        self._thread = threading.Thread(target=self._run, name="celery-fence-events", daemon=True)
+        self._thread.start()
+
+    def submit(self, type_: str, fields: dict[str, Any]) -> None:
+        try:
+            self.pending.put_nowait((type_, fields))
+        except queue.Full:
+            self.dropped += 1
+
+    def flush(self, timeout: float) -> None:
+        """Wait (bounded) until the queued events were handed to the broker or dropped."""
+        end = time.monotonic() + timeout
+        while self.pending.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.01)
+
+    def _run(self) -> None:
+        while True:
+            item = self.pending.get()
+            try:
+                if item is None:
+                    return
+                self._send(*item)
+            finally:
+                self.pending.task_done()
+
+    def _send(self, type_: str, fields: dict[str, Any]) -> None:
+        try:
+            if self._dispatcher is None:
+                self._dispatcher = self.app.events.Dispatcher(
+                    self.app.connection_for_write(),
+                    hostname=self.hostname,
+                    enabled=True,
+                    buffer_while_offline=False,
+                )
+            self._dispatcher.send(type_, retry=False, **fields)
+            self.sent += 1
+        except Exception as exc:  # events are a view: drop this one, reconnect for the next
+            self.dropped += 1
+            logger.debug("could not send fence event %s: %s", type_, type(exc).__name__)
+            self._close()
+
+    def _close(self) -> None:
+        dispatcher, self._dispatcher = self._dispatcher, None
+        if dispatcher is not None:
+            try:
+                dispatcher.close()
+                dispatcher.connection.release()
+            except Exception:  # already broken
+                logger.debug("closing the fence event dispatcher failed", exc_info=True)
+
+
+_senders: dict[tuple[int, str], _Sender] = {}
+_senders_lock = threading.Lock()
+_senders_pid = os.getpid()
+
+
+def _sender_for(app: Any, hostname: str) -> _Sender:
+    global _senders_pid, _senders_lock
+    if _senders_pid != os.getpid():  # forked: the parent's threads and sockets are not ours
+        _senders.clear()
+        _senders_lock = threading.Lock()
+        _senders_pid = os.getpid()
+    ident = (id(app), hostname)
+    sender = _senders.get(ident)
+    if sender is None:
+        with _senders_lock:
+            sender = _senders.get(ident)
+            if sender is None:
+                sender = _senders[ident] = _Sender(app, hostname)
+    return sender
+
+
+def send_transition_event(
+    task: Any,
+    action: str,
+    *,
+    task_id: str | None,
+    hostname: str | None,
+    **fields: Any,
+) -> None:
+    """Queue one ``task-fence<action>`` event for Celery task ``task_id``; never raises.
+
+    ``fields`` are the transition's (``fence_key``, ``attempt_id``, ``generation``, ``reason``,
+    numbers such as ``countdown``): JSON scalars, never payloads. ``task_id`` and ``hostname``
+    are passed explicitly because the renewal thread has no Celery request of its own.
+    """
+    try:
+        if not task_id or not hostname or not getattr(task, "send_events", True):
+            return
+        app = task.app
+        if not task_events_enabled(app):
+            return
+        _sender_for(app, hostname).submit(event_type(action), {"uuid": task_id, **fields})
+    except Exception:  # events are a view, never a reason to fail
+        logger.debug("could not queue fence event %s", action, exc_info=True)
+
+
+def flush(timeout: float = 2.0) -> None:
+    """Wait (bounded) until this process's queued fence events were published (or dropped)."""
+    if _senders_pid != os.getpid():
         return
-    with contextlib.suppress(Exception):  # events are a view, never a reason to fail
-        task.send_event(f"task-fence-{action}", retry=False, **fields)
+    end = time.monotonic() + timeout
+    for sender in list(_senders.values()):
+        sender.flush(max(0.0, end - time.monotonic()))
+
+
+@celery_signals.worker_process_shutdown.connect(weak=False)
+@celery_signals.worker_shutdown.connect(weak=False)
+def _flush_at_shutdown(**_: Any) -> None:
+    flush(timeout=1.0)
+
+
+__all__ = [
+    "EVENT_PREFIX",
+    "event_type",
+    "flush",
+    "send_transition_event",
+    "task_events_enabled",
+]

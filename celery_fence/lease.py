@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-import redis
 from redis.exceptions import NoScriptError
 
 from .config import FenceConfig
 from .errors import LeaseBusy
+from .redis_client import make_client
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,12 @@ class _Script:
         try:
             return client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
-            client.script_load(self.source)
+            self.load(client)
             return client.evalsha(self.sha, len(keys), *keys, *args)
+
+    def load(self, client: Any) -> None:
+        """``SCRIPT LOAD`` where ``client`` runs scripts (on a Redis Cluster: every primary)."""
+        client.script_load(self.source)
 
 
 CLAIM = _Script("claim")
@@ -58,16 +62,9 @@ RAISE_GENERATION = _Script("raise_generation")
 
 
 def make_redis_client(config: FenceConfig) -> Any:
-    """The redis-py client for leases: ``fence_redis_client()`` when set, else from the URL."""
-    if config.redis_client is not None:
-        return config.redis_client()
-    timeout = max(0.5, min(5.0, config.lease_ttl / 3))
-    return redis.Redis.from_url(
-        config.redis_url,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        health_check_interval=30,
-    )
+    """The redis-py client for leases: ``fence_redis_client()`` when set, else from the settings
+    (one Redis, TLS, unix socket, Sentinel or Cluster: see :mod:`celery_fence.redis_client`)."""
+    return make_client(config)
 
 
 @dataclass(frozen=True)
@@ -88,18 +85,50 @@ class LeaseStore:
         base = f"{self.prefix}:{{{tag}}}"
         return LeaseKeys(lease=f"{base}:lease", generation=f"{base}:gen")
 
-    def claim(self, key: str, token: str, ttl_ms: int) -> int:
+    def claim(
+        self, key: str, token: str, ttl_ms: int, *, releases: Sequence[tuple[str, str]] = ()
+    ) -> int:
         """Claim ``key`` for ``ttl_ms`` milliseconds; return the new generation.
 
+        ``releases`` — (lease key, value) pairs of finished attempts — ride in the same round
+        trip (compare-and-delete each), so releasing costs the critical path nothing.
         Raises :class:`LeaseBusy` (with ``remaining`` in seconds) when a live lease exists.
         """
         keys = self.keys_for(key)
-        status, value = CLAIM(self.client, [keys.lease, keys.generation], [token, ttl_ms])
+        if releases and not getattr(self.client, "cluster_mode", False):
+            status, value = self._claim_with_releases(keys, token, ttl_ms, releases)
+        else:
+            if releases:
+                self.batch([], releases)
+            status, value = CLAIM(self.client, [keys.lease, keys.generation], [token, ttl_ms])
         if int(status) == CLAIMED:
             return int(value)
         remaining_ms = int(value)
         remaining = ttl_ms / 1000 if remaining_ms < 0 else remaining_ms / 1000
         raise LeaseBusy(f"lease for {key!r} is held by another attempt", remaining=remaining)
+
+    def _claim_with_releases(
+        self, keys: LeaseKeys, token: str, ttl_ms: int, releases: Sequence[tuple[str, str]]
+    ) -> Any:
+        for attempt in (1, 2):
+            pipe = self.client.pipeline(transaction=False)
+            for lease_key, value in releases:
+                pipe.evalsha(RELEASE.sha, 1, lease_key, value)
+            pipe.evalsha(CLAIM.sha, 2, keys.lease, keys.generation, token, ttl_ms)
+            results = pipe.execute(raise_on_error=False)
+            if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
+                self.client.script_load(RELEASE.source)
+                self.client.script_load(CLAIM.source)
+                releases = [
+                    r
+                    for r, res in zip(releases, results, strict=False)
+                    if isinstance(res, NoScriptError)
+                ]
+                continue
+            if isinstance(results[-1], Exception):
+                raise results[-1]
+            return results[-1]
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def raise_generation(self, key: str, floor: int) -> int:
         """Raise the generation counter to at least ``floor`` (set-if-greater); return it."""
@@ -125,23 +154,32 @@ class LeaseStore:
         """
         if not renewals and not releases:
             return [], []
+        calls: list[tuple[_Script, str, tuple[Any, ...]]] = [
+            (RENEW, lease_key, (value, ttl_ms)) for lease_key, value, ttl_ms in renewals
+        ] + [(RELEASE, lease_key, (value,)) for lease_key, value in releases]
+        results: list[Any] = [None] * len(calls)
+        pending = list(range(len(calls)))
         for attempt in (1, 2):
             pipe = self.client.pipeline(transaction=False)
-            for lease_key, value, ttl_ms in renewals:
-                pipe.evalsha(RENEW.sha, 1, lease_key, value, ttl_ms)
-            for lease_key, value in releases:
-                pipe.evalsha(RELEASE.sha, 1, lease_key, value)
-            results = pipe.execute(raise_on_error=False)
-            if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
-                self.client.script_load(RENEW.source)
-                self.client.script_load(RELEASE.source)
-                continue
-            for r in results:
-                if isinstance(r, Exception):
-                    raise r
-            flags = [bool(r) for r in results]
-            return flags[: len(renewals)], flags[len(renewals) :]
-        raise AssertionError("unreachable")  # pragma: no cover
+            for i in pending:
+                script, lease_key, args = calls[i]
+                # A raw EVALSHA, not pipe.evalsha(): a redis-py cluster pipeline refuses
+                # evalsha() but routes a raw EVALSHA by its key's slot, so a tick is still one
+                # pipelined round trip per node (MOVED/ASK are followed by redis-py).
+                pipe.execute_command("EVALSHA", script.sha, 1, lease_key, *args)
+            for i, result in zip(pending, pipe.execute(raise_on_error=False), strict=True):
+                results[i] = result
+            pending = [i for i in pending if isinstance(results[i], NoScriptError)]
+            if not pending or attempt == 2:
+                break
+            # NOSCRIPT after a restart or failover (or a new cluster node): load, retry those once.
+            for script in {calls[i][0] for i in pending}:
+                script.load(self.client)
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        flags = [bool(r) for r in results]
+        return flags[: len(renewals)], flags[len(renewals) :]
 
     def remaining(self, key: str) -> tuple[float | None, int | None]:
         """(seconds left on the live lease or None, the lease's generation or None)."""

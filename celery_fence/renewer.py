@@ -23,6 +23,10 @@ from .lease import LeaseStore
 
 logger = logging.getLogger("celery_fence.renewer")
 
+#: Seconds a finished attempt's release may wait for the next claim to carry it (in the same
+#: round trip) before the renewer thread sends it on its own.
+RELEASE_DELAY = 0.02
+
 
 class HeldLease:
     """One lease held by one attempt: the attempt's view of its own authority."""
@@ -115,6 +119,7 @@ class Renewer:
         self._cond = threading.Condition(threading.Lock())
         self._held: dict[str, HeldLease] = {}
         self._releases: list[tuple[str, str]] = []
+        self._release_due = 0.0
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.ticks = 0  # round trips sent (for tests and the benchmark)
@@ -136,13 +141,23 @@ class Renewer:
             self._cond.notify()
 
     def discard(self, lease: HeldLease, *, release: bool = True) -> None:
-        """Stop renewing ``lease``; queue its compare-and-delete for the thread's next trip."""
+        """Stop renewing ``lease``; queue its compare-and-delete (sent with the next claim, or by
+        the thread within ``RELEASE_DELAY``)."""
         self._ensure_process()
         with self._cond:
             self._held.pop(lease.value, None)
             if release:
+                if not self._releases:
+                    self._release_due = time.monotonic() + RELEASE_DELAY
                 self._releases.append((lease.lease_key, lease.value))
                 self._cond.notify()
+
+    def take_releases(self) -> list[tuple[str, str]]:
+        """Hand queued releases to the caller, which sends them with its next claim."""
+        self._ensure_process()
+        with self._cond:
+            releases, self._releases = self._releases, []
+            return releases
 
     def held(self) -> int:
         return len(self._held)
@@ -150,6 +165,8 @@ class Renewer:
     def flush(self, timeout: float = 5.0) -> None:
         """Wait until queued releases were sent (tests, worker shutdown)."""
         end = time.monotonic() + timeout
+        with self._cond:
+            self._release_due = 0.0
         while time.monotonic() < end:
             with self._cond:
                 if not self._releases:
@@ -172,19 +189,25 @@ class Renewer:
         next_renewal = time.monotonic() + self._interval()
         while True:
             with self._cond:
-                while not (
-                    self._stopping
-                    or self._releases
-                    or (self._held and time.monotonic() >= next_renewal)
-                ):
-                    if self._held:
-                        self._cond.wait(max(0.0, next_renewal - time.monotonic()))
+                while True:
+                    now = time.monotonic()
+                    renew_due = bool(self._held) and now >= next_renewal
+                    release_due = bool(self._releases) and now >= self._release_due
+                    if self._stopping or renew_due or release_due:
+                        break
+                    wake = [next_renewal] if self._held else []
+                    if self._releases:
+                        wake.append(self._release_due)
+                    if wake:
+                        self._cond.wait(max(0.0, min(wake) - now))
                     else:  # idle until a lease is added or a release queued
                         self._cond.wait()
                         next_renewal = time.monotonic() + self._interval()
-                releases, self._releases = self._releases, []
+                releases: list[tuple[str, str]] = []
+                if release_due or self._stopping:
+                    releases, self._releases = self._releases, []
                 held: list[HeldLease] = []
-                if self._held and time.monotonic() >= next_renewal:
+                if renew_due:
                     held = list(self._held.values())
                     next_renewal = time.monotonic() + self._interval()
                 stopping = self._stopping

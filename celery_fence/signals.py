@@ -2,11 +2,29 @@
 
 Every signal is a Celery :class:`~celery.utils.dispatch.Signal` whose sender is the task, sent
 with keyword arguments ``key``, ``attempt_id``, ``generation`` and ``reason`` (plus a few more
-where they fit: ``remaining`` for ``lease_busy``, ``countdown`` and ``attempts`` for retries).
-Nothing here ever carries args, kwargs, results or outbox payloads.
+where they fit: ``remaining`` for ``lease_busy``, ``countdown`` and ``attempts`` for retries,
+``attempts`` for ``job_dead``). Nothing here ever carries args, kwargs, results or outbox payloads.
 
-A receiver that raises never breaks the fenced path: :func:`emit` sends with ``send_robust``
-semantics and logs the receiver's failure.
+- ``lease_claimed``: a generation was claimed in Redis (before the store registers it).
+- ``lease_renewed`` / ``lease_lost``: sent from the renewal thread (``lease_lost`` also from the
+  task's own ``check()``). Their receivers run on the one heartbeat thread of the process: keep
+  them fast, or other leases' renewals wait behind them.
+- ``lease_busy``: another attempt holds the lease; the message is rescheduled (``generation`` is
+  None, ``remaining`` the seconds the holder still has).
+- ``job_completed``: after the fenced completion is committed and before the message is acked,
+  so a receiver can rely on the result being durable.
+- ``job_replayed``: a redelivered message found the job completed and returns the stored result.
+- ``stale_rejected``: the store refused this attempt's write; a newer generation owns the job.
+- ``job_retry_scheduled``: the message is re-sent after ``countdown`` seconds (retry policy, lost
+  lease, store or lease store unavailable, newer generation still running).
+- ``job_dead``: the job reached the terminal ``dead`` state.
+
+A receiver that raises never breaks the fenced path: Celery's ``send`` catches and logs each
+receiver's exception, and :func:`emit` guards the rest.
+
+Every transition is logged on logger ``celery_fence`` (renewals on ``celery_fence.renewer``) with
+lazy ``%`` formatting and the stable ``extra`` keys ``action``, ``fence_key``, ``attempt_id``,
+``generation`` and ``reason``, so a JSON formatter shows them as fields.
 """
 
 from __future__ import annotations
@@ -15,6 +33,8 @@ import logging
 from typing import Any
 
 from celery.utils.dispatch import Signal
+
+from . import logs  # noqa: F401 - connects the Celery logging signals (attempt context, redaction)
 
 logger = logging.getLogger("celery_fence")
 renew_logger = logging.getLogger("celery_fence.renewer")
@@ -75,10 +95,18 @@ def emit(
                 "reason": reason,
             },
         )
-    if signal.receivers:  # Celery's send() catches and logs a receiver's exception
-        signal.send(
-            sender, key=key, attempt_id=attempt_id, generation=generation, reason=reason, **extra
-        )
+    if signal.receivers:
+        try:  # Celery's send() already catches and logs each receiver's exception
+            signal.send(
+                sender,
+                key=key,
+                attempt_id=attempt_id,
+                generation=generation,
+                reason=reason,
+                **extra,
+            )
+        except Exception:  # a broken receiver never breaks the fenced path
+            logger.exception("fence %s: a %s receiver failed key=%s", action, signal.name, key)
 
 
 __all__ = [

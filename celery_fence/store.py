@@ -23,8 +23,8 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from . import schema
-from .errors import ConfigurationError, JobDead, StaleGeneration, StoreError
+from . import schema, statements
+from .errors import ConfigurationError, StaleGeneration, StoreError
 from .schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, jobs, outbox, transitions
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,25 @@ class Effect:
     name: str
     payload: Any
     idempotency_key: str
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    """One row of ``fence_outbox``: a committed effect and its delivery state."""
+
+    id: int
+    key: str
+    name: str
+    idempotency_key: str
+    payload: Any
+    status: str  # pending, delivered, dead
+    attempts: int  # claims so far (a claim that crashed counts too)
+    available_at: dt.datetime
+    claimed_by: str | None
+    claimed_until: dt.datetime | None
+    last_error: str | None
+    created_at: dt.datetime
+    delivered_at: dt.datetime | None
 
 
 def dumps_strict(value: Any, what: str = "value") -> str:
@@ -169,6 +188,8 @@ class Store:
                 cur.execute("PRAGMA busy_timeout=30000")
                 cur.close()
 
+            # The embedded default needs no set-up step: create the tables once per process.
+            schema.create_schema(engine)
         return engine
 
     def dispose(self) -> None:
@@ -291,6 +312,61 @@ class Store:
                 )
             return row
 
+    def _hot_write(
+        self,
+        sql: str,
+        params: dict[str, Any],
+        *,
+        action: str,
+        effects: Sequence[Effect] = (),
+    ) -> Any:
+        """Run a critical-path write from :mod:`statements` with its transition row and staged
+        effects: one statement on PostgreSQL, one short transaction on SQLite. Returns the
+        changed row, or None when the fence did not match."""
+        now = utcnow()
+        record = self.record_transitions
+        if self.dialect == "postgresql":
+            params["now"] = now
+            if record or effects:
+                sql = statements.pg_with_records(
+                    sql, action=action, transitions=record, effects=bool(effects)
+                )
+            if effects:
+                params["effects"] = json.dumps(
+                    [
+                        {"name": e.name, "idempotency_key": e.idempotency_key, "payload": e.payload}
+                        for e in effects
+                    ],
+                    separators=(",", ":"),
+                )
+            with self.engine.connect() as conn:
+                return conn.exec_driver_sql(sql, params).first()
+        params["now"] = stamp = now.strftime("%Y-%m-%d %H:%M:%S.%f")  # SQLAlchemy's format
+        if not record and not effects:
+            with self.engine.connect() as conn:
+                return conn.exec_driver_sql(sql, params).first()
+        with self._tx() as conn:
+            row = conn.exec_driver_sql(sql, params).first()
+            if row is None:
+                return None
+            if record:
+                conn.exec_driver_sql(
+                    statements.sqlite_transition_sql(action),
+                    {"key": row[0], "generation": row[1], "attempt_id": row[2], "now": stamp},
+                )
+            for e in effects:
+                conn.exec_driver_sql(
+                    statements.SQLITE_OUTBOX_SQL,
+                    {
+                        "key": row[0],
+                        "name": e.name,
+                        "idempotency_key": e.idempotency_key,
+                        "payload": json.dumps(e.payload, separators=(",", ":")),
+                        "now": stamp,
+                    },
+                )
+            return row
+
     def _insert(self) -> Any:
         return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(jobs)
 
@@ -311,34 +387,15 @@ class Store:
         if ``generation`` is strictly greater than the stored one and the job is neither completed
         nor dead. Otherwise nothing changes and the stored state says why.
         """
-        now = utcnow()
-        ins = self._insert().values(
-            key=key,
-            task_name=task_name,
-            status=RUNNING,
-            generation=generation,
-            attempt_id=attempt_id,
-            attempts=1,
-            request=request,
-            created_at=now,
-            updated_at=now,
-        )
-        fence = jobs.c.status.not_in((COMPLETED, DEAD))
-        if not self.unfenced:
-            fence = fence & (jobs.c.generation < ins.excluded.generation)
-        stmt = ins.on_conflict_do_update(
-            index_elements=[jobs.c.key],
-            set_={
-                "generation": ins.excluded.generation,
-                "attempt_id": ins.excluded.attempt_id,
-                "status": RUNNING,
-                "attempts": jobs.c.attempts + 1,
-                "updated_at": ins.excluded.updated_at,
-                "retry_at": None,
-            },
-            where=fence,
-        )
-        row = self._fenced(stmt, action="claimed", reason=None, at=now)
+        params = {
+            "key": key,
+            "task_name": task_name,
+            "generation": generation,
+            "attempt_id": attempt_id,
+            "request": None if request is None else json.dumps(request, separators=(",", ":")),
+        }
+        sql = statements.register_sql(self.dialect, fenced=not self.unfenced)
+        row = self._hot_write(sql, params, action="claimed")
         if row is not None:
             return Registration("registered", row.attempts, row.generation)
         record = self.get(key)
@@ -394,23 +451,14 @@ class Store:
         Staged effects are written in the same statement/transaction. Raises
         :class:`StaleGeneration` when the row is not this attempt's (nothing is stored).
         """
-        dumps_strict(result, "task's return value")
-        now = utcnow()
-        stmt = (
-            jobs.update()
-            .where(self._owned(key, generation, attempt_id))
-            .values(
-                status=COMPLETED,
-                result=result,
-                updated_at=now,
-                finished_at=now,
-                error_type=None,
-                error_message=None,
-            )
-        )
-        if self.unfenced:  # demonstration mode: a plain last-writer-wins write
-            stmt = stmt.values(generation=generation, attempt_id=attempt_id)
-        if self._fenced(stmt, action="completed", reason=None, at=now, effects=effects) is None:
+        params = {
+            "key": key,
+            "generation": generation,
+            "attempt_id": attempt_id,
+            "result": dumps_strict(result, "task's return value"),
+        }
+        sql = statements.complete_sql(self.dialect, fenced=not self.unfenced)
+        if self._hot_write(sql, params, action="completed", effects=effects) is None:
             raise self._rejected(key, generation, attempt_id, "completion")
 
     def _error_fields(self, error: BaseException | None) -> dict[str, Any]:
@@ -469,6 +517,40 @@ class Store:
         if self._fenced(stmt, action="dead", reason=reason, at=now) is None:
             raise self._rejected(key, generation, attempt_id, "dead-letter")
 
+    def bury(
+        self,
+        key: str,
+        *,
+        task_name: str,
+        request: Mapping[str, Any] | None,
+        error: BaseException,
+        reason: str,
+    ) -> bool:
+        """Keep a message that cannot even be registered (e.g. its ``fence_key`` failed) as a
+        ``dead`` job, so nothing is lost: an operator sees it and can requeue it after the fix.
+
+        Inserts only; an existing row is never touched. Returns True when the row was written.
+        """
+        now = utcnow()
+        stmt = (
+            self._insert()
+            .values(
+                key=key,
+                task_name=task_name,
+                status=DEAD,
+                generation=0,
+                attempt_id="-",
+                attempts=0,
+                request=request,
+                created_at=now,
+                updated_at=now,
+                finished_at=now,
+                **self._error_fields(error),
+            )
+            .on_conflict_do_nothing(index_elements=[jobs.c.key])
+        )
+        return self._fenced(stmt, action="dead", reason=reason, at=now) is not None
+
     def record(
         self,
         key: str,
@@ -519,29 +601,196 @@ class Store:
             return [_record(r) for r in conn.execute(query).all()]
 
     def requeue(self, key: str) -> JobRecord:
-        """Move a dead job to ``pending`` with a fresh attempt budget; refuse any other status."""
+        """Move a dead job to ``pending`` with a fresh attempt budget; refuse any other status.
+
+        Returns the job as it was (``dead``; its stored request is what to re-send). The write is
+        conditional on the row still being that dead record (generation and attempt), so two
+        operators cannot both requeue it and a requeue never touches a job someone else changed.
+        """
+        before = self.get(key)
+        if before is None:
+            raise StoreError(f"no job with key {key!r}")
+        if before.status != DEAD:
+            raise StoreError(
+                f"job {key!r} is {before.status}, not dead: only dead jobs are requeued"
+            )
         now = utcnow()
         stmt = (
             jobs.update()
-            .where((jobs.c.key == key) & (jobs.c.status == DEAD))
-            .values(status=PENDING, attempts=0, updated_at=now, finished_at=None)
+            .where(
+                (jobs.c.key == key)
+                & (jobs.c.status == DEAD)
+                & (jobs.c.generation == before.generation)
+                & (jobs.c.attempt_id == before.attempt_id)
+            )
+            .values(status=PENDING, attempts=0, updated_at=now, finished_at=None, retry_at=None)
         )
-        if self._fenced(stmt, action="requeued", reason="operator", at=now) is None:
-            record = self.get(key)
-            if record is None:
-                raise StoreError(f"no job with key {key!r}")
-            raise JobDead(f"job {key!r} is {record.status}, not dead: only dead jobs are requeued")
-        record = self.get(key)
-        assert record is not None
-        return record
+        if self._fenced(stmt, action="requeued", reason="by operator", at=now) is None:
+            raise self._rejected(key, before.generation, before.attempt_id, "requeue")
+        return before
 
-    def purge(self, *, finished_before: dt.datetime) -> int:
-        """Delete completed and dead jobs (and their history) finished before the date."""
-        done = (jobs.c.status.in_((COMPLETED, DEAD))) & (jobs.c.finished_at < finished_before)
+    def restore_dead(self, before: JobRecord, *, reason: str) -> None:
+        """Undo :meth:`requeue` when the message could not be sent: back to ``dead`` as it was.
+
+        Fenced on the requeued row (``pending``, same generation and attempt): if an attempt
+        claimed the job meanwhile, nothing changes and :class:`StaleGeneration` says so.
+        """
+        now = utcnow()
+        stmt = (
+            jobs.update()
+            .where(
+                (jobs.c.key == before.key)
+                & (jobs.c.status == PENDING)
+                & (jobs.c.generation == before.generation)
+                & (jobs.c.attempt_id == before.attempt_id)
+            )
+            .values(
+                status=DEAD,
+                attempts=before.attempts,
+                finished_at=before.finished_at,
+                updated_at=now,
+            )
+        )
+        if self._fenced(stmt, action="requeue_reverted", reason=reason, at=now) is None:
+            raise self._rejected(before.key, before.generation, before.attempt_id, "restore")
+
+    def purge(
+        self, *, finished_before: dt.datetime, statuses: Sequence[str] = (COMPLETED, DEAD)
+    ) -> int:
+        """Delete finished jobs of ``statuses`` (and their history) finished before the date.
+
+        Outbox rows are left to the outbox's own lifecycle. Returns the number of jobs deleted.
+        """
+        unfinished = set(statuses) - {COMPLETED, DEAD}
+        if unfinished:
+            raise StoreError(f"only finished jobs are purged, not {sorted(unfinished)}")
+        done = (jobs.c.status.in_(tuple(statuses))) & (jobs.c.finished_at < finished_before)
         with self._tx() as conn:
             keys = sa.select(jobs.c.key).where(done)
             conn.execute(transitions.delete().where(transitions.c.key.in_(keys)))
             return int(conn.execute(jobs.delete().where(done)).rowcount or 0)
+
+    # -- outbox: claim, mark, fail (used by celery_fence.outbox's sender) -------------------------
+    #
+    # A sender claims a row for ``claim_ttl`` seconds under a claim token of its own; marking and
+    # failing are conditional on that token, so a sender whose claim expired and was taken over
+    # cannot change the row. Rows are written only by :meth:`complete` (with the fenced result).
+
+    def outbox_claim(
+        self,
+        *,
+        claimer: str,
+        claim_ttl: float,
+        limit: int = 1,
+        key: str | None = None,
+    ) -> Sequence[OutboxRow]:
+        """Claim up to ``limit`` due ``pending`` rows (oldest first) for ``claim_ttl`` seconds.
+
+        A row is due when ``available_at`` has passed and no live claim holds it. Each claim
+        counts one attempt. PostgreSQL: ``FOR UPDATE SKIP LOCKED`` in one statement; SQLite: the
+        same conditional ``UPDATE`` under ``BEGIN IMMEDIATE`` (writers are serialized).
+        """
+        now = utcnow()
+        due = (
+            (outbox.c.status == "pending")
+            & (outbox.c.available_at <= now)
+            & (outbox.c.claimed_until.is_(None) | (outbox.c.claimed_until < now))
+        )
+        if key is not None:
+            due = due & (outbox.c.key == key)
+        ids = sa.select(outbox.c.id).where(due).order_by(outbox.c.id).limit(limit)
+        claim = outbox.update().values(
+            claimed_by=claimer[:64],
+            claimed_until=now + dt.timedelta(seconds=claim_ttl),
+            attempts=outbox.c.attempts + 1,
+        )
+        if self.dialect == "postgresql":
+            # A CTE runs once: "id IN (SELECT ... SKIP LOCKED LIMIT n)" may be re-run per row.
+            picked = ids.with_for_update(skip_locked=True).cte("picked")
+            stmt = claim.where(outbox.c.id == picked.c.id).returning(*outbox.c)
+            with self.engine.connect() as conn:
+                rows = conn.execute(stmt).all()
+        else:
+            stmt = claim.where(outbox.c.id.in_(ids.scalar_subquery()) & due)
+            with self._tx() as conn:
+                rows = conn.execute(stmt.returning(*outbox.c)).all()
+        return sorted((_outbox_row(r) for r in rows), key=lambda r: r.id)
+
+    def outbox_mark_delivered(self, row_id: int, *, claimer: str) -> bool:
+        """Mark a claimed row delivered; False when the claim is no longer this sender's."""
+        now = utcnow()
+        stmt = (
+            outbox.update()
+            .where(
+                (outbox.c.id == row_id)
+                & (outbox.c.claimed_by == claimer[:64])
+                & (outbox.c.status == "pending")
+            )
+            .values(status="delivered", delivered_at=now, claimed_until=None, last_error=None)
+            .returning(outbox.c.id)
+        )
+        with self.engine.connect() as conn:
+            return conn.execute(stmt).first() is not None
+
+    def outbox_fail(
+        self,
+        row_id: int,
+        *,
+        claimer: str,
+        error: BaseException,
+        retry_at: dt.datetime | None,
+    ) -> bool:
+        """Record a failed delivery: due again at ``retry_at``, or ``dead`` when it is None.
+
+        False when the claim is no longer this sender's (nothing changes).
+        """
+        fields = self._error_fields(error)
+        last_error = f"{fields['error_type']}: {fields['error_message']}"[:2000]
+        values: dict[str, Any] = {"claimed_until": None, "last_error": last_error}
+        if retry_at is None:
+            values["status"] = "dead"
+        else:
+            values["available_at"] = retry_at
+        stmt = (
+            outbox.update()
+            .where(
+                (outbox.c.id == row_id)
+                & (outbox.c.claimed_by == claimer[:64])
+                & (outbox.c.status == "pending")
+            )
+            .values(**values)
+            .returning(outbox.c.id)
+        )
+        with self.engine.connect() as conn:
+            return conn.execute(stmt).first() is not None
+
+    def outbox_requeue(self, row_id: int) -> bool:
+        """Move a ``dead`` outbox row back to ``pending`` with a fresh attempt count."""
+        stmt = (
+            outbox.update()
+            .where((outbox.c.id == row_id) & (outbox.c.status == "dead"))
+            .values(status="pending", attempts=0, available_at=utcnow(), claimed_by=None)
+            .returning(outbox.c.id)
+        )
+        with self.engine.connect() as conn:
+            return conn.execute(stmt).first() is not None
+
+    def outbox_rows(
+        self, *, key: str | None = None, status: str | None = None, limit: int = 1000
+    ) -> Sequence[OutboxRow]:
+        """Outbox rows, oldest first (operators, tests, the demo)."""
+        query = sa.select(outbox).order_by(outbox.c.id).limit(limit)
+        if key is not None:
+            query = query.where(outbox.c.key == key)
+        if status is not None:
+            query = query.where(outbox.c.status == status)
+        with self.engine.connect() as conn:
+            return [_outbox_row(r) for r in conn.execute(query).all()]
+
+
+def _outbox_row(row: Any) -> OutboxRow:
+    m = row._mapping
+    return OutboxRow(**{name: m[name] for name in OutboxRow.__dataclass_fields__})
 
 
 _stores: dict[tuple[Any, ...], Store] = {}
@@ -576,6 +825,7 @@ __all__ = [
     "RUNNING",
     "Effect",
     "JobRecord",
+    "OutboxRow",
     "Registration",
     "Store",
     "Transition",

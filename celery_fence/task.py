@@ -10,6 +10,7 @@ nothing, because the newer attempt is responsible for it.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import logging
 import random
@@ -21,6 +22,7 @@ from typing import Any
 from celery import Task
 from celery.app.task import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
+from sqlalchemy import exc as sa_exc
 
 from . import signals
 from .config import FenceConfig
@@ -175,8 +177,15 @@ class FencedTask(Task):
         attempt_id: str | None,
         generation: int | None,
         reason: str | None = None,
+        *,
+        origin: tuple[str | None, str | None] | None = None,
         **extra: Any,
     ) -> None:
+        """Log, signal and (with ``-E``) send a Celery event for one transition; never raises.
+
+        ``origin`` is the (Celery task id, worker hostname) of the attempt, captured at claim
+        time for the renewal thread, which has no Celery request of its own.
+        """
         signals.emit(
             signal,
             self,
@@ -188,13 +197,17 @@ class FencedTask(Task):
         )
         config = self._fence_backends()[0]
         if config.send_events:
+            task_id, hostname = origin or (self.request.id, self.request.hostname)
             send_transition_event(
                 self,
                 signals.ACTIONS[signal][0],
+                task_id=task_id,
+                hostname=hostname,
                 fence_key=fence_key,
                 attempt_id=attempt_id,
                 generation=generation,
                 reason=reason,
+                **extra,
             )
 
     def _request_info(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
@@ -214,7 +227,10 @@ class FencedTask(Task):
 
     def _run_fenced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         config, store, leases, policy = self._fence_backends()
-        key = self._logical_key(args, kwargs)
+        try:
+            key = self._logical_key(args, kwargs)
+        except ConfigurationError as exc:
+            return self._bury_unkeyed(store, exc, args, kwargs)
         attempt_id = uuid.uuid4().hex
         renewer = renewer_for(leases)
         policy.budget.record_call(self.name)
@@ -229,6 +245,30 @@ class FencedTask(Task):
         finally:
             renewer.discard(lease)  # compare-and-delete, batched by the renewer thread
 
+    def _bury_unkeyed(
+        self, store: Store, exc: ConfigurationError, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A message whose logical key cannot be computed is kept as a dead job, not lost."""
+        if self.request.called_directly:
+            raise exc
+        key = f"unkeyed:{self.name}:{self.request.id}"
+        try:
+            store.bury(
+                key,
+                task_name=self.name,
+                request=self._request_info(args, kwargs),
+                error=exc,
+                reason="fence_key failed",
+            )
+        except Exception as db_exc:
+            if isinstance(db_exc, DEFAULT_TRANSIENT):
+                self._reschedule(
+                    db_exc, countdown=backoff(1 + self.request.retries, self._fence_backends()[0])
+                )
+            raise
+        self._emit(signals.job_dead, key, None, None, reason="fence_key failed", attempts=0)
+        raise exc
+
     def _claim_and_register(
         self,
         key: str,
@@ -241,10 +281,13 @@ class FencedTask(Task):
         kwargs: dict[str, Any],
     ) -> tuple[HeldLease, Registration]:
         request_info: dict[str, Any] | None = None
+        origin = (self.request.id, self.request.hostname)  # for events sent by the renewer thread
         for _ in range(CLAIM_ROUNDS):
             claimed_at = time.monotonic()
             try:
-                generation = leases.claim(key, attempt_id, config.lease_ttl_ms)
+                generation = leases.claim(
+                    key, attempt_id, config.lease_ttl_ms, releases=renewer.take_releases()
+                )
             except LeaseBusy as busy:
                 self._emit(
                     signals.lease_busy,
@@ -257,8 +300,11 @@ class FencedTask(Task):
                 jitter = random.uniform(0, max(0.05, config.renew_interval / 4))
                 self._reschedule(busy, countdown=busy.remaining + jitter)
             except DEFAULT_TRANSIENT as exc:  # Redis unreachable: retry the message, never drop it
-                self._reschedule(
+                self._retry_unrecorded(
                     exc,
+                    key,
+                    attempt_id,
+                    None,
                     countdown=backoff(1 + self.request.retries, config),
                     reason=f"lease store unavailable ({type(exc).__name__})",
                 )
@@ -271,8 +317,8 @@ class FencedTask(Task):
                 interval=config.renew_interval,
                 margin=config.lease_margin,
                 claimed_at=claimed_at,
-                on_lost=self._on_lease_lost,
-                on_renewed=self._on_lease_renewed,
+                on_lost=functools.partial(self._on_lease_lost, origin=origin),
+                on_renewed=functools.partial(self._on_lease_renewed, origin=origin),
             )
             renewer.add(lease)
             self._emit(signals.lease_claimed, key, attempt_id, generation)
@@ -288,9 +334,20 @@ class FencedTask(Task):
                 )
             except Exception as exc:
                 renewer.discard(lease)
+                if isinstance(exc, sa_exc.ProgrammingError):  # e.g. the tables do not exist
+                    logger.error(
+                        "fence store refused registration (%s); is the schema created? run: "
+                        "celery -A <app> fence init-db. The message is re-sent, not dropped.",
+                        type(exc.orig).__name__,
+                        extra={"action": "store_error", "fence_key": key},
+                    )
+                    self._reschedule(exc, countdown=max(5.0, config.retry_backoff_max / 10))
                 if isinstance(exc, DEFAULT_TRANSIENT):
-                    self._reschedule(
+                    self._retry_unrecorded(
                         exc,
+                        key,
+                        attempt_id,
+                        generation,
                         countdown=backoff(1 + self.request.retries, config),
                         reason=f"store unavailable ({type(exc).__name__})",
                     )
@@ -331,8 +388,39 @@ class FencedTask(Task):
             )
         raise self.retry(exc=exc, countdown=max(0.0, countdown), max_retries=None)
 
-    def _on_lease_lost(self, lease: HeldLease, reason: str) -> None:
-        self._emit(signals.lease_lost, lease.key, lease.token, lease.generation, reason=reason)
+    def _retry_unrecorded(
+        self,
+        exc: BaseException,
+        key: str,
+        attempt_id: str,
+        generation: int | None,
+        *,
+        countdown: float,
+        reason: str,
+    ) -> None:
+        """Re-send the message (a retry the store could not record: it says why) and signal it."""
+        self._emit(
+            signals.job_retry_scheduled,
+            key,
+            attempt_id,
+            generation,
+            reason=reason,
+            countdown=countdown,
+            attempts=None,
+        )
+        self._reschedule(exc, countdown=countdown, reason=reason)
+
+    def _on_lease_lost(
+        self, lease: HeldLease, reason: str, *, origin: tuple[str | None, str | None] | None = None
+    ) -> None:
+        self._emit(
+            signals.lease_lost,
+            lease.key,
+            lease.token,
+            lease.generation,
+            reason=reason,
+            origin=origin,
+        )
         try:
             self._fence_backends()[1].record(
                 lease.key,
@@ -349,8 +437,10 @@ class FencedTask(Task):
                 type(exc).__name__,
             )
 
-    def _on_lease_renewed(self, lease: HeldLease) -> None:
-        self._emit(signals.lease_renewed, lease.key, lease.token, lease.generation)
+    def _on_lease_renewed(
+        self, lease: HeldLease, *, origin: tuple[str | None, str | None] | None = None
+    ) -> None:
+        self._emit(signals.lease_renewed, lease.key, lease.token, lease.generation, origin=origin)
 
     def _execute(
         self,
@@ -438,8 +528,11 @@ class FencedTask(Task):
         except DEFAULT_TRANSIENT as exc:
             # Not acked as a success: the message is re-sent and the next attempt converges
             # (on the stored result if this commit did land before the connection broke).
-            self._reschedule(
+            self._retry_unrecorded(
                 exc,
+                key,
+                attempt_id,
+                generation,
                 countdown=backoff(fence.attempts, config),
                 reason=f"store unavailable at completion ({type(exc).__name__})",
             )
@@ -449,7 +542,11 @@ class FencedTask(Task):
         return result
 
     def _after_commit_effects(self, fence: Fence) -> None:
-        """Hook: the outbox sender is triggered here once effects are committed."""
+        """The completion committed outbox rows: send the outbox's deliver task (never raises;
+        rows it could not announce are delivered by the sweep)."""
+        from .outbox import trigger_delivery
+
+        trigger_delivery(self.app, fence.key)
 
     def _after_stale(
         self, key: str, attempt_id: str, generation: int, store: Store, exc: StaleGeneration
@@ -478,7 +575,17 @@ class FencedTask(Task):
         # The newer generation is still working: come back later and converge on its result
         # (or take over, if it dies). Never drop the message.
         config = self._fence_backends()[0]
-        self._reschedule(exc, countdown=config.lease_ttl + random.uniform(0, config.renew_interval))
+        countdown = config.lease_ttl + random.uniform(0, config.renew_interval)
+        self._emit(
+            signals.job_retry_scheduled,
+            key,
+            attempt_id,
+            generation,
+            reason=f"newer generation {exc.context.get('stored_generation')} still running",
+            countdown=countdown,
+            attempts=None,
+        )
+        self._reschedule(exc, countdown=countdown)
 
     def _after_lost(self, fence: Fence, store: Store, config: FenceConfig, exc: LeaseLost) -> Any:
         """The body stopped on a lost lease. Unless a newer attempt owns the job, re-send it."""
@@ -509,7 +616,7 @@ class FencedTask(Task):
         key, attempt_id, generation = fence.key, fence.attempt_id, fence.generation
         decision = policy.decide(exc, attempts=fence.attempts, task_name=self.name)
         if decision.action == "dead":
-            self._dead(
+            return self._dead(
                 key,
                 attempt_id,
                 generation,
@@ -536,16 +643,18 @@ class FencedTask(Task):
                 generation,
                 extra={"action": "retry", "fence_key": key, "generation": generation},
             )
+            reason = f"{decision.reason}; not recorded (store unavailable)"
         else:
-            self._emit(
-                signals.job_retry_scheduled,
-                key,
-                attempt_id,
-                generation,
-                reason=decision.reason,
-                countdown=decision.countdown,
-                attempts=fence.attempts,
-            )
+            reason = decision.reason
+        self._emit(
+            signals.job_retry_scheduled,
+            key,
+            attempt_id,
+            generation,
+            reason=reason,
+            countdown=decision.countdown,
+            attempts=fence.attempts,
+        )
         self._reschedule(exc, countdown=decision.countdown)
 
     def _dead(
@@ -565,6 +674,13 @@ class FencedTask(Task):
             )
         except StaleGeneration as stale:
             return self._after_stale(key, attempt_id, generation, store, stale)
+        except DEFAULT_TRANSIENT as exc:
+            # Not acked until the store says ``dead``: re-send; the next delivery decides again.
+            self._reschedule(
+                exc,
+                countdown=backoff(attempts, self._fence_backends()[0]),
+                reason=f"store unavailable while recording dead ({type(exc).__name__})",
+            )
         self._emit(signals.job_dead, key, attempt_id, generation, reason=reason, attempts=attempts)
         raise error  # Celery records FAILURE and, with acks_late, acks after this durable write
 

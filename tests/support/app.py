@@ -36,6 +36,9 @@ app.conf.update(
     fence_max_attempts=int(E.get("FENCE_T_MAX_ATTEMPTS", "5")),
     fence_retry_backoff=float(E.get("FENCE_T_BACKOFF", "0.2")),
     fence_retry_backoff_max=float(E.get("FENCE_T_BACKOFF_MAX", "1.0")),
+    fence_retry_budget_floor=int(E.get("FENCE_T_BUDGET_FLOOR", "10")),
+    fence_retry_budget_ratio=float(E.get("FENCE_T_BUDGET_RATIO", "0.2")),
+    fence_retry_budget_window=float(E.get("FENCE_T_BUDGET_WINDOW", "60")),
     fence_unfenced=E.get("FENCE_T_UNFENCED", "0") == "1",
 )
 ledger = redis.Redis.from_url(E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"))
@@ -92,3 +95,26 @@ def _kill_after_commit(sender: Any = None, key: str = "", **_: Any) -> None:
 
 
 fence_signals.job_completed.connect(_kill_after_commit, weak=False)
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda n: n)  # returns an int: a user's mistake
+def badly_keyed(self: Any, n: int) -> int:
+    ledger.incr(f"{PREFIX}:badly_keyed_runs")
+    return n
+
+
+# -- transition records (issue 4): payload-leak task, log redaction, signal recorder ----------
+app.conf.fence_redact_celery_logs = E.get("FENCE_T_REDACT", "0") == "1"
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda key, *args, **kwargs: key)
+def echo(self: Any, key: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Return its own arguments (payload-leak tests) after one line on the task logger."""
+    from celery.utils.log import get_task_logger
+
+    get_task_logger(__name__).info("echo body ran")
+    return {"args": list(args), "kwargs": kwargs}
+
+
+if E.get("FENCE_T_SIGNALS") == "1":
+    import tests.support.signal_recorder  # noqa: F401 - records every fence signal to Redis

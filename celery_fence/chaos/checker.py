@@ -1,0 +1,285 @@
+"""The checker: reads the history (store, transitions, outbox, ledger, provider) and counts.
+
+The column definitions are in the package docstring (:mod:`celery_fence.chaos`); this module is
+their implementation, one function per column, over one scenario's jobs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from celery_fence.store import Store, Transition
+
+#: Store writes that are fenced (each recorded in the same statement as the write itself).
+FENCED_WRITES = ("claimed", "completed", "retry_scheduled", "dead")
+#: Columns that must be zero; the harness exits 1 when one is not.
+SAFETY_COLUMNS = (
+    "stale_writes",
+    "lost_jobs",
+    "duplicate_completions",
+    "duplicate_external_effects",
+    "reruns_after_completion",
+    "unexpected_outcomes",
+)
+#: (field, header) in table order.
+COLUMNS = (
+    ("scenario", "scenario"),
+    ("runs", "runs"),
+    ("faults", "faults injected"),
+    ("stale_writes", "stale writes accepted"),
+    ("lost_jobs", "lost jobs"),
+    ("duplicate_completions", "duplicate completions"),
+    ("duplicate_external_effects", "duplicate external effects"),
+    ("reruns_after_completion", "body re-runs after completion"),
+    ("unexpected_outcomes", "unexpected outcomes"),
+    ("max_converge_s", "max time to converge (s)"),
+)
+
+
+@dataclass
+class Job:
+    """One logical job a scenario submitted, and what the scenario expects of it."""
+
+    key: str
+    expect: str = "completed"  # or "dead"
+    expect_attempts: int | None = None  # attempts counted by the store, when it matters
+    expect_starts: int | None = None  # body starts in the ledger, when it matters
+    task_ids: list[str] = field(default_factory=list)
+    finished: bool = False  # every message of the job finished (SUCCESS or FAILURE)
+
+
+@dataclass
+class ScenarioResult:
+    scenario: str
+    runs: int = 0
+    faults: int = 0
+    stale_writes: int = 0
+    lost_jobs: int = 0
+    duplicate_completions: int = 0
+    duplicate_external_effects: int = 0
+    reruns_after_completion: int = 0
+    unexpected_outcomes: int = 0
+    max_converge_s: float = 0.0
+    skipped: str | None = None
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def safe(self) -> bool:
+        return all(getattr(self, name) == 0 for name in SAFETY_COLUMNS)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["safe"] = self.safe
+        return out
+
+
+def _epoch(at: dt.datetime) -> float:
+    if at.tzinfo is None:  # SQLite hands back naive datetimes: they were written in UTC
+        at = at.replace(tzinfo=dt.timezone.utc)
+    return at.timestamp()
+
+
+def parse_ledger(raw: Iterable[bytes | str]) -> dict[str, list[dict[str, Any]]]:
+    """Ledger entries grouped by logical key, in the order they were appended."""
+    by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for item in raw:
+        entry = json.loads(item)
+        by_key[str(entry["key"])].append(entry)
+    return by_key
+
+
+def check(
+    result: ScenarioResult,
+    jobs: Sequence[Job],
+    store: Store,
+    ledger: Mapping[str, list[dict[str, Any]]],
+    provider_stats: Mapping[str, Any],
+) -> ScenarioResult:
+    """Fill the safety columns of ``result`` from the history of ``jobs``."""
+    by_idem: Mapping[str, Any] = provider_stats.get("by_key", {})
+    for job in jobs:
+        history = store.history(job.key)
+        events = ledger.get(job.key, [])
+        record = store.get(job.key)
+        result.stale_writes += _stale_writes(job.key, history, events, result.violations)
+        result.duplicate_completions += _duplicate_completions(job.key, history, result.violations)
+        result.reruns_after_completion += _reruns(job.key, history, events, result.violations)
+        result.duplicate_external_effects += _duplicate_effects(
+            job.key, events, store, by_idem, result.violations
+        )
+        if not job.finished or record is None or record.status not in ("completed", "dead"):
+            result.lost_jobs += 1
+            result.violations.append(
+                f"lost: {job.key} status={record.status if record else None} "
+                f"messages finished={job.finished}"
+            )
+        elif record.status == "completed" and any(
+            row.status != "delivered" for row in store.outbox_rows(key=job.key)
+        ):
+            result.lost_jobs += 1
+            result.violations.append(f"lost: {job.key} has a committed effect never delivered")
+        result.unexpected_outcomes += _unexpected(job, record, events, result.violations)
+    return result
+
+
+def _claims(history: Sequence[Transition]) -> list[tuple[int, int, float]]:
+    """(position, generation, time) of every accepted registration."""
+    return [
+        (i, t.generation, _epoch(t.at))
+        for i, t in enumerate(history)
+        if t.action == "claimed" and t.generation is not None
+    ]
+
+
+def _stale_writes(
+    key: str,
+    history: Sequence[Transition],
+    events: Sequence[Mapping[str, Any]],
+    violations: list[str],
+) -> int:
+    claims = _claims(history)
+    count = 0
+    for i, t in enumerate(history):
+        if t.action not in FENCED_WRITES or t.generation is None:
+            continue
+        newer = [g for pos, g, _ in claims if pos < i and g > t.generation]
+        if newer:
+            count += 1
+            violations.append(
+                f"stale write: {key} {t.action} from generation {t.generation} accepted after "
+                f"generation {max(newer)} was registered"
+            )
+    for e in events:
+        if e["ev"] != "effect" or e.get("gen") is None:
+            continue
+        newer = [g for _, g, at in claims if g > e["gen"] and at < e["t0"]]
+        if newer:
+            count += 1
+            violations.append(
+                f"stale effect: {key} side effect of generation {e['gen']} started after "
+                f"generation {max(newer)} was registered"
+            )
+    return count
+
+
+def _first_completion(history: Sequence[Transition]) -> Transition | None:
+    return next((t for t in history if t.action == "completed"), None)
+
+
+def _duplicate_completions(key: str, history: Sequence[Transition], violations: list[str]) -> int:
+    completions = [t for t in history if t.action == "completed"]
+    if len(completions) > 1:
+        violations.append(
+            f"duplicate completion: {key} completed {len(completions)} times "
+            f"(generations {[t.generation for t in completions]})"
+        )
+    return max(0, len(completions) - 1)
+
+
+def _reruns(
+    key: str,
+    history: Sequence[Transition],
+    events: Sequence[Mapping[str, Any]],
+    violations: list[str],
+) -> int:
+    first = _first_completion(history)
+    if first is None:
+        return 0
+    done_at = _epoch(first.at)
+    late = [e for e in events if e["ev"] == "start" and e["t"] > done_at]
+    for e in late:
+        violations.append(
+            f"re-run after completion: {key} body started (generation {e['gen']}) "
+            f"{e['t'] - done_at:.3f}s after generation {first.generation} completed"
+        )
+    return len(late)
+
+
+def _duplicate_effects(
+    key: str,
+    events: Sequence[Mapping[str, Any]],
+    store: Store,
+    by_idem: Mapping[str, Any],
+    violations: list[str],
+) -> int:
+    """External effects performed more than once for one (logical key, effect name)."""
+    idems: dict[str, set[str]] = defaultdict(set)
+    for e in events:
+        if e["ev"] == "call" and e.get("idem"):
+            idems[str(e["effect"])].add(str(e["idem"]))
+    rows = store.outbox_rows(key=key)
+    names = [row.name for row in rows]
+    count = 0
+    for name in set(names):
+        if names.count(name) > 1:
+            count += names.count(name) - 1
+            violations.append(f"duplicate outbox rows: {key} {name} x{names.count(name)}")
+    for row in rows:
+        idems[row.name].add(row.idempotency_key)
+    for name, keys in idems.items():
+        performed = sum(int(by_idem.get(k, {}).get("performed", 0)) for k in keys)
+        if performed > 1:
+            count += performed - 1
+            violations.append(
+                f"duplicate external effect: {key} {name} performed {performed} times at the "
+                f"provider (idempotency keys: {len(keys)})"
+            )
+    return count
+
+
+def _unexpected(
+    job: Job, record: Any, events: Sequence[Mapping[str, Any]], violations: list[str]
+) -> int:
+    if record is None or record.status not in ("completed", "dead"):
+        return 0  # counted as lost
+    problems = []
+    if record.status != job.expect:
+        problems.append(f"status {record.status}, expected {job.expect}")
+    if job.expect_attempts is not None and record.attempts != job.expect_attempts:
+        problems.append(f"attempts {record.attempts}, expected {job.expect_attempts}")
+    starts = sum(1 for e in events if e["ev"] == "start")
+    if job.expect_starts is not None and starts != job.expect_starts:
+        problems.append(f"body starts {starts}, expected {job.expect_starts}")
+    if record.status == "completed" and (
+        not isinstance(record.result, dict) or record.result.get("generation") != record.generation
+    ):
+        problems.append("stored result is not the stored generation's")
+    for p in problems:
+        violations.append(f"unexpected outcome: {job.key} {p}")
+    return 1 if problems else 0
+
+
+def render(results: Sequence[ScenarioResult]) -> str:
+    """One plain-text table (also valid Markdown)."""
+    headers = [h for _, h in COLUMNS]
+    rows = []
+    for r in results:
+        row = []
+        for name, _ in COLUMNS:
+            value = getattr(r, name)
+            if r.skipped and name not in ("scenario",):
+                value = "skipped" if name == "runs" else "-"
+            elif name == "max_converge_s":
+                value = f"{value:.2f}"
+            row.append(str(value))
+        rows.append(row)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
+    for row in rows:
+        lines.append(
+            "| "
+            + " | ".join(
+                v.ljust(w) if i == 0 else v.rjust(w)
+                for i, (v, w) in enumerate(zip(row, widths, strict=True))
+            )
+            + " |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,205 @@
+"""The chaos workload: the Celery app the harness's workers run (``celery -A`` this module).
+
+Configured only from ``CHAOS_*`` environment variables, which the harness sets for each scenario
+(:func:`settings_from_env`). One fenced task, :data:`TASK_NAME`, and one outbox handler.
+
+The workload writes a **ledger** of what really happened: one Redis list,
+``<CHAOS_LEDGER_PREFIX>:events``, of JSON entries ``{"ev", "key", "gen", "attempt", "pid", "t"}``
+(``t`` is wall-clock seconds, comparable with the store's transition times on the same machine):
+
+- ``start``   a body started (after the store registered its generation);
+- ``effect``  the body performed its side effect, inside ``self.fence.guard()``; ``t0`` is the
+  time just before the guard was entered;
+- ``call``    an external call to the provider (``outcome``: ok, timeout, error; ``idem``: the
+  idempotency key sent; ``effect``: the effect name);
+- ``kill``    a one-shot fault flag was consumed and the process is about to SIGKILL itself
+  (``window``: before_effect, before_commit, after_commit, or poison).
+
+Fault flags are one-shot: ``<ledger prefix>:kill:<window>:<key>`` is consumed with GETDEL right
+before ``os.kill(os.getpid(), SIGKILL)``, so a fault happens once even though the process dies.
+The after-commit window is a :data:`celery_fence.signals.job_completed` receiver.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+from celery import Celery
+
+from celery_fence import FencedTask, PermanentError
+from celery_fence import signals as fence_signals
+from celery_fence.outbox import Outbox, idempotency_key
+
+#: The one fenced task of the workload.
+TASK_NAME = "celery_fence.chaos.op"
+#: The effect every completed job stages in the outbox (delivered to the provider).
+NOTIFY = "notify"
+#: The effect the ``remote`` body calls the provider for directly (with an idempotency key).
+CHARGE = "charge"
+
+#: Environment variables the harness sets (all strings) and their defaults.
+ENV_DEFAULTS = {
+    "CHAOS_BROKER_URL": "redis://127.0.0.1:6379/2",
+    "CHAOS_BACKEND_URL": "redis://127.0.0.1:6379/1",
+    "CHAOS_REDIS_URL": "redis://127.0.0.1:6379/1",
+    "CHAOS_LEDGER_URL": "redis://127.0.0.1:6379/1",
+    "CHAOS_DATABASE_URL": "sqlite:///celery_fence_chaos.sqlite3",
+    "CHAOS_PREFIX": "chaos",
+    "CHAOS_LEDGER_PREFIX": "chaos-ledger",
+    "CHAOS_QUEUE": "chaos",
+    "CHAOS_TTL": "1.5",
+    "CHAOS_MAX_ATTEMPTS": "3",
+    "CHAOS_UNFENCED": "0",
+    "CHAOS_PROVIDER_URL": "",
+    "CHAOS_REMOTE_TIMEOUT": "0.5",
+}
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = os.environ if environ is None else environ
+    return {name: env.get(name) or default for name, default in ENV_DEFAULTS.items()}
+
+
+def make_app(s: Mapping[str, str]) -> Celery:
+    """The workload's Celery app for the settings ``s`` (the ``CHAOS_*`` names)."""
+    ttl = float(s["CHAOS_TTL"])
+    app = Celery("celery_fence_chaos", broker=s["CHAOS_BROKER_URL"], backend=s["CHAOS_BACKEND_URL"])
+    app.conf.update(
+        task_default_queue=s["CHAOS_QUEUE"],
+        worker_prefetch_multiplier=1,
+        result_expires=3600,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=True,
+        fence_redis_url=s["CHAOS_REDIS_URL"],
+        fence_database_url=s["CHAOS_DATABASE_URL"],
+        fence_key_prefix=s["CHAOS_PREFIX"],
+        fence_lease_ttl=ttl,
+        fence_renew_interval=ttl / 3,
+        fence_max_attempts=int(s["CHAOS_MAX_ATTEMPTS"]),
+        fence_retry_backoff=0.1,
+        fence_retry_backoff_max=0.5,
+        # the harness retries on purpose, many times a minute: the budget must not delay it
+        fence_retry_budget_floor=100_000,
+        fence_unfenced=s["CHAOS_UNFENCED"] == "1",
+    )
+    return app
+
+
+S = settings_from_env()
+app = make_app(S)
+outbox = Outbox(app, claim_ttl=max(5.0, 4 * float(S["CHAOS_REMOTE_TIMEOUT"])))
+ledger = redis.Redis.from_url(S["CHAOS_LEDGER_URL"])
+LEDGER = S["CHAOS_LEDGER_PREFIX"]
+
+
+def record(
+    ev: str, key: str, gen: int | None = None, attempt: str | None = None, **extra: Any
+) -> None:
+    """Append one ledger entry (never payloads: key, generation, attempt, pid, time)."""
+    entry = {"ev": ev, "key": key, "gen": gen, "attempt": attempt, "pid": os.getpid()}
+    entry.update(extra)
+    entry["t"] = time.time()
+    ledger.rpush(f"{LEDGER}:events", json.dumps(entry))
+
+
+def _kill_once(window: str, key: str, gen: int | None = None, attempt: str | None = None) -> None:
+    if ledger.getdel(f"{LEDGER}:kill:{window}:{key}") is not None:
+        record("kill", key, gen, attempt, window=window)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def call_provider(path: str, idem: str, payload: Any, *, timeout: float) -> dict[str, Any]:
+    """POST ``payload`` to the provider with an ``Idempotency-Key``; raise on timeout/errors."""
+    url = urlsplit(S["CHAOS_PROVIDER_URL"])
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80, timeout=timeout)
+    try:
+        body = json.dumps(payload, sort_keys=True)
+        conn.request(
+            "POST",
+            path,
+            body=body,
+            headers={"Idempotency-Key": idem, "Content-Type": "application/json"},
+        )
+        response = conn.getresponse()
+        data = response.read()
+    finally:
+        conn.close()
+    if response.status >= 500:
+        raise ConnectionError(f"provider answered {response.status}")
+    if response.status >= 400:
+        raise PermanentError(f"provider refused the request ({response.status})")
+    return dict(json.loads(data or b"{}"))
+
+
+@app.task(base=FencedTask, bind=True, name=TASK_NAME, fence_key=lambda key, **kw: key)
+def op(
+    self: Any,
+    key: str,
+    *,
+    sleep: float = 0.0,
+    check: bool = True,
+    mode: str = "normal",
+    remote: bool = False,
+) -> dict[str, Any]:
+    """One logical operation. ``check=False``: no direct side effect, the body relies on the
+    store alone (its result and its outbox row are what a stale attempt would write)."""
+    fence = self.fence
+    gen, attempt = fence.generation, fence.attempt_id
+    record("start", key, gen, attempt)
+    _kill_once("before_effect", key, gen, attempt)
+    end = time.monotonic() + sleep
+    while time.monotonic() < end:
+        time.sleep(0.02)
+    if mode == "permanent":
+        raise PermanentError("chaos: input that can never succeed")
+    if mode == "kill":
+        record("kill", key, gen, attempt, window="poison")
+        os.kill(os.getpid(), signal.SIGKILL)
+    if remote:
+        idem = idempotency_key(key, CHARGE)
+        path = f"/charges/{idem}"
+        fence.check()
+        try:
+            call_provider(
+                path, idem, {"key": key}, timeout=float(S["CHAOS_REMOTE_TIMEOUT"])
+            )
+        except TimeoutError:
+            record("call", key, gen, attempt, effect=CHARGE, idem=idem, outcome="timeout")
+            raise
+        except Exception as exc:
+            record("call", key, gen, attempt, effect=CHARGE, idem=idem, outcome="error")
+            raise ConnectionError(f"provider call failed: {type(exc).__name__}") from None
+        record("call", key, gen, attempt, effect=CHARGE, idem=idem, outcome="ok")
+    if check:
+        t0 = time.time()
+        with fence.guard():
+            record("effect", key, gen, attempt, t0=t0)
+    _kill_once("before_commit", key, gen, attempt)
+    fence.outbox.add(NOTIFY, {"key": key})
+    return {"key": key, "generation": gen, "attempt_id": attempt}
+
+
+@outbox.handler(NOTIFY)
+def notify(payload: Any, *, idempotency_key: str) -> None:
+    key = str(payload["key"])
+    try:
+        call_provider(f"/notify/{idempotency_key}", idempotency_key, payload, timeout=5.0)
+    except Exception:
+        record("call", key, effect=NOTIFY, idem=idempotency_key, outcome="error")
+        raise
+    record("call", key, effect=NOTIFY, idem=idempotency_key, outcome="ok")
+
+
+def _kill_after_commit(sender: Any = None, key: str = "", **kw: Any) -> None:
+    _kill_once("after_commit", key, kw.get("generation"), kw.get("attempt_id"))
+
+
+fence_signals.job_completed.connect(_kill_after_commit, weak=False)

@@ -1,0 +1,102 @@
+"""Driver-level SQL for the two statements on every task's critical path: register and complete.
+
+They run once per task, so they skip SQLAlchemy's statement building and compilation (which cost
+more CPU than the round trip itself) and go to the driver as prepared text, built once per
+(dialect, options). Everything else in :mod:`celery_fence.store` uses SQLAlchemy Core. Only the
+store imports this module.
+
+Parameters (psycopg2 ``%(name)s`` / sqlite3 ``:name``): ``key``, ``task_name``, ``generation``,
+``attempt_id``, ``request`` and ``result`` (JSON text), ``effects`` (a JSON array of
+``{"name", "idempotency_key", "payload"}``, PostgreSQL), ``now``. Each statement returns
+``(key, generation, attempt_id, attempts)`` of the row it changed, or no row when its fence
+did not match.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+RETURNING = "RETURNING key, generation, attempt_id, attempts"
+
+
+def _p(dialect: str, name: str) -> str:
+    return f"%({name})s" if dialect == "postgresql" else f":{name}"
+
+
+@cache
+def register_sql(dialect: str, *, fenced: bool = True) -> str:
+    """Upsert that takes the row only for a strictly greater generation of a live job."""
+    p = lambda n: _p(dialect, n)  # noqa: E731
+    json = "::jsonb" if dialect == "postgresql" else ""
+    condition = "fence_jobs.status NOT IN ('completed', 'dead')"
+    if fenced:
+        condition += " AND fence_jobs.generation < excluded.generation"
+    return (
+        "INSERT INTO fence_jobs (key, task_name, status, generation, attempt_id, attempts, "
+        "request, created_at, updated_at) "
+        f"VALUES ({p('key')}, {p('task_name')}, 'running', {p('generation')}, {p('attempt_id')}, "
+        f"1, {p('request')}{json}, {p('now')}, {p('now')}) "
+        "ON CONFLICT (key) DO UPDATE SET generation = excluded.generation, "
+        "attempt_id = excluded.attempt_id, status = 'running', "
+        "attempts = fence_jobs.attempts + 1, updated_at = excluded.updated_at, retry_at = NULL "
+        f"WHERE {condition} {RETURNING}"
+    )
+
+
+@cache
+def complete_sql(dialect: str, *, fenced: bool = True) -> str:
+    """Result + completed, only where this attempt still owns a running row."""
+    p = lambda n: _p(dialect, n)  # noqa: E731
+    json = "::jsonb" if dialect == "postgresql" else ""
+    where = f"key = {p('key')}"
+    sets = ""
+    if fenced:
+        where += (
+            f" AND generation = {p('generation')} AND attempt_id = {p('attempt_id')} "
+            "AND status = 'running'"
+        )
+    else:  # demonstration mode: last writer wins
+        sets = f", generation = {p('generation')}, attempt_id = {p('attempt_id')}"
+    return (
+        f"UPDATE fence_jobs SET status = 'completed', result = {p('result')}{json}, "
+        f"updated_at = {p('now')}, finished_at = {p('now')}, error_type = NULL, "
+        f"error_message = NULL{sets} WHERE {where} {RETURNING}"
+    )
+
+
+TRANSITION_COLUMNS = "key, generation, attempt_id, action, reason, at"
+OUTBOX_COLUMNS = "key, name, idempotency_key, payload, status, attempts, available_at, created_at"
+
+
+@cache
+def pg_with_records(write_sql: str, *, action: str, transitions: bool, effects: bool) -> str:
+    """Wrap a write in data-modifying CTEs so its transition row and outbox rows share its
+    statement (one round trip, one commit) on PostgreSQL."""
+    parts = [f"WITH fenced AS ({write_sql})"]
+    if transitions:
+        parts.append(
+            f", transition AS (INSERT INTO fence_transitions ({TRANSITION_COLUMNS}) "
+            f"SELECT key, generation, attempt_id, '{action}', NULL, %(now)s FROM fenced)"
+        )
+    if effects:
+        parts.append(
+            f", effects AS (INSERT INTO fence_outbox ({OUTBOX_COLUMNS}) "
+            "SELECT f.key, e.name, e.idempotency_key, e.payload, 'pending', 0, %(now)s, %(now)s "
+            "FROM fenced f CROSS JOIN jsonb_to_recordset(%(effects)s::jsonb) "
+            "AS e(name text, idempotency_key text, payload jsonb))"
+        )
+    parts.append(" SELECT key, generation, attempt_id, attempts FROM fenced")
+    return "".join(parts)
+
+
+def sqlite_transition_sql(action: str) -> str:
+    return (
+        f"INSERT INTO fence_transitions ({TRANSITION_COLUMNS}) "
+        f"VALUES (:key, :generation, :attempt_id, '{action}', NULL, :now)"
+    )
+
+
+SQLITE_OUTBOX_SQL = (
+    f"INSERT INTO fence_outbox ({OUTBOX_COLUMNS}) "
+    "VALUES (:key, :name, :idempotency_key, :payload, 'pending', 0, :now, :now)"
+)

@@ -1,0 +1,290 @@
+"""The outbox on both databases: staging, stable keys, claims, retries, racing senders.
+
+Real SQLite/PostgreSQL (``db_url``), real Redis; senders are real processes where they race.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from celery import Celery
+
+from celery_fence import FencedTask, PermanentError, StaleGeneration
+from celery_fence.lease import LeaseStore
+from celery_fence.outbox import Outbox, idempotency_key, storage_key
+from celery_fence.store import Effect, Store
+from tests.support.env import PG_ADMIN_URL, REDIS_URL
+from tests.support.outbox_app import race_sender
+from tests.support.worker import wait_until
+
+
+def _effect(key: str, name: str, payload: Any) -> Effect:
+    return Effect(name=name, payload=payload, idempotency_key=idempotency_key(key, name))
+
+
+def _completed_job(store: Store, key: str, *effects: Effect, generation: int = 1) -> None:
+    attempt = uuid.uuid4().hex
+    store.register(key, generation=generation, attempt_id=attempt, task_name="t")
+    store.complete(key, generation=generation, attempt_id=attempt, result={}, effects=effects)
+
+
+@pytest.fixture
+def app(db_url: str, prefix: str) -> Iterator[Celery]:
+    app = Celery(f"outbox-{prefix}", set_as_current=False)
+    app.conf.update(
+        fence_database_url=db_url,
+        fence_redis_url=REDIS_URL,
+        fence_key_prefix=prefix,
+        fence_max_attempts=3,
+        fence_retry_backoff=0.05,
+        fence_retry_backoff_max=0.1,
+        fence_lease_ttl=2.0,
+        fence_renew_interval=0.5,
+        task_always_eager=True,  # the post-completion trigger delivers inline, in this process
+    )
+    yield app
+    app.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def own_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database of this test's own: a sender sweeps every row in it, not just this test's."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'race.sqlite3'}"
+        Store(url).create_schema()
+        yield url
+        return
+    name = f"celery_fence_race_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = sa.engine.make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    Store(url).create_schema()
+    yield url
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.dispose()
+
+
+def test_effects_are_written_only_with_the_fenced_completion(store: Store) -> None:
+    key = f"job:{uuid.uuid4().hex[:8]}"
+    # Given generation 1 registered, then superseded by generation 2,
+    store.register(key, generation=1, attempt_id="a1", task_name="t")
+    store.register(key, generation=2, attempt_id="a2", task_name="t")
+    # when generation 1 completes with a staged effect, it is rejected and writes nothing;
+    with pytest.raises(StaleGeneration):
+        store.complete(
+            key, generation=1, attempt_id="a1", result={}, effects=[_effect(key, "e", {"g": 1})]
+        )
+    assert store.outbox_rows(key=key) == []
+    # generation 2's completion writes its effects with it, exactly once,
+    effects = [_effect(key, "email:alice", {"g": 2}), _effect(key, "email:bob", {"g": 2})]
+    store.complete(key, generation=2, attempt_id="a2", result={"ok": True}, effects=effects)
+    with pytest.raises(StaleGeneration):  # a replayed completion adds no second copy
+        store.complete(key, generation=2, attempt_id="a2", result={}, effects=effects)
+    rows = sorted(store.outbox_rows(key=key), key=lambda r: r.name)
+    assert [(r.name, r.payload, r.status, r.attempts) for r in rows] == [
+        ("email:alice", {"g": 2}, "pending", 0),
+        ("email:bob", {"g": 2}, "pending", 0),
+    ]
+    assert [r.idempotency_key for r in rows] == [e.idempotency_key for e in effects]
+    # and a job that fails instead of completing writes none.
+    other = f"job:{uuid.uuid4().hex[:8]}"
+    store.register(other, generation=1, attempt_id="b1", task_name="t")
+    store.mark_dead(other, generation=1, attempt_id="b1", error=ValueError("x"), reason="test")
+    assert store.outbox_rows(key=other) == []
+
+
+def test_idempotency_key_is_the_same_for_every_attempt(
+    app: Celery, store: Store, prefix: str, redis_client: redis.Redis
+) -> None:
+    key = f"report:{uuid.uuid4().hex[:8]}"
+    outbox = Outbox(app)
+    delivered: list[tuple[Any, str]] = []
+    staged: list[tuple[str, str]] = []
+
+    @outbox.handler("notify")
+    def notify(payload: Any, *, idempotency_key: str) -> None:
+        delivered.append((payload, idempotency_key))
+
+    @app.task(base=FencedTask, bind=True, fence_key=lambda k, fail: k)
+    def job(self: Any, k: str, fail: bool) -> str:
+        staged.append((self.fence.attempt_id, self.fence.outbox.add("notify", {"report": k})))
+        if fail:
+            raise ConnectionError("transient, after staging")
+        return "done"
+
+    # Given a first attempt that stages the effect and then fails (a retry is scheduled),
+    with pytest.raises(ConnectionError):
+        job(key, True)
+    assert store.outbox_rows(key=key) == []
+    lease_key = LeaseStore(redis_client, prefix=prefix).keys_for(key).lease
+    wait_until(lambda: not redis_client.exists(lease_key), 10, what="lease released")
+    # when a second attempt stages it again and completes,
+    assert job(key, False) == "done"
+    # then both attempts got the same key, derived from the logical key and the name only,
+    (attempt1, key1), (attempt2, key2) = staged
+    assert attempt1 != attempt2 and key1 == key2 == idempotency_key(key, "notify")
+    # and the one row carrying it was delivered (inline: task_always_eager) with that key.
+    (row,) = store.outbox_rows(key=key)
+    assert (row.idempotency_key, row.status, row.attempts) == (key1, "delivered", 1)
+    assert delivered == [({"report": key}, key1)]
+
+
+def test_an_expired_claim_is_taken_over_and_the_late_mark_refused(store: Store) -> None:
+    key = f"job:{uuid.uuid4().hex[:8]}"
+    _completed_job(store, key, _effect(key, "e", None))
+    # Given sender A's claim on the row,
+    (claimed,) = store.outbox_claim(claimer="A", claim_ttl=0.5, key=key)
+    # then B cannot claim it while A's claim lives,
+    assert store.outbox_claim(claimer="B", claim_ttl=30, key=key) == []
+    # but once it expired (A crashed after sending?), B claims it: a second delivery,
+    taken: list[Any] = []
+    wait_until(
+        lambda: taken.extend(store.outbox_claim(claimer="B", claim_ttl=30, key=key)) or taken,
+        10,
+        what="B's claim after A's expired",
+    )
+    assert taken[0].id == claimed.id and taken[0].attempts == 2
+    assert taken[0].idempotency_key == claimed.idempotency_key  # same key: the recipient dedupes
+    # and A, late, can neither mark nor fail the row; B can.
+    assert not store.outbox_mark_delivered(claimed.id, claimer="A")
+    assert not store.outbox_fail(claimed.id, claimer="A", error=OSError(), retry_at=None)
+    assert store.outbox_mark_delivered(claimed.id, claimer="B")
+    (row,) = store.outbox_rows(key=key)
+    assert (row.status, row.claimed_by, row.attempts) == ("delivered", "B", 2)
+    assert store.outbox_claim(claimer="C", claim_ttl=30, key=key) == []
+
+
+def test_failures_back_off_then_dead_letter(app: Celery, store: Store) -> None:
+    key = f"job:{uuid.uuid4().hex[:8]}"
+    _completed_job(store, key, _effect(key, "flaky", {"n": 1}), _effect(key, "bad", {"n": 2}))
+    outbox = Outbox(app)  # fence_max_attempts=3, backoff <= 0.1 s
+    calls: Counter[str] = Counter()
+
+    @outbox.handler("flaky")
+    def flaky(payload: Any, *, idempotency_key: str) -> None:
+        calls["flaky"] += 1
+        raise ConnectionError("provider down")
+
+    @outbox.handler("bad")
+    def bad(payload: Any, *, idempotency_key: str) -> None:
+        calls["bad"] += 1
+        raise PermanentError("rejected by the provider")
+
+    # Given a permanent failure: dead at once; a transient one: pending again, later.
+    report = outbox.deliver(key=key)
+    assert (report.delivered, report.failed, report.dead) == (0, 1, 1)
+    assert report.retry_in is not None and report.retry_in <= 0.1
+    rows = {r.name: r for r in store.outbox_rows(key=key)}
+    assert (rows["bad"].status, rows["flaky"].status) == ("dead", "pending")
+    assert rows["flaky"].available_at > rows["flaky"].created_at
+    assert "ConnectionError" in (rows["flaky"].last_error or "")
+    # When it keeps failing, it is retried until fence_max_attempts, then dead-lettered.
+    wait_until(
+        lambda: (
+            (outbox.deliver(key=key), store.outbox_rows(key=key, status="dead"))[1].__len__() == 2
+        ),
+        10,
+        what="flaky dead-lettered",
+    )
+    rows = {r.name: r for r in store.outbox_rows(key=key)}
+    assert (rows["flaky"].status, rows["flaky"].attempts, calls["flaky"]) == ("dead", 3, 3)
+    assert calls["bad"] == 1
+    # An operator can requeue a dead row; the sender then delivers it.
+    outbox.register("flaky", lambda payload, *, idempotency_key: None)
+    assert store.outbox_requeue(rows["flaky"].id)
+    assert outbox.deliver(key=key).delivered == 1
+    assert store.outbox_rows(key=key, status="delivered")[0].name == "flaky"
+
+
+def test_payloads_never_reach_the_logs(
+    app: Celery, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = f"job:{uuid.uuid4().hex[:8]}"
+    secret = f"s3cret-{uuid.uuid4().hex}"
+    _completed_job(store, key, _effect(key, "a", {"card": secret}), _effect(key, "b", secret))
+    outbox = Outbox(app)
+    outbox.register("a", lambda payload, *, idempotency_key: None)
+
+    def fails(payload: Any, *, idempotency_key: str) -> None:
+        raise ValueError(f"provider said: bad card {payload}")
+
+    outbox.register("b", fails)
+    with caplog.at_level(logging.DEBUG):
+        report = outbox.deliver(key=key)
+    assert (report.delivered, report.failed) == (1, 1)
+    assert caplog.records and key in caplog.text
+    assert secret not in caplog.text
+
+
+def test_no_handler_is_a_failure_not_a_skip(app: Celery, store: Store) -> None:
+    key = f"job:{uuid.uuid4().hex[:8]}"
+    _completed_job(store, key, _effect(key, "sms:bob", {}))
+    report = Outbox(app).deliver(key=key)
+    assert report.failed == 1
+    (row,) = store.outbox_rows(key=key)
+    assert row.status == "pending" and "NoHandler" in (row.last_error or "")
+
+
+def test_two_sender_processes_racing_deliver_each_row_once_per_claim(
+    own_db_url: str, redis_client: redis.Redis, prefix: str
+) -> None:
+    store, db_url = Store(own_db_url), own_db_url
+    # Given 40 committed effects,
+    keys = []
+    for i in range(40):
+        key = f"race:{prefix}:{i}"
+        _completed_job(store, key, _effect(key, "race", {"i": i}))
+        keys.append(idempotency_key(key, "race"))
+    ledger_key, barrier_key = f"{prefix}:race:ledger", f"{prefix}:race:go"
+    # when two sender processes start on them at the same moment,
+    ctx = multiprocessing.get_context("spawn")
+    senders = [
+        ctx.Process(target=race_sender, args=(db_url, REDIS_URL, ledger_key, barrier_key))
+        for _ in range(2)
+    ]
+    for p in senders:
+        p.start()
+    try:
+        time.sleep(0.5)  # not a correctness wait: lets both processes import before the start
+        redis_client.set(barrier_key, 1)
+        for p in senders:
+            p.join(timeout=90)
+            assert p.exitcode == 0
+    finally:
+        for p in senders:
+            if p.is_alive():
+                p.kill()
+    # then every row was delivered exactly once — none twice, none skipped —
+    deliveries = [json.loads(v) for v in redis_client.lrange(ledger_key, 0, -1)]
+    per_key = Counter(k for k, _ in deliveries)
+    assert set(per_key) == set(keys)
+    assert set(per_key.values()) == {1}
+    # each delivery is one claim, and both senders took part.
+    rows = store.outbox_rows()
+    assert len(rows) == 40
+    assert {(r.status, r.attempts) for r in rows} == {("delivered", 1)}
+    assert len({pid for _, pid in deliveries}) == 2
+    store.dispose()
+
+
+def test_storage_key_is_deterministic_per_input_version() -> None:
+    # A re-run of the same export (same key, same input version) writes the same object,
+    assert storage_key("export:7", 3) == storage_key("export:7", 3)
+    assert storage_key("export:7", 3, suffix=".csv").endswith(".csv")
+    # a new input version or another export writes a new one.
+    assert storage_key("export:7", 4) != storage_key("export:7", 3)
+    assert storage_key("export:8", 3) != storage_key("export:7", 3)
+    assert storage_key("export:7", "3") == storage_key("export:7", 3)

@@ -1,0 +1,253 @@
+"""The retry policy: classification, full-jitter backoff (bounds, growth, cap) and the budget.
+
+The budget runs against the real Redis (its shared bucket is a Lua script) with a controlled
+clock: time is passed in, never slept.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import statistics
+from typing import Any
+
+import kombu.exceptions
+import pytest
+import redis
+import sqlalchemy.exc
+
+from celery_fence import LeaseBusy, PermanentError, ResultNotSerializable
+from celery_fence.config import FenceConfig
+from celery_fence.retry import (
+    RetryBudget,
+    RetryPolicy,
+    TokenBucket,
+    backoff,
+    ceiling,
+    classify,
+)
+
+
+class Clock:
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class InvalidInput(Exception):
+    pass
+
+
+def _config(**overrides: Any) -> FenceConfig:
+    return FenceConfig.from_mapping({}, **overrides)
+
+
+# -- classification -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        redis.exceptions.ConnectionError("down"),
+        redis.exceptions.TimeoutError("slow"),
+        sqlalchemy.exc.OperationalError("SELECT 1", {}, Exception("server closed")),
+        sqlalchemy.exc.InterfaceError("SELECT 1", {}, Exception("closed")),
+        kombu.exceptions.OperationalError("broker down"),
+        ConnectionRefusedError("refused"),
+        TimeoutError("timed out"),
+        socket.timeout("timed out"),
+        LeaseBusy(remaining=1.0),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_connection_errors_and_timeouts_are_transient(exc: BaseException) -> None:
+    assert classify(exc, _config()) == "transient"
+
+
+def test_dbapi_connection_errors_are_transient() -> None:
+    psycopg2 = pytest.importorskip("psycopg2")
+    assert classify(psycopg2.OperationalError("server closed"), _config()) == "transient"
+
+
+def test_permanent_errors_and_configured_types() -> None:
+    config = _config(permanent_exceptions=[InvalidInput, "json.JSONDecodeError"])
+    assert classify(PermanentError("bad input"), config) == "permanent"
+    assert classify(ResultNotSerializable(), config) == "permanent"
+    assert classify(InvalidInput(), config) == "permanent"
+    import json
+
+    assert classify(json.JSONDecodeError("x", "doc", 0), config) == "permanent"
+    # permanent wins over transient: a configured permanent ConnectionError is not retried
+    both = _config(permanent_exceptions=[ConnectionResetError])
+    assert classify(ConnectionResetError(), both) == "permanent"
+
+
+def test_unknown_errors_and_a_replaced_transient_list() -> None:
+    assert classify(KeyError("x"), _config()) == "unknown"
+    config = _config(transient_exceptions=[KeyError])
+    assert classify(KeyError("x"), config) == "transient"
+    assert classify(ConnectionError(), config) == "unknown"  # the list replaces the defaults
+
+
+# -- backoff --------------------------------------------------------------------------------------
+
+
+def test_full_jitter_stays_within_the_growing_capped_ceiling() -> None:
+    config = _config(retry_backoff=0.5, retry_backoff_max=5.0)
+    assert [ceiling(n, config) for n in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert ceiling(10_000, config) == 5.0  # no overflow far past the cap
+    rng = random.Random(7)
+    for attempt in range(1, 8):
+        delays = [backoff(attempt, config, rng) for _ in range(400)]
+        assert all(0.0 <= d <= ceiling(attempt, config) for d in delays)
+        # full jitter: spread over the whole range, not clustered at the ceiling
+        assert min(delays) < 0.1 * ceiling(attempt, config)
+        assert max(delays) > 0.9 * ceiling(attempt, config)
+        assert len(set(delays)) == len(delays)
+
+
+def test_full_jitter_grows_on_average_until_the_cap() -> None:
+    config = _config(retry_backoff=0.5, retry_backoff_max=5.0)
+    rng = random.Random(11)
+    means = [statistics.fmean(backoff(n, config, rng) for _ in range(2000)) for n in range(1, 7)]
+    for expected_ceiling, mean in zip([0.5, 1.0, 2.0, 4.0, 5.0, 5.0], means, strict=True):
+        assert mean == pytest.approx(expected_ceiling / 2, rel=0.1)
+    assert means[0] < means[1] < means[2] < means[3]
+
+
+def test_zero_base_means_immediate_retries() -> None:
+    config = _config(retry_backoff=0.0, retry_backoff_max=0.0)
+    assert backoff(3, config) == 0.0
+
+
+# -- the decision ---------------------------------------------------------------------------------
+
+
+def _policy(**overrides: Any) -> RetryPolicy:
+    config = _config(**overrides)
+    return RetryPolicy(config, random.Random(3), budget=RetryBudget(config, shared=False))
+
+
+def test_decisions_permanent_transient_unknown_and_exhausted() -> None:
+    policy = _policy(max_attempts=3, retry_backoff=1.0, retry_backoff_max=8.0)
+    permanent = policy.decide(PermanentError("no"), attempts=1, task_name="t")
+    assert (permanent.action, permanent.countdown) == ("dead", 0.0)
+    first = policy.decide(ConnectionError(), attempts=1, task_name="t")
+    assert first.action == "retry" and 0.0 <= first.countdown <= 1.0
+    second = policy.decide(KeyError("k"), attempts=2, task_name="t")  # unknown: retried
+    assert second.action == "retry" and second.kind == "unknown" and second.countdown <= 2.0
+    last = policy.decide(ConnectionError(), attempts=3, task_name="t")
+    assert last.action == "dead" and "3 of 3" in last.reason
+    strict = _policy(retry_unknown_errors=False)
+    assert strict.decide(KeyError("k"), attempts=1, task_name="t").action == "dead"
+    assert strict.decide(ConnectionError(), attempts=1, task_name="t").action == "retry"
+
+
+def test_a_spent_budget_delays_the_retry_and_never_drops_it() -> None:
+    policy = _policy(
+        retry_budget_floor=1,
+        retry_budget_ratio=0.0,
+        retry_budget_window=60.0,
+        retry_backoff=0.1,
+        retry_backoff_max=2.0,
+    )
+    granted = policy.decide(ConnectionError(), attempts=1, task_name="t")
+    assert not granted.budget_spent and granted.countdown <= 0.1
+    delayed = [policy.decide(ConnectionError(), attempts=1, task_name="t") for _ in range(20)]
+    assert all(d.action == "retry" and d.budget_spent for d in delayed)
+    # delayed by the wait for a token (60 s here), capped at fence_retry_backoff_max, plus backoff
+    assert all(2.0 <= d.countdown <= 2.1 for d in delayed)
+
+
+# -- the budget -----------------------------------------------------------------------------------
+
+
+def test_token_bucket_floor_ratio_refill_and_cap() -> None:
+    clock = Clock()
+    bucket = TokenBucket(floor=2, ratio=0.5, window=60.0, now=clock())
+    assert [bucket.spend(clock()) for _ in range(2)] == [0.0, 0.0]  # the floor
+    wait = bucket.spend(clock())
+    assert wait == pytest.approx(30.0)  # one token per window / floor
+    for _ in range(4):
+        bucket.deposit(clock())  # 4 calls x 0.5
+    assert [bucket.spend(clock()) for _ in range(2)] == [0.0, 0.0]
+    assert bucket.spend(clock()) > 0
+    clock.now += 30.0  # the floor refills one token per 30 s
+    assert bucket.spend(clock()) == 0.0
+    assert bucket.spend(clock()) > 0
+    # a long quiet period refills only up to floor + ratio * recent (decayed) calls
+    clock.now += 3600.0
+    assert sum(bucket.spend(clock()) == 0.0 for _ in range(10)) == 2
+
+
+def test_a_budget_without_floor_depends_on_traffic() -> None:
+    clock = Clock()
+    bucket = TokenBucket(floor=0, ratio=0.1, window=10.0, now=clock())
+    assert bucket.spend(clock()) == 10.0
+    for _ in range(10):
+        bucket.deposit(clock())
+    assert bucket.spend(clock()) == 0.0
+    assert bucket.spend(clock()) > 0
+
+
+@pytest.fixture
+def budget_config(prefix: str) -> FenceConfig:
+    return _config(
+        key_prefix=prefix, retry_budget_floor=3, retry_budget_ratio=0.5, retry_budget_window=60.0
+    )
+
+
+def test_the_shared_budget_is_one_bucket_for_every_process(
+    redis_client: redis.Redis, budget_config: FenceConfig
+) -> None:
+    # Given two processes' budgets (separate objects, separate local buckets) on one Redis ...
+    clock = Clock()
+    a = RetryBudget(budget_config, redis_client=redis_client, clock=clock)
+    b = RetryBudget(budget_config, redis_client=redis_client, clock=clock)
+    # ... when both spend retries of the same task, they share floor = 3 tokens,
+    spent = [a.spend("task.x"), b.spend("task.x"), a.spend("task.x"), b.spend("task.x")]
+    assert spent[:3] == [0.0, 0.0, 0.0]
+    assert spent[3] == pytest.approx(20.0, abs=0.01)  # 1 token / (60 s / 3)
+    # while another task name has a budget of its own,
+    assert a.spend("task.y") == 0.0
+    # and calls, counted locally without I/O, are reported with the next failure: 4 x 0.5.
+    for _ in range(4):
+        b.record_call("task.x")
+    assert redis_client.exists(f"{budget_config.key_prefix}:budget:task.x")
+    after_calls = [b.spend("task.x"), b.spend("task.x"), b.spend("task.x")]
+    assert after_calls[:2] == [0.0, 0.0] and after_calls[2] > 0
+    assert a.spend("task.x") > 0
+    # Time refills it: 20 s later one token is back for whoever asks first.
+    clock.now += 20.0
+    assert a.spend("task.x") == 0.0
+    assert b.spend("task.x") > 0
+
+
+def test_the_shared_bucket_and_the_local_twin_agree(
+    redis_client: redis.Redis, budget_config: FenceConfig
+) -> None:
+    clock = Clock()
+    shared = RetryBudget(budget_config, redis_client=redis_client, clock=clock)
+    local = RetryBudget(budget_config, shared=False, clock=clock)
+    rng = random.Random(5)
+    outcomes = []
+    for _ in range(150):
+        for _ in range(rng.randint(0, 3)):
+            shared.record_call("t")
+            local.record_call("t")
+        wait = shared.spend("t")
+        assert wait == pytest.approx(local.spend("t"), abs=0.002)
+        outcomes.append(wait == 0.0)
+        clock.now += rng.randint(0, 12)  # whole seconds: both sides compute the same floats
+    assert any(outcomes) and not all(outcomes)  # both regimes were exercised
+
+
+def test_an_unreachable_shared_bucket_falls_back_to_the_process_budget(
+    budget_config: FenceConfig,
+) -> None:
+    down = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    budget = RetryBudget(budget_config, redis_client=down, clock=Clock())
+    assert [budget.spend("t") for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert budget.spend("t") > 0  # still a budget, per process, with the same rules
