@@ -147,3 +147,20 @@ def test_a_fence_key_that_is_not_a_str_fails_clearly_and_loses_nothing(
     assert record is not None and record.status == "dead"
     assert record.request is not None and record.request["args"] == [7]  # kept for a requeue
     assert record.error_type is not None and record.error_type.endswith("ConfigurationError")
+
+
+@pytest.mark.parametrize(("pool", "concurrency"), [("prefork", 2), ("threads", 4), ("solo", 1)])
+def test_renewal_keeps_long_tasks_alive_under_every_pool(
+    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, db_url: str,
+    pool: str, concurrency: int,
+) -> None:
+    # Given a 2 s TTL renewed every 0.5 s, bodies that run 3 s and check before their effect
+    spawn_worker("w", pool=pool, concurrency=concurrency)
+    keys = [f"long:{uuid.uuid4().hex[:8]}" for _ in range(concurrency)]
+    results = [client_app.work.delay(k, sleep=3.0) for k in keys]
+    # then every lease outlived its TTL: each job completed on its first generation, body once.
+    for k, r in zip(keys, results, strict=True):
+        assert r.get(timeout=60)["generation"] == 1
+        record = Store(db_url).get(k)
+        assert record is not None and (record.status, record.generation) == ("completed", 1)
+        assert len(_effects(redis_client, prefix, k)) == 1
