@@ -386,7 +386,9 @@ def parse_before(value: str, now: dt.datetime | None = None) -> dt.datetime:
             "age (30d, 12h, 45m)",
             exit_code=EX_USAGE,
         ) from None
-    return when if when.tzinfo is not None else when.replace(tzinfo=dt.timezone.utc)
+    if when.tzinfo is None:
+        return when.replace(tzinfo=dt.timezone.utc)
+    return when.astimezone(dt.timezone.utc)  # stored times are UTC (SQLite compares text)
 
 
 @_command("purge")

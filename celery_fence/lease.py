@@ -95,11 +95,9 @@ class LeaseStore:
         Raises :class:`LeaseBusy` (with ``remaining`` in seconds) when a live lease exists.
         """
         keys = self.keys_for(key)
-        if releases and not getattr(self.client, "cluster_mode", False):
+        if releases:
             status, value = self._claim_with_releases(keys, token, ttl_ms, releases)
         else:
-            if releases:
-                self.batch([], releases)
             status, value = CLAIM(self.client, [keys.lease, keys.generation], [token, ttl_ms])
         if int(status) == CLAIMED:
             return int(value)
@@ -110,25 +108,39 @@ class LeaseStore:
     def _claim_with_releases(
         self, keys: LeaseKeys, token: str, ttl_ms: int, releases: Sequence[tuple[str, str]]
     ) -> Any:
+        calls: list[tuple[_Script, tuple[Any, ...]]] = [
+            (RELEASE, (1, lease_key, value)) for lease_key, value in releases
+        ]
+        calls.append((CLAIM, (2, keys.lease, keys.generation, token, ttl_ms)))
+        result = self._pipelined(calls)[-1]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def _pipelined(self, calls: Sequence[tuple[_Script, tuple[Any, ...]]]) -> list[Any]:
+        """Run (script, (numkeys, *keys, *args)) calls in one pipelined round trip (per node).
+
+        A raw EVALSHA, not ``pipe.evalsha()``: a redis-py cluster pipeline refuses evalsha() but
+        routes a raw EVALSHA by its key's slot, so one trip reaches every node at once (MOVED/ASK
+        are followed by redis-py). Calls answered ``NOSCRIPT`` (restart, failover, a new cluster
+        node) are re-sent once after loading their scripts — only those: a claim that succeeded
+        is never sent twice. Errors are returned in place, not raised.
+        """
+        results: list[Any] = [None] * len(calls)
+        pending = list(range(len(calls)))
         for attempt in (1, 2):
             pipe = self.client.pipeline(transaction=False)
-            for lease_key, value in releases:
-                pipe.evalsha(RELEASE.sha, 1, lease_key, value)
-            pipe.evalsha(CLAIM.sha, 2, keys.lease, keys.generation, token, ttl_ms)
-            results = pipe.execute(raise_on_error=False)
-            if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
-                self.client.script_load(RELEASE.source)
-                self.client.script_load(CLAIM.source)
-                releases = [
-                    r
-                    for r, res in zip(releases, results, strict=False)
-                    if isinstance(res, NoScriptError)
-                ]
-                continue
-            if isinstance(results[-1], Exception):
-                raise results[-1]
-            return results[-1]
-        raise AssertionError("unreachable")  # pragma: no cover
+            for i in pending:
+                script, args = calls[i]
+                pipe.execute_command("EVALSHA", script.sha, *args)
+            for i, result in zip(pending, pipe.execute(raise_on_error=False), strict=True):
+                results[i] = result
+            pending = [i for i in pending if isinstance(results[i], NoScriptError)]
+            if not pending or attempt == 2:
+                break
+            for script in {calls[i][0] for i in pending}:
+                script.load(self.client)
+        return results
 
     def raise_generation(self, key: str, floor: int) -> int:
         """Raise the generation counter to at least ``floor`` (set-if-greater); return it."""
@@ -154,27 +166,10 @@ class LeaseStore:
         """
         if not renewals and not releases:
             return [], []
-        calls: list[tuple[_Script, str, tuple[Any, ...]]] = [
-            (RENEW, lease_key, (value, ttl_ms)) for lease_key, value, ttl_ms in renewals
-        ] + [(RELEASE, lease_key, (value,)) for lease_key, value in releases]
-        results: list[Any] = [None] * len(calls)
-        pending = list(range(len(calls)))
-        for attempt in (1, 2):
-            pipe = self.client.pipeline(transaction=False)
-            for i in pending:
-                script, lease_key, args = calls[i]
-                # A raw EVALSHA, not pipe.evalsha(): a redis-py cluster pipeline refuses
-                # evalsha() but routes a raw EVALSHA by its key's slot, so a tick is still one
-                # pipelined round trip per node (MOVED/ASK are followed by redis-py).
-                pipe.execute_command("EVALSHA", script.sha, 1, lease_key, *args)
-            for i, result in zip(pending, pipe.execute(raise_on_error=False), strict=True):
-                results[i] = result
-            pending = [i for i in pending if isinstance(results[i], NoScriptError)]
-            if not pending or attempt == 2:
-                break
-            # NOSCRIPT after a restart or failover (or a new cluster node): load, retry those once.
-            for script in {calls[i][0] for i in pending}:
-                script.load(self.client)
+        calls: list[tuple[_Script, tuple[Any, ...]]] = [
+            (RENEW, (1, lease_key, value, ttl_ms)) for lease_key, value, ttl_ms in renewals
+        ] + [(RELEASE, (1, lease_key, value)) for lease_key, value in releases]
+        results = self._pipelined(calls)
         for r in results:
             if isinstance(r, Exception):
                 raise r

@@ -215,14 +215,22 @@ class Outbox:
         return self.deliver(key=None)
 
     def deliver(self, *, key: str | None = None, limit: int | None = None) -> DeliveryReport:
-        """Claim and deliver due rows (of ``key``, or all) one at a time, up to ``limit``."""
+        """Claim and deliver due rows (of ``key``, or all) one at a time, up to ``limit``.
+
+        One pass in id order: a row that fails is not tried again in the same run (``retry_in``
+        says when it is due; the deliver task re-sends itself for it, the sweep also finds it).
+        """
         store = self.store
         report = DeliveryReport()
+        cursor = 0
         for _ in range(limit or self.batch):
             claimer = _claim_token()
-            rows = store.outbox_claim(claimer=claimer, claim_ttl=self.claim_ttl, key=key)
+            rows = store.outbox_claim(
+                claimer=claimer, claim_ttl=self.claim_ttl, key=key, after_id=cursor
+            )
             if not rows:
                 break
+            cursor = rows[0].id
             self._deliver_one(store, rows[0], claimer, report)
         return report
 

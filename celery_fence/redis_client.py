@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from .errors import ConfigurationError
 
@@ -331,9 +333,16 @@ def parse_redis_settings(
 
 
 def _timeouts(lease_ttl: float) -> dict[str, Any]:
-    """Socket timeouts that let a renewal fail well inside one lease TTL."""
+    """Socket timeouts that let a renewal fail well inside one lease TTL, and one immediate
+    retry (a stale pooled connection, a Sentinel failover) instead of redis-py's default
+    retries with exponential backoff: those could hold a renewal round trip for seconds past
+    the lease deadline. The renewer's next tick and the task's rescheduling are the retries."""
     timeout = max(0.5, min(5.0, lease_ttl / 3))
-    return {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    return {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 1),
+    }
 
 
 def build_client(target: RedisTarget, *, lease_ttl: float) -> Any:

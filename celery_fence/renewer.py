@@ -27,6 +27,8 @@ logger = logging.getLogger("celery_fence.renewer")
 #: round trip) before the renewer thread sends it on its own.
 RELEASE_DELAY = 0.02
 
+RENEWER_THREAD_NAME = "celery-fence-renewer"
+
 
 class HeldLease:
     """One lease held by one attempt: the attempt's view of its own authority."""
@@ -135,7 +137,7 @@ class Renewer:
             if self._thread is None or not self._thread.is_alive():
                 self._stopping = False
                 self._thread = threading.Thread(
-                    target=self._run, name="celery-fence-renewer", daemon=True
+                    target=self._run, name=RENEWER_THREAD_NAME, daemon=True
                 )
                 self._thread.start()
             self._cond.notify()
@@ -158,6 +160,16 @@ class Renewer:
         with self._cond:
             releases, self._releases = self._releases, []
             return releases
+
+    def return_releases(self, releases: list[tuple[str, str]]) -> None:
+        """Give back releases a failed claim could not send; the thread retries them."""
+        if releases:
+            self._ensure_process()
+            with self._cond:
+                if not self._releases:
+                    self._release_due = time.monotonic() + RELEASE_DELAY
+                self._releases.extend(releases)
+                self._cond.notify()
 
     def held(self) -> int:
         return len(self._held)
@@ -260,6 +272,14 @@ def renewer_for(leases: LeaseStore) -> Renewer:
         if renewer is None:
             renewer = _renewers[id(leases)] = Renewer(leases)
         return renewer
+
+
+def shutdown(timeout: float = 2.0) -> None:
+    """Send queued releases and stop every renewer of this process (worker shutdown)."""
+    for renewer in list(_renewers.values()):
+        if renewer._pid == os.getpid():
+            renewer.flush(timeout)
+            renewer.stop()
 
 
 def _after_fork_in_child() -> None:

@@ -70,6 +70,9 @@ DEFAULT_TRANSIENT: tuple[type[BaseException], ...] = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     redis.exceptions.BusyLoadingError,
+    redis.exceptions.ClusterError,  # also ClusterDownError, MasterDownError
+    redis.exceptions.TryAgainError,  # a slot migration in progress
+    redis.exceptions.ReadOnlyError,  # a replica just before/after a failover
     sqlalchemy.exc.OperationalError,
     sqlalchemy.exc.InterfaceError,
     sqlalchemy.exc.DisconnectionError,
@@ -160,13 +163,16 @@ class TokenBucket:
 
 RETRY_BUDGET = _Script("retry_budget")
 
+#: Seconds the per-process budget stands in after the shared bucket could not be reached.
+SHARED_COOLDOWN = 10.0
+
 _clients: dict[tuple[Any, ...], Any] = {}
 _clients_lock = threading.Lock()
 
 
 def _shared_client(config: FenceConfig) -> Any:
     """One Redis client per lease Redis and process, created on the first failure only."""
-    ident = (config.redis_url, config.redis_client)
+    ident = (config.redis_url, config.redis_client, config.redis_cluster)
     with _clients_lock:
         client = _clients.get(ident)
         if client is None:
@@ -200,6 +206,7 @@ class RetryBudget:
         self._lock = threading.Lock()
         self._local: dict[str, TokenBucket] = {}
         self._unreported: dict[str, tuple[float, float]] = {}  # name -> (decayed calls, at)
+        self._shared_down_until = 0.0  # monotonic: skip the shared bucket until then
 
     def key(self, name: str) -> str:
         return f"{self.config.key_prefix}:budget:{name}"
@@ -233,7 +240,7 @@ class RetryBudget:
         with self._lock:
             unreported = self._decayed(name, now)
             local_wait = self._bucket(name, now).spend(now)
-        if not self.shared:
+        if not self.shared or time.monotonic() < self._shared_down_until:
             return local_wait
         try:
             client = self._client if self._client is not None else _shared_client(self.config)
@@ -249,7 +256,10 @@ class RetryBudget:
                 ],
             )
         except (redis.exceptions.RedisError, OSError):
-            return local_wait  # the budget's own storage is down: never block a retry on it
+            # The budget's own storage is down (often the very failure being retried): never
+            # block a retry on it, and do not wait for it again on every failure for a while.
+            self._shared_down_until = time.monotonic() + SHARED_COOLDOWN
+            return local_wait
         with self._lock:  # reported: only calls counted since this round trip stay local
             calls, at = self._unreported.get(name, (0.0, now))
             self._unreported[name] = (max(0.0, calls - unreported), at)

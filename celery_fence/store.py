@@ -170,7 +170,12 @@ class Store:
             return self._engine
 
     def _create_engine(self) -> sa.Engine:
-        options: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_pre_ping": False}
+        # hide_parameters: a database error must never print a result or payload into a log.
+        options: dict[str, Any] = {
+            "isolation_level": "AUTOCOMMIT",
+            "pool_pre_ping": False,
+            "hide_parameters": True,
+        }
         if self.dialect == "sqlite":
             options["connect_args"] = {"timeout": 30, "check_same_thread": False}
         else:
@@ -683,18 +688,21 @@ class Store:
         claim_ttl: float,
         limit: int = 1,
         key: str | None = None,
+        after_id: int = 0,
     ) -> Sequence[OutboxRow]:
         """Claim up to ``limit`` due ``pending`` rows (oldest first) for ``claim_ttl`` seconds.
 
-        A row is due when ``available_at`` has passed and no live claim holds it. Each claim
-        counts one attempt. PostgreSQL: ``FOR UPDATE SKIP LOCKED`` in one statement; SQLite: the
-        same conditional ``UPDATE`` under ``BEGIN IMMEDIATE`` (writers are serialized).
+        A row is due when ``available_at`` has passed and no live claim holds it; only rows with
+        an id above ``after_id`` are considered (a sender's cursor). Each claim counts one attempt.
+        PostgreSQL: ``FOR UPDATE SKIP LOCKED`` in one statement; SQLite: the same conditional
+        ``UPDATE`` under ``BEGIN IMMEDIATE`` (writers are serialized).
         """
         now = utcnow()
         due = (
             (outbox.c.status == "pending")
             & (outbox.c.available_at <= now)
             & (outbox.c.claimed_until.is_(None) | (outbox.c.claimed_until < now))
+            & (outbox.c.id > after_id)
         )
         if key is not None:
             due = due & (outbox.c.key == key)
@@ -711,9 +719,9 @@ class Store:
             with self.engine.connect() as conn:
                 rows = conn.execute(stmt).all()
         else:
-            stmt = claim.where(outbox.c.id.in_(ids.scalar_subquery()) & due)
+            stmt = claim.where(outbox.c.id.in_(ids.scalar_subquery()) & due).returning(*outbox.c)
             with self._tx() as conn:
-                rows = conn.execute(stmt.returning(*outbox.c)).all()
+                rows = conn.execute(stmt).all()
         return sorted((_outbox_row(r) for r in rows), key=lambda r: r.id)
 
     def outbox_mark_delivered(self, row_id: int, *, claimer: str) -> bool:

@@ -14,14 +14,16 @@ import functools
 import json
 import logging
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task
 from celery.app.task import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
+from celery.signals import worker_process_shutdown
 from sqlalchemy import exc as sa_exc
 
 from . import signals
@@ -38,7 +40,9 @@ from .errors import (
 from .events import send_transition_event
 from .fence import Fence
 from .lease import LeaseStore, make_redis_client
-from .renewer import HeldLease, Renewer, renewer_for
+from .redis_client import client_identity
+from .renewer import RENEWER_THREAD_NAME, HeldLease, Renewer, renewer_for
+from .renewer import shutdown as shutdown_renewers
 from .retry import DEFAULT_TRANSIENT, RetryPolicy, backoff
 from .schema import KEY_LENGTH
 from .store import Registration, Store, store_for
@@ -52,7 +56,7 @@ _lease_stores: dict[tuple[Any, ...], LeaseStore] = {}
 
 
 def lease_store_for(config: FenceConfig) -> LeaseStore:
-    ident = (config.redis_url, config.redis_client, config.key_prefix)
+    ident = (client_identity(config), config.key_prefix)
     store = _lease_stores.get(ident)
     if store is None:
         store = _lease_stores[ident] = LeaseStore(
@@ -284,10 +288,9 @@ class FencedTask(Task):
         origin = (self.request.id, self.request.hostname)  # for events sent by the renewer thread
         for _ in range(CLAIM_ROUNDS):
             claimed_at = time.monotonic()
+            releases = renewer.take_releases()
             try:
-                generation = leases.claim(
-                    key, attempt_id, config.lease_ttl_ms, releases=renewer.take_releases()
-                )
+                generation = leases.claim(key, attempt_id, config.lease_ttl_ms, releases=releases)
             except LeaseBusy as busy:
                 self._emit(
                     signals.lease_busy,
@@ -299,7 +302,15 @@ class FencedTask(Task):
                 )
                 jitter = random.uniform(0, max(0.05, config.renew_interval / 4))
                 self._reschedule(busy, countdown=busy.remaining + jitter)
-            except DEFAULT_TRANSIENT as exc:  # Redis unreachable: retry the message, never drop it
+            except Exception as exc:  # Redis unreachable or refusing: re-send, never drop
+                renewer.return_releases(releases)
+                if not isinstance(exc, DEFAULT_TRANSIENT):
+                    logger.error(
+                        "fence claim failed key=%s: %s; the message is re-sent with backoff",
+                        key,
+                        type(exc).__name__,
+                        extra={"action": "claim_error", "fence_key": key, "reason": str(exc)},
+                    )
                 self._retry_unrecorded(
                     exc,
                     key,
@@ -332,7 +343,7 @@ class FencedTask(Task):
                     task_name=self.name,
                     request=request_info or None,
                 )
-            except Exception as exc:
+            except Exception as exc:  # nothing was registered: re-send, never drop
                 renewer.discard(lease)
                 if isinstance(exc, sa_exc.ProgrammingError):  # e.g. the tables do not exist
                     logger.error(
@@ -342,21 +353,27 @@ class FencedTask(Task):
                         extra={"action": "store_error", "fence_key": key},
                     )
                     self._reschedule(exc, countdown=max(5.0, config.retry_backoff_max / 10))
-                if isinstance(exc, DEFAULT_TRANSIENT):
-                    self._retry_unrecorded(
-                        exc,
+                if not isinstance(exc, DEFAULT_TRANSIENT):
+                    logger.error(
+                        "fence registration failed key=%s: %s; the message is re-sent with backoff",
                         key,
-                        attempt_id,
-                        generation,
-                        countdown=backoff(1 + self.request.retries, config),
-                        reason=f"store unavailable ({type(exc).__name__})",
+                        type(exc).__name__,
+                        extra={"action": "store_error", "fence_key": key},
                     )
-                raise
+                self._retry_unrecorded(
+                    exc,
+                    key,
+                    attempt_id,
+                    generation,
+                    countdown=backoff(1 + self.request.retries, config),
+                    reason=f"store unavailable ({type(exc).__name__})",
+                )
             if registration.outcome != "stale":
                 return lease, registration
             # Redis handed out a generation the store already saw (its counter was lost):
             # raise the counter above the store's and claim again. The store stays the authority.
-            renewer.discard(lease)
+            renewer.discard(lease, release=False)
+            leases.release(lease.lease_key, lease.value)  # now, so the re-claim does not meet it
             logger.warning(
                 "fence generation regressed key=%s generation=%s stored=%s; raising the counter",
                 key,
@@ -373,7 +390,7 @@ class FencedTask(Task):
             leases.raise_generation(key, registration.stored_generation)
         raise FenceError(f"could not claim a generation above the store's for {key!r}")
 
-    def _reschedule(self, exc: BaseException, *, countdown: float, reason: str = "") -> None:
+    def _reschedule(self, exc: BaseException, *, countdown: float, reason: str = "") -> NoReturn:
         """Re-send this message (same task id) after ``countdown`` seconds; never drop it."""
         if self.request.called_directly:
             raise exc
@@ -397,17 +414,18 @@ class FencedTask(Task):
         *,
         countdown: float,
         reason: str,
-    ) -> None:
+    ) -> NoReturn:
         """Re-send the message (a retry the store could not record: it says why) and signal it."""
-        self._emit(
-            signals.job_retry_scheduled,
-            key,
-            attempt_id,
-            generation,
-            reason=reason,
-            countdown=countdown,
-            attempts=None,
-        )
+        if not self.request.called_directly:  # a direct call raises instead of re-sending
+            self._emit(
+                signals.job_retry_scheduled,
+                key,
+                attempt_id,
+                generation,
+                reason=reason,
+                countdown=countdown,
+                attempts=None,
+            )
         self._reschedule(exc, countdown=countdown, reason=reason)
 
     def _on_lease_lost(
@@ -421,6 +439,16 @@ class FencedTask(Task):
             reason=reason,
             origin=origin,
         )
+        if threading.current_thread().name != RENEWER_THREAD_NAME:
+            self._record_lost(lease, reason)  # the task noticed: record before it goes on
+            return
+        # The renewal thread noticed: write the history row off that thread, so a slow database
+        # never delays the renewal of the process's other leases.
+        threading.Thread(
+            target=self._record_lost, args=(lease, reason), name="celery-fence-record", daemon=True
+        ).start()
+
+    def _record_lost(self, lease: HeldLease, reason: str) -> None:
         try:
             self._fence_backends()[1].record(
                 lease.key,
@@ -676,13 +704,22 @@ class FencedTask(Task):
             return self._after_stale(key, attempt_id, generation, store, stale)
         except DEFAULT_TRANSIENT as exc:
             # Not acked until the store says ``dead``: re-send; the next delivery decides again.
-            self._reschedule(
+            self._retry_unrecorded(
                 exc,
+                key,
+                attempt_id,
+                generation,
                 countdown=backoff(attempts, self._fence_backends()[0]),
                 reason=f"store unavailable while recording dead ({type(exc).__name__})",
             )
         self._emit(signals.job_dead, key, attempt_id, generation, reason=reason, attempts=attempts)
         raise error  # Celery records FAILURE and, with acks_late, acks after this durable write
+
+
+@worker_process_shutdown.connect(weak=False)
+def _release_on_shutdown(**_: Any) -> None:
+    """A pool process (or a solo worker) that exits sends its queued releases first."""
+    shutdown_renewers()
 
 
 def _at(countdown: float) -> dt.datetime:

@@ -28,6 +28,7 @@ app.conf.update(
     fence_renew_interval=settings.RENEW_INTERVAL,
     fence_retry_backoff=0.3,
     fence_retry_backoff_max=5.0,
+    fence_redact_celery_logs=True,  # keep task args and results out of Celery's own log lines
     beat_schedule={"outbox-sweep": {"task": SWEEP_TASK, "schedule": 30.0}},
 )
 

@@ -39,7 +39,7 @@ class ExportRequest:
     input_version: int
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def engine() -> sa.Engine:
     return sa.create_engine(settings.DATABASE_URL)
 

@@ -13,7 +13,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from celery_fence.outbox import idempotency_key
 from celery_fence.store import Store, Transition
+
+from . import CHARGE
 
 #: Store writes that are fenced (each recorded in the same statement as the write itself).
 FENCED_WRITES = ("claimed", "completed", "retry_scheduled", "dead")
@@ -49,8 +52,10 @@ class Job:
     expect: str = "completed"  # or "dead"
     expect_attempts: int | None = None  # attempts counted by the store, when it matters
     expect_starts: int | None = None  # body starts in the ledger, when it matters
+    expect_remote: bool = False  # a charge that timed out once must converge through its key
     task_ids: list[str] = field(default_factory=list)
     finished: bool = False  # every message of the job finished (SUCCESS or FAILURE)
+    states: list[str] = field(default_factory=list)  # the final Celery state of each message
 
 
 @dataclass
@@ -66,6 +71,7 @@ class ScenarioResult:
     unexpected_outcomes: int = 0
     max_converge_s: float = 0.0
     skipped: str | None = None
+    error: str | None = None  # the harness itself failed (a step timed out): exit status 2
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -123,7 +129,7 @@ def check(
         ):
             result.lost_jobs += 1
             result.violations.append(f"lost: {job.key} has a committed effect never delivered")
-        result.unexpected_outcomes += _unexpected(job, record, events, result.violations)
+        result.unexpected_outcomes += _unexpected(job, record, events, by_idem, result.violations)
     return result
 
 
@@ -144,9 +150,19 @@ def _stale_writes(
 ) -> int:
     claims = _claims(history)
     count = 0
+    terminal = None
     for i, t in enumerate(history):
         if t.action not in FENCED_WRITES or t.generation is None:
             continue
+        if terminal is not None:
+            count += 1
+            violations.append(
+                f"stale write: {key} {t.action} (row generation {t.generation}) accepted after "
+                f"the job was {terminal.action} by generation {terminal.generation}"
+            )
+            continue
+        if t.action in ("completed", "dead"):
+            terminal = t
         newer = [g for pos, g, _ in claims if pos < i and g > t.generation]
         if newer:
             count += 1
@@ -233,7 +249,11 @@ def _duplicate_effects(
 
 
 def _unexpected(
-    job: Job, record: Any, events: Sequence[Mapping[str, Any]], violations: list[str]
+    job: Job,
+    record: Any,
+    events: Sequence[Mapping[str, Any]],
+    by_idem: Mapping[str, Any],
+    violations: list[str],
 ) -> int:
     if record is None or record.status not in ("completed", "dead"):
         return 0  # counted as lost
@@ -249,6 +269,16 @@ def _unexpected(
         not isinstance(record.result, dict) or record.result.get("generation") != record.generation
     ):
         problems.append("stored result is not the stored generation's")
+    if record.status == "completed" and "FAILURE" in job.states:
+        problems.append(f"a message ended FAILURE although the job completed ({job.states})")
+    if job.expect_remote:
+        idem = idempotency_key(job.key, CHARGE)
+        stats = by_idem.get(idem, {})
+        if stats.get("performed") != 1 or int(stats.get("requests", 0)) < 2:
+            problems.append(
+                f"charge performed {stats.get('performed', 0)} times for "
+                f"{stats.get('requests', 0)} requests (expected once, replayed on retry)"
+            )
     for p in problems:
         violations.append(f"unexpected outcome: {job.key} {p}")
     return 1 if problems else 0

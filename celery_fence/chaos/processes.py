@@ -26,7 +26,7 @@ from typing import Any
 
 _children: list[subprocess.Popen[bytes]] = []
 _closers: list[Callable[[], None]] = []
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: the signal handler may interrupt a holder
 _installed = False
 
 
@@ -175,10 +175,8 @@ class Worker:
             return
         self.signal(signal.SIGCONT)
         self.signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
         _kill_group(self.proc.pid, signal.SIGKILL)  # and prefork children that outlived it
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)

@@ -38,12 +38,7 @@ from celery_fence import FencedTask, PermanentError
 from celery_fence import signals as fence_signals
 from celery_fence.outbox import Outbox, idempotency_key
 
-#: The one fenced task of the workload.
-TASK_NAME = "celery_fence.chaos.op"
-#: The effect every completed job stages in the outbox (delivered to the provider).
-NOTIFY = "notify"
-#: The effect the ``remote`` body calls the provider for directly (with an idempotency key).
-CHARGE = "charge"
+from . import CHARGE, NOTIFY, TASK_NAME
 
 #: Environment variables the harness sets (all strings) and their defaults.
 ENV_DEFAULTS = {
@@ -104,7 +99,8 @@ def record(
     ev: str, key: str, gen: int | None = None, attempt: str | None = None, **extra: Any
 ) -> None:
     """Append one ledger entry (never payloads: key, generation, attempt, pid, time)."""
-    entry = {"ev": ev, "key": key, "gen": gen, "attempt": attempt, "pid": os.getpid()}
+    entry: dict[str, Any] = {"ev": ev, "key": key, "gen": gen, "attempt": attempt}
+    entry["pid"] = os.getpid()
     entry.update(extra)
     entry["t"] = time.time()
     ledger.rpush(f"{LEDGER}:events", json.dumps(entry))
@@ -148,9 +144,12 @@ def op(
     check: bool = True,
     mode: str = "normal",
     remote: bool = False,
+    notify: bool = True,
 ) -> dict[str, Any]:
     """One logical operation. ``check=False``: no direct side effect, the body relies on the
-    store alone (its result and its outbox row are what a stale attempt would write)."""
+    store alone (its result and its outbox row are what a stale attempt would write).
+    ``notify=False``: no outbox effect either (the outbox's unique idempotency key would
+    otherwise refuse a second completion on its own), so the result is the only thing written."""
     fence = self.fence
     gen, attempt = fence.generation, fence.attempt_id
     record("start", key, gen, attempt)
@@ -168,9 +167,7 @@ def op(
         path = f"/charges/{idem}"
         fence.check()
         try:
-            call_provider(
-                path, idem, {"key": key}, timeout=float(S["CHAOS_REMOTE_TIMEOUT"])
-            )
+            call_provider(path, idem, {"key": key}, timeout=float(S["CHAOS_REMOTE_TIMEOUT"]))
         except TimeoutError:
             record("call", key, gen, attempt, effect=CHARGE, idem=idem, outcome="timeout")
             raise
@@ -183,7 +180,8 @@ def op(
         with fence.guard():
             record("effect", key, gen, attempt, t0=t0)
     _kill_once("before_commit", key, gen, attempt)
-    fence.outbox.add(NOTIFY, {"key": key})
+    if notify:
+        fence.outbox.add(NOTIFY, {"key": key})
     return {"key": key, "generation": gen, "attempt_id": attempt}
 
 

@@ -8,7 +8,12 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import signal
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -288,3 +293,50 @@ def test_storage_key_is_deterministic_per_input_version() -> None:
     assert storage_key("export:7", 4) != storage_key("export:7", 3)
     assert storage_key("export:8", 3) != storage_key("export:7", 3)
     assert storage_key("export:7", "3") == storage_key("export:7", 3)
+
+
+def _post(url: str, body: Any, key: str | None, timeout: float = 5.0) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Idempotency-Key"] = key
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers=headers, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_provider_stub_standalone_performs_each_key_once() -> None:
+    # Given the stub as its own process (as the chaos suite runs it),
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery_fence.testing.provider", "--port", "0", "--fail-first", "1"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:")
+        # a failure before performing is not stored: the retry performs it,
+        assert _post(f"{url}/emails", {"to": "a"}, "k1")[0] == 503
+        status, first = _post(f"{url}/emails", {"to": "a"}, "k1")
+        assert status == 200
+        # a repeat replays the stored response; another body under the same key is refused,
+        assert _post(f"{url}/emails", {"to": "a"}, "k1") == (200, first)
+        assert _post(f"{url}/emails", {"to": "b"}, "k1")[0] == 422
+        # a delayed answer times out the client after the work was done, and the retry replays.
+        assert _post(f"{url}/_control", {"delay_next": 1.5, "path": "/pay"}, None)[0] == 200
+        with pytest.raises(OSError):
+            _post(f"{url}/pay", {"n": 1}, "k2", timeout=0.3)
+        assert _post(f"{url}/pay", {"n": 1}, "k2")[0] == 200
+        with urllib.request.urlopen(f"{url}/stats", timeout=5) as response:
+            stats = json.loads(response.read())
+        assert (stats["performed"], stats["requests"]) == (2, 6)
+        assert stats["by_key"]["k1"]["requests"] == 3 and stats["by_key"]["k2"]["requests"] == 2
+        assert stats["by_key"]["k2"]["response"]["request"] == {"n": 1}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0

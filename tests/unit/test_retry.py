@@ -7,7 +7,6 @@ clock: time is passed in, never slept.
 from __future__ import annotations
 
 import random
-import socket
 import statistics
 from typing import Any
 
@@ -15,6 +14,8 @@ import kombu.exceptions
 import pytest
 import redis
 import sqlalchemy.exc
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from celery_fence import LeaseBusy, PermanentError, ResultNotSerializable
 from celery_fence.config import FenceConfig
@@ -57,7 +58,6 @@ def _config(**overrides: Any) -> FenceConfig:
         kombu.exceptions.OperationalError("broker down"),
         ConnectionRefusedError("refused"),
         TimeoutError("timed out"),
-        socket.timeout("timed out"),
         LeaseBusy(remaining=1.0),
     ],
     ids=lambda e: type(e).__name__,
@@ -247,7 +247,39 @@ def test_the_shared_bucket_and_the_local_twin_agree(
 def test_an_unreachable_shared_bucket_falls_back_to_the_process_budget(
     budget_config: FenceConfig,
 ) -> None:
-    down = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    down = redis.Redis(
+        host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
+    )
     budget = RetryBudget(budget_config, redis_client=down, clock=Clock())
     assert [budget.spend("t") for _ in range(3)] == [0.0, 0.0, 0.0]
     assert budget.spend("t") > 0  # still a budget, per process, with the same rules
+
+
+def test_task_options_override_the_retry_settings() -> None:
+    from celery import Celery
+
+    from celery_fence import FencedTask
+
+    app = Celery("t", set_as_current=False)
+    app.conf.update(fence_max_attempts=5, fence_retry_backoff=1.0, fence_retry_backoff_max=60.0)
+
+    @app.task(
+        base=FencedTask,
+        bind=True,
+        shared=False,
+        max_attempts=2,
+        fence_retry_backoff=0.25,
+        fence_retry_backoff_max=2.0,
+        fence_retry_budget_floor=3,
+    )
+    def tuned(self: FencedTask) -> None: ...
+
+    @app.task(base=FencedTask, bind=True, shared=False, fence_max_attempts=7)
+    def other(self: FencedTask) -> None: ...
+
+    policy = tuned._fence_backends()[3]
+    assert (policy.config.max_attempts, policy.config.retry_backoff) == (2, 0.25)
+    assert (policy.config.retry_backoff_max, policy.budget.floor) == (2.0, 3)
+    assert policy.decide(ConnectionError(), attempts=2, task_name=tuned.name).action == "dead"
+    assert other.fence_config().max_attempts == 7
+    assert other.fence_config().retry_backoff == 1.0  # the app's setting where not overridden

@@ -1,0 +1,1 @@
+"""celery-fence benchmark: run ``python -m bench --help`` from the repository root."""

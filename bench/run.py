@@ -1,0 +1,100 @@
+"""Command line of the benchmark: ``python -m bench [mode] [options]`` (from a clone's root).
+
+Modes (default: throughput):
+
+- ``python -m bench`` — plain Celery vs fenced (PostgreSQL, SQLite) vs python-redis-lock, no-op
+  and 50 ms tasks, alternately in rounds, with Redis commands and SQL statements per task counted
+  by the servers and round trips per task counted in the worker (critical path vs background);
+- ``python -m bench --renewal`` — 50 concurrent long tasks on the threads pool: renewal round trips
+  per interval (celery-fence: one per process; python-redis-lock: one per lock);
+- ``python -m bench --memory`` — 100,000 fenced no-op tasks through one worker child, its RSS
+  sampled as it goes;
+- ``python -m bench --scale`` — register+complete latency with 10^3 .. 10^6 rows in fence_jobs,
+  EXPLAIN of both statements, and purge keeping the table bounded.
+
+Every mode starts its own servers (two redis-servers, one PostgreSQL cluster with
+pg_stat_statements) on free ports and stops them after; ``--json PATH`` also writes the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--renewal", action="store_true", help="renewal traffic mode")
+    mode.add_argument("--memory", action="store_true", help="worker RSS over many tasks")
+    mode.add_argument("--scale", action="store_true", help="store latency at 10^3..10^6 rows")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of every variant (default 5)")
+    p.add_argument("--tasks", type=int, default=3000, help="no-op tasks per run (default 3000)")
+    p.add_argument("--sleep-tasks", type=int, default=400, help="50 ms tasks per run (default 400)")
+    p.add_argument(
+        "--trace-tasks", type=int, default=300, help="tasks per traced run (default 300)"
+    )
+    p.add_argument("--concurrency", type=int, default=4, help="prefork processes (default 4)")
+    p.add_argument("--loglevel", default="WARNING", help="worker -l (default WARNING)")
+    p.add_argument("--leases", type=int, default=50, help="--renewal: concurrent tasks (50)")
+    p.add_argument("--memory-tasks", type=int, default=100_000, help="--memory: tasks (100000)")
+    p.add_argument(
+        "--scale-sizes",
+        default="1000,10000,100000,1000000",
+        help="--scale: fence_jobs sizes (default 1000,10000,100000,1000000)",
+    )
+    p.add_argument("--scale-samples", type=int, default=500, help="--scale: timed jobs per size")
+    p.add_argument("--broker-url", help="use this Redis as broker (default: a private one)")
+    p.add_argument(
+        "--pg-admin-url",
+        help="use this PostgreSQL server (a database is created and dropped; default: a private "
+        "cluster with pg_stat_statements)",
+    )
+    p.add_argument("--json", type=Path, help="also write the results as JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from bench.harness import services
+
+    with (
+        tempfile.TemporaryDirectory(prefix="fence-bench-") as tmp,
+        services(Path(tmp), broker_url=args.broker_url, pg_admin_url=args.pg_admin_url) as svc,
+    ):
+        result: dict[str, Any]
+        if args.renewal:
+            from bench import renewal
+
+            result = renewal.run(svc, leases=args.leases, loglevel=args.loglevel, out=sys.stdout)
+        elif args.memory:
+            from bench import memory
+
+            result = memory.run(
+                svc, tasks=args.memory_tasks, loglevel=args.loglevel, out=sys.stdout
+            )
+        elif args.scale:
+            from bench import scale
+
+            sizes = [int(s) for s in args.scale_sizes.split(",") if s]
+            result = scale.run(svc, sizes=sizes, samples=args.scale_samples, out=sys.stdout)
+        else:
+            from bench import throughput
+
+            result = throughput.run(
+                svc,
+                rounds=args.rounds,
+                tasks=args.tasks,
+                sleep_tasks=args.sleep_tasks,
+                trace_tasks=args.trace_tasks,
+                concurrency=args.concurrency,
+                loglevel=args.loglevel,
+                out=sys.stdout,
+            )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+    return 0

@@ -1,0 +1,88 @@
+"""Client-side round-trip counting inside a worker child (only when ``BENCH_TRACE=1``).
+
+The servers count commands and statements; they cannot tell a task's blocking round trips from
+the ones a background thread sends. This module counts, per worker child, every send to the
+lease Redis (one ``send_packed_command`` is one round trip: a pipeline is sent in one call) and
+every SQL statement, split by the thread that sent it (redis-py's health-check ``PING`` on a
+connection idle for 30 s is counted apart, as ``redis-health``):
+
+- ``critical``: a thread that runs task bodies (marked at ``task_prerun``): the task waits for it;
+- ``off``: any other thread (celery-fence's renewer, python-redis-lock's renewal threads).
+
+Counts are cumulative and written to ``<BENCH_TRACE_DIR>/trace-<pid>.json`` every 50 ms, so the
+bench reads them from outside and takes differences. The timed runs use workers without tracing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+_local = threading.local()
+_counts: Counter[str] = Counter()
+_lock = threading.Lock()
+
+
+def mark_task_thread() -> None:
+    _local.task = True
+
+
+def _path() -> str:
+    return "critical" if getattr(_local, "task", False) else "off"
+
+
+def _add(target: str) -> None:
+    with _lock:
+        _counts[f"{target}:{_path()}"] += 1
+
+
+def install(lease_redis_port: int, out_dir: str) -> None:
+    """Patch the redis-py connection and listen on every SQLAlchemy engine; start the dumper."""
+    import redis.connection
+    import sqlalchemy as sa
+
+    original = redis.connection.AbstractConnection.send_packed_command
+
+    def send_packed_command(self: Any, command: Any, check_health: bool = True) -> Any:
+        if getattr(self, "port", None) == lease_redis_port:
+            first = command if isinstance(command, (bytes, str)) else command[0]
+            head = first[:32].encode("latin-1") if isinstance(first, str) else bytes(first[:32])
+            # redis-py's PING before using a connection idle for health_check_interval (30 s):
+            # per idle connection, not per task, so it is counted on its own.
+            _add("redis-health" if b"PING" in head else "redis")
+        return original(self, command, check_health)
+
+    redis.connection.AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
+
+    def before_cursor_execute(conn: Any, *_: Any) -> None:
+        _add(conn.dialect.name)
+
+    sa.event.listen(sa.engine.Engine, "before_cursor_execute", before_cursor_execute)
+
+    target = Path(out_dir) / f"trace-{os.getpid()}.json"
+
+    def dump_forever() -> None:
+        while True:
+            with _lock:
+                data = dict(_counts)
+            tmp = target.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(target)
+            threading.Event().wait(0.05)
+
+    threading.Thread(target=dump_forever, name="bench-trace-dump", daemon=True).start()
+
+
+def read_all(out_dir: str) -> Counter[str]:
+    """The sum of every child's cumulative counts."""
+    total: Counter[str] = Counter()
+    for path in Path(out_dir).glob("trace-*.json"):
+        try:
+            total.update(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return total

@@ -1,0 +1,103 @@
+"""The chaos suite: every failure window of the seeds, injected into real workers, then checked.
+
+Run it against your own configuration (your Redis, broker, database and TTLs)::
+
+    python -m celery_fence.chaos [--scenario NAME|all ...] [--runs N] [--seed S]
+        [--redis-url URL] [--broker-url URL] [--database-url URL] [--pg-admin-url URL]
+        [--ttl SECONDS] [--max-attempts N] [--workers N] [--own-redis] [--unfenced]
+        [--converge-timeout SECONDS] [--json PATH] [--workdir DIR] [-q]
+
+Defaults: Redis ``redis://127.0.0.1:6379/1`` (leases under a fresh key prefix, the ledger,
+results), broker ``redis://127.0.0.1:6379/2`` (a fresh queue), a fresh SQLite file per scenario,
+``--ttl 1.5`` (renewal every ttl/3), ``--max-attempts 3``, ``--runs 3``, ``--seed 0``, two
+workers per scenario. ``--scenario`` is repeatable or comma-separated. Exit status: 0 when every
+safety column is zero, 1 when one is not, 2 when a harness step itself failed (e.g. a job never
+started; the runs so far are still checked and reported), 130 on Ctrl-C. ``--json PATH`` writes
+the same results (and the table) as JSON.
+
+Each scenario starts its own real workers (``celery -A celery_fence.chaos.workload worker -c 1``,
+each in its own process group) on a fresh queue, key prefix and database, runs ``--runs`` times
+with timings drawn from ``random.Random(seed)``, then the checker reads the history. Every
+process the harness starts is killed by process group on success, failure, Ctrl-C, SIGTERM and
+exit (:mod:`celery_fence.chaos.processes`). The workload (:mod:`celery_fence.chaos.workload`)
+writes a ledger of body starts, side effects (with generation and attempt id), external calls and
+kills; every completed job stages one ``notify`` outbox effect delivered to a
+:class:`~celery_fence.testing.ProviderStub` that dedupes on ``Idempotency-Key``.
+
+Scenarios (faults counted per run):
+
+- ``pause``: SIGSTOP the worker running the job mid-body for 1.2-1.6 TTL (its lease expires), send
+  the job again so a second worker takes over with a newer generation, SIGCONT the first one
+  (before or after the newer attempt completed). Runs cycle through four bodies: with or without
+  ``guard()`` before the side effect, with or without an outbox effect; run 0 has neither, so the
+  store's generation fence alone must reject the stale attempt. 1 fault.
+- ``kill``: three jobs at once, one per window, each with a one-shot flag the body consumes (GETDEL)
+  right before ``os.kill(os.getpid(), SIGKILL)``: before the side effect, after it but before the
+  completion commit, after the commit but before the ack (a ``job_completed`` receiver). Faults:
+  the kills that happened (3).
+- ``duplicate``: the same logical job sent 4 times at once to the workers. 3 faults.
+- ``redis-loss``: mid-body, every lease and generation counter of the run is deleted (with
+  ``--own-redis``: the harness's own redis-server is SIGKILLed and restarted, empty), then the job
+  is sent again, so Redis hands out a generation the store already saw. 1 fault.
+- ``db-outage``: PostgreSQL only — a TCP proxy the harness runs on a free loopback port in front of
+  ``--database-url`` (or of a throwaway database it creates through ``--pg-admin-url`` when the
+  store is SQLite; skipped, with the reason, when there is none) stops listening and resets every
+  open connection for 0.5-2 s while two bodies finish and complete, then listens again. The
+  workers talk to the proxy, the checker to the database directly. 1 fault.
+- ``unknown-remote``: the body charges the provider with ``Idempotency-Key`` =
+  ``idempotency_key(key, "charge")``; the provider performs the first request, then answers after
+  3x the client's timeout, so the call times out; the retry sends the same key and gets the stored
+  response. Faults: the timeouts (1).
+- ``poison``: a job whose input always fails permanently (``PermanentError``: dead after one
+  attempt) and a job that SIGKILLs its worker every time (dead after ``fence_max_attempts`` body
+  runs). Faults: 1 + the kills.
+
+Columns (per scenario, summed over its runs). The transitions table is written in the same
+statement or transaction as the state change it records, so its ``id`` order for a key is the
+order in which the store accepted the writes; ledger times and transition times come from the
+same machine's clock.
+
+- **runs**, **faults injected**: as above.
+- **stale writes accepted** (safety): (a) fenced store writes — transitions ``claimed``,
+  ``completed``, ``retry_scheduled``, ``dead`` — from generation g recorded after a ``claimed``
+  transition of a generation g' > g for the same key; (b) fenced store writes recorded after the
+  key's first ``completed`` or ``dead`` transition (a terminal state overwritten: only an attempt
+  that lost its ownership can write then); (c) ledger side effects of generation g whose
+  ``guard()`` was entered after a generation g' > g had been registered (the ``claimed``
+  transition's time precedes the effect's ``t0``).
+- **lost jobs** (safety): jobs that, within ``--converge-timeout`` of the fault, did not reach
+  ``completed`` or ``dead`` in the store, or had a message that never finished (SUCCESS or
+  FAILURE), or whose committed outbox effect was never delivered.
+- **duplicate completions** (safety): accepted ``completed`` transitions of a key beyond the first.
+- **duplicate external effects** (safety): for each key and effect name (``charge``, ``notify``),
+  what the provider performed beyond once, summed over every idempotency key the ledger and the
+  outbox used for it; plus outbox rows beyond one per key and effect name.
+- **body re-runs after completion** (safety): ledger body starts of a key later than its first
+  accepted ``completed`` transition.
+- **unexpected outcomes** (safety): a job whose terminal state is not the scenario's expectation:
+  wrong status (``poison`` jobs must be ``dead``, all others ``completed``); ``poison``'s
+  permanent job with attempts or body starts other than 1, its killer with body starts other than
+  ``fence_max_attempts``; an after-commit kill whose body ran more than once; a stored result not
+  written by the stored generation; a message that ended FAILURE although its job completed; an
+  ``unknown-remote`` charge not performed exactly once or never retried through its key.
+- **max time to converge**: the longest time, over the runs, from the fault (the SIGSTOP, the
+  flush, the outage; for the others the send) until every job of the run was terminal, every
+  message finished and every effect delivered.
+
+``--unfenced`` is a demonstration, never a setting for production: it sets ``fence_unfenced=True``
+in the workers, which turns off only the store's generation fence (``Store(unfenced=True)``: last
+writer wins); leases, renewal and ``guard()`` stay on. ``--scenario pause --unfenced`` then shows
+stale writes accepted > 0 (and usually duplicate completions and re-runs), which is the proof that
+the fence is what keeps the other tables at zero.
+"""
+
+from __future__ import annotations
+
+#: The one fenced task of the workload.
+TASK_NAME = "celery_fence.chaos.op"
+#: The effect every completed job stages in the outbox (delivered to the provider).
+NOTIFY = "notify"
+#: The effect the ``remote`` body calls the provider for directly (with an idempotency key).
+CHARGE = "charge"
+
+__all__ = ["CHARGE", "NOTIFY", "TASK_NAME"]

@@ -1,0 +1,10 @@
+"""``python -m celery_fence.chaos``: see :mod:`celery_fence.chaos`."""
+
+from __future__ import annotations
+
+import sys
+
+from .harness import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The chaos suite as users run it: ``python -m celery_fence.chaos`` in a subprocess, read back
+through its ``--json`` output (issue 6).
+
+A short run of every scenario must inject its faults and keep every safety column at zero; the
+same pause scenario against the deliberately unfenced store must accept stale writes (so the
+zeros are the fence's doing); Ctrl-C must leave no worker behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_fence.chaos.checker import SAFETY_COLUMNS
+from tests.support.env import BROKER_URL, PG_ADMIN_URL, REDIS_URL
+from tests.support.worker import ROOT, wait_until
+
+pytestmark = pytest.mark.acceptance
+
+RUNS = 2
+MAX_ATTEMPTS = 3
+#: The fewest faults each scenario injects in RUNS runs (see celery_fence.chaos's docstring).
+MIN_FAULTS = {
+    "pause": RUNS,
+    "kill": 3 * RUNS,
+    "duplicate": 3 * RUNS,
+    "redis-loss": RUNS,
+    "db-outage": RUNS,
+    "unknown-remote": RUNS,
+    "poison": (1 + MAX_ATTEMPTS) * RUNS,
+}
+
+
+def _command(tmp_path: Path, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "celery_fence.chaos",
+        "--redis-url",
+        REDIS_URL,
+        "--broker-url",
+        BROKER_URL,
+        "--pg-admin-url",
+        PG_ADMIN_URL,
+        "--ttl",
+        "1.5",
+        "--max-attempts",
+        str(MAX_ATTEMPTS),
+        "--converge-timeout",
+        "60",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--json",
+        str(tmp_path / "chaos.json"),
+        *args,
+    ]
+
+
+def _chaos(tmp_path: Path, *args: str, timeout: float = 900) -> tuple[int, dict[str, Any], str]:
+    proc = subprocess.run(
+        _command(tmp_path, *args),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    output = proc.stdout + proc.stderr
+    path = tmp_path / "chaos.json"
+    assert path.exists(), f"no JSON written (exit {proc.returncode}):\n{output}"
+    return proc.returncode, json.loads(path.read_text()), output
+
+
+def _by_name(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {s["scenario"]: s for s in report["scenarios"]}
+
+
+@pytest.mark.timeout(1200)
+def test_every_scenario_injects_its_faults_and_every_safety_column_is_zero(
+    tmp_path: Path,
+) -> None:
+    # Given every scenario, a few runs each, against real workers, Redis, SQLite and PostgreSQL,
+    code, report, output = _chaos(tmp_path, "--scenario", "all", "--runs", str(RUNS), "--seed", "7")
+    scenarios = _by_name(report)
+    # then every scenario ran and really injected its faults (db-outage on PostgreSQL) ...
+    assert set(scenarios) == set(MIN_FAULTS), output
+    for name, minimum in MIN_FAULTS.items():
+        row = scenarios[name]
+        assert row["skipped"] is None, (name, row["skipped"])
+        assert row["runs"] == RUNS, (name, output)
+        assert row["faults"] >= minimum, (name, row, output)
+        assert row["max_converge_s"] < 60, (name, row)
+    # ... and the history shows no stale write, lost job, duplicate, or re-run after completion.
+    for name, row in scenarios.items():
+        assert {c: row[c] for c in SAFETY_COLUMNS} == dict.fromkeys(SAFETY_COLUMNS, 0), (
+            name,
+            row["violations"],
+        )
+    assert code == 0 and report["ok"] is True, output
+    assert "every safety column is zero" in output
+
+
+@pytest.mark.timeout(600)
+def test_pause_on_postgresql_keeps_the_fence(tmp_path: Path, pg_url: str) -> None:
+    # Given the pause scenario with the store on PostgreSQL (the production store),
+    code, report, output = _chaos(
+        tmp_path, "--scenario", "pause", "--runs", "4", "--database-url", pg_url
+    )
+    row = _by_name(report)["pause"]
+    # then all four body variants (guarded or not, with or without an outbox effect) are rejected.
+    assert row["faults"] == 4
+    assert {c: row[c] for c in SAFETY_COLUMNS} == dict.fromkeys(SAFETY_COLUMNS, 0), row
+    assert code == 0, output
+
+
+@pytest.mark.timeout(600)
+def test_unfenced_store_accepts_stale_writes_under_the_same_pause(tmp_path: Path) -> None:
+    # Given the same pause scenario, but the workers' store fence turned off (--unfenced),
+    code, report, output = _chaos(
+        tmp_path, "--scenario", "pause", "--runs", str(RUNS), "--unfenced"
+    )
+    row = _by_name(report)["pause"]
+    # then the stale attempt's writes are accepted and the harness fails, as it must.
+    assert report["unfenced"] is True
+    assert row["faults"] == RUNS
+    assert row["stale_writes"] > 0, row
+    assert any("accepted after" in v for v in row["violations"]), row["violations"]
+    assert code == 1 and report["ok"] is False, output
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_every_process_the_harness_started(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    proc = subprocess.Popen(
+        _command(tmp_path, "--scenario", "pause", "--runs", "50"),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        # Given the harness running, with its workers up (their names carry the run id),
+        def ready_worker_names() -> list[str]:
+            logs = list(work.glob("worker-*.log")) if work.exists() else []
+            return [p.stem[len("worker-") :] for p in logs if " ready." in p.read_text()]
+
+        wait_until(lambda: len(ready_worker_names()) >= 2, 120, what="the chaos workers")
+        run_id = ready_worker_names()[0].rsplit("-", 1)[1]
+        assert _processes_mentioning(run_id), "the workers should be running"
+        time.sleep(1.0)  # mid-scenario
+        # when it is interrupted (Ctrl-C),
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        # then no process it started is left.
+        wait_until(lambda: not _processes_mentioning(run_id), 20, what="the workers to be gone")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)

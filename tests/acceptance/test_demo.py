@@ -1,0 +1,150 @@
+"""The example project's demo runs end to end, and what it reports is what the store holds.
+
+The demo uses a SQLite file in this test's directory, a key prefix and queue of its own (Redis
+db 3), so it never meets the other tests' state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from celery_fence.outbox import idempotency_key, storage_key
+from celery_fence.store import Store
+from tests.support.worker import ROOT, wait_until
+
+pytestmark = pytest.mark.acceptance
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)  # the worker's whole process group: main process and pool children
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _demo(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "example_project.demo", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_the_demo_tells_the_story_and_its_summary_matches_the_store(tmp_path: Path) -> None:
+    summary_path = tmp_path / "summary.json"
+    proc = _demo("--workdir", str(tmp_path / "demo"), "--summary", str(summary_path))
+    try:
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "What happened" in out
+    summary = json.loads(summary_path.read_text())
+    store = Store(summary["database_url"])
+    jobs = summary["jobs"]
+
+    # The pause: generation 2 completed each job, generation 1 was rejected as stale.
+    for name in ("report", "export"):
+        job = jobs[name]
+        record = store.get(job["key"])
+        assert record is not None
+        assert (record.status, record.generation, record.attempt_id, record.result) == (
+            "completed",
+            job["generation"],
+            job["attempt_id"],
+            job["result"],
+        )
+        assert job["generation"] == 2
+        stale = [
+            {"generation": t.generation, "attempt_id": t.attempt_id}
+            for t in store.history(job["key"])
+            if t.action == "stale"
+        ]
+        assert stale == job["stale"] and [s["generation"] for s in stale] == [1]
+        assert ("completed", 1) not in [(t.action, t.generation) for t in store.history(job["key"])]
+
+    # The export: both attempts wrote the same deterministic object; a new version, a new one.
+    export, export2 = jobs["export"], jobs["export_v2"]
+    key_v1 = storage_key(export["key"], export["input_version"], suffix=".csv")
+    assert export["object_key"] == key_v1 == store.get(export["key"]).result["object_key"]
+    assert [w["generation"] for w in export["object_writes"]] == [1, 2]
+    assert export["object_writes"][0]["attempt_id"] == export["stale"][0]["attempt_id"]
+    assert export["object_writes"][1]["attempt_id"] == export["attempt_id"]
+    assert export2["input_version"] == export["input_version"] + 1
+    key_v2 = storage_key(export2["key"], export2["input_version"], suffix=".csv")
+    assert export2["object_key"] == key_v2
+    assert export2["object_key"] != key_v1
+    objects = Path(summary["objects_dir"])
+    on_disk = sorted(str(p.relative_to(objects)) for p in objects.rglob("*.csv") if p.is_file())
+    assert on_disk == summary["objects"] == sorted([key_v1, export2["object_key"]])
+
+    # The outbox: each row as stored; the email delivered twice and performed once.
+    by_idem = {d["idempotency_key"]: d for d in summary["deliveries"]}
+    rows = [r for j in jobs.values() for r in store.outbox_rows(key=j["key"])]
+    assert len(rows) == len(by_idem) == 3
+    for row in rows:
+        d = by_idem[row.idempotency_key]
+        assert (d["key"], d["effect"], d["status"], d["deliveries"]) == (
+            row.key,
+            row.name,
+            row.status,
+            row.attempts,
+        )
+        assert row.idempotency_key == idempotency_key(row.key, row.name)
+        assert row.status == "delivered" and d["provider_performed"] == 1
+    email = by_idem[idempotency_key(export["key"], "email")]
+    assert (email["deliveries"], email["provider_requests"], email["provider_performed"]) == (
+        2,
+        2,
+        1,
+    )
+    provider = summary["provider"]
+    assert provider["performed"] == 3
+    assert provider["requests"] == sum(d["provider_requests"] for d in by_idem.values()) == 4
+
+    # It stopped every worker it started, and it was quick.
+    assert len(summary["worker_pids"]) == 2
+    assert all(_gone(pid) for pid in summary["worker_pids"])
+    assert summary["elapsed_seconds"] < 60
+    store.dispose()
+
+
+def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
+    # Given the demo running on a redis-server of its own, with a worker up,
+    proc = _demo("--workdir", str(tmp_path / "demo"), "--own-redis")
+    lines: list[str] = []
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "worker A ready" in line:
+                break
+        text = "".join(lines)
+        redis_started = re.search(r"started redis-server on port \d+ \(pid (\d+)\)", text)
+        worker_ready = re.search(r"worker A ready \(pid (\d+)\)", text)
+        assert redis_started and worker_ready, text
+        redis_pid, worker_pid = int(redis_started[1]), int(worker_ready[1])
+        # when it is interrupted (Ctrl-C),
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # then it says so and nothing it started is left running.
+    assert proc.returncode == 130, "".join(lines) + out
+    assert "interrupted" in out
+    wait_until(lambda: _gone(worker_pid), 10, what="the worker's process group to be gone")
+    wait_until(lambda: _gone(redis_pid), 10, what="the demo's redis-server to be gone")
