@@ -119,7 +119,7 @@ class DeliveryReport:
     delivered: int = 0
     failed: int = 0
     dead: int = 0
-    lost_claims: int = 0  # delivered, but the claim had expired: it will be delivered again
+    lost_claims: int = 0  # the claim expired before the row was marked: it may be sent again
     retry_in: float | None = None
 
 
@@ -179,8 +179,8 @@ class Outbox:
         self.handlers[name] = fn
 
     def handler_for(self, name: str) -> Handler | None:
-        """The handler of ``name``: registered under ``name`` itself, or its part before ':'."""
-        return self.handlers.get(name) or self.handlers.get(name.split(":", 1)[0])
+        """The handler of effect ``name``: the one registered for its part before any ':'."""
+        return self.handlers.get(name.split(":", 1)[0])
 
     # -- settings --------------------------------------------------------------------------------
 

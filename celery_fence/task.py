@@ -43,7 +43,7 @@ from .lease import LeaseStore, make_redis_client
 from .redis_client import client_identity
 from .renewer import RENEWER_THREAD_NAME, HeldLease, Renewer, renewer_for
 from .renewer import shutdown as shutdown_renewers
-from .retry import DEFAULT_TRANSIENT, RetryPolicy, backoff
+from .retry import DEFAULT_TRANSIENT, RetryBudget, RetryPolicy, backoff
 from .schema import KEY_LENGTH
 from .store import Registration, Store, store_for
 
@@ -116,7 +116,9 @@ class FencedTask(Task):
                     config = FenceConfig.from_mapping({}, **{**_as_settings(config), **overrides})
                 except ConfigurationError as exc:
                     raise ConfigurationError(f"task {self.name}: {exc}") from None
-            cache = (config, store_for(config), lease_store_for(config), RetryPolicy(config))
+            leases = lease_store_for(config)
+            budget = RetryBudget(config, redis_client=leases.client)  # shares the lease pool
+            cache = (config, store_for(config), leases, RetryPolicy(config, budget=budget))
             self.__dict__["_fence_cache"] = cache
         return cache
 
@@ -403,7 +405,19 @@ class FencedTask(Task):
                 reason,
                 extra={"action": "reschedule", "reason": reason},
             )
-        raise self.retry(exc=exc, countdown=max(0.0, countdown), max_retries=None)
+        try:
+            raise self.retry(exc=exc, countdown=max(0.0, countdown), max_retries=None)
+        except Reject as rejected:
+            # Celery turns a failed publish of the retry message into Reject(requeue=False),
+            # which would drop the message: give it back to the broker instead.
+            logger.error(
+                "fence could not re-send task=%s id=%s (%s); requeueing the original message",
+                self.name,
+                self.request.id,
+                type(rejected.reason).__name__,
+                extra={"action": "requeue", "reason": "retry publish failed"},
+            )
+            raise Reject(rejected.reason, requeue=True) from None
 
     def _retry_unrecorded(
         self,
