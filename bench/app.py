@@ -87,6 +87,11 @@ def rlock(key: str, sleep: float = 0.0) -> None:
         _body(sleep)
 
 
+if E.get("BENCH_EXPERIMENT") == "1":
+    from bench import experiments
+
+    experiments.apply()
+
 if E.get("BENCH_TRACE") == "1":
     from bench import trace
 

@@ -423,22 +423,24 @@ def timed_run(
     sleep: float = 0.0,
     timeout: float = 600.0,
 ) -> float:
-    """Publish ``n`` messages with distinct keys, then time their consumption; return seconds."""
+    """Publish ``n`` messages with distinct keys to ``worker``'s queue, then time their
+    consumption; return seconds."""
     run = uuid.uuid4().hex[:10]
-    publish(control, task, [f"{run}:{i}" for i in range(n)], svc.queue, sleep)
-    wait_for(lambda: pending(broker, svc.queue) >= n, 30, "published messages to be visible")
+    queue = worker.queue
+    publish(control, task, [f"{run}:{i}" for i in range(n)], queue, sleep)
+    wait_for(lambda: pending(broker, queue) >= n, 30, "published messages to be visible")
     started = time.perf_counter()
     set_consuming(control, worker, True)
     end = time.monotonic() + timeout
     while True:
-        if not pending(broker, svc.queue):
+        if not pending(broker, queue):
             elapsed = time.perf_counter() - started
             # kombu moves a message from the list to ``unacked`` in two steps: confirm the zero.
             time.sleep(0.02)
-            if not pending(broker, svc.queue):
+            if not pending(broker, queue):
                 break
         if time.monotonic() > end:
-            raise TimeoutError(f"{task}: {pending(broker, svc.queue)} of {n} tasks not done")
+            raise TimeoutError(f"{task}: {pending(broker, queue)} of {n} tasks not done")
         time.sleep(0.005)
     set_consuming(control, worker, False)
     return elapsed

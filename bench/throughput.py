@@ -201,8 +201,9 @@ def traced_pass(
     worker.start(control)
     try:
         set_consuming(control, worker, False)
-        for v in VARIANTS:
-            timed_run(svc, control, broker, worker, v.task, min(50, n), sleep=v.sleep)
+        for v in VARIANTS:  # every pool process connects before counting starts
+            warm = 25 * concurrency if v.sleep else 100 * concurrency
+            timed_run(svc, control, broker, worker, v.task, warm, sleep=v.sleep)
         time.sleep(0.5)
         for v in VARIANTS:
             before = trace.read_all(trace_dir)

@@ -4,7 +4,7 @@ The servers count commands and statements; they cannot tell a task's blocking ro
 the ones a background thread sends. This module counts, per worker child, every send to the
 lease Redis (one ``send_packed_command`` is one round trip: a pipeline is sent in one call) and
 every SQL statement, split by the thread that sent it (redis-py's health-check ``PING`` on a
-connection idle for 30 s is counted apart, as ``redis-health``):
+connection idle for 30 s, and a new connection's set-up commands, are counted apart):
 
 - ``critical``: a thread that runs task bodies (marked at ``task_prerun``): the task waits for it;
 - ``off``: any other thread (celery-fence's renewer, python-redis-lock's renewal threads).
@@ -51,9 +51,15 @@ def install(lease_redis_port: int, out_dir: str) -> None:
         if getattr(self, "port", None) == lease_redis_port:
             first = command if isinstance(command, (bytes, str)) else command[0]
             head = first[:32].encode("latin-1") if isinstance(first, str) else bytes(first[:32])
-            # redis-py's PING before using a connection idle for health_check_interval (30 s):
-            # per idle connection, not per task, so it is counted on its own.
-            _add("redis-health" if b"PING" in head else "redis")
+            # redis-py's PING before using a connection idle for health_check_interval (30 s),
+            # and the commands it sends on a new connection, are per connection, not per task:
+            # they are counted on their own.
+            if b"PING" in head:
+                _add("redis-health")
+            elif any(word in head for word in (b"CLIENT", b"HELLO", b"SELECT", b"AUTH")):
+                _add("redis-connect")
+            else:
+                _add("redis")
         return original(self, command, check_health)
 
     redis.connection.AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]

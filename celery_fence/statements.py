@@ -10,6 +10,10 @@ Parameters (psycopg2 ``%(name)s`` / sqlite3 ``:name``): ``key``, ``task_name``, 
 ``{"name", "idempotency_key", "payload"}``, PostgreSQL), ``now``. Each statement returns
 ``(key, generation, attempt_id, attempts)`` of the row it changed, or no row when its fence
 did not match.
+
+The outbox inserts ignore an existing idempotency key: with the fence on, a job completes once, so
+this never fires; in the ``fence_unfenced`` demonstration mode a second (stale) completion then
+overwrites the result, as a plain write would, without failing on the outbox.
 """
 
 from __future__ import annotations
@@ -83,7 +87,8 @@ def pg_with_records(write_sql: str, *, action: str, transitions: bool, effects: 
             f", effects AS (INSERT INTO fence_outbox ({OUTBOX_COLUMNS}) "
             "SELECT f.key, e.name, e.idempotency_key, e.payload, 'pending', 0, %(now)s, %(now)s "
             "FROM fenced f CROSS JOIN jsonb_to_recordset(%(effects)s::jsonb) "
-            "AS e(name text, idempotency_key text, payload jsonb))"
+            "AS e(name text, idempotency_key text, payload jsonb) "
+            "ON CONFLICT (idempotency_key) DO NOTHING)"
         )
     parts.append(" SELECT key, generation, attempt_id, attempts FROM fenced")
     return "".join(parts)
@@ -98,5 +103,6 @@ def sqlite_transition_sql(action: str) -> str:
 
 SQLITE_OUTBOX_SQL = (
     f"INSERT INTO fence_outbox ({OUTBOX_COLUMNS}) "
-    "VALUES (:key, :name, :idempotency_key, :payload, 'pending', 0, :now, :now)"
+    "VALUES (:key, :name, :idempotency_key, :payload, 'pending', 0, :now, :now) "
+    "ON CONFLICT (idempotency_key) DO NOTHING"
 )

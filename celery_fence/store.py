@@ -783,6 +783,12 @@ class Store:
         with self.engine.connect() as conn:
             return conn.execute(stmt).first() is not None
 
+    def outbox_purge(self, *, delivered_before: dt.datetime) -> int:
+        """Delete rows delivered before the date (``dead`` rows stay until requeued or fixed)."""
+        done = (outbox.c.status == "delivered") & (outbox.c.delivered_at < delivered_before)
+        with self.engine.connect() as conn:
+            return int(conn.execute(outbox.delete().where(done)).rowcount or 0)
+
     def outbox_rows(
         self, *, key: str | None = None, status: str | None = None, limit: int = 1000
     ) -> Sequence[OutboxRow]:

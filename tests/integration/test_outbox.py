@@ -5,6 +5,7 @@ Real SQLite/PostgreSQL (``db_url``), real Redis; senders are real processes wher
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import multiprocessing
@@ -28,7 +29,7 @@ from celery import Celery
 from celery_fence import FencedTask, PermanentError, StaleGeneration
 from celery_fence.lease import LeaseStore
 from celery_fence.outbox import Outbox, idempotency_key, storage_key
-from celery_fence.store import Effect, Store
+from celery_fence.store import Effect, Store, utcnow
 from tests.support.env import PG_ADMIN_URL, REDIS_URL
 from tests.support.outbox_app import race_sender
 from tests.support.worker import wait_until
@@ -170,6 +171,12 @@ def test_an_expired_claim_is_taken_over_and_the_late_mark_refused(store: Store) 
     (row,) = store.outbox_rows(key=key)
     assert (row.status, row.claimed_by, row.attempts) == ("delivered", "B", 2)
     assert store.outbox_claim(claimer="C", claim_ttl=30, key=key) == []
+    # A delivered row is purged once old enough (the cut-off is exclusive).
+    assert row.delivered_at is not None
+    store.outbox_purge(delivered_before=row.delivered_at)  # other tests' rows may go (shared db)
+    assert [r.id for r in store.outbox_rows(key=key)] == [row.id]
+    assert store.outbox_purge(delivered_before=utcnow() + dt.timedelta(seconds=1)) >= 1
+    assert store.outbox_rows(key=key) == []
 
 
 def test_failures_back_off_then_dead_letter(app: Celery, store: Store) -> None:
