@@ -19,7 +19,8 @@ from collections import namedtuple
 from typing import Any
 
 from celery_fence import renewer as renewer_module
-from celery_fence import statements, store as store_module
+from celery_fence import statements
+from celery_fence import store as store_module
 
 Row = namedtuple("Row", "key generation attempt_id attempts")
 
@@ -48,7 +49,9 @@ def apply() -> None:
             if release:
                 first = not self._releases
                 if first:
-                    self._release_due = renewer_module.time.monotonic() + renewer_module.RELEASE_DELAY
+                    self._release_due = (
+                        renewer_module.time.monotonic() + renewer_module.RELEASE_DELAY
+                    )
                 self._releases.append((lease.lease_key, lease.value))
                 if first:  # later releases share the deadline the thread already knows
                     self._cond.notify()

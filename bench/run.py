@@ -10,7 +10,9 @@ Modes (default: throughput):
 - ``python -m bench --memory`` — 100,000 fenced no-op tasks through one worker child, its RSS
   sampled as it goes;
 - ``python -m bench --scale`` — register+complete latency with 10^3 .. 10^6 rows in fence_jobs,
-  EXPLAIN of both statements, and purge keeping the table bounded.
+  EXPLAIN of both statements, and purge keeping the table bounded;
+- ``python -m bench --experiment`` — the default mode plus ``fenced-pg-exp``: candidate hot-path
+  changes (:mod:`bench.experiments`, monkeypatched in a second worker only), same run.
 
 Every mode starts its own servers (two redis-servers, one PostgreSQL cluster with
 pg_stat_statements) on free ports and stops them after; ``--json PATH`` also writes the results.
@@ -54,6 +56,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="use this PostgreSQL server (a database is created and dropped; default: a private "
         "cluster with pg_stat_statements)",
     )
+    p.add_argument(
+        "--experiment",
+        action="store_true",
+        help="also run fenced-pg-exp: candidate hot-path changes (bench/experiments.py) on a "
+        "second worker",
+    )
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     return p.parse_args(argv)
 
@@ -94,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 concurrency=args.concurrency,
                 loglevel=args.loglevel,
                 out=sys.stdout,
+                experiment=args.experiment,
             )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))

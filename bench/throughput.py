@@ -38,6 +38,7 @@ class Variant:
     sleep: float
     baseline: str | None  # the plain variant its ratio is taken against
     store: str  # "postgresql", "sqlite" or "-"
+    experimental: bool = False  # run by the BENCH_EXPERIMENT=1 worker (see bench.experiments)
 
 
 VARIANTS = (
@@ -48,6 +49,7 @@ VARIANTS = (
     Variant("plain-50ms", "bench.plain", 0.05, None, "-"),
     Variant("fenced-pg-50ms", "bench.fenced_pg", 0.05, "plain-50ms", "postgresql"),
 )
+EXPERIMENT = Variant("fenced-pg-exp", "bench.fenced_pg", 0.0, "plain", "postgresql", True)
 
 
 def machine() -> dict[str, Any]:
@@ -77,11 +79,13 @@ def run(
     concurrency: int,
     loglevel: str,
     out: Any,
+    experiment: bool = False,
 ) -> dict[str, Any]:
+    variants = (*VARIANTS[:2], EXPERIMENT, *VARIANTS[2:]) if experiment else VARIANTS
     control, broker = svc.control(), svc.broker()
     lease_counter = RedisCounter(svc.lease_redis.client())
     pg_counter = PgCounter(svc.pg_admin_url, svc.database)
-    sizes = {v.name: (sleep_tasks if v.sleep else tasks) for v in VARIANTS}
+    sizes = {v.name: (sleep_tasks if v.sleep else tasks) for v in variants}
     result: dict[str, Any] = {
         "machine": machine(),
         "load_before": os.getloadavg(),
@@ -97,28 +101,38 @@ def run(
         loglevel=loglevel,
     )
     result["worker_command"] = " ".join(worker.command[1:])
-    redis_totals: dict[str, Counter[str]] = {v.name: Counter() for v in VARIANTS}
-    sql_totals: dict[str, Counter[str]] = {v.name: Counter() for v in VARIANTS}
-    cpu_totals: dict[str, Counter[str]] = {v.name: Counter() for v in VARIANTS}
-    cpu_counter = CpuCounter(svc, worker)
-    worker.start(control)
+    redis_totals: dict[str, Counter[str]] = {v.name: Counter() for v in variants}
+    sql_totals: dict[str, Counter[str]] = {v.name: Counter() for v in variants}
+    cpu_totals: dict[str, Counter[str]] = {v.name: Counter() for v in variants}
+    workers = {False: worker}
+    if experiment:
+        workers[True] = BenchWorker(
+            svc.worker_env(BENCH_EXPERIMENT="1"),
+            queue=f"{svc.queue}-exp",
+            log_dir=svc.workdir,
+            concurrency=concurrency,
+            loglevel=loglevel,
+        )
+    cpu_counters = {exp: CpuCounter(svc, w) for exp, w in workers.items()}
     try:
-        set_consuming(control, worker, False)
-        for v in VARIANTS:  # warm-up: connections, scripts, SQLite schema, imports
-            timed_run(svc, control, broker, worker, v.task, min(200, sizes[v.name]), sleep=v.sleep)
+        for w in workers.values():
+            w.start(control)
+            set_consuming(control, w, False)
+        for v in variants:  # warm-up: connections, scripts, SQLite schema, imports
+            w = workers[v.experimental]
+            timed_run(svc, control, broker, w, v.task, min(200, sizes[v.name]), sleep=v.sleep)
         print(f"# worker: {result['worker_command']}", file=out)
         print(
-            f"# {'round':>5} " + " ".join(f"{v.name:>15}" for v in VARIANTS) + "   tasks/s",
+            f"# {'round':>5} " + " ".join(f"{v.name:>15}" for v in variants) + "   tasks/s",
             file=out,
         )
         for r in range(rounds):
             row: dict[str, float] = {}
-            for v in VARIANTS:
+            for v in variants:
                 r0, p0 = lease_counter.snapshot(), pg_counter.snapshot()
+                w, cpu_counter = workers[v.experimental], cpu_counters[v.experimental]
                 c0 = cpu_counter.snapshot()
-                seconds = timed_run(
-                    svc, control, broker, worker, v.task, sizes[v.name], sleep=v.sleep
-                )
+                seconds = timed_run(svc, control, broker, w, v.task, sizes[v.name], sleep=v.sleep)
                 time.sleep(0.3)  # releases left to the renewer thread go out within 20 ms
                 c1 = cpu_counter.snapshot()
                 r1, p1 = lease_counter.snapshot(), pg_counter.snapshot()
@@ -128,28 +142,32 @@ def run(
                 row[v.name] = sizes[v.name] / seconds
             result["rounds"].append(row)
             print(
-                f"  {r + 1:>5} " + " ".join(f"{row[v.name]:>15.1f}" for v in VARIANTS),
+                f"  {r + 1:>5} " + " ".join(f"{row[v.name]:>15.1f}" for v in variants),
                 file=out,
                 flush=True,
             )
     finally:
-        worker.stop()
-    result["ratios"] = ratios(result["rounds"])
-    result["counts"] = per_task_counts(redis_totals, sql_totals, sizes, rounds)
+        for w in workers.values():
+            w.stop()
+    result["variants"] = [v.name for v in variants]
+    result["ratios"] = ratios(variants, result["rounds"])
+    result["counts"] = per_task_counts(variants, redis_totals, sql_totals, sizes, rounds)
     result["cpu_ms_per_task"] = {
         v.name: {k: 1000 * c / (sizes[v.name] * rounds) for k, c in cpu_totals[v.name].items()}
-        for v in VARIANTS
+        for v in variants
     }
     result["trace"] = traced_pass(svc, control, broker, trace_tasks, concurrency, loglevel)
     result["load_after"] = os.getloadavg()
     pg_counter.dispose()
-    print_report(result, out)
+    print_report(variants, result, out)
     return result
 
 
-def ratios(rounds: list[dict[str, float]]) -> dict[str, dict[str, Any]]:
+def ratios(
+    variants: tuple[Variant, ...], rounds: list[dict[str, float]]
+) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
-    for v in VARIANTS:
+    for v in variants:
         if v.baseline is None:
             continue
         values = [row[v.name] / row[v.baseline] for row in rounds]
@@ -164,13 +182,14 @@ def ratios(rounds: list[dict[str, float]]) -> dict[str, dict[str, Any]]:
 
 
 def per_task_counts(
+    variants: tuple[Variant, ...],
     redis_totals: dict[str, Counter[str]],
     sql_totals: dict[str, Counter[str]],
     sizes: dict[str, int],
     rounds: int,
 ) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
-    for v in VARIANTS:
+    for v in variants:
         n = sizes[v.name] * rounds
         rc, sc = redis_totals[v.name], sql_totals[v.name]
         commands = {k: c / n for k, c in sorted(rc.items()) if not k.startswith("_")}
@@ -231,7 +250,7 @@ def traced_pass(
     return out
 
 
-def print_report(result: dict[str, Any], out: Any) -> None:
+def print_report(variants: tuple[Variant, ...], result: dict[str, Any], out: Any) -> None:
     m = result["machine"]
     load = f"{_load(result['load_before'])} before, {_load(result['load_after'])} after"
     print(
@@ -241,7 +260,7 @@ def print_report(result: dict[str, Any], out: Any) -> None:
 
     print("\n## Throughput: median tasks/s, ratio to plain Celery per round", file=out)
     rows = []
-    for v in VARIANTS:
+    for v in variants:
         median = statistics.median(row[v.name] for row in result["rounds"])
         ratio = result["ratios"].get(v.name)
         spread = (ratio["min"], ratio["median"], ratio["max"]) if ratio else ("-", "1", "-")
@@ -255,7 +274,7 @@ def print_report(result: dict[str, Any], out: Any) -> None:
         file=out,
     )
     rows = []
-    for v in VARIANTS:
+    for v in variants:
         c = result["counts"][v.name]
         kinds = ", ".join(f"{k} {x:.2f}" for k, x in c["sql_by_kind"].items()) or "-"
         counted = ("redis_reads", "redis_scripts", "redis_commands", "sql_statements")
@@ -271,7 +290,7 @@ def print_report(result: dict[str, Any], out: Any) -> None:
     print("\n## CPU ms per task, by process (/proc/<pid>/stat utime+stime)", file=out)
     components = sorted({k for c in result["cpu_ms_per_task"].values() for k in c})
     rows = []
-    for v in VARIANTS:
+    for v in variants:
         c = result["cpu_ms_per_task"][v.name]
         rows.append([v.name, *(c.get(k, 0.0) for k in components), sum(c.values())])
     print(table(["variant", *components, "total"], rows, digits=3), file=out)
@@ -282,7 +301,9 @@ def print_report(result: dict[str, Any], out: Any) -> None:
         file=out,
     )
     rows = []
-    for v in VARIANTS:
+    for v in variants:
+        if v.name not in result["trace"]:
+            continue
         t = result["trace"][v.name]
         fields = (
             "redis_critical",

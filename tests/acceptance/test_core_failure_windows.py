@@ -136,7 +136,11 @@ def test_busy_lease_reschedules_with_the_same_task_id(
 
 
 def test_a_fence_key_that_is_not_a_str_fails_clearly_and_loses_nothing(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, db_url: str,
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
 ) -> None:
     spawn_worker("w")
     result = client_app.badly_keyed.delay(7)
@@ -151,8 +155,13 @@ def test_a_fence_key_that_is_not_a_str_fails_clearly_and_loses_nothing(
 
 @pytest.mark.parametrize(("pool", "concurrency"), [("prefork", 2), ("threads", 4), ("solo", 1)])
 def test_renewal_keeps_long_tasks_alive_under_every_pool(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, db_url: str,
-    pool: str, concurrency: int,
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
+    pool: str,
+    concurrency: int,
 ) -> None:
     # Given a 2 s TTL renewed every 0.5 s, bodies that run 3 s and check before their effect
     spawn_worker("w", pool=pool, concurrency=concurrency)
