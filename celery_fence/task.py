@@ -611,7 +611,10 @@ class FencedTask(Task):
             )
         except Exception:
             logger.exception("could not record the stale rejection for key=%s", key)
-        record = store.get(key)
+        try:
+            record = store.get(key)
+        except Exception:  # cannot tell whether it completed: come back later and look again
+            record = None
         if record is not None and record.status == "completed":
             return record.result  # every caller of this task id converges on the one result
         # The newer generation is still working: come back later and converge on its result
@@ -643,6 +646,15 @@ class FencedTask(Task):
             )
         except StaleGeneration as stale:
             return self._after_stale(fence.key, fence.attempt_id, fence.generation, store, stale)
+        except Exception as db_exc:  # the store could not say: re-send, never drop
+            self._retry_unrecorded(
+                exc,
+                fence.key,
+                fence.attempt_id,
+                fence.generation,
+                countdown=countdown,
+                reason=f"lease lost; store unavailable ({type(db_exc).__name__})",
+            )
         self._emit(
             signals.job_retry_scheduled,
             fence.key,
