@@ -9,11 +9,14 @@ for the core:
    a GIL hand-over in the middle of the task;
 2. the two hot statements run on a pooled raw DB-API connection (cursor ``execute`` +
    ``fetchone``) instead of ``Connection.exec_driver_sql``, skipping SQLAlchemy's connection,
-   transaction and result wrappers (PostgreSQL only; SQLite keeps the shipped path).
+   transaction and result wrappers, as server-side prepared statements (``PREPARE`` once per
+   connection, then ``EXECUTE``): PostgreSQL parses and plans them once, not on every task
+   (PostgreSQL only; SQLite keeps the shipped path).
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import namedtuple
 from typing import Any
@@ -72,9 +75,14 @@ def apply() -> None:
             sql = statements.pg_with_records(sql, action=action, transitions=True, effects=False)
         raw = self.engine.raw_connection()
         try:
+            prepared: dict[str, tuple[str, list[str]]] = raw.info.setdefault("bench_prepared", {})
             cursor = raw.cursor()
             try:
-                cursor.execute(sql, params)
+                if sql not in prepared:
+                    prepared[sql] = _prepare(cursor, f"fence_hot_{len(prepared)}", sql)
+                name, names = prepared[sql]
+                placeholders = ", ".join(["%s"] * len(names))
+                cursor.execute(f"EXECUTE {name} ({placeholders})", [params[n] for n in names])
                 row = cursor.fetchone()
             finally:
                 cursor.close()
@@ -83,3 +91,17 @@ def apply() -> None:
         return None if row is None else Row(*row)
 
     Store._hot_write = _hot_write  # type: ignore[method-assign]
+
+
+def _prepare(cursor: Any, name: str, sql: str) -> tuple[str, list[str]]:
+    """``PREPARE name AS`` the statement with ``%(param)s`` turned into ``$n``."""
+    names: list[str] = []
+
+    def positional(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    text = re.sub(r"%\((\w+)\)s", positional, sql)
+    cursor.execute(f"PREPARE {name} AS {text}")
+    return name, names

@@ -31,7 +31,6 @@ from celery_fence.lease import LeaseStore
 from celery_fence.outbox import Outbox, idempotency_key, storage_key
 from celery_fence.store import Effect, Store, utcnow
 from tests.support.env import PG_ADMIN_URL, REDIS_URL
-from tests.support.outbox_app import race_sender
 from tests.support.worker import wait_until
 
 
@@ -264,7 +263,7 @@ def test_two_sender_processes_racing_deliver_each_row_once_per_claim(
     # when two sender processes start on them at the same moment,
     ctx = multiprocessing.get_context("spawn")
     senders = [
-        ctx.Process(target=race_sender, args=(db_url, REDIS_URL, ledger_key, barrier_key))
+        ctx.Process(target=race_sender(), args=(db_url, REDIS_URL, ledger_key, barrier_key))
         for _ in range(2)
     ]
     for p in senders:
@@ -347,3 +346,10 @@ def test_provider_stub_standalone_performs_each_key_once() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
+
+
+def race_sender() -> Any:
+    """The sender body, looked up now: other tests re-import its module (spawn pickles by name)."""
+    import importlib
+
+    return importlib.import_module("tests.support.outbox_app").race_sender
