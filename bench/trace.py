@@ -69,6 +69,21 @@ def install(lease_redis_port: int, out_dir: str) -> None:
 
     sa.event.listen(sa.engine.Engine, "before_cursor_execute", before_cursor_execute)
 
+    # The two critical-path statements skip SQLAlchemy's cursor events (they run as prepared
+    # statements on a raw DB-API cursor): count each EXECUTE here; the one-off PREPARE per
+    # connection is counted apart.
+    from celery_fence import statements
+
+    original_execute = statements.execute_prepared
+
+    def execute_prepared(raw: Any, cursor: Any, sql: str, params: Any) -> Any:
+        _add("postgresql")
+        if sql not in raw.info.get("fence_prepared", {}):
+            _add("postgresql-prepare")
+        return original_execute(raw, cursor, sql, params)
+
+    statements.execute_prepared = execute_prepared
+
     target = Path(out_dir) / f"trace-{os.getpid()}.json"
 
     def dump_forever() -> None:

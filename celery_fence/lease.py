@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from .config import FenceConfig
@@ -80,6 +81,11 @@ class LeaseStore:
         self.client = client
         self.prefix = prefix
 
+    @property
+    def clustered(self) -> bool:
+        """True on a Redis Cluster, where one script may only touch one hash slot."""
+        return isinstance(self.client, RedisCluster)
+
     def keys_for(self, key: str) -> LeaseKeys:
         tag = hashlib.blake2b(key.encode("utf-8"), digest_size=12).hexdigest()
         base = f"{self.prefix}:{{{tag}}}"
@@ -95,8 +101,14 @@ class LeaseStore:
         Raises :class:`LeaseBusy` (with ``remaining`` in seconds) when a live lease exists.
         """
         keys = self.keys_for(key)
-        if releases:
+        if releases and self.clustered:
             status, value = self._claim_with_releases(keys, token, ttl_ms, releases)
+        elif releases:  # one script call: the releases' keys may live anywhere on one Redis
+            status, value = CLAIM(
+                self.client,
+                [keys.lease, keys.generation, *(lease_key for lease_key, _ in releases)],
+                [token, ttl_ms, *(value for _, value in releases)],
+            )
         else:
             status, value = CLAIM(self.client, [keys.lease, keys.generation], [token, ttl_ms])
         if int(status) == CLAIMED:

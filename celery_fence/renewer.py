@@ -13,6 +13,7 @@ re-created after a fork.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -122,6 +123,8 @@ class Renewer:
         self._held: dict[str, HeldLease] = {}
         self._releases: list[tuple[str, str]] = []
         self._release_due = 0.0
+        self._wake_at = math.inf  # when the thread's current wait ends (inf: idle)
+        self._tick = math.inf  # the renewal interval the thread is using
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.ticks = 0  # round trips sent (for tests and the benchmark)
@@ -140,7 +143,10 @@ class Renewer:
                     target=self._run, name=RENEWER_THREAD_NAME, daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            elif self._wake_at == math.inf or lease.interval < self._tick:
+                # Wake the thread only when its plan changes (it was idle, or this lease needs
+                # a shorter tick): a wake-up per task is a thread switch in the task's way.
+                self._cond.notify()
 
     def discard(self, lease: HeldLease, *, release: bool = True) -> None:
         """Stop renewing ``lease``; queue its compare-and-delete (sent with the next claim, or by
@@ -152,7 +158,8 @@ class Renewer:
                 if not self._releases:
                     self._release_due = time.monotonic() + RELEASE_DELAY
                 self._releases.append((lease.lease_key, lease.value))
-                self._cond.notify()
+                if self._wake_at > self._release_due:  # it would sleep past the release's due
+                    self._cond.notify()
 
     def take_releases(self) -> list[tuple[str, str]]:
         """Hand queued releases to the caller, which sends them with its next claim."""
@@ -198,7 +205,8 @@ class Renewer:
         return min((lease.interval for lease in self._held.values()), default=1.0)
 
     def _run(self) -> None:
-        next_renewal = time.monotonic() + self._interval()
+        self._tick = self._interval()
+        next_renewal = time.monotonic() + self._tick
         while True:
             with self._cond:
                 while True:
@@ -207,21 +215,28 @@ class Renewer:
                     release_due = bool(self._releases) and now >= self._release_due
                     if self._stopping or renew_due or release_due:
                         break
+                    if self._held and self._interval() < self._tick:  # a shorter tick arrived
+                        self._tick = self._interval()
+                        next_renewal = min(next_renewal, now + self._tick)
                     wake = [next_renewal] if self._held else []
                     if self._releases:
                         wake.append(self._release_due)
+                    self._wake_at = min(wake, default=math.inf)
                     if wake:
-                        self._cond.wait(max(0.0, min(wake) - now))
+                        self._cond.wait(max(0.0, self._wake_at - now))
                     else:  # idle until a lease is added or a release queued
                         self._cond.wait()
-                        next_renewal = time.monotonic() + self._interval()
+                        self._tick = self._interval()
+                        next_renewal = time.monotonic() + self._tick
+                self._wake_at = 0.0  # awake: nobody needs to notify
                 releases: list[tuple[str, str]] = []
                 if release_due or self._stopping:
                     releases, self._releases = self._releases, []
                 held: list[HeldLease] = []
                 if renew_due:
                     held = list(self._held.values())
-                    next_renewal = time.monotonic() + self._interval()
+                    self._tick = self._interval()
+                    next_renewal = time.monotonic() + self._tick
                 stopping = self._stopping
             if held or releases:
                 self._trip(held, releases)

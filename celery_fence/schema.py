@@ -23,6 +23,7 @@ KEY_LENGTH = 512
 #: Job statuses. ``completed`` and ``dead`` are terminal; ``pending`` is a requeued dead job.
 RUNNING, RETRYING, COMPLETED, DEAD, PENDING = "running", "retrying", "completed", "dead", "pending"
 STATUSES = (RUNNING, RETRYING, COMPLETED, DEAD, PENDING)
+FINISHED_PREDICATE = "status IN ('completed', 'dead')"
 
 jobs = sa.Table(
     "fence_jobs",
@@ -41,7 +42,13 @@ jobs = sa.Table(
     sa.Column("updated_at", Timestamp, nullable=False),
     sa.Column("finished_at", Timestamp, nullable=True),
     sa.Column("retry_at", Timestamp, nullable=True),
-    sa.Index("ix_fence_jobs_status_finished", "status", "finished_at"),
+    # purge's predicate; partial, so the planner never takes it for a completion's key lookup
+    sa.Index(
+        "ix_fence_jobs_finished",
+        "finished_at",
+        postgresql_where=sa.text(FINISHED_PREDICATE),
+        sqlite_where=sa.text(FINISHED_PREDICATE),
+    ),
     sa.Index("ix_fence_jobs_task_status", "task_name", "status"),
 )
 

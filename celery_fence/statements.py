@@ -18,7 +18,10 @@ overwrites the result, as a plain write would, without failing on the outbox.
 
 from __future__ import annotations
 
+import os
+import re
 from functools import cache
+from typing import Any
 
 RETURNING = "RETURNING key, generation, attempt_id, attempts"
 
@@ -106,3 +109,42 @@ SQLITE_OUTBOX_SQL = (
     "VALUES (:key, :name, :idempotency_key, :payload, 'pending', 0, :now, :now) "
     "ON CONFLICT (idempotency_key) DO NOTHING"
 )
+
+
+def _positional(sql: str) -> tuple[str, tuple[str, ...]]:
+    """``%(name)s`` placeholders to ``$1, $2, ...`` (first appearance order) for ``PREPARE``."""
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    return re.sub(r"%\((\w+)\)s", number, sql), tuple(names)
+
+
+def execute_prepared(raw: Any, cursor: Any, sql: str, params: dict[str, Any]) -> Any:
+    """Run ``sql`` on PostgreSQL as a server-side prepared statement: ``PREPARE`` once per
+    connection, then ``EXECUTE`` — the server parses and plans it once, not on every task.
+    Returns the first row or None. A connection that lost its prepared statements (a pooler
+    that swapped the server connection, ``DISCARD ALL``) prepares again, once."""
+    prepared: dict[str, tuple[str, tuple[str, ...]]] = raw.info.setdefault("fence_prepared", {})
+    for attempt in (1, 2):
+        entry = prepared.get(sql)
+        if entry is None:
+            text, names = _positional(sql)
+            name = f"fence_hot_{len(prepared)}_{os.getpid()}"
+            cursor.execute(f"PREPARE {name} AS {text}")
+            entry = prepared[sql] = (name, names)
+        name, names = entry
+        try:
+            cursor.execute(
+                f"EXECUTE {name} ({', '.join(['%s'] * len(names))})", [params[n] for n in names]
+            )
+        except Exception as exc:
+            if attempt == 1 and getattr(exc, "pgcode", None) == "26000":  # no such statement
+                prepared.clear()
+                continue
+            raise
+        return cursor.fetchone()
+    raise AssertionError("unreachable")  # pragma: no cover

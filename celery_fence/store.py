@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -115,6 +115,15 @@ def dumps_strict(value: Any, what: str = "value") -> str:
             f"the {what} is not JSON ({exc}); return plain dicts, lists, str, int, float, bool "
             "or None, e.g. convert dates with .isoformat()"
         ) from None
+
+
+class _Row(NamedTuple):
+    """What a critical-path write returns."""
+
+    key: str
+    generation: int
+    attempt_id: str
+    attempts: int
 
 
 def _record(row: Any) -> JobRecord:
@@ -317,6 +326,29 @@ class Store:
                 )
             return row
 
+    @contextmanager
+    def _raw(self) -> Iterator[tuple[Any, Any]]:
+        """A pooled DB-API connection and cursor for the critical path, skipping SQLAlchemy's
+        connection and result wrappers; driver errors come out as SQLAlchemy's (with parameters
+        hidden), and a broken connection is invalidated."""
+        engine = self.engine
+        dbapi_error = engine.dialect.loaded_dbapi.Error
+        raw = engine.raw_connection()
+        try:
+            cursor = raw.cursor()
+            try:
+                yield raw, cursor
+            finally:
+                cursor.close()
+        except dbapi_error as exc:
+            if engine.dialect.is_disconnect(exc, raw.dbapi_connection, None):
+                raw.invalidate(exc)
+            raise sa.exc.DBAPIError.instance(
+                None, None, exc, dbapi_error, hide_parameters=True, dialect=engine.dialect
+            ) from exc
+        finally:
+            raw.close()  # back to the pool
+
     def _hot_write(
         self,
         sql: str,
@@ -324,10 +356,10 @@ class Store:
         *,
         action: str,
         effects: Sequence[Effect] = (),
-    ) -> Any:
+    ) -> _Row | None:
         """Run a critical-path write from :mod:`statements` with its transition row and staged
-        effects: one statement on PostgreSQL, one short transaction on SQLite. Returns the
-        changed row, or None when the fence did not match."""
+        effects: one prepared statement on PostgreSQL, one short transaction on SQLite. Returns
+        the changed row, or None when the fence did not match."""
         now = utcnow()
         record = self.record_transitions
         if self.dialect == "postgresql":
@@ -344,33 +376,40 @@ class Store:
                     ],
                     separators=(",", ":"),
                 )
-            with self.engine.connect() as conn:
-                return conn.exec_driver_sql(sql, params).first()
+            with self._raw() as (raw, cursor):
+                row = statements.execute_prepared(raw, cursor, sql, params)
+            return None if row is None else _Row(*row)
         params["now"] = stamp = now.strftime("%Y-%m-%d %H:%M:%S.%f")  # SQLAlchemy's format
-        if not record and not effects:
-            with self.engine.connect() as conn:
-                return conn.exec_driver_sql(sql, params).first()
-        with self._tx() as conn:
-            row = conn.exec_driver_sql(sql, params).first()
-            if row is None:
-                return None
-            if record:
-                conn.exec_driver_sql(
-                    statements.sqlite_transition_sql(action),
-                    {"key": row[0], "generation": row[1], "attempt_id": row[2], "now": stamp},
-                )
-            for e in effects:
-                conn.exec_driver_sql(
-                    statements.SQLITE_OUTBOX_SQL,
-                    {
-                        "key": row[0],
-                        "name": e.name,
-                        "idempotency_key": e.idempotency_key,
-                        "payload": json.dumps(e.payload, separators=(",", ":")),
-                        "now": stamp,
-                    },
-                )
-            return row
+        with self._raw() as (_, cursor):
+            if not record and not effects:
+                cursor.execute(sql, params)
+                row = cursor.fetchone()
+                return None if row is None else _Row(*row)
+            cursor.execute("BEGIN IMMEDIATE")
+            try:
+                cursor.execute(sql, params)
+                row = cursor.fetchone()
+                if row is not None and record:
+                    cursor.execute(
+                        statements.sqlite_transition_sql(action),
+                        {"key": row[0], "generation": row[1], "attempt_id": row[2], "now": stamp},
+                    )
+                for e in effects if row is not None else ():
+                    cursor.execute(
+                        statements.SQLITE_OUTBOX_SQL,
+                        {
+                            "key": row[0],
+                            "name": e.name,
+                            "idempotency_key": e.idempotency_key,
+                            "payload": json.dumps(e.payload, separators=(",", ":")),
+                            "now": stamp,
+                        },
+                    )
+            except BaseException:
+                cursor.execute("ROLLBACK")
+                raise
+            cursor.execute("COMMIT")
+            return None if row is None else _Row(*row)
 
     def _insert(self) -> Any:
         return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(jobs)
@@ -385,6 +424,7 @@ class Store:
         attempt_id: str,
         task_name: str,
         request: Mapping[str, Any] | None = None,
+        request_json: str | None = None,
     ) -> Registration:
         """Register generation ``generation`` as the owner of ``key`` before the body runs.
 
@@ -397,7 +437,9 @@ class Store:
             "task_name": task_name,
             "generation": generation,
             "attempt_id": attempt_id,
-            "request": None if request is None else json.dumps(request, separators=(",", ":")),
+            "request": request_json
+            if request is None
+            else json.dumps(request, separators=(",", ":")),
         }
         sql = statements.register_sql(self.dialect, fenced=not self.unfenced)
         row = self._hot_write(sql, params, action="claimed")

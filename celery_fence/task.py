@@ -65,12 +65,11 @@ def lease_store_for(config: FenceConfig) -> LeaseStore:
     return store
 
 
-def _jsonable(value: Any) -> Any:
+def _json_or_none(value: Any) -> str | None:
     try:
-        json.dumps(value, allow_nan=False)
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError):
         return None
-    return value
 
 
 class FencedTask(Task):
@@ -217,8 +216,14 @@ class FencedTask(Task):
             )
 
     def _request_info(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The request as stored for a requeue (task, args, kwargs, routing), or None if it is
+        not JSON."""
+        text = self._request_json(args, kwargs)
+        return None if text is None else dict(json.loads(text))
+
+    def _request_json(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         delivery = self.request.delivery_info or {}
-        return _jsonable(
+        return _json_or_none(
             {
                 "task": self.name,
                 "args": list(args),
@@ -286,7 +291,7 @@ class FencedTask(Task):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> tuple[HeldLease, Registration]:
-        request_info: dict[str, Any] | None = None
+        request_json: str | None = None
         origin = (self.request.id, self.request.hostname)  # for events sent by the renewer thread
         for _ in range(CLAIM_ROUNDS):
             claimed_at = time.monotonic()
@@ -335,15 +340,15 @@ class FencedTask(Task):
             )
             renewer.add(lease)
             self._emit(signals.lease_claimed, key, attempt_id, generation)
-            if request_info is None:
-                request_info = self._request_info(args, kwargs) or {}
+            if request_json is None:
+                request_json = self._request_json(args, kwargs) or ""
             try:
                 registration = store.register(
                     key,
                     generation=generation,
                     attempt_id=attempt_id,
                     task_name=self.name,
-                    request=request_info or None,
+                    request_json=request_json or None,
                 )
             except Exception as exc:  # nothing was registered: re-send, never drop
                 renewer.discard(lease)

@@ -3,8 +3,16 @@
 -- KEYS[2]  generation key  "<prefix>:{<tag>}:gen"    an integer counter, only ever INCRed or raised
 -- ARGV[1]  owner token (random, unique per attempt)
 -- ARGV[2]  lease TTL in milliseconds
+-- KEYS[3..n], ARGV[3..n] (optional, single Redis only): lease keys of this process's finished
+--          attempts and their expected values, released first (compare-and-delete each), so a
+--          release rides in the claim's round trip. A Redis Cluster sends them separately.
 -- Returns {1, generation} when claimed,
 --         {0, remaining_ms} when a live lease exists (busy; -1 means it has no expiry).
+for i = 3, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[i] then
+    redis.call('DEL', KEYS[i])
+  end
+end
 local remaining = redis.call('PTTL', KEYS[1])
 if remaining ~= -2 then
   return {0, remaining}

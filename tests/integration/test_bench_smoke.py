@@ -58,14 +58,15 @@ def test_throughput_mode_reports_every_variant_and_counts_at_most_three_round_tr
     assert result["ratios"]["fenced-pg"]["baseline"] == "plain"
 
     # And the servers counted, per fenced task: one register and one complete statement, no
-    # BEGIN/COMMIT (AUTOCOMMIT), and two Lua scripts (the claim, and the release that rode a later
-    # claim's pipeline or the renewer's trip) in at most two round trips
+    # BEGIN/COMMIT (AUTOCOMMIT), and one or two Lua scripts (the claim, which on a single Redis
+    # also carries the previous attempts' releases; a leftover release goes in the renewer's
+    # trip) in at most two round trips
     for name in ("fenced-pg", "fenced-pg-50ms"):
         counts = result["counts"][name]
         assert counts["sql_by_kind"].get("register") == pytest.approx(1.0)
         assert counts["sql_by_kind"].get("complete") == pytest.approx(1.0)
         assert "tx-control" not in counts["sql_by_kind"]
-        assert counts["redis_scripts"] == pytest.approx(2.0)
+        assert 0.99 <= counts["redis_scripts"] <= 2.01
         assert counts["redis_reads"] <= 2.0
     # plain Celery does not touch the lease Redis or the store: the counting is per variant
     assert result["counts"]["plain"]["redis_scripts"] == 0

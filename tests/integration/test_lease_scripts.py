@@ -116,3 +116,22 @@ def test_scripts_reload_after_script_flush(leases: LeaseStore) -> None:
 
 def test_redis_is_real(redis_client: redis.Redis) -> None:
     assert redis_client.ping()
+
+
+def test_claim_carries_releases_in_the_same_round_trip(leases: LeaseStore) -> None:
+    finished = []
+    for i in range(3):
+        g = leases.claim(f"done{i}", "old", 5_000)
+        finished.append((leases.keys_for(f"done{i}").lease, f"old:{g}"))
+    taken_over = leases.keys_for("done2").lease
+    leases.client.set(taken_over, "newer:9")  # one of them now belongs to someone else
+    kwargs = leases.client.connection_pool.connection_kwargs
+    pool = redis.ConnectionPool(connection_class=CountingConnection, **kwargs)
+    counted = LeaseStore(redis.Redis(connection_pool=pool), prefix=leases.prefix)
+    counted.client.ping()
+    before = CountingConnection.writes
+    g = counted.claim("next", "tok", 5_000, releases=finished)
+    assert CountingConnection.writes - before == 1
+    assert g == 1
+    assert [leases.client.exists(k) for k, _ in finished[:2]] == [0, 0]
+    assert leases.client.get(taken_over) == b"newer:9"  # compared, not deleted

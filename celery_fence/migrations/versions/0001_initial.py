@@ -24,6 +24,7 @@ KEY_LENGTH = 512
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 Json = sa.JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
 Timestamp = sa.DateTime(timezone=True)
+FINISHED_PREDICATE = "status IN ('completed', 'dead')"
 
 
 def upgrade() -> None:
@@ -44,7 +45,13 @@ def upgrade() -> None:
         sa.Column("finished_at", Timestamp, nullable=True),
         sa.Column("retry_at", Timestamp, nullable=True),
     )
-    op.create_index("ix_fence_jobs_status_finished", "fence_jobs", ["status", "finished_at"])
+    op.create_index(
+        "ix_fence_jobs_finished",
+        "fence_jobs",
+        ["finished_at"],
+        postgresql_where=sa.text(FINISHED_PREDICATE),
+        sqlite_where=sa.text(FINISHED_PREDICATE),
+    )
     op.create_index("ix_fence_jobs_task_status", "fence_jobs", ["task_name", "status"])
 
     op.create_table(
