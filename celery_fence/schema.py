@@ -8,10 +8,18 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 
 metadata = sa.MetaData()
+
+
+def utcnow() -> dt.datetime:
+    """Every timestamp celery-fence writes: timezone-aware UTC."""
+    return dt.datetime.now(dt.timezone.utc)
+
 
 #: BIGSERIAL on PostgreSQL, INTEGER PRIMARY KEY (the rowid) on SQLite.
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")

@@ -25,15 +25,12 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from . import schema, statements
 from .errors import ConfigurationError, StaleGeneration, StoreError
-from .schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, jobs, outbox, transitions
+from .outbox_store import OutboxRow, OutboxStore
+from .schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, jobs, outbox, transitions, utcnow
 
 logger = logging.getLogger(__name__)
 
 Outcome = Literal["registered", "completed", "dead", "stale"]
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
 
 
 @dataclass(frozen=True)
@@ -85,25 +82,6 @@ class Effect:
     idempotency_key: str
 
 
-@dataclass(frozen=True)
-class OutboxRow:
-    """One row of ``fence_outbox``: a committed effect and its delivery state."""
-
-    id: int
-    key: str
-    name: str
-    idempotency_key: str
-    payload: Any
-    status: str  # pending, delivered, dead
-    attempts: int  # claims so far (a claim that crashed counts too)
-    available_at: dt.datetime
-    claimed_by: str | None
-    claimed_until: dt.datetime | None
-    last_error: str | None
-    created_at: dt.datetime
-    delivered_at: dt.datetime | None
-
-
 def dumps_strict(value: Any, what: str = "value") -> str:
     """JSON or a clear error; never a lossy conversion (no NaN, no ``default=str``)."""
     try:
@@ -131,7 +109,7 @@ def _record(row: Any) -> JobRecord:
     return JobRecord(**{name: m[name] for name in JobRecord.__dataclass_fields__})
 
 
-class Store:
+class Store(OutboxStore):
     """The SQLAlchemy repository. Safe to share between threads; re-creates its pool after fork."""
 
     def __init__(
@@ -716,137 +694,6 @@ class Store:
             keys = sa.select(jobs.c.key).where(done)
             conn.execute(transitions.delete().where(transitions.c.key.in_(keys)))
             return int(conn.execute(jobs.delete().where(done)).rowcount or 0)
-
-    # -- outbox: claim, mark, fail (used by celery_fence.outbox's sender) -------------------------
-    #
-    # A sender claims a row for ``claim_ttl`` seconds under a claim token of its own; marking and
-    # failing are conditional on that token, so a sender whose claim expired and was taken over
-    # cannot change the row. Rows are written only by :meth:`complete` (with the fenced result).
-
-    def outbox_claim(
-        self,
-        *,
-        claimer: str,
-        claim_ttl: float,
-        limit: int = 1,
-        key: str | None = None,
-        after_id: int = 0,
-    ) -> Sequence[OutboxRow]:
-        """Claim up to ``limit`` due ``pending`` rows (oldest first) for ``claim_ttl`` seconds.
-
-        A row is due when ``available_at`` has passed and no live claim holds it; only rows with
-        an id above ``after_id`` are considered (a sender's cursor). Each claim counts one attempt.
-        PostgreSQL: ``FOR UPDATE SKIP LOCKED`` in one statement; SQLite: the same conditional
-        ``UPDATE`` under ``BEGIN IMMEDIATE`` (writers are serialized).
-        """
-        now = utcnow()
-        due = (
-            (outbox.c.status == "pending")
-            & (outbox.c.available_at <= now)
-            & (outbox.c.claimed_until.is_(None) | (outbox.c.claimed_until < now))
-            & (outbox.c.id > after_id)
-        )
-        if key is not None:
-            due = due & (outbox.c.key == key)
-        ids = sa.select(outbox.c.id).where(due).order_by(outbox.c.id).limit(limit)
-        claim = outbox.update().values(
-            claimed_by=claimer[:64],
-            claimed_until=now + dt.timedelta(seconds=claim_ttl),
-            attempts=outbox.c.attempts + 1,
-        )
-        if self.dialect == "postgresql":
-            # A CTE runs once: "id IN (SELECT ... SKIP LOCKED LIMIT n)" may be re-run per row.
-            picked = ids.with_for_update(skip_locked=True).cte("picked")
-            stmt = claim.where(outbox.c.id == picked.c.id).returning(*outbox.c)
-            with self.engine.connect() as conn:
-                rows = conn.execute(stmt).all()
-        else:
-            stmt = claim.where(outbox.c.id.in_(ids.scalar_subquery()) & due).returning(*outbox.c)
-            with self._tx() as conn:
-                rows = conn.execute(stmt).all()
-        return sorted((_outbox_row(r) for r in rows), key=lambda r: r.id)
-
-    def outbox_mark_delivered(self, row_id: int, *, claimer: str) -> bool:
-        """Mark a claimed row delivered; False when the claim is no longer this sender's."""
-        now = utcnow()
-        stmt = (
-            outbox.update()
-            .where(
-                (outbox.c.id == row_id)
-                & (outbox.c.claimed_by == claimer[:64])
-                & (outbox.c.status == "pending")
-            )
-            .values(status="delivered", delivered_at=now, claimed_until=None, last_error=None)
-            .returning(outbox.c.id)
-        )
-        with self.engine.connect() as conn:
-            return conn.execute(stmt).first() is not None
-
-    def outbox_fail(
-        self,
-        row_id: int,
-        *,
-        claimer: str,
-        error: BaseException,
-        retry_at: dt.datetime | None,
-    ) -> bool:
-        """Record a failed delivery: due again at ``retry_at``, or ``dead`` when it is None.
-
-        False when the claim is no longer this sender's (nothing changes).
-        """
-        fields = self._error_fields(error)
-        last_error = f"{fields['error_type']}: {fields['error_message']}"[:2000]
-        values: dict[str, Any] = {"claimed_until": None, "last_error": last_error}
-        if retry_at is None:
-            values["status"] = "dead"
-        else:
-            values["available_at"] = retry_at
-        stmt = (
-            outbox.update()
-            .where(
-                (outbox.c.id == row_id)
-                & (outbox.c.claimed_by == claimer[:64])
-                & (outbox.c.status == "pending")
-            )
-            .values(**values)
-            .returning(outbox.c.id)
-        )
-        with self.engine.connect() as conn:
-            return conn.execute(stmt).first() is not None
-
-    def outbox_requeue(self, row_id: int) -> bool:
-        """Move a ``dead`` outbox row back to ``pending`` with a fresh attempt count."""
-        stmt = (
-            outbox.update()
-            .where((outbox.c.id == row_id) & (outbox.c.status == "dead"))
-            .values(status="pending", attempts=0, available_at=utcnow(), claimed_by=None)
-            .returning(outbox.c.id)
-        )
-        with self.engine.connect() as conn:
-            return conn.execute(stmt).first() is not None
-
-    def outbox_purge(self, *, delivered_before: dt.datetime) -> int:
-        """Delete rows delivered before the date (``dead`` rows stay until requeued or fixed)."""
-        done = (outbox.c.status == "delivered") & (outbox.c.delivered_at < delivered_before)
-        with self.engine.connect() as conn:
-            return int(conn.execute(outbox.delete().where(done)).rowcount or 0)
-
-    def outbox_rows(
-        self, *, key: str | None = None, status: str | None = None, limit: int = 1000
-    ) -> Sequence[OutboxRow]:
-        """Outbox rows, oldest first (operators, tests, the demo)."""
-        query = sa.select(outbox).order_by(outbox.c.id).limit(limit)
-        if key is not None:
-            query = query.where(outbox.c.key == key)
-        if status is not None:
-            query = query.where(outbox.c.status == status)
-        with self.engine.connect() as conn:
-            return [_outbox_row(r) for r in conn.execute(query).all()]
-
-
-def _outbox_row(row: Any) -> OutboxRow:
-    m = row._mapping
-    return OutboxRow(**{name: m[name] for name in OutboxRow.__dataclass_fields__})
 
 
 _stores: dict[tuple[Any, ...], Store] = {}
