@@ -583,6 +583,24 @@ class FencedTask(Task):
                 countdown=backoff(fence.attempts, config),
                 reason=f"store unavailable at completion ({type(exc).__name__})",
             )
+        except Exception as exc:
+            # Anything else the store raised: the result is not known to be stored, so the
+            # message is not acked as done. It is re-sent; the attempt count bounds a repeat.
+            logger.error(
+                "fence completion failed key=%s generation=%s: %s; the message is re-sent",
+                key,
+                generation,
+                type(exc).__name__,
+                extra={"action": "store_error", "fence_key": key, "generation": generation},
+            )
+            self._retry_unrecorded(
+                exc,
+                key,
+                attempt_id,
+                generation,
+                countdown=backoff(fence.attempts, config),
+                reason=f"completion failed ({type(exc).__name__})",
+            )
         self._emit(signals.job_completed, key, attempt_id, generation)
         if fence.outbox.staged:
             self._after_commit_effects(fence)
