@@ -713,14 +713,15 @@ class FencedTask(Task):
             )
         except StaleGeneration as stale:
             return self._after_stale(fence.key, fence.attempt_id, fence.generation, store, stale)
-        except DEFAULT_TRANSIENT:
+        except Exception as db_exc:  # the store could not record it: re-send all the same
             logger.warning(
-                "could not record the retry of key=%s generation=%s; re-sending anyway",
+                "could not record the retry of key=%s generation=%s (%s); re-sending anyway",
                 key,
                 generation,
+                type(db_exc).__name__,
                 extra={"action": "retry", "fence_key": key, "generation": generation},
             )
-            reason = f"{decision.reason}; not recorded (store unavailable)"
+            reason = f"{decision.reason}; not recorded ({type(db_exc).__name__})"
         else:
             reason = decision.reason
         self._emit(
@@ -751,7 +752,7 @@ class FencedTask(Task):
             )
         except StaleGeneration as stale:
             return self._after_stale(key, attempt_id, generation, store, stale)
-        except DEFAULT_TRANSIENT as exc:
+        except Exception as exc:
             # Not acked until the store says ``dead``: re-send; the next delivery decides again.
             self._retry_unrecorded(
                 exc,
@@ -759,7 +760,7 @@ class FencedTask(Task):
                 attempt_id,
                 generation,
                 countdown=backoff(attempts, self._fence_backends()[0]),
-                reason=f"store unavailable while recording dead ({type(exc).__name__})",
+                reason=f"dead state not recorded ({type(exc).__name__})",
             )
         self._emit(signals.job_dead, key, attempt_id, generation, reason=reason, attempts=attempts)
         raise error  # Celery records FAILURE and, with acks_late, acks after this durable write
