@@ -95,6 +95,16 @@ def dumps_strict(value: Any, what: str = "value") -> str:
         ) from None
 
 
+class _RedactedDriverError(Exception):
+    """A driver error reduced to its class and first line: never a value from the statement."""
+
+    def __init__(self, orig: BaseException) -> None:
+        first_line = (str(orig).splitlines() or [""])[0]
+        super().__init__(f"{type(orig).__name__}: {first_line}")
+        self.pgcode = getattr(orig, "pgcode", None)
+        self.driver_error = type(orig)
+
+
 class _Row(NamedTuple):
     """What a critical-path write returns."""
 
@@ -321,9 +331,14 @@ class Store(OutboxStore):
         except dbapi_error as exc:
             if engine.dialect.is_disconnect(exc, raw.dbapi_connection, None):
                 raw.invalidate(exc)
-            raise sa.exc.DBAPIError.instance(
+            wrapped = sa.exc.DBAPIError.instance(
                 None, None, exc, dbapi_error, hide_parameters=True, dialect=engine.dialect
-            ) from exc
+            )
+            # PostgreSQL echoes the failing statement (``LINE 1: EXECUTE ...('<the result>'``)
+            # and quotes values in its CONTEXT lines, and psycopg2 sends parameters inline: keep
+            # only the first line, and do not chain the driver's exception into tracebacks.
+            wrapped.orig = _RedactedDriverError(exc)
+            raise wrapped from None
         finally:
             raw.close()  # back to the pool
 

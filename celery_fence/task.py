@@ -356,7 +356,7 @@ class FencedTask(Task):
                     logger.error(
                         "fence store refused registration (%s); is the schema created? run: "
                         "celery -A <app> fence init-db. The message is re-sent, not dropped.",
-                        type(exc.orig).__name__,
+                        str(exc.orig),
                         extra={"action": "store_error", "fence_key": key},
                     )
                     self._reschedule(exc, countdown=max(5.0, config.retry_backoff_max / 10))
@@ -570,6 +570,25 @@ class FencedTask(Task):
                 store,
                 exc,
                 reason="result is not JSON",
+                attempts=fence.attempts,
+            )
+        except sa_exc.DataError as exc:
+            # The database refuses this value (e.g. PostgreSQL's jsonb refuses "\u0000"): the
+            # same result would be refused on every retry, so the job goes dead at once. Only the
+            # driver's first line is kept: its context lines can quote the value itself.
+            first_line = (str(exc.orig).splitlines() or [""])[0]
+            refused = ResultNotSerializable(
+                f"the database refused the task's return value ({first_line}); return values "
+                "it can store as JSON"
+            )
+            refused.__suppress_context__ = True  # the driver's error may quote the value
+            return self._dead(
+                key,
+                attempt_id,
+                generation,
+                store,
+                refused,
+                reason="result refused by the database",
                 attempts=fence.attempts,
             )
         except DEFAULT_TRANSIENT as exc:

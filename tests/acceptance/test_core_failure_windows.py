@@ -173,3 +173,28 @@ def test_renewal_keeps_long_tasks_alive_under_every_pool(
         record = Store(db_url).get(k)
         assert record is not None and (record.status, record.generation) == ("completed", 1)
         assert len(_effects(redis_client, prefix, k)) == 1
+
+
+def test_a_result_the_database_refuses_goes_dead_at_once_without_leaking_it(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    pg_url: str,
+    worker_env: dict[str, str],
+) -> None:
+    # Given a PostgreSQL store and a task whose JSON result jsonb cannot hold ("\u0000"),
+    key = f"nul:{uuid.uuid4().hex[:8]}"
+    w = spawn_worker("w", FENCE_T_DB=pg_url, loglevel="DEBUG")
+    # when it runs,
+    result = client_app.nul_result.delay(key)
+    with pytest.raises(Exception, match="database refused the task's return value"):
+        result.get(timeout=30)
+    # then the job is dead after one attempt (not retried, not left running), and the refused
+    # value appears neither in the store nor in the worker's log.
+    record = Store(pg_url).get(key)
+    assert record is not None and (record.status, record.attempts) == ("dead", 1)
+    assert record.error_type is not None and record.error_type.endswith("ResultNotSerializable")
+    assert redis_client.get(f"{prefix}:nul_runs:{key}") == b"1"
+    assert "before" not in (record.error_message or "")
+    assert "before" not in w.log()

@@ -118,3 +118,9 @@ def echo(self: Any, key: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
 
 if E.get("FENCE_T_SIGNALS") == "1":
     import tests.support.signal_recorder  # noqa: F401 - records every fence signal to Redis
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda key: key)
+def nul_result(self: Any, key: str) -> dict[str, str]:
+    ledger.incr(f"{PREFIX}:nul_runs:{key}")
+    return {"text": "before\x00after"}  # valid JSON; PostgreSQL's jsonb refuses \u0000
