@@ -591,34 +591,27 @@ class FencedTask(Task):
                 reason="result refused by the database",
                 attempts=fence.attempts,
             )
-        except DEFAULT_TRANSIENT as exc:
-            # Not acked as a success: the message is re-sent and the next attempt converges
-            # (on the stored result if this commit did land before the connection broke).
-            self._retry_unrecorded(
-                exc,
-                key,
-                attempt_id,
-                generation,
-                countdown=backoff(fence.attempts, config),
-                reason=f"store unavailable at completion ({type(exc).__name__})",
-            )
         except Exception as exc:
-            # Anything else the store raised: the result is not known to be stored, so the
-            # message is not acked as done. It is re-sent; the attempt count bounds a repeat.
-            logger.error(
-                "fence completion failed key=%s generation=%s: %s; the message is re-sent",
-                key,
-                generation,
-                type(exc).__name__,
-                extra={"action": "store_error", "fence_key": key, "generation": generation},
-            )
+            # The result is not known to be stored, so the message is not acked as done: it is
+            # re-sent, and the next attempt converges (on the stored result if this commit did
+            # land before the connection broke). The attempt count bounds a repeat.
+            transient = isinstance(exc, DEFAULT_TRANSIENT)
+            if not transient:
+                logger.error(
+                    "fence completion failed key=%s generation=%s: %s; the message is re-sent",
+                    key,
+                    generation,
+                    type(exc).__name__,
+                    extra={"action": "store_error", "fence_key": key, "generation": generation},
+                )
+            what = "store unavailable at completion" if transient else "completion failed"
             self._retry_unrecorded(
                 exc,
                 key,
                 attempt_id,
                 generation,
                 countdown=backoff(fence.attempts, config),
-                reason=f"completion failed ({type(exc).__name__})",
+                reason=f"{what} ({type(exc).__name__})",
             )
         self._emit(signals.job_completed, key, attempt_id, generation)
         if fence.outbox.staged:
