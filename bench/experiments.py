@@ -14,6 +14,14 @@ check on the noise between two identical workers).
 Measured and not adopted: the transitions table off (``fence_record_transitions=False`` forced in
 the second worker) changed nothing measurable — ``python -m bench --experiment --rounds 3``:
 fenced-pg median ratio 0.631, the candidate 0.639; PostgreSQL CPU 0.478 vs 0.457 ms a task.
+
+Measured and not adopted: the registration committed with ``SET LOCAL synchronous_commit TO
+off`` (sent with its ``EXECUTE`` in one query; the completion's synchronous commit would flush
+its WAL record with it). ``python -m bench --experiment --rounds 2``, asynchronous vs
+synchronous registration: median ratio 0.628 vs 0.626 (tasks/s by round 375/441 vs 438/390:
+noise); in-process with 50 ms bodies the registration got
+0.3 ms faster and the completion 0.15-0.3 ms slower (the WAL flush it skipped is paid by the
+next one), 54.24 vs 54.21 ms a task. No gain, and a crash window against stale attempts: no.
 """
 
 from __future__ import annotations

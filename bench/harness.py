@@ -17,7 +17,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,7 +139,22 @@ def rss_kib(pid: int) -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a process has used so far (0 when it is gone)."""
+    """CPU seconds the live threads of a process have run so far (0 when it is gone).
+
+    From the scheduler's own run-time clock (``/proc/<pid>/task/<tid>/schedstat``, nanoseconds),
+    not from ``utime``/``stime``: those are sampled at timer ticks, and a process that wakes
+    on a timer is on the CPU at every tick, so short sleeps (a 50 ms task) get charged whole
+    ticks they did not use. Falls back to ``/proc/<pid>/stat`` where schedstat is missing.
+    """
+    total = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += int((task / "schedstat").read_text().split()[0])
+    except OSError:
+        return 0.0
+    if total:
+        return total / 1e9
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
@@ -148,6 +163,16 @@ def cpu_seconds(pid: int) -> float:
 
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+#: The CpuCounter entry holding the whole machine's busy CPU seconds.
+MACHINE = "machine"
+
+
+def machine_busy_seconds() -> float:
+    """Busy CPU seconds of all CPUs since boot (``/proc/stat``: everything but idle and
+    iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / CLOCK_TICKS
 
 
 def children_of(pid: int) -> list[int]:
@@ -186,9 +211,13 @@ class CpuCounter:
         return groups
 
     def snapshot(self) -> Counter[str]:
-        return Counter(
-            {name: sum(cpu_seconds(p) for p in pids) for name, pids in self._groups().items()}
-        )
+        """CPU seconds so far by component, plus ``machine``: every CPU's busy time (the
+        kernel's, the bench's own and anything else running included)."""
+        counts: dict[str, float] = {
+            name: sum(cpu_seconds(p) for p in pids) for name, pids in self._groups().items()
+        }
+        counts[MACHINE] = machine_busy_seconds()
+        return Counter(counts)
 
 
 # -- counting from the servers ------------------------------------------------------------------
@@ -422,13 +451,16 @@ def timed_run(
     *,
     sleep: float = 0.0,
     timeout: float = 600.0,
+    on_start: Callable[[], None] | None = None,
 ) -> float:
     """Publish ``n`` messages with distinct keys to ``worker``'s queue, then time their
-    consumption; return seconds."""
+    consumption; return seconds. ``on_start`` runs right before consumption starts."""
     run = uuid.uuid4().hex[:10]
     queue = worker.queue
     publish(control, task, [f"{run}:{i}" for i in range(n)], queue, sleep)
     wait_for(lambda: pending(broker, queue) >= n, 30, "published messages to be visible")
+    if on_start is not None:
+        on_start()
     started = time.perf_counter()
     set_consuming(control, worker, True)
     end = time.monotonic() + timeout

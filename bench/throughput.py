@@ -9,6 +9,7 @@ count round trips on the client side, split into the task's critical path and ba
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -20,6 +21,7 @@ from typing import Any
 
 from bench import trace
 from bench.harness import (
+    MACHINE,
     BenchWorker,
     CpuCounter,
     PgCounter,
@@ -131,8 +133,12 @@ def run(
             for v in variants:
                 r0, p0 = lease_counter.snapshot(), pg_counter.snapshot()
                 w, cpu_counter = workers[v.experimental], cpu_counters[v.experimental]
-                c0 = cpu_counter.snapshot()
-                seconds = timed_run(svc, control, broker, w, v.task, sizes[v.name], sleep=v.sleep)
+                c0: Counter[str] = Counter()  # taken once the messages are published
+                seconds = timed_run(
+                    *(svc, control, broker, w, v.task, sizes[v.name]),
+                    sleep=v.sleep,
+                    on_start=functools.partial(_snapshot_into, c0, cpu_counter),
+                )
                 time.sleep(0.3)  # releases left to the renewer thread go out within 20 ms
                 c1 = cpu_counter.snapshot()
                 r1, p1 = lease_counter.snapshot(), pg_counter.snapshot()
@@ -202,6 +208,10 @@ def per_task_counts(
             "sql_by_kind": {k: c / n for k, c in sorted(sc.items())},
         }
     return out
+
+
+def _snapshot_into(target: Counter[str], counter: CpuCounter) -> None:
+    target.update(counter.snapshot())
 
 
 def traced_pass(
@@ -287,13 +297,35 @@ def print_report(variants: tuple[Variant, ...], result: dict[str, Any], out: Any
         file=out,
     )
 
-    print("\n## CPU ms per task, by process (/proc/<pid>/stat utime+stime)", file=out)
-    components = sorted({k for c in result["cpu_ms_per_task"].values() for k in c})
+    print(
+        "\n## CPU ms per task, by process (scheduler run time, /proc/<pid>/task/*/schedstat)",
+        file=out,
+    )
+    components = sorted({k for c in result["cpu_ms_per_task"].values() for k in c} - {MACHINE})
+    medians = {v.name: statistics.median(r[v.name] for r in result["rounds"]) for v in variants}
     rows = []
     for v in variants:
         c = result["cpu_ms_per_task"][v.name]
-        rows.append([v.name, *(c.get(k, 0.0) for k in components), sum(c.values())])
-    print(table(["variant", *components, "total"], rows, digits=3), file=out)
+        machine = c.get(MACHINE, 0.0)
+        busy = machine * medians[v.name] / 1000 / (os.cpu_count() or 1)
+        rows.append(
+            [
+                v.name,
+                *(c.get(k, 0.0) for k in components),
+                sum(c.get(k, 0.0) for k in components),
+                machine,
+                f"{100 * busy:.0f}%",
+            ]
+        )
+    print(
+        table(["variant", *components, "total", "machine", "machine busy"], rows, digits=3),
+        file=out,
+    )
+    print(
+        "machine: all CPUs' busy time (/proc/stat) while the run consumed, per task; machine "
+        "busy: that over the run's CPU capacity.",
+        file=out,
+    )
 
     print(
         "\n## Per task, counted in the worker (BENCH_TRACE=1): the task's own thread vs "
