@@ -409,8 +409,17 @@ def parse_before(value: str, now: dt.datetime | None = None) -> dt.datetime:
 )
 @click.pass_context
 def purge(ctx: click.Context, before: str, include_dead: bool) -> None:
-    """Delete finished jobs and their history (retention)."""
+    """Delete finished jobs and their history, and outbox rows delivered before the date.
+
+    Outbox rows are written when a job completes, so a row delivered before the date belongs to
+    a job completed before it; rows not delivered yet (pending, dead) are kept whatever their age.
+    """
     when = parse_before(before)
     statuses = (COMPLETED, DEAD) if include_dead else (COMPLETED,)
-    count = _store(ctx).purge(finished_before=when, statuses=statuses)
-    ctx.obj.echo(f"purged {count} {' and '.join(statuses)} job(s) finished before {_when(when)}")
+    store = _store(ctx)
+    count = store.purge(finished_before=when, statuses=statuses)
+    delivered = store.outbox_purge(delivered_before=when)
+    ctx.obj.echo(
+        f"purged {count} {' and '.join(statuses)} job(s) finished and {delivered} outbox row(s) "
+        f"delivered before {_when(when)}"
+    )

@@ -24,7 +24,7 @@ from alembic.runtime.migration import MigrationContext
 from celery_fence import migrate
 from celery_fence.lease import LeaseStore
 from celery_fence.schema import metadata
-from celery_fence.store import Store
+from celery_fence.store import Effect, Store
 from tests.support.env import PG_ADMIN_URL
 from tests.support.worker import ROOT, wait_until
 
@@ -342,22 +342,39 @@ def test_requeue_refusals(fence_store: Store, worker_env: dict[str, str], task_n
 # -- purge ----------------------------------------------------------------------------------------
 
 
+def _job_with_effects(store: Store, task_name: str, *, deliver: int, of: int) -> str:
+    """A completed job with ``of`` outbox rows, the first ``deliver`` of them delivered."""
+    key = f"job:{uuid.uuid4().hex[:10]}"
+    store.register(key, generation=1, attempt_id="A", task_name=task_name)
+    effects = [Effect(f"mail.{i}", {"n": i}, f"{key}:mail.{i}") for i in range(of)]
+    store.complete(key, generation=1, attempt_id="A", result=None, effects=effects)
+    for row in store.outbox_claim(claimer="cli-test", claim_ttl=30, limit=deliver, key=key):
+        assert store.outbox_mark_delivered(row.id, claimer="cli-test")
+    return key
+
+
 def test_purge_deletes_finished_jobs_before_the_date(
     fence_store: Store, worker_env: dict[str, str], task_name: str
 ) -> None:
     old_done = _job(fence_store, task_name, "completed")
     old_dead = _job(fence_store, task_name, "dead")
+    old_effects = _job_with_effects(fence_store, task_name, deliver=1, of=2)
     time.sleep(0.05)
     cutoff = dt.datetime.now(dt.timezone.utc)
     time.sleep(0.05)
     new_done = _job(fence_store, task_name, "completed")
+    new_effects = _job_with_effects(fence_store, task_name, deliver=1, of=1)
     running = _job(fence_store, task_name, "running")
 
     out = ok(fence_cli(worker_env, "purge", "--completed-before", cutoff.isoformat()))
     assert out.startswith("purged ") and "completed" in out
+    assert "and 1 outbox row(s) delivered before" in out, out
     assert fence_store.get(old_done) is None and fence_store.history(old_done) == []
     for kept in (old_dead, new_done, running):  # dead jobs stay for inspection by default
         assert fence_store.get(kept) is not None
+    # the old job's delivered effect is gone, its undelivered one stays; newer rows stay
+    assert [r.status for r in fence_store.outbox_rows(key=old_effects)] == ["pending"]
+    assert [r.status for r in fence_store.outbox_rows(key=new_effects)] == ["delivered"]
 
     # naive dates are UTC; --include-dead purges dead jobs too
     naive = cutoff.replace(tzinfo=None).isoformat()
