@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
@@ -54,6 +55,42 @@ class _Script:
     def load(self, client: Any) -> None:
         """``SCRIPT LOAD`` where ``client`` runs scripts (on a Redis Cluster: every primary)."""
         client.script_load(self.source)
+
+    def call_once(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Like calling the script, but one send on one pooled connection, never re-sent.
+
+        redis-py re-sends a command after a timeout or connection error (its ``Retry``). For a
+        claim that is wrong: the lost reply may have been a granted lease, which the re-sent
+        claim then meets and reports as busy — another INCR, and a task that believes some
+        other attempt holds its key. Here the error is raised as what it is, and the caller
+        re-sends the message with backoff. It also skips redis-py's per-command machinery,
+        which costs more CPU than the round trip. Used for single Redis / Sentinel /
+        unix-socket clients; a single-connection client or any other client takes the
+        ordinary path.
+        """
+        pool = getattr(client, "connection_pool", None)
+        if (
+            not isinstance(client, redis.Redis)
+            or getattr(client, "connection", None) is not None
+            or pool is None
+        ):
+            return self(client, keys, args)
+        try:
+            conn = pool.get_connection()
+        except TypeError:  # redis-py < 5.3 wants the command name
+            conn = pool.get_connection("EVALSHA")
+        try:
+            conn.send_command("EVALSHA", self.sha, len(keys), *keys, *args)
+            return conn.read_response()
+        except NoScriptError:
+            pass  # a complete reply: the connection is fine; load the script below
+        except BaseException:
+            conn.disconnect()  # a reply may still be in flight: never reuse this connection
+            raise
+        finally:
+            pool.release(conn)
+        self.load(client)
+        return self(client, keys, args)
 
 
 CLAIM = _Script("claim")
@@ -104,13 +141,17 @@ class LeaseStore:
         if releases and self.clustered:
             status, value = self._claim_with_releases(keys, token, ttl_ms, releases)
         elif releases:  # one script call: the releases' keys may live anywhere on one Redis
-            status, value = CLAIM(
+            status, value = CLAIM.call_once(
                 self.client,
                 [keys.lease, keys.generation, *(lease_key for lease_key, _ in releases)],
                 [token, ttl_ms, *(value for _, value in releases)],
             )
-        else:
+        elif self.clustered:
             status, value = CLAIM(self.client, [keys.lease, keys.generation], [token, ttl_ms])
+        else:
+            status, value = CLAIM.call_once(
+                self.client, [keys.lease, keys.generation], [token, ttl_ms]
+            )
         if int(status) == CLAIMED:
             return int(value)
         remaining_ms = int(value)

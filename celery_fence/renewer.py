@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from . import _process
 from .errors import LeaseLost
 from .lease import LeaseStore
 
@@ -130,7 +131,7 @@ class Renewer:
         self.ticks = 0  # round trips sent (for tests and the benchmark)
 
     def _ensure_process(self) -> None:
-        if self._pid != os.getpid():  # forked: the parent's thread and lock are not ours
+        if self._pid != _process.pid:  # forked: the parent's thread and lock are not ours
             self._reset()
 
     def add(self, lease: HeldLease) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -23,7 +22,7 @@ from typing import Any, Literal, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from . import schema, statements
+from . import _process, schema, statements
 from .errors import ConfigurationError, StaleGeneration, StoreError
 from .outbox_store import OutboxRow, OutboxStore
 from .schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, jobs, outbox, transitions, utcnow
@@ -138,7 +137,7 @@ class Store(OutboxStore):
         self._engine_options = dict(engine_options or {})
         self._lock = threading.Lock()
         self._engine: sa.Engine | None = None
-        self._pid = os.getpid()
+        self._pid = _process.pid
         try:
             self.dialect = sa.engine.make_url(url).get_backend_name()
         except Exception as exc:
@@ -155,15 +154,15 @@ class Store(OutboxStore):
 
     @property
     def engine(self) -> sa.Engine:
-        if self._engine is not None and self._pid == os.getpid():
+        if self._engine is not None and self._pid == _process.pid:
             return self._engine
         with self._lock:
-            if self._engine is not None and self._pid != os.getpid():
+            if self._engine is not None and self._pid != _process.pid:
                 self._engine.dispose(close=False)  # the parent's sockets are not ours
                 self._engine = None
             if self._engine is None:
                 self._engine = self._create_engine()
-                self._pid = os.getpid()
+                self._pid = _process.pid
             return self._engine
 
     def _create_engine(self) -> sa.Engine:
@@ -320,7 +319,6 @@ class Store(OutboxStore):
         connection and result wrappers; driver errors come out as SQLAlchemy's (with parameters
         hidden), and a broken connection is invalidated."""
         engine = self.engine
-        dbapi_error = engine.dialect.loaded_dbapi.Error
         raw = engine.raw_connection()
         try:
             cursor = raw.cursor()
@@ -328,17 +326,25 @@ class Store(OutboxStore):
                 yield raw, cursor
             finally:
                 cursor.close()
-        except dbapi_error as exc:
-            if engine.dialect.is_disconnect(exc, raw.dbapi_connection, None):
-                raw.invalidate(exc)
-            wrapped = sa.exc.DBAPIError.instance(
-                None, None, exc, dbapi_error, hide_parameters=True, dialect=engine.dialect
-            )
-            # PostgreSQL echoes the failing statement (``LINE 1: EXECUTE ...('<the result>'``)
-            # and quotes values in its CONTEXT lines, and psycopg2 sends parameters inline: keep
-            # only the first line, and do not chain the driver's exception into tracebacks.
-            wrapped.orig = _RedactedDriverError(exc)
-            raise wrapped from None
+        except engine.dialect.loaded_dbapi.Error as exc:
+            raise _driver_error(engine, raw, exc) from None
+        finally:
+            raw.close()  # back to the pool
+
+    def _pg_execute(self, sql: str, params: dict[str, Any]) -> Any:
+        """:meth:`_raw` + :func:`statements.execute_prepared`, inlined for the two statements
+        every task runs: the connection keeps one cursor for them, and no context manager is
+        built per call."""
+        engine = self.engine
+        raw = engine.raw_connection()
+        try:
+            cursor = raw.info.get("fence_cursor")
+            if cursor is None or cursor.closed or cursor.connection is not raw.dbapi_connection:
+                cursor = raw.info["fence_cursor"] = raw.cursor()
+            return statements.execute_prepared(raw, cursor, sql, params)
+        except engine.dialect.loaded_dbapi.Error as exc:
+            raw.info.pop("fence_cursor", None)
+            raise _driver_error(engine, raw, exc) from None
         finally:
             raw.close()  # back to the pool
 
@@ -369,8 +375,7 @@ class Store(OutboxStore):
                     ],
                     separators=(",", ":"),
                 )
-            with self._raw() as (raw, cursor):
-                row = statements.execute_prepared(raw, cursor, sql, params)
+            row = self._pg_execute(sql, params)
             return None if row is None else _Row(*row)
         params["now"] = stamp = now.strftime("%Y-%m-%d %H:%M:%S.%f")  # SQLAlchemy's format
         with self._raw() as (_, cursor):
@@ -709,6 +714,26 @@ class Store(OutboxStore):
             keys = sa.select(jobs.c.key).where(done)
             conn.execute(transitions.delete().where(transitions.c.key.in_(keys)))
             return int(conn.execute(jobs.delete().where(done)).rowcount or 0)
+
+
+def _driver_error(engine: sa.Engine, raw: Any, exc: Any) -> sa.exc.StatementError:
+    """A driver error as SQLAlchemy's, parameters hidden and the driver's text cut to its first
+    line; the connection is invalidated when the error says it is broken."""
+    if engine.dialect.is_disconnect(exc, raw.dbapi_connection, None):
+        raw.invalidate(exc)
+    wrapped = sa.exc.DBAPIError.instance(
+        None,
+        None,
+        exc,
+        engine.dialect.loaded_dbapi.Error,
+        hide_parameters=True,
+        dialect=engine.dialect,
+    )
+    # PostgreSQL echoes the failing statement (``LINE 1: EXECUTE ...('<the result>'``) and
+    # quotes values in its CONTEXT lines, and psycopg2 sends parameters inline: keep only the
+    # first line, and do not chain the driver's exception into tracebacks.
+    wrapped.orig = _RedactedDriverError(exc)
+    return wrapped
 
 
 _stores: dict[tuple[Any, ...], Store] = {}

@@ -3,6 +3,7 @@ compare-and-delete, set-if-greater — and the pipelined batch the renewer uses.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -135,3 +136,41 @@ def test_claim_carries_releases_in_the_same_round_trip(leases: LeaseStore) -> No
     assert g == 1
     assert [leases.client.exists(k) for k, _ in finished[:2]] == [0, 0]
     assert leases.client.get(taken_over) == b"newer:9"  # compared, not deleted
+
+
+_BUSY_LUA = """
+local start = redis.call('TIME')
+local function ms(t) return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) end
+while ms(redis.call('TIME')) - ms(start) < tonumber(ARGV[1]) do end
+return 1
+"""
+
+
+@pytest.mark.parametrize("with_releases", [False, True])
+def test_a_claim_whose_reply_is_late_is_sent_once_not_retried(
+    redis_client: redis.Redis, prefix: str, with_releases: bool
+) -> None:
+    # Given a client that gives up on a reply after 0.1 s (redis-py would re-send on timeout),
+    kwargs = redis_client.connection_pool.connection_kwargs
+    impatient = redis.Redis(
+        host=kwargs["host"], port=kwargs["port"], db=kwargs["db"], socket_timeout=0.1
+    )
+    leases = LeaseStore(impatient, prefix=prefix)
+    keys = leases.keys_for("report:7")
+    releases = [(f"{prefix}:other:lease", "gone:1")] if with_releases else []
+    leases.claim("warm-up", "w", 10_000)  # the script is loaded and a connection is open
+    # When Redis stalls for 0.6 s (a busy script) while the claim is in flight,
+    stall = threading.Thread(target=redis_client.eval, args=(_BUSY_LUA, 0, 600))
+    stall.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+    with pytest.raises(redis.exceptions.TimeoutError):
+        leases.claim("report:7", "A", 10_000, releases=releases)
+    assert time.monotonic() - started < 0.5  # raised at the timeout, not after retries
+    stall.join()  # the stall ends; Redis runs what it received
+    time.sleep(0.2)
+    # Then the claim ran exactly once: one generation, one lease, and the caller saw the
+    # timeout (redis-py's own retry re-sends it, meets the lease it just took and says busy).
+    assert int(redis_client.get(keys.generation) or 0) == 1
+    assert redis_client.get(keys.lease) == b"A:1"
+    impatient.close()
