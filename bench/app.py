@@ -15,8 +15,12 @@ plain tasks ignore results; fenced tasks keep theirs in the fence store.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
+
+if os.environ.get("BENCH_FENCE_PATH"):  # --experiment-rev: celery_fence from another revision
+    sys.path.insert(0, os.environ["BENCH_FENCE_PATH"])
 
 import redis
 import redis_lock

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -62,8 +63,31 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="also run fenced-pg-exp: candidate hot-path changes (bench/experiments.py) on a "
         "second worker",
     )
+    p.add_argument(
+        "--experiment-rev",
+        metavar="REV",
+        help="with --experiment: run fenced-pg-exp on celery_fence as of this git revision "
+        "(e.g. HEAD~1), so its row compares that revision with the working tree in one run",
+    )
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     return p.parse_args(argv)
+
+
+def export_revision(rev: str, into: Path) -> str:
+    """``celery_fence/`` as of git revision ``rev``, unpacked under ``into``; returns ``into``."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", rev, "celery_fence"],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        check=False,
+    )
+    if archive.returncode != 0:
+        raise SystemExit(
+            f"--experiment-rev {rev}: git archive failed: {archive.stderr.decode().strip()}"
+        )
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return str(into)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from bench import throughput
 
+            fence_path = None
+            if args.experiment_rev:
+                fence_path = export_revision(args.experiment_rev, Path(tmp) / "experiment-rev")
             result = throughput.run(
                 svc,
                 rounds=args.rounds,
@@ -102,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                 concurrency=args.concurrency,
                 loglevel=args.loglevel,
                 out=sys.stdout,
-                experiment=args.experiment,
+                experiment=args.experiment or bool(fence_path),
+                experiment_fence_path=fence_path,
             )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))

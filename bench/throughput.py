@@ -82,6 +82,7 @@ def run(
     loglevel: str,
     out: Any,
     experiment: bool = False,
+    experiment_fence_path: str | None = None,
 ) -> dict[str, Any]:
     variants = (*VARIANTS[:2], EXPERIMENT, *VARIANTS[2:]) if experiment else VARIANTS
     control, broker = svc.control(), svc.broker()
@@ -109,7 +110,10 @@ def run(
     workers = {False: worker}
     if experiment:
         workers[True] = BenchWorker(
-            svc.worker_env(BENCH_EXPERIMENT="1"),
+            svc.worker_env(
+                BENCH_EXPERIMENT="1",
+                **({"BENCH_FENCE_PATH": experiment_fence_path} if experiment_fence_path else {}),
+            ),
             queue=f"{svc.queue}-exp",
             log_dir=svc.workdir,
             concurrency=concurrency,
@@ -124,6 +128,8 @@ def run(
             w = workers[v.experimental]
             timed_run(svc, control, broker, w, v.task, min(200, sizes[v.name]), sleep=v.sleep)
         print(f"# worker: {result['worker_command']}", file=out)
+        if experiment_fence_path:
+            print(f"# fenced-pg-exp: celery_fence from {experiment_fence_path}", file=out)
         print(
             f"# {'round':>5} " + " ".join(f"{v.name:>15}" for v in variants) + "   tasks/s",
             file=out,
