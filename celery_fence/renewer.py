@@ -31,6 +31,12 @@ RELEASE_DELAY = 0.02
 
 RENEWER_THREAD_NAME = "celery-fence-renewer"
 
+#: Seconds before the thread re-sends releases whose round trip failed (Redis down or slow).
+RELEASE_RETRY_DELAY = 1.0
+
+#: Releases kept for re-sending while Redis cannot be reached.
+MAX_PENDING_RELEASES = 10_000
+
 
 class HeldLease:
     """One lease held by one attempt: the attempt's view of its own authority."""
@@ -138,16 +144,21 @@ class Renewer:
         self._ensure_process()
         with self._cond:
             self._held[lease.value] = lease
-            if self._thread is None or not self._thread.is_alive():
-                self._stopping = False
-                self._thread = threading.Thread(
-                    target=self._run, name=RENEWER_THREAD_NAME, daemon=True
-                )
-                self._thread.start()
-            elif self._wake_at == math.inf or lease.interval < self._tick:
+            if not self._start_locked() and (
+                self._wake_at == math.inf or lease.interval < self._tick
+            ):
                 # Wake the thread only when its plan changes (it was idle, or this lease needs
                 # a shorter tick): a wake-up per task is a thread switch in the task's way.
                 self._cond.notify()
+
+    def _start_locked(self) -> bool:
+        """Start the thread if it is not running (the caller holds the lock); True if started."""
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=RENEWER_THREAD_NAME, daemon=True)
+        self._thread.start()
+        return True
 
     def discard(self, lease: HeldLease, *, release: bool = True) -> None:
         """Stop renewing ``lease``; queue its compare-and-delete (sent with the next claim, or by
@@ -169,14 +180,21 @@ class Renewer:
             releases, self._releases = self._releases, []
             return releases
 
-    def return_releases(self, releases: list[tuple[str, str]]) -> None:
-        """Give back releases a failed claim could not send; the thread retries them."""
+    def return_releases(
+        self, releases: list[tuple[str, str]], *, delay: float = RELEASE_DELAY
+    ) -> None:
+        """Give back releases a claim or a round trip could not send; they go with the next
+        claim, or from the thread after ``delay`` seconds. At most ``MAX_PENDING_RELEASES`` are
+        kept (the oldest go first: an unreleased lease still ends at its TTL)."""
         if releases:
             self._ensure_process()
             with self._cond:
                 if not self._releases:
-                    self._release_due = time.monotonic() + RELEASE_DELAY
+                    self._release_due = time.monotonic() + delay
                 self._releases.extend(releases)
+                del self._releases[:-MAX_PENDING_RELEASES]
+                if threading.current_thread() is not self._thread:
+                    self._start_locked()
                 self._cond.notify()
 
     def held(self) -> int:
@@ -251,6 +269,17 @@ class Renewer:
                 [(lease.lease_key, lease.value, lease.ttl_ms) for lease in held], releases
             )
         except Exception as exc:  # Redis down or slow: the deadlines decide, loudly
+            # Releases are kept for the next claim or trip: a lease left behind would make the
+            # key's next attempt wait out its TTL.
+            self.return_releases(releases, delay=RELEASE_RETRY_DELAY)
+            if not held:  # only releases: they are retried each second, quietly
+                logger.info(
+                    "lease release round trip failed (%s); %d release(s) kept for the next try",
+                    type(exc).__name__,
+                    len(releases),
+                    extra={"action": "release_failed", "reason": type(exc).__name__},
+                )
+                return
             logger.warning(
                 "lease renewal round trip failed (%s: %s); %d lease(s) will be lost at their "
                 "deadline unless a renewal is confirmed",

@@ -310,7 +310,11 @@ class FencedTask(Task):
                 jitter = random.uniform(0, max(0.05, config.renew_interval / 4))
                 self._reschedule(busy, countdown=busy.remaining + jitter)
             except Exception as exc:  # Redis unreachable or refusing: re-send, never drop
-                renewer.return_releases(releases)
+                # The claim may have run with its reply lost (a timeout, a dropped connection):
+                # release this attempt's lease by its token, whatever its generation, so the
+                # re-sent message does not find it busy for a whole TTL.
+                lost_claim = (leases.keys_for(key).lease, f"{attempt_id}:")
+                renewer.return_releases([*releases, lost_claim])
                 if not isinstance(exc, DEFAULT_TRANSIENT):
                     logger.error(
                         "fence claim failed key=%s: %s; the message is re-sent with backoff",

@@ -6,10 +6,15 @@
 -- KEYS[3..n], ARGV[3..n] (optional, single Redis only): lease keys of this process's finished
 --          attempts and their expected values, released first (compare-and-delete each), so a
 --          release rides in the claim's round trip. A Redis Cluster sends them separately.
+--          An expected value "<token>:" (no generation) matches that attempt's lease whatever
+--          its generation: the release of a claim whose reply was lost.
 -- Returns {1, generation} when claimed,
 --         {0, remaining_ms} when a live lease exists (busy; -1 means it has no expiry).
 for i = 3, #KEYS do
-  if redis.call('GET', KEYS[i]) == ARGV[i] then
+  local value = redis.call('GET', KEYS[i])
+  local expected = ARGV[i]
+  if value and (value == expected
+      or (string.sub(expected, -1) == ':' and string.sub(value, 1, #expected) == expected)) then
     redis.call('DEL', KEYS[i])
   end
 end

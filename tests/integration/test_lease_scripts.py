@@ -174,3 +174,43 @@ def test_a_claim_whose_reply_is_late_is_sent_once_not_retried(
     assert int(redis_client.get(keys.generation) or 0) == 1
     assert redis_client.get(keys.lease) == b"A:1"
     impatient.close()
+
+
+def test_a_token_release_takes_that_attempts_lease_whatever_its_generation(
+    leases: LeaseStore,
+) -> None:
+    lease_key = leases.keys_for("report:8").lease
+    g = leases.claim("report:8", "A", 10_000)
+    # "<token>:" without the generation: the release of a claim whose reply was lost.
+    assert leases.release(lease_key, "B:") is False  # another attempt's token: kept
+    assert leases.release(lease_key, "A") is False  # not a token release: exact compare
+    assert leases.client.get(lease_key) == f"A:{g}".encode()
+    assert leases.release(lease_key, "A:") is True
+    assert leases.client.get(lease_key) is None
+    # and carried by a claim, in the claim's own round trip
+    g2 = leases.claim("report:8", "B", 10_000)
+    g3 = leases.claim("report:9", "C", 10_000, releases=[(lease_key, "B:")])
+    assert leases.client.get(lease_key) is None and g3 >= 1 and g2 == g + 1
+
+
+def test_after_a_lost_claim_reply_the_token_release_frees_the_key_at_once(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    kwargs = redis_client.connection_pool.connection_kwargs
+    impatient = redis.Redis(
+        host=kwargs["host"], port=kwargs["port"], db=kwargs["db"], socket_timeout=0.1
+    )
+    leases = LeaseStore(impatient, prefix=prefix)
+    leases.claim("warm-up", "w", 10_000)
+    stall = threading.Thread(target=redis_client.eval, args=(_BUSY_LUA, 0, 500))
+    stall.start()
+    time.sleep(0.1)
+    with pytest.raises(redis.exceptions.TimeoutError):  # the claim ran; its reply was lost
+        leases.claim("report:10", "A", 30_000)
+    stall.join()
+    # What FencedTask queues after such an error, carried by the next claim: the re-sent
+    # attempt claims at once instead of finding "A"'s lease busy for 30 s.
+    lease_key = leases.keys_for("report:10").lease
+    assert leases.claim("report:10", "B", 30_000, releases=[(lease_key, "A:")]) == 2
+    assert redis_client.get(lease_key) == b"B:2"
+    impatient.close()

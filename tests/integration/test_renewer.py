@@ -146,3 +146,25 @@ def test_the_renewer_restarts_in_a_forked_child(leases: LeaseStore) -> None:
     assert q.get(timeout=5) == "held"
     renewer.discard(parent_lease)
     renewer.stop()
+
+
+def test_releases_whose_round_trip_failed_are_kept_and_sent_later(
+    leases: LeaseStore, redis_client: redis.Redis
+) -> None:
+    # Given a lease to release, and a renewer whose Redis cannot be reached,
+    g = leases.claim("job:r", "tok", 30_000)
+    lease_key = leases.keys_for("job:r").lease
+    down = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    renewer = Renewer(LeaseStore(down, prefix=leases.prefix))
+    try:
+        renewer.return_releases([(lease_key, f"tok:{g}")], delay=0.0)
+        # When its round trip fails, the release is kept, not dropped,
+        wait_until(lambda: renewer.ticks >= 1, 5, what="a failed release round trip")
+        assert renewer._releases == [(lease_key, f"tok:{g}")]
+        assert redis_client.get(lease_key) == f"tok:{g}".encode()
+        # and once Redis answers again, it is sent (within the retry delay).
+        renewer.leases = leases
+        wait_until(lambda: redis_client.get(lease_key) is None, 5, what="the kept release sent")
+        assert renewer._releases == []
+    finally:
+        renewer.stop()
