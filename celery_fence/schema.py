@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import random
+import time
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
@@ -95,5 +97,22 @@ outbox = sa.Table(
 
 
 def create_schema(engine: sa.Engine) -> None:
-    """Create the tables if they do not exist (``celery fence init-db`` does this via Alembic)."""
-    metadata.create_all(engine)
+    """Create the tables if they do not exist (``celery fence init-db`` does this via Alembic).
+
+    Several processes may do this at once on a fresh database (worker children on the embedded
+    SQLite file): one that loses the race between "does it exist?" and "CREATE" gets "already
+    exists", and passes again — each pass skips what exists by then — a few times before it
+    gives up with the error (anything else than the race fails the same way every pass).
+    """
+    for attempt in range(1, SCHEMA_PASSES + 1):
+        try:
+            metadata.create_all(engine)
+            return
+        except sa.exc.DBAPIError:
+            if attempt == SCHEMA_PASSES:
+                raise
+            time.sleep(random.uniform(0.01, 0.05) * attempt)
+
+
+#: Passes of :func:`create_schema` before a creation error is raised.
+SCHEMA_PASSES = 6

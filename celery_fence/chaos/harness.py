@@ -116,8 +116,7 @@ class Scenario:
         self.provider.start()
         if self.proxy is not None:
             self.proxy.up()
-        if self.database_url.startswith("postgresql"):
-            self.store.create_schema()
+        self.store.create_schema()  # before the workers: nobody races for it
         for i in range(self.opts.workers):
             name = f"chaos-{self.name}-{i}-{self.run_id}"
             self.workers.append(
@@ -212,7 +211,11 @@ class Scenario:
 
         try:
             converged = wait_until(done, self.opts.converge_timeout, interval=0.1)
-        except Exception:  # e.g. the database itself answered an error: check what we can
+        except Exception as exc:  # e.g. the database itself answered an error: check what we can
+            print(
+                f"  converge check failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
+                file=sys.stderr,
+            )
             converged = False
         elapsed = time.monotonic() - since
         for job in jobs:

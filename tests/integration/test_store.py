@@ -3,13 +3,18 @@ concurrent completions."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import uuid
+from pathlib import Path
+from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from celery_fence.errors import ResultNotSerializable, StaleGeneration
 from celery_fence.lease import LeaseStore
+from celery_fence.schema import create_schema
 from celery_fence.store import Store
 
 
@@ -186,3 +191,41 @@ def test_unfenced_mode_accepts_stale_writes_for_demonstration(db_url: str) -> No
     record = unfenced.get(key)
     assert record is not None and record.result == "stale"
     unfenced.dispose()
+
+
+def _create_schema_at_once(url: str, barrier: Any, errors: Any) -> None:
+    engine = sa.create_engine(url)
+    barrier.wait()
+    try:
+        create_schema(engine)
+    except Exception as exc:  # reported to the parent, which fails the test with it
+        errors.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        engine.dispose()
+
+
+def test_processes_creating_the_schema_at_once_on_a_fresh_sqlite_file_all_succeed(
+    tmp_path: Path,
+) -> None:
+    # Given 6 processes (worker children on their first task) and fresh SQLite files,
+    ctx = multiprocessing.get_context("spawn")
+    for n in range(3):
+        url = f"sqlite:///{tmp_path / f'fresh-{n}.sqlite3'}"
+        barrier, errors = ctx.Barrier(6), ctx.Queue()
+        procs = [
+            ctx.Process(target=_create_schema_at_once, args=(url, barrier, errors))
+            for _ in range(6)
+        ]
+        # When they all create the schema at the same moment,
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        # then none fails ("table already exists" for the losers of the race) and the tables
+        # are there.
+        assert [p.exitcode for p in procs] == [0] * 6
+        failures = [errors.get(timeout=1) for _ in range(errors.qsize())]
+        assert failures == [], failures
+        assert {"fence_jobs", "fence_transitions", "fence_outbox"} <= set(
+            sa.inspect(sa.create_engine(url)).get_table_names()
+        )
