@@ -104,7 +104,17 @@ class OutboxStore:
 
     def outbox_mark_delivered(self, row_id: int, *, claimer: str) -> bool:
         """Mark a claimed row delivered; False when the claim is no longer this sender's."""
-        now = utcnow()
+        return self._update_claimed(
+            row_id,
+            claimer,
+            status="delivered",
+            delivered_at=utcnow(),
+            claimed_until=None,
+            last_error=None,
+        )
+
+    def _update_claimed(self, row_id: int, claimer: str, **values: Any) -> bool:
+        """Set ``values`` on a pending row only while ``claimer`` holds its claim."""
         stmt = (
             outbox.update()
             .where(
@@ -112,7 +122,7 @@ class OutboxStore:
                 & (outbox.c.claimed_by == claimer[:64])
                 & (outbox.c.status == "pending")
             )
-            .values(status="delivered", delivered_at=now, claimed_until=None, last_error=None)
+            .values(**values)
             .returning(outbox.c.id)
         )
         with self.engine.connect() as conn:
@@ -137,18 +147,7 @@ class OutboxStore:
             values["status"] = "dead"
         else:
             values["available_at"] = retry_at
-        stmt = (
-            outbox.update()
-            .where(
-                (outbox.c.id == row_id)
-                & (outbox.c.claimed_by == claimer[:64])
-                & (outbox.c.status == "pending")
-            )
-            .values(**values)
-            .returning(outbox.c.id)
-        )
-        with self.engine.connect() as conn:
-            return conn.execute(stmt).first() is not None
+        return self._update_claimed(row_id, claimer, **values)
 
     def outbox_requeue(self, row_id: int) -> bool:
         """Move a ``dead`` outbox row back to ``pending`` with a fresh attempt count."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import redis
@@ -146,34 +148,51 @@ return 1
 """
 
 
-@pytest.mark.parametrize("with_releases", [False, True])
-def test_a_claim_whose_reply_is_late_is_sent_once_not_retried(
-    redis_client: redis.Redis, prefix: str, with_releases: bool
-) -> None:
-    # Given a client that gives up on a reply after 0.1 s (redis-py would re-send on timeout),
+@pytest.fixture
+def impatient_leases(redis_client: redis.Redis, prefix: str) -> Iterator[LeaseStore]:
+    """Leases on a client that gives up on a reply after 0.1 s (redis-py would re-send on
+    timeout), its script loaded and a connection open."""
     kwargs = redis_client.connection_pool.connection_kwargs
     impatient = redis.Redis(
         host=kwargs["host"], port=kwargs["port"], db=kwargs["db"], socket_timeout=0.1
     )
     leases = LeaseStore(impatient, prefix=prefix)
-    keys = leases.keys_for("report:7")
-    releases = [(f"{prefix}:other:lease", "gone:1")] if with_releases else []
-    leases.claim("warm-up", "w", 10_000)  # the script is loaded and a connection is open
-    # When Redis stalls for 0.6 s (a busy script) while the claim is in flight,
-    stall = threading.Thread(target=redis_client.eval, args=(_BUSY_LUA, 0, 600))
+    leases.claim("warm-up", "w", 10_000)
+    yield leases
+    impatient.close()
+
+
+@contextmanager
+def _stalled(redis_client: redis.Redis, ms: int) -> Iterator[None]:
+    """Redis busy for ``ms`` milliseconds (a busy script) around the block; ends after it."""
+    stall = threading.Thread(target=redis_client.eval, args=(_BUSY_LUA, 0, ms))
     stall.start()
     time.sleep(0.1)
-    started = time.monotonic()
-    with pytest.raises(redis.exceptions.TimeoutError):
-        leases.claim("report:7", "A", 10_000, releases=releases)
-    assert time.monotonic() - started < 0.5  # raised at the timeout, not after retries
-    stall.join()  # the stall ends; Redis runs what it received
+    try:
+        yield
+    finally:
+        stall.join()  # the stall ends; Redis runs what it received
+
+
+@pytest.mark.parametrize("with_releases", [False, True])
+def test_a_claim_whose_reply_is_late_is_sent_once_not_retried(
+    redis_client: redis.Redis, impatient_leases: LeaseStore, prefix: str, with_releases: bool
+) -> None:
+    # Given an impatient client,
+    leases = impatient_leases
+    keys = leases.keys_for("report:7")
+    releases = [(f"{prefix}:other:lease", "gone:1")] if with_releases else []
+    # When Redis stalls for 0.6 s while the claim is in flight,
+    with _stalled(redis_client, 600):
+        started = time.monotonic()
+        with pytest.raises(redis.exceptions.TimeoutError):
+            leases.claim("report:7", "A", 10_000, releases=releases)
+        assert time.monotonic() - started < 0.5  # raised at the timeout, not after retries
     time.sleep(0.2)
     # Then the claim ran exactly once: one generation, one lease, and the caller saw the
     # timeout (redis-py's own retry re-sends it, meets the lease it just took and says busy).
     assert int(redis_client.get(keys.generation) or 0) == 1
     assert redis_client.get(keys.lease) == b"A:1"
-    impatient.close()
 
 
 def test_a_token_release_takes_that_attempts_lease_whatever_its_generation(
@@ -194,23 +213,13 @@ def test_a_token_release_takes_that_attempts_lease_whatever_its_generation(
 
 
 def test_after_a_lost_claim_reply_the_token_release_frees_the_key_at_once(
-    redis_client: redis.Redis, prefix: str
+    redis_client: redis.Redis, impatient_leases: LeaseStore
 ) -> None:
-    kwargs = redis_client.connection_pool.connection_kwargs
-    impatient = redis.Redis(
-        host=kwargs["host"], port=kwargs["port"], db=kwargs["db"], socket_timeout=0.1
-    )
-    leases = LeaseStore(impatient, prefix=prefix)
-    leases.claim("warm-up", "w", 10_000)
-    stall = threading.Thread(target=redis_client.eval, args=(_BUSY_LUA, 0, 500))
-    stall.start()
-    time.sleep(0.1)
-    with pytest.raises(redis.exceptions.TimeoutError):  # the claim ran; its reply was lost
-        leases.claim("report:10", "A", 30_000)
-    stall.join()
+    leases = impatient_leases
+    with _stalled(redis_client, 500), pytest.raises(redis.exceptions.TimeoutError):
+        leases.claim("report:10", "A", 30_000)  # the claim ran; its reply was lost
     # What FencedTask queues after such an error, carried by the next claim: the re-sent
     # attempt claims at once instead of finding "A"'s lease busy for 30 s.
     lease_key = leases.keys_for("report:10").lease
     assert leases.claim("report:10", "B", 30_000, releases=[(lease_key, "A:")]) == 2
     assert redis_client.get(lease_key) == b"B:2"
-    impatient.close()
