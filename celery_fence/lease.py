@@ -65,8 +65,8 @@ class _Script:
         other attempt holds its key. Here the error is raised as what it is, and the caller
         re-sends the message with backoff. It also skips redis-py's per-command machinery,
         which costs more CPU than the round trip. Used for single Redis / Sentinel /
-        unix-socket clients; a single-connection client or any other client takes the
-        ordinary path.
+        unix-socket clients; a Redis Cluster client, a single-connection client or any other
+        client takes the ordinary path.
         """
         pool = getattr(client, "connection_pool", None)
         if (
@@ -140,17 +140,11 @@ class LeaseStore:
         keys = self.keys_for(key)
         if releases and self.clustered:
             status, value = self._claim_with_releases(keys, token, ttl_ms, releases)
-        elif releases:  # one script call: the releases' keys may live anywhere on one Redis
+        else:  # one script call: the releases' keys may live anywhere on one Redis
             status, value = CLAIM.call_once(
                 self.client,
                 [keys.lease, keys.generation, *(lease_key for lease_key, _ in releases)],
                 [token, ttl_ms, *(value for _, value in releases)],
-            )
-        elif self.clustered:
-            status, value = CLAIM(self.client, [keys.lease, keys.generation], [token, ttl_ms])
-        else:
-            status, value = CLAIM.call_once(
-                self.client, [keys.lease, keys.generation], [token, ttl_ms]
             )
         if int(status) == CLAIMED:
             return int(value)
