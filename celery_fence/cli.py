@@ -26,7 +26,7 @@ from .config import FenceConfig
 from .errors import FenceError, StaleGeneration
 from .lease import LeaseStore, make_redis_client
 from .schema import COMPLETED, DEAD, STATUSES
-from .store import JobRecord, Store, Transition, store_for
+from .store import JobRecord, Store, Transition, decode_request, store_for
 
 EX_FAILURE = 1
 EX_USAGE = 2
@@ -153,6 +153,47 @@ def init_db(ctx: click.Context) -> None:
     ctx.obj.echo(f"{action}: celery-fence schema at {_safe_url(url)} is at {migrate.head()}")
 
 
+# -- check ---------------------------------------------------------------------------------------
+
+
+@_command("check")
+@click.pass_context
+def check(ctx: click.Context) -> None:
+    """Check the settings of every fenced task, ping Redis and the database, and say whether the
+    schema is current. Exits non-zero on the first problem, with one line naming it and the fix."""
+    from .task import FencedTask
+
+    app = ctx.obj.app
+    app.loader.import_default_modules()
+    config = _config(ctx)
+    tasks = sorted(t.name for t in app.tasks.values() if isinstance(t, FencedTask))
+    for name in tasks:
+        app.tasks[name].fence_config()  # raises ConfigurationError naming the setting
+    ctx.obj.echo(f"settings: ok ({len(tasks)} fenced task{'s' * (len(tasks) != 1)})")
+    make_redis_client(config).ping()
+    ctx.obj.echo("redis: ok")
+    url = config.database_url
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            tables = set(sa.inspect(conn).get_table_names())
+    finally:
+        engine.dispose()
+    missing = sorted(migrate.TABLES - tables)
+    stamped = migrate.current(url)
+    if missing:
+        raise FenceCLIError(
+            f"database {_safe_url(url)}: tables missing ({', '.join(missing)}); run: "
+            "celery -A <app> fence init-db"
+        )
+    if stamped and migrate.head() not in stamped:
+        raise FenceCLIError(
+            f"database {_safe_url(url)}: schema at {', '.join(stamped)}, not {migrate.head()}; "
+            "run: celery -A <app> fence init-db"
+        )
+    ctx.obj.echo(f"database: ok ({_safe_url(url)}, schema current)")
+
+
 # -- ls ------------------------------------------------------------------------------------------
 
 
@@ -240,7 +281,8 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         raise FenceCLIError(f"no job with key {key!r}")
     remaining, lease_generation = _lease(config, key)
     history = store.history(key)
-    queue = (record.request or {}).get("options", {}).get("queue") if record.request else None
+    request = decode_request(record.request)
+    queue = (request or {}).get("options", {}).get("queue") if request else None
     if as_json:
         doc = _record_json(record)
         doc.update(
@@ -317,7 +359,7 @@ def requeue(ctx: click.Context, key: str) -> None:
         raise FenceCLIError(
             f"job {key!r} is {record.status}, not dead: only dead jobs are requeued"
         )
-    request = dict(record.request or {})
+    request = dict(decode_request(record.request) or {})
     if not request:
         raise FenceCLIError(
             f"job {key!r} has no stored request (its arguments were not JSON): re-send it from "

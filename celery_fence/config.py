@@ -148,15 +148,17 @@ class FenceConfig:
                 f"fence_lease_ttl={self.lease_ttl} must be positive: set it to the seconds a lease "
                 "may live without renewal, e.g. 30.0."
             )
-        if not 0 < self.renew_interval < self.lease_ttl:
-            raise ConfigurationError(
-                f"fence_renew_interval={self.renew_interval} must be positive and less than "
-                f"fence_lease_ttl={self.lease_ttl}, or leases expire between renewals: set it to "
-                f"about a third of the TTL (e.g. {self.lease_ttl / 3:g})."
-            )
         if not 0 <= self.lease_margin < 0.5:
             raise ConfigurationError(
                 f"fence_lease_margin={self.lease_margin} must be a fraction in [0, 0.5), e.g. 0.1."
+            )
+        usable = self.lease_ttl * (1.0 - self.lease_margin)
+        if not 0 < self.renew_interval < usable:
+            raise ConfigurationError(
+                f"fence_renew_interval={self.renew_interval} must be positive and less than "
+                f"fence_lease_ttl x (1 - fence_lease_margin) = {usable:g}, or a lease's local "
+                "deadline passes before its next renewal is even sent: set it to about a third "
+                f"of the TTL (e.g. fence_renew_interval={self.lease_ttl / 3:g})."
             )
         if not self.key_prefix or any(c in self.key_prefix for c in "{} "):
             raise ConfigurationError(
@@ -191,9 +193,6 @@ class FenceConfig:
                 transport_options=self.redis_transport_options,
             )
 
-    def replace(self, **changes: Any) -> FenceConfig:
-        return dataclasses.replace(self, **changes)
-
     @classmethod
     def from_mapping(cls, conf: Mapping[str, Any], **overrides: Any) -> FenceConfig:
         """Read ``fence_*`` settings from a Celery ``app.conf`` (or any mapping)."""
@@ -205,6 +204,26 @@ class FenceConfig:
         for name, raw in overrides.items():
             values[name] = _parse(name, raw)
         return cls(**values)
+
+    @classmethod
+    def for_task(cls, task: Any) -> FenceConfig:
+        """The app's settings with the task's own options applied: ``lease_ttl``,
+        ``renew_interval``, ``max_attempts`` and any ``fence_<setting>`` given to ``@app.task``."""
+        base = cls.from_app(task.app)
+        overrides: dict[str, Any] = {}
+        for name in FIELD_NAMES:
+            value = getattr(task, f"fence_{name}", None)
+            if name in TASK_OPTIONS and getattr(task, name, None) is not None:
+                value = getattr(task, name)
+            if value is not None:
+                overrides[name] = value
+        if not overrides:
+            return base
+        current = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        try:
+            return cls.from_mapping({}, **{**current, **overrides})
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"task {task.name}: {exc}") from None
 
     @classmethod
     def from_app(cls, app: Any) -> FenceConfig:
@@ -287,9 +306,6 @@ def _lookup(conf: Mapping[str, Any], name: str) -> tuple[bool, Any]:
     return False, None
 
 
-#: Task options that override a setting for one task: ``@app.task(base=FencedTask, lease_ttl=5)``.
-TASK_OPTION_ALIASES = {
-    "lease_ttl": "lease_ttl",
-    "renew_interval": "renew_interval",
-    "max_attempts": "max_attempts",
-}
+#: Task options that override a setting for one task without the ``fence_`` prefix:
+#: ``@app.task(base=FencedTask, lease_ttl=5)``.
+TASK_OPTIONS = frozenset({"lease_ttl", "renew_interval", "max_attempts"})

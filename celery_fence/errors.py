@@ -50,5 +50,9 @@ class ResultNotSerializable(StoreError):
     """The task's return value is not JSON; return plain dicts, lists, str, int, float, bool."""
 
 
+class Rescheduled(FenceError):
+    """celery-fence re-sent this message (lease busy, store unavailable, newer generation)."""
+
+
 class PermanentError(FenceError):
     """Raised by a task body: this input will never succeed, so do not retry it."""

@@ -50,6 +50,7 @@ from typing import Any, Literal
 import kombu.exceptions
 import redis.exceptions
 import sqlalchemy.exc
+from celery.exceptions import SoftTimeLimitExceeded
 
 from .config import FenceConfig
 from .errors import LeaseBusy, PermanentError, ResultNotSerializable
@@ -83,6 +84,7 @@ DEFAULT_TRANSIENT: tuple[type[BaseException], ...] = (
     TimeoutError,
     socket.timeout,
     LeaseBusy,
+    SoftTimeLimitExceeded,  # the next attempt may be faster; max_attempts bounds it
 )
 
 #: Errors that need corrected input or code: never retried, whatever the settings say.

@@ -113,6 +113,18 @@ class _Row(NamedTuple):
     attempts: int
 
 
+#: The stored request of a job whose arguments the database refused: ``{"encoded": "<json>"}``.
+ENCODED_REQUEST = "encoded"
+
+
+def decode_request(request: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The request as sent (task, args, kwargs, options), also when it was stored encoded."""
+    if request is not None and set(request) == {ENCODED_REQUEST}:
+        decoded: Mapping[str, Any] = json.loads(request[ENCODED_REQUEST])
+        return decoded
+    return request
+
+
 def _record(row: Any) -> JobRecord:
     m = row._mapping
     return JobRecord(**{name: m[name] for name in JobRecord.__dataclass_fields__})
@@ -545,9 +557,15 @@ class Store(OutboxStore):
         attempt_id: str,
         error: BaseException | None,
         reason: str,
+        attempts: int | None = None,
     ) -> None:
-        """Move the job to the terminal ``dead`` state (fenced on this attempt)."""
+        """Move the job to the terminal ``dead`` state (fenced on this attempt).
+
+        ``attempts``, when given, is the number of executions to keep (a delivery that only found
+        the budget spent was counted by its registration but ran nothing).
+        """
         now = utcnow()
+        counted = {} if attempts is None else {"attempts": attempts}
         stmt = (
             jobs.update()
             .where(self._owned(key, generation, attempt_id))
@@ -556,6 +574,7 @@ class Store(OutboxStore):
                 updated_at=now,
                 finished_at=now,
                 retry_at=None,
+                **counted,
                 **self._error_fields(error),
             )
         )
@@ -595,6 +614,107 @@ class Store(OutboxStore):
             .on_conflict_do_nothing(index_elements=[jobs.c.key])
         )
         return self._fenced(stmt, action="dead", reason=reason, at=now) is not None
+
+    def bury_refused(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        task_name: str,
+        request_json: str | None,
+        error: BaseException,
+        reason: str,
+    ) -> None:
+        """A registration the database refused (its request holds a value the column cannot
+        store): the job goes ``dead`` at once, fenced like a registration (only over a row with
+        an older generation that is neither completed nor dead), with the request kept as JSON
+        text inside a JSON string (``{"encoded": "..."}``), which every database accepts, so
+        ``fence show`` and ``fence requeue`` still work."""
+        now = utcnow()
+        request = None if request_json is None else {ENCODED_REQUEST: request_json}
+        values = {
+            "key": key,
+            "task_name": task_name,
+            "status": DEAD,
+            "generation": generation,
+            "attempt_id": attempt_id,
+            "attempts": 1,
+            "request": request,
+            "created_at": now,
+            "updated_at": now,
+            "finished_at": now,
+            **self._error_fields(error),
+        }
+        insert = self._insert().values(**values)
+        stmt = insert.on_conflict_do_update(
+            index_elements=[jobs.c.key],
+            set_={
+                name: insert.excluded[name]
+                for name in values
+                if name not in ("key", "created_at", "attempts")
+            }
+            | {"attempts": jobs.c.attempts + 1},
+            where=(jobs.c.status.not_in((COMPLETED, DEAD)))
+            & (jobs.c.generation < insert.excluded.generation),
+        )
+        if self._fenced(stmt, action="dead", reason=reason, at=now) is None:
+            raise self._rejected(key, generation, attempt_id, "dead-letter")
+
+    def end_unrun(
+        self,
+        key: str,
+        *,
+        task_name: str,
+        request: Mapping[str, Any] | None,
+        reason: str,
+        only_insert: bool = False,
+    ) -> None:
+        """Settle the job of a message Celery acks without running it (expired, revoked).
+
+        No row yet: the job is recorded ``dead`` with its request. A row that waits for this
+        message (``retrying`` or ``pending``) goes ``dead`` by compare-and-set on the state just
+        read, unless ``only_insert`` (other messages may share the key). Any other row keeps its
+        state; the transition is recorded.
+        """
+        from .errors import JobDead
+
+        error = JobDead(f"the message was {reason} before it ran; requeue the job to run it")
+        if self.bury(key, task_name=task_name, request=request, error=error, reason=reason):
+            return
+        before = None if only_insert else self.get(key)
+        if before is not None and before.status in (RETRYING, PENDING):
+            now = utcnow()
+            stmt = (
+                jobs.update()
+                .where(
+                    (jobs.c.key == key)
+                    & (jobs.c.status == before.status)
+                    & (jobs.c.generation == before.generation)
+                    & (jobs.c.attempt_id == before.attempt_id)
+                )
+                .values(
+                    status=DEAD,
+                    updated_at=now,
+                    finished_at=now,
+                    retry_at=None,
+                    **self._error_fields(error),
+                )
+            )
+            if self._fenced(stmt, action="dead", reason=reason, at=now) is not None:
+                return
+        self.record(key, action=reason, reason="message not run")
+
+    def last_exit(self, key: str) -> str | None:
+        """How the key's latest attempt before this one ended, as far as the history says: the
+        action of its newest transition row that is not a claim (None without one)."""
+        with self.engine.connect() as conn:
+            return conn.execute(
+                sa.select(transitions.c.action)
+                .where((transitions.c.key == key) & (transitions.c.action != "claimed"))
+                .order_by(transitions.c.id.desc())
+                .limit(1)
+            ).scalar()
 
     def record(
         self,
@@ -772,6 +892,7 @@ __all__ = [
     "Registration",
     "Store",
     "Transition",
+    "decode_request",
     "dumps_strict",
     "store_for",
 ]

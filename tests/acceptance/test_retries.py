@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from celery_fence.store import JobRecord, Store, Transition
+from tests.support.broker import broker_queue_length
 from tests.support.worker import wait_until
 
 pytestmark = pytest.mark.acceptance
@@ -138,22 +139,23 @@ def test_a_task_that_kills_its_worker_every_time_ends_dead(
     spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
 ) -> None:
     # Given a message that SIGKILLs its worker process on every execution (OOM, segfault) ...
-    worker = spawn_worker("w", FENCE_T_MAX_ATTEMPTS="3")
+    worker = spawn_worker("w", FENCE_T_MAX_ATTEMPTS="2")
     key = f"poison:{uuid.uuid4().hex[:8]}"
     client_app.work.delay(key, fail="kill")
-    # ... the redeliveries count as attempts: after 3 executions the next claim finds the
-    # attempts spent and moves the job to dead instead of running it a fourth time.
+    # ... the redeliveries count as attempts: after 2 executions the next claim finds the
+    # attempts spent and moves the job to dead instead of running it a third time.
     record = _wait_for(fence_store, key, "dead", timeout=120)
     runs = _runs(redis_client, prefix, key)
-    assert [int(r.split(":")[0]) for r in runs] == [1, 2, 3]
-    assert record.attempts == 4  # 3 executions + the claim that stopped the loop
+    assert [int(r.split(":")[0]) for r in runs] == [1, 2]
+    assert record.attempts == 2  # attempts means executions: the claim that stopped ran nothing
     assert record.error_type == "celery_fence.errors.JobDead"
     history = fence_store.history(key)
-    assert [t.action for t in history].count("claimed") == 4
+    assert [t.action for t in history].count("claimed") == 3
     assert history[-1].action == "dead" and history[-1].reason == "attempts exhausted"
     # The loop has stopped: the message was acked, nothing runs or claims the key again.
     time.sleep(4.0)  # two lease TTLs: a redelivery would have claimed by now
-    assert len(_runs(redis_client, prefix, key)) == 3
+    assert len(_runs(redis_client, prefix, key)) == 2
+    assert broker_queue_length(client_app) == 0
     assert len(fence_store.history(key)) == len(history)
     assert worker.proc is not None and worker.proc.poll() is None  # the worker itself lives on
 

@@ -124,3 +124,60 @@ if E.get("FENCE_T_SIGNALS") == "1":
 def nul_result(self: Any, key: str) -> dict[str, str]:
     ledger.incr(f"{PREFIX}:nul_runs:{key}")
     return {"text": "before\x00after"}  # valid JSON; PostgreSQL's jsonb refuses \u0000
+
+
+# -- the settle step (issue 12): Celery's own exits ---------------------------------------------
+@app.task(base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
+def overrun(self: Any, key: str, *, sleep: float, runs_overrunning: int = 1) -> dict[str, Any]:
+    """Sleeps ``sleep`` seconds on its first ``runs_overrunning`` runs (time-limit tests)."""
+    runs = ledger.rpush(f"{PREFIX}:runs:{key}", f"{self.fence.generation}:{self.fence.attempt_id}")
+    if runs <= runs_overrunning:
+        end = time.monotonic() + sleep
+        while time.monotonic() < end:
+            time.sleep(0.02)
+    return {"key": key, "generation": self.fence.generation}
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
+def control(self: Any, key: str, *, kind: str) -> dict[str, Any]:
+    """Raises Celery's own control flow from the body on its first run."""
+    from celery.exceptions import Ignore, Reject
+
+    runs = ledger.rpush(f"{PREFIX}:runs:{key}", f"{self.fence.generation}:{self.fence.attempt_id}")
+    if runs == 1:
+        if kind == "ignore":
+            raise Ignore()
+        if kind == "reject":
+            raise Reject("rejected by the test", requeue=False)
+        if kind == "requeue":
+            raise Reject("requeued by the test", requeue=True)
+        if kind == "retry":
+            raise self.retry(countdown=0.2)
+    return {"key": key, "runs": runs}
+
+
+@app.task(base=FencedTask, bind=True)
+def default_keyed(self: Any, label: str, *, fail_first: bool = False, sleep: float = 0.0) -> str:
+    """Keyed by its Celery task id (the default); can fail transiently on its first run."""
+    runs = ledger.rpush(
+        f"{PREFIX}:runs:{label}", f"{self.fence.generation}:{self.fence.attempt_id}"
+    )
+    time.sleep(sleep)
+    if fail_first and runs == 1:
+        raise ConnectionError("simulated transient failure")
+    return label
+
+
+if E.get("FENCE_T_FAIL_RAISE") == "1":
+    # Fault injection for the regression branch of the claim: raising the Redis counter above the
+    # store's generation fails once per key (as it would during a failover).
+    from celery_fence.lease import LeaseStore
+
+    _raise_generation = LeaseStore.raise_generation
+
+    def _failing_raise(self: LeaseStore, key: str, floor: int) -> int:
+        if ledger.getdel(f"{PREFIX}:fail_raise:{key}") is not None:
+            raise redis.exceptions.ConnectionError("simulated failover during raise_generation")
+        return _raise_generation(self, key, floor)
+
+    LeaseStore.raise_generation = _failing_raise  # type: ignore[method-assign]

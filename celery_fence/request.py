@@ -1,0 +1,117 @@
+"""FencedRequest: the exits Celery drives itself, in the worker's main process, settled too.
+
+Two ways a fenced message can end without its task body's settle step running:
+
+- **Hard time limit.** The pool kills the process running the attempt; Celery (with
+  ``acks_on_timeout``, the default) would ack the message and leave the job ``running`` for good.
+  Here the message is given back to the broker instead, after a ``time_limit`` transition is
+  recorded: the next delivery claims the key once the killed attempt's lease runs out, and the job
+  ends ``completed`` on a later attempt, or ``dead`` with reason "time limit" once
+  ``fence_max_attempts`` executions are spent.
+- **Expired or revoked before it ran.** Celery acks such a message without running it. Here the
+  job is settled first: a job that has no row yet is recorded ``dead`` (reason ``expired`` or
+  ``revoked``) so an operator sees it and can requeue it; a job whose only message this is (the
+  default key, the Celery task id) and that is waiting for it (``retrying``/``pending``) goes
+  ``dead`` the same way. A job under a ``fence_key`` that other messages may share keeps its
+  state and gets a transition row. If the store cannot be written, the message is given back.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from billiard.exceptions import TimeLimitExceeded
+from celery.worker.request import Request
+
+from .errors import ConfigurationError
+
+logger = logging.getLogger("celery_fence")
+
+
+class FencedRequest(Request):
+    """The worker-side request of a :class:`~celery_fence.FencedTask` message."""
+
+    _fence_time_limit_settled = False
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        if not soft:
+            self._settle_time_limit(timeout)
+        super().on_timeout(soft, timeout)
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> None:
+        # The pool reports a hard time limit as a failure too, in either order with on_timeout;
+        # whichever comes first gives the message back before Celery would ack it.
+        exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
+        if isinstance(exc, TimeLimitExceeded):
+            self._settle_time_limit(exc.args[0] if exc.args else None)
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def _settle_time_limit(self, timeout: float | None) -> None:
+        if self._fence_time_limit_settled:
+            return
+        self._fence_time_limit_settled = True
+        task: Any = self.task
+        try:
+            store = task._fence_backends()[1]
+            key = task.logical_key(self.args, self.kwargs, self.id)
+            store.record(key, action="time_limit", reason=f"hard time limit {timeout}s")
+        except Exception as exc:  # history only: the message goes back all the same
+            logger.warning(
+                "fence could not record the hard time limit of task=%s id=%s: %s",
+                self.task_name,
+                self.id,
+                type(exc).__name__,
+            )
+        logger.warning(
+            "fence hard time limit task=%s id=%s: the message goes back to the broker",
+            self.task_name,
+            self.id,
+            extra={"action": "time_limit", "reason": f"hard time limit {timeout}s"},
+        )
+        self.reject(requeue=True)  # Celery's own ack that follows is then a no-op
+
+    def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> None:
+        if not terminated and not self._settle_unrun("expired" if expired else "revoked"):
+            self.reject(requeue=True)  # the store could not say: decide again on redelivery
+        super()._announce_revoked(reason, terminated, signum, expired)
+
+    def _settle_unrun(self, why: str) -> bool:
+        """Settle the job of a message Celery will not run; True when the store says what
+        happened (or nothing needed saying)."""
+        task: Any = self.task
+        try:
+            store = task._fence_backends()[1]
+            try:
+                key = task.logical_key(self.args, self.kwargs, self.id)
+            except ConfigurationError:
+                return True  # an unkeyed message that never ran: nothing to record
+            shared_key = key != self.id
+            store.end_unrun(
+                key,
+                task_name=self.task_name,
+                request=task._request_info_for(self.args, self.kwargs, self.delivery_info),
+                reason=why,
+                only_insert=shared_key,
+            )
+        except Exception as exc:
+            logger.error(
+                "fence could not settle the %s task=%s id=%s: %s; the message goes back",
+                why,
+                self.task_name,
+                self.id,
+                type(exc).__name__,
+                extra={"action": "store_error", "reason": why},
+            )
+            return False
+        logger.warning(
+            "fence %s task=%s id=%s: not run; the job is recorded",
+            why,
+            self.task_name,
+            self.id,
+            extra={"action": why, "reason": why},
+        )
+        return True

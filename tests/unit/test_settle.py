@@ -1,0 +1,299 @@
+"""Outcome -> store write -> action, table-driven, against a fake store (the failure windows
+themselves are tested with real workers in tests/acceptance)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import sqlalchemy.exc as sa_exc
+from celery.exceptions import Ignore, Reject, Retry
+
+from celery_fence import settle as s
+from celery_fence.config import FenceConfig
+from celery_fence.errors import (
+    ConfigurationError,
+    JobDead,
+    LeaseLost,
+    PermanentError,
+    ResultNotSerializable,
+    StaleGeneration,
+)
+from celery_fence.retry import RetryPolicy
+from celery_fence.store import JobRecord
+
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def _record(status: str, result: Any = None) -> JobRecord:
+    return JobRecord(
+        key="k",
+        task_name="t",
+        status=status,
+        generation=9,
+        attempt_id="newer",
+        attempts=1,
+        result=result,
+        request=None,
+        error_type=None,
+        error_message=None,
+        created_at=NOW,
+        updated_at=NOW,
+        finished_at=None,
+        retry_at=None,
+    )
+
+
+@dataclass
+class FakeStore:
+    """Records the writes; ``fail`` maps a method name to the exception it raises."""
+
+    fail: dict[str, BaseException] = field(default_factory=dict)
+    current: JobRecord | None = None
+    last: str | None = None
+    writes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def _write(self, name: str, **kw: Any) -> None:
+        if name in self.fail:
+            raise self.fail[name]
+        self.writes.append((name, kw))
+
+    def complete(self, key: str, **kw: Any) -> None:
+        self._write("complete", **kw)
+
+    def schedule_retry(self, key: str, **kw: Any) -> None:
+        self._write("schedule_retry", **kw)
+
+    def mark_dead(self, key: str, **kw: Any) -> None:
+        self._write("mark_dead", **kw)
+
+    def bury(self, key: str, **kw: Any) -> bool:
+        self._write("bury", **kw)
+        return True
+
+    def bury_refused(self, key: str, **kw: Any) -> None:
+        self._write("bury_refused", **kw)
+
+    def record(self, key: str, **kw: Any) -> None:
+        self._write("record", **kw)
+
+    def get(self, key: str) -> JobRecord | None:
+        if "get" in self.fail:
+            raise self.fail["get"]
+        return self.current
+
+    def last_exit(self, key: str) -> str | None:
+        return self.last
+
+
+class NoBudget:
+    def spend(self, name: str) -> float:
+        return 0.0
+
+
+def _attempt(store: FakeStore, **config: Any) -> s.Attempt:
+    cfg = FenceConfig(lease_ttl=2.0, renew_interval=0.5, max_attempts=3, **config)
+    emitted: list[str] = []
+    attempt = s.Attempt(
+        task_name="t",
+        key="k",
+        attempt_id="mine",
+        store=store,  # type: ignore[arg-type]
+        config=cfg,
+        policy=RetryPolicy(cfg, budget=NoBudget()),  # type: ignore[arg-type]
+        emit=lambda signal, a, reason=None, **extra: emitted.append(signal.name),
+        generation=7,
+        attempts=1,
+        registered=True,
+    )
+    attempt.emitted = emitted  # type: ignore[attr-defined]
+    return attempt
+
+
+STALE = StaleGeneration("newer generation", stored_generation=9)
+DOWN = sa_exc.OperationalError("UPDATE", {}, Exception("server closed the connection"))
+
+
+def _data_error() -> sa_exc.DataError:
+    return sa_exc.DataError("INSERT", {}, Exception("unsupported Unicode escape sequence\nLINE"))
+
+
+CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, str | None]] = [
+    # (name, outcome, failing store methods, stored record, action type, store write)
+    ("completed", s.Completed({"ok": 1}), {}, None, s.Return, "complete"),
+    (
+        "completed, stale, newer done",
+        s.Completed(1),
+        {"complete": STALE},
+        _record("completed", 2),
+        s.Return,
+        "record",
+    ),
+    (
+        "completed, stale, newer running",
+        s.Completed(1),
+        {"complete": STALE},
+        _record("running"),
+        s.Resend,
+        "record",
+    ),
+    (
+        "completed, not JSON",
+        s.Completed(1),
+        {"complete": ResultNotSerializable("x")},
+        None,
+        s.Fail,
+        "mark_dead",
+    ),
+    (
+        "completed, refused value",
+        s.Completed(1),
+        {"complete": _data_error()},
+        None,
+        s.Fail,
+        "mark_dead",
+    ),
+    ("completed, store down", s.Completed(1), {"complete": DOWN}, None, s.Resend, None),
+    ("replayed", s.Replayed(_record("completed", 5)), {}, None, s.Return, None),
+    ("already dead", s.AlreadyDead(_record("dead")), {}, None, s.Fail, None),
+    ("exhausted", s.Exhausted(), {}, None, s.Fail, "mark_dead"),
+    ("failed, transient", s.Failed(ConnectionError("x")), {}, None, s.Resend, "schedule_retry"),
+    ("failed, permanent", s.Failed(PermanentError("x")), {}, None, s.Fail, "mark_dead"),
+    (
+        "failed, store down",
+        s.Failed(ConnectionError("x")),
+        {"schedule_retry": DOWN},
+        None,
+        s.Resend,
+        None,
+    ),
+    (
+        "failed, dead not recorded",
+        s.Failed(PermanentError("x")),
+        {"mark_dead": DOWN},
+        None,
+        s.Resend,
+        None,
+    ),
+    ("lost", s.Lost(LeaseLost("x")), {}, None, s.Resend, "schedule_retry"),
+    (
+        "lost, stale",
+        s.Lost(LeaseLost("x")),
+        {"schedule_retry": STALE},
+        _record("running"),
+        s.Resend,
+        "record",
+    ),
+    ("stale, get fails", s.Stale(STALE), {"get": DOWN}, None, s.Resend, "record"),
+    ("busy", s.Busy(1.5), {}, None, s.Resend, None),
+    ("unavailable", s.Unavailable(DOWN, "store unavailable"), {}, None, s.Resend, None),
+    (
+        "refused arguments",
+        s.Refused(_data_error(), '{"args":[]}'),
+        {},
+        None,
+        s.Fail,
+        "bury_refused",
+    ),
+    (
+        "refused, store down",
+        s.Refused(_data_error(), None),
+        {"bury_refused": DOWN},
+        None,
+        s.Resend,
+        None,
+    ),
+    ("unkeyed", s.Unkeyed(ConfigurationError("bad key"), "id", None), {}, None, s.Fail, "bury"),
+    ("control: retry", s.Control(Retry(when=0.5)), {}, None, s.Reraise, "schedule_retry"),
+    (
+        "control: requeue",
+        s.Control(Reject("x", requeue=True)),
+        {},
+        None,
+        s.Reraise,
+        "schedule_retry",
+    ),
+    ("control: reject", s.Control(Reject("x", requeue=False)), {}, None, s.Reraise, "mark_dead"),
+    ("control: ignore", s.Control(Ignore()), {}, None, s.Reraise, "mark_dead"),
+    ("control: stale", s.Control(Ignore()), {"mark_dead": STALE}, None, s.Reraise, None),
+    ("control: store down", s.Control(Ignore()), {"mark_dead": DOWN}, None, s.Resend, None),
+    (
+        "unexpected, registered",
+        s.Unexpected(RuntimeError("x")),
+        {},
+        None,
+        s.Resend,
+        "schedule_retry",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("outcome", "fail", "current", "action", "write"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_outcome_to_store_write_and_action(
+    outcome: Any,
+    fail: dict[str, BaseException],
+    current: JobRecord | None,
+    action: type,
+    write: str | None,
+) -> None:
+    store = FakeStore(fail=dict(fail), current=current)
+    result = s.settle(_attempt(store), outcome)
+    assert type(result) is action
+    assert [name for name, _ in store.writes] == ([write] if write else [])
+
+
+def test_exhausted_keeps_the_executions_and_names_the_time_limit() -> None:
+    store = FakeStore(last="time_limit")
+    attempt = _attempt(store)
+    attempt.attempts = 4  # the fourth delivery found three executions spent
+    action = s.settle(attempt, s.Exhausted())
+    assert isinstance(action, s.Fail) and isinstance(action.error, JobDead)
+    [(name, kw)] = store.writes
+    assert (name, kw["attempts"], kw["reason"]) == ("mark_dead", 3, "time limit")
+
+
+def test_a_replay_returns_the_stored_result_and_a_stale_completion_converges_on_it() -> None:
+    assert s.settle(_attempt(FakeStore()), s.Replayed(_record("completed", [1]))) == s.Return([1])
+    store = FakeStore(fail={"complete": STALE}, current=_record("completed", {"by": "newer"}))
+    assert s.settle(_attempt(store), s.Completed({"by": "me"})) == s.Return({"by": "newer"})
+
+
+def test_a_completion_with_effects_asks_for_their_delivery() -> None:
+    action = s.settle(_attempt(FakeStore()), s.Completed(1, effects=("e",)))  # type: ignore[arg-type]
+    assert action == s.Return(1, deliver="k")
+
+
+def test_a_retry_budget_that_cannot_be_reached_still_retries() -> None:
+    class Broken:
+        def spend(self, name: str) -> float:
+            raise RuntimeError("SlotNotCoveredError")
+
+    store = FakeStore()
+    attempt = _attempt(store)
+    attempt.policy = RetryPolicy(attempt.config, budget=Broken())  # type: ignore[arg-type]
+    action = s.settle(attempt, s.Failed(ConnectionError("x")))
+    assert isinstance(action, s.Resend) and "retry budget unavailable" in action.reason
+    assert [name for name, _ in store.writes] == ["schedule_retry"]
+
+
+def test_a_refused_value_error_names_the_cause_and_the_fix_without_the_value() -> None:
+    action = s.settle(_attempt(FakeStore()), s.Refused(_data_error(), None))
+    assert isinstance(action, s.Fail)
+    message = str(action.error)
+    assert "unsupported Unicode escape sequence" in message and "\\u0000" in message
+    assert "LINE" not in message  # only the driver's first line: its context can quote values
+
+
+def test_unregistered_unexpected_errors_resend_without_a_write() -> None:
+    store = FakeStore()
+    attempt = _attempt(store)
+    attempt.registered, attempt.attempts, attempt.generation = False, 0, None
+    action = s.settle(attempt, s.Unexpected(RuntimeError("boom"), where="claim"))
+    assert isinstance(action, s.Resend) and "claim" in action.reason
+    assert store.writes == []
