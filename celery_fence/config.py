@@ -134,6 +134,8 @@ class FenceConfig:
     send_events: bool = True
     redact_celery_logs: bool = False
     unfenced: bool = False  # chaos demonstration only: turns off the store's generation fence
+    # chaos demonstration only: Celery's own exits are not settled (plain Celery's behaviour)
+    unsettled: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -250,6 +252,7 @@ _BOOLS = {
     "send_events",
     "redact_celery_logs",
     "unfenced",
+    "unsettled",
     "redis_cluster",
 }
 _DICTS = {"redis_ssl", "redis_transport_options"}

@@ -34,8 +34,14 @@ class FencedRequest(Request):
 
     _fence_time_limit_settled = False
 
+    def _unsettled(self) -> bool:
+        try:
+            return bool(self.task._fence_backends()[0].unsettled)  # type: ignore[attr-defined]
+        except Exception:
+            return False
+
     def on_timeout(self, soft: bool, timeout: float) -> None:
-        if not soft:
+        if not soft and not self._unsettled():
             self._settle_time_limit(timeout)
         super().on_timeout(soft, timeout)
 
@@ -46,7 +52,7 @@ class FencedRequest(Request):
         # whichever comes first gives the message back before Celery would ack it.
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
-        if isinstance(exc, TimeLimitExceeded):
+        if isinstance(exc, TimeLimitExceeded) and not self._unsettled():
             self._settle_time_limit(exc.args[0] if exc.args else None)
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
@@ -75,7 +81,8 @@ class FencedRequest(Request):
         self.reject(requeue=True)  # Celery's own ack that follows is then a no-op
 
     def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> None:
-        if not terminated and not self._settle_unrun("expired" if expired else "revoked"):
+        why = "expired" if expired else "revoked"
+        if not terminated and not self._unsettled() and not self._settle_unrun(why):
             self.reject(requeue=True)  # the store could not say: decide again on redelivery
         super()._announce_revoked(reason, terminated, signum, expired)
 

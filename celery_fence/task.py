@@ -166,6 +166,8 @@ class FencedTask(Task):
             config, store, leases, policy = self._fence_backends()
         except ConfigurationError as exc:  # checked at worker start; still, lose nothing
             logger.critical("fence settings invalid for task %s: %s", self.name, exc)
+            if self.app.conf.get("fence_unsettled"):  # chaos demonstration: acked as a failure
+                raise
             return self._act(s.Resend(CONFIG_ERROR_COUNTDOWN, "invalid fence settings", exc))
         attempt = s.Attempt(
             task_name=self.name,
@@ -275,6 +277,8 @@ class FencedTask(Task):
                     request_json=request_json or None,
                 )
             except sa_exc.DataError as exc:  # the database refuses the request: every time
+                if config.unsettled:
+                    return s.Unavailable(exc, "store refused registration")
                 return s.Refused(exc, request_json or None)
             except sa_exc.ProgrammingError as exc:  # e.g. the tables do not exist
                 reason = "store refused registration; is the schema created? celery fence init-db"
@@ -343,12 +347,13 @@ class FencedTask(Task):
             extra={"action": "reschedule", "reason": action.reason},
         )
         try:
+            options = {} if self._fence_backends()[0].unsettled else {"expires": None}
             retry = self.retry(
                 exc=Rescheduled(action.reason),
                 countdown=countdown,
                 max_retries=None,
-                expires=None,
                 throw=False,
+                **options,
             )
         except Reject as rejected:
             # Celery turns a failed publish of the retry message into Reject(requeue=False),
@@ -489,6 +494,8 @@ def _check_settings_at_start(sender: Any = None, **_: Any) -> None:
     one line that names the setting and the fix."""
     app = getattr(sender, "app", None)
     if app is None:
+        return
+    if app.conf.get("fence_unsettled"):  # chaos demonstration of plain Celery's behaviour
         return
     for task in list(app.tasks.values()):
         if isinstance(task, FencedTask):
