@@ -36,7 +36,7 @@ class FencedRequest(Request):
 
     def _unsettled(self) -> bool:
         try:
-            return bool(self.task._fence_backends()[0].unsettled)  # type: ignore[attr-defined]
+            return bool(self.task._fence_backends()[0].unsettled)
         except Exception:
             return False
 
