@@ -26,7 +26,7 @@ from redis.exceptions import NoScriptError
 
 from .config import FenceConfig
 from .errors import LeaseBusy
-from .redis_client import make_client
+from .redis_client import client_identity, make_client
 
 logger = logging.getLogger(__name__)
 
@@ -234,3 +234,17 @@ class LeaseStore:
             return None, None
         generation = int(value.rsplit(b":", 1)[1]) if isinstance(value, bytes) else None
         return pttl / 1000, generation
+
+
+_lease_stores: dict[tuple[Any, ...], LeaseStore] = {}
+
+
+def lease_store_for(config: FenceConfig) -> LeaseStore:
+    """The process-wide :class:`LeaseStore` for a configuration's Redis and key prefix."""
+    ident = (client_identity(config), config.key_prefix)
+    store = _lease_stores.get(ident)
+    if store is None:
+        store = _lease_stores[ident] = LeaseStore(
+            make_redis_client(config), prefix=config.key_prefix
+        )
+    return store

@@ -125,6 +125,37 @@ def decode_request(request: Mapping[str, Any] | None) -> Mapping[str, Any] | Non
     return request
 
 
+def request_text(task_name: str, args: Any, kwargs: Any, delivery: Any) -> str | None:
+    """The request as stored for a requeue (task, args, kwargs, routing as delivered: exchange
+    and routing key), as JSON text; None when the arguments are not JSON."""
+    delivery = delivery or {}
+    routing_key = delivery.get("routing_key") or None
+    try:
+        return json.dumps(
+            {
+                "task": task_name,
+                "args": list(args or ()),
+                "kwargs": dict(kwargs or {}),
+                "options": {
+                    "queue": routing_key,  # kept for requeues written before 0.2
+                    "exchange": delivery.get("exchange") or None,
+                    "routing_key": routing_key,
+                    "priority": delivery.get("priority"),
+                },
+            },
+            allow_nan=False,
+            separators=(",", ":"),
+        )
+    except (TypeError, ValueError):
+        return None
+
+
+def encode_request(task_name: str, args: Any, kwargs: Any, delivery: Any) -> dict[str, Any] | None:
+    """:func:`request_text` as a dict (None when the arguments are not JSON)."""
+    text = request_text(task_name, args, kwargs, delivery)
+    return None if text is None else dict(json.loads(text))
+
+
 def _record(row: Any) -> JobRecord:
     m = row._mapping
     return JobRecord(**{name: m[name] for name in JobRecord.__dataclass_fields__})
@@ -894,5 +925,6 @@ __all__ = [
     "Transition",
     "decode_request",
     "dumps_strict",
+    "encode_request",
     "store_for",
 ]

@@ -9,10 +9,7 @@ only place that speaks Celery (return, fail, re-raise, re-send).
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -21,11 +18,10 @@ from typing import Any
 from celery import Task
 from celery.app.task import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
-from celery.signals import worker_init, worker_process_shutdown
 from sqlalchemy import exc as sa_exc
 
 from . import settle as s
-from . import signals
+from . import signals, transitions
 from .config import FenceConfig
 from .errors import (
     ConfigurationError,
@@ -35,15 +31,13 @@ from .errors import (
     Rescheduled,
     StaleGeneration,
 )
-from .events import send_transition_event
 from .fence import Fence
-from .lease import LeaseStore, make_redis_client
-from .redis_client import client_identity
-from .renewer import RENEWER_THREAD_NAME, HeldLease, renewer_for
-from .renewer import shutdown as shutdown_renewers
+from .lease import LeaseStore, lease_store_for
+from .renewer import HeldLease, renewer_for
 from .retry import RetryBudget, RetryPolicy
 from .schema import KEY_LENGTH
-from .store import Store, store_for
+from .store import Store, encode_request, request_text, store_for
+from .worker import FENCED_REQUEST
 
 logger = logging.getLogger("celery_fence")
 
@@ -52,25 +46,6 @@ CLAIM_ROUNDS = 3
 
 #: Seconds before a message is re-sent when the settings are invalid (fix them and restart).
 CONFIG_ERROR_COUNTDOWN = 30.0
-
-_lease_stores: dict[tuple[Any, ...], LeaseStore] = {}
-
-
-def lease_store_for(config: FenceConfig) -> LeaseStore:
-    ident = (client_identity(config), config.key_prefix)
-    store = _lease_stores.get(ident)
-    if store is None:
-        store = _lease_stores[ident] = LeaseStore(
-            make_redis_client(config), prefix=config.key_prefix
-        )
-    return store
-
-
-def _json_or_none(value: Any) -> str | None:
-    try:
-        return json.dumps(value, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError):
-        return None
 
 
 class FencedTask(Task):
@@ -86,7 +61,7 @@ class FencedTask(Task):
     reject_on_worker_lost = True
     max_retries = None  # the store counts attempts (fence_max_attempts); busy reschedules are free
     #: Handles the exits Celery drives in the worker's main process (hard time limit, expiry).
-    Request = "celery_fence.request:FencedRequest"
+    Request = FENCED_REQUEST
     fence_key: Callable[..., str] | None = None
     lease_ttl: float | None = None
     renew_interval: float | None = None
@@ -201,7 +176,11 @@ class FencedTask(Task):
             if self.request.called_directly:
                 raise
             attempt.key = f"unkeyed:{self.name}:{self.request.id}"
-            return s.Unkeyed(exc, self.request.id, self._request_info(args, kwargs))
+            return s.Unkeyed(
+                exc,
+                self.request.id,
+                encode_request(self.name, args, kwargs, self.request.delivery_info),
+            )
         attempt.policy.budget.record_call(self.name)
         stop = self._claim_and_register(attempt, leases, args, kwargs)
         if stop is not None:
@@ -234,7 +213,9 @@ class FencedTask(Task):
     ) -> s.Outcome | None:
         """Claim a generation and register it; None when the body may run, else the outcome."""
         config, renewer = a.config, renewer_for(leases)
-        origin = (self.request.id, self.request.hostname)  # for events sent by the renewer thread
+        on_lost, on_renewed = transitions.lease_observers(
+            self, (self.request.id, self.request.hostname)
+        )
         request_json: str | None = None
         for _ in range(CLAIM_ROUNDS):
             claimed_at = time.monotonic()
@@ -261,13 +242,15 @@ class FencedTask(Task):
                 interval=config.renew_interval,
                 margin=config.lease_margin,
                 claimed_at=claimed_at,
-                on_lost=functools.partial(self._on_lease_lost, origin=origin),
-                on_renewed=functools.partial(self._on_lease_renewed, origin=origin),
+                on_lost=on_lost,
+                on_renewed=on_renewed,
             )
             renewer.add(a.lease)
             self._emit_for(signals.lease_claimed, a)
             if request_json is None:
-                request_json = self._request_json(args, kwargs) or ""
+                request_json = (
+                    request_text(self.name, args, kwargs, self.request.delivery_info) or ""
+                )
             try:
                 registration = a.store.register(
                     a.key,
@@ -373,138 +356,9 @@ class FencedTask(Task):
     def _emit_for(
         self, signal: Any, attempt: s.Attempt, reason: str | None = None, **extra: Any
     ) -> None:
-        self._emit(signal, attempt.key, attempt.attempt_id, attempt.generation, reason, **extra)
-
-    def _emit(
-        self,
-        signal: Any,
-        fence_key: str,
-        attempt_id: str | None,
-        generation: int | None,
-        reason: str | None = None,
-        *,
-        origin: tuple[str | None, str | None] | None = None,
-        **extra: Any,
-    ) -> None:
-        """Log, signal and (with ``-E``) send a Celery event for one transition; never raises.
-
-        ``origin`` is the (Celery task id, worker hostname) of the attempt, captured at claim
-        time for the renewal thread, which has no Celery request of its own.
-        """
-        signals.emit(
-            signal,
-            self,
-            key=fence_key,
-            attempt_id=attempt_id,
-            generation=generation,
-            reason=reason,
-            **extra,
+        transitions.emit(
+            self, signal, attempt.key, attempt.attempt_id, attempt.generation, reason, **extra
         )
-        config = self._fence_backends()[0]
-        if config.send_events:
-            task_id, hostname = origin or (self.request.id, self.request.hostname)
-            send_transition_event(
-                self,
-                signals.ACTIONS[signal][0],
-                task_id=task_id,
-                hostname=hostname,
-                fence_key=fence_key,
-                attempt_id=attempt_id,
-                generation=generation,
-                reason=reason,
-                **extra,
-            )
-
-    def _request_info(self, args: Any, kwargs: Any) -> dict[str, Any] | None:
-        return self._request_info_for(args, kwargs, self.request.delivery_info)
-
-    def _request_info_for(self, args: Any, kwargs: Any, delivery: Any) -> dict[str, Any] | None:
-        """The request as stored for a requeue (task, args, kwargs, routing), or None if it is
-        not JSON."""
-        text = self._request_json(args, kwargs, delivery)
-        return None if text is None else dict(json.loads(text))
-
-    def _request_json(self, args: Any, kwargs: Any, delivery: Any = None) -> str | None:
-        delivery = (self.request.delivery_info if delivery is None else delivery) or {}
-        return _json_or_none(
-            {
-                "task": self.name,
-                "args": list(args or ()),
-                "kwargs": dict(kwargs or {}),
-                "options": {
-                    "queue": delivery.get("routing_key") or None,
-                    "exchange": delivery.get("exchange") or None,
-                    "priority": delivery.get("priority"),
-                },
-            }
-        )
-
-    def _on_lease_lost(
-        self, lease: HeldLease, reason: str, *, origin: tuple[str | None, str | None] | None = None
-    ) -> None:
-        self._emit(
-            signals.lease_lost,
-            lease.key,
-            lease.token,
-            lease.generation,
-            reason=reason,
-            origin=origin,
-        )
-        if threading.current_thread().name != RENEWER_THREAD_NAME:
-            self._record_lost(lease, reason)  # the task noticed: record before it goes on
-            return
-        # The renewal thread noticed: write the history row off that thread, so a slow database
-        # never delays the renewal of the process's other leases.
-        threading.Thread(
-            target=self._record_lost, args=(lease, reason), name="celery-fence-record", daemon=True
-        ).start()
-
-    def _record_lost(self, lease: HeldLease, reason: str) -> None:
-        try:
-            self._fence_backends()[1].record(
-                lease.key,
-                action="lost",
-                generation=lease.generation,
-                attempt_id=lease.token,
-                reason=reason,
-            )
-        except Exception as exc:  # the loss is already in force locally; the record is history
-            logger.warning(
-                "could not record lease loss key=%s generation=%s: %s",
-                lease.key,
-                lease.generation,
-                type(exc).__name__,
-            )
-
-    def _on_lease_renewed(
-        self, lease: HeldLease, *, origin: tuple[str | None, str | None] | None = None
-    ) -> None:
-        self._emit(signals.lease_renewed, lease.key, lease.token, lease.generation, origin=origin)
-
-
-@worker_process_shutdown.connect(weak=False)
-def _release_on_shutdown(**_: Any) -> None:
-    """A pool process (or a solo worker) that exits sends its queued releases first."""
-    shutdown_renewers()
-
-
-@worker_init.connect(weak=False)
-def _check_settings_at_start(sender: Any = None, **_: Any) -> None:
-    """A worker whose fence settings are invalid refuses to start, before it consumes anything:
-    one line that names the setting and the fix."""
-    app = getattr(sender, "app", None)
-    if app is None:
-        return
-    if app.conf.get("fence_unsettled"):  # chaos demonstration of plain Celery's behaviour
-        return
-    for task in list(app.tasks.values()):
-        if isinstance(task, FencedTask):
-            try:
-                task.fence_config()
-            except ConfigurationError as exc:
-                message = f"celery-fence: invalid settings, the worker does not start: {exc}"
-                logger.critical(message)
-                raise SystemExit(message) from None
 
 
 def get_store(app: Any) -> Store:

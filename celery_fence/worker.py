@@ -1,4 +1,8 @@
-"""FencedRequest: the exits Celery drives itself, in the worker's main process, settled too.
+"""What runs in the worker around fenced tasks: the settings check at start, the release of
+leases at process shutdown, and FencedRequest, which settles the exits Celery drives itself.
+
+A worker whose fence settings are invalid refuses to start (``worker_init``), before it consumes
+anything, with one line that names the setting and the fix.
 
 Two ways a fenced message can end without its task body's settle step running:
 
@@ -22,9 +26,12 @@ import logging
 from typing import Any
 
 from billiard.exceptions import TimeLimitExceeded
+from celery.signals import worker_init, worker_process_shutdown
 from celery.worker.request import Request
 
 from .errors import ConfigurationError
+from .renewer import shutdown as shutdown_renewers
+from .store import encode_request
 
 logger = logging.getLogger("celery_fence")
 
@@ -100,7 +107,7 @@ class FencedRequest(Request):
             store.end_unrun(
                 key,
                 task_name=self.task_name,
-                request=task._request_info_for(self.args, self.kwargs, self.delivery_info),
+                request=encode_request(self.task_name, self.args, self.kwargs, self.delivery_info),
                 reason=why,
                 only_insert=shared_key,
             )
@@ -122,3 +129,29 @@ class FencedRequest(Request):
             extra={"action": why, "reason": why},
         )
         return True
+
+
+@worker_process_shutdown.connect(weak=False)
+def _release_on_shutdown(**_: Any) -> None:
+    """A pool process (or a solo worker) that exits sends its queued releases first."""
+    shutdown_renewers()
+
+
+@worker_init.connect(weak=False)
+def _check_settings_at_start(sender: Any = None, **_: Any) -> None:
+    """Refuse to start when a fenced task's settings are invalid: one line, nothing consumed."""
+    app = getattr(sender, "app", None)
+    if app is None or app.conf.get("fence_unsettled"):  # unsettled: the chaos control arm
+        return
+    for task in list(app.tasks.values()):
+        if getattr(task, "Request", None) == FENCED_REQUEST:
+            try:
+                task.fence_config()
+            except ConfigurationError as exc:
+                message = f"celery-fence: invalid settings, the worker does not start: {exc}"
+                logger.critical(message)
+                raise SystemExit(message) from None
+
+
+#: ``FencedTask.Request``: how Celery finds :class:`FencedRequest`.
+FENCED_REQUEST = f"{__name__}:FencedRequest"
