@@ -133,6 +133,7 @@ class FenceConfig:
     record_transitions: bool = True
     send_events: bool = True
     redact_celery_logs: bool = False
+    defer_first_registration: bool = False
     unfenced: bool = False  # chaos demonstration only: turns off the store's generation fence
     # chaos demonstration only: Celery's own exits are not settled (plain Celery's behaviour)
     unsettled: bool = False
@@ -253,6 +254,7 @@ _BOOLS = {
     "redact_celery_logs",
     "unfenced",
     "unsettled",
+    "defer_first_registration",
     "redis_cluster",
 }
 _DICTS = {"redis_ssl", "redis_transport_options"}

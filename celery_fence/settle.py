@@ -82,6 +82,10 @@ class Attempt:
     attempts: int = 0
     lease: HeldLease | None = None
     registered: bool = False
+    #: A first claim whose registration is deferred (``fence_defer_first_registration``): its row
+    #: is written by its completion, or registered late by any other outcome.
+    deferred: bool = False
+    request_json: str | None = None
 
 
 # -- outcomes ------------------------------------------------------------------------------------
@@ -228,23 +232,63 @@ def settle(attempt: Attempt, outcome: Outcome) -> Action:
     A write the store could not make (unreachable, refusing, anything but a fenced rejection)
     becomes a re-send with backoff: the next delivery decides again.
     """
-    handler = _HANDLERS[type(outcome)]
     try:
-        return handler(attempt, outcome)
+        if attempt.deferred and not isinstance(outcome, _NO_ROW_NEEDED):
+            outcome = _register_late(attempt) or outcome
+        return _HANDLERS[type(outcome)](attempt, outcome)
     except Exception as exc:
         return _unrecorded(attempt, exc, what=type(outcome).__name__.lower())
+
+
+def _register_late(a: Attempt) -> Outcome | None:
+    """Register a deferred first claim before an outcome that writes its row; None when it
+    registered, else the outcome the store's state calls for."""
+    assert a.generation is not None
+    a.deferred = False
+    registration = a.store.register(
+        a.key,
+        generation=a.generation,
+        attempt_id=a.attempt_id,
+        task_name=a.task_name,
+        request_json=a.request_json,
+    )
+    a.attempts = registration.attempts
+    if registration.outcome == "registered":
+        return None
+    if registration.outcome == "completed":
+        assert registration.record is not None
+        return Replayed(registration.record)
+    if registration.outcome == "dead":
+        return AlreadyDead(registration.record)
+    return Stale(
+        StaleGeneration(
+            f"generation {a.generation} of {a.key!r} was superseded before it registered",
+            stored_generation=registration.stored_generation,
+        )
+    )
 
 
 def _completed(a: Attempt, o: Completed) -> Action:
     assert a.generation is not None
     try:
-        a.store.complete(
-            a.key,
-            generation=a.generation,
-            attempt_id=a.attempt_id,
-            result=o.result,
-            effects=o.effects,
-        )
+        if a.deferred:  # one statement: the row inserted as completed, or nothing
+            a.store.complete_first(
+                a.key,
+                generation=a.generation,
+                attempt_id=a.attempt_id,
+                task_name=a.task_name,
+                request_json=a.request_json,
+                result=o.result,
+                effects=o.effects,
+            )
+        else:
+            a.store.complete(
+                a.key,
+                generation=a.generation,
+                attempt_id=a.attempt_id,
+                result=o.result,
+                effects=o.effects,
+            )
     except StaleGeneration as exc:
         return _stale(a, Stale(exc))
     except ResultNotSerializable as exc:
@@ -412,6 +456,9 @@ def _unexpected(a: Attempt, o: Unexpected) -> Action:
         return _unavailable(a, Unavailable(o.error, reason))
     return _retry(a, o.error, backoff(max(1, a.attempts), a.config), reason)
 
+
+#: Outcomes of a deferred first claim that write no row (the completion writes it itself).
+_NO_ROW_NEEDED = (Completed, Busy, Unavailable, Replayed, AlreadyDead, Unkeyed, Refused)
 
 _HANDLERS: dict[type, Callable[[Attempt, Any], Action]] = {
     Completed: _completed,

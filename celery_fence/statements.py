@@ -31,9 +31,16 @@ def _p(dialect: str, name: str) -> str:
 
 
 @cache
-def register_sql(dialect: str, *, fenced: bool = True) -> str:
-    """Upsert that takes the row only for a strictly greater generation of a live job."""
+def register_sql(dialect: str, *, fenced: bool = True, deferred_first: bool = False) -> str:
+    """Upsert that takes the row only for a strictly greater generation of a live job.
+
+    ``deferred_first``: generation 1 is never registered up front (its row is written by its
+    completion), so a new row at a generation above 1 also counts that first execution.
+    """
     p = lambda n: _p(dialect, n)  # noqa: E731
+    first_attempts = "1"
+    if deferred_first:  # the cast: a prepared statement must deduce one type per parameter
+        first_attempts = f"CASE WHEN CAST({p('generation')} AS BIGINT) > 1 THEN 2 ELSE 1 END"
     json = "::jsonb" if dialect == "postgresql" else ""
     condition = "fence_jobs.status NOT IN ('completed', 'dead')"
     if fenced:
@@ -42,7 +49,7 @@ def register_sql(dialect: str, *, fenced: bool = True) -> str:
         "INSERT INTO fence_jobs (key, task_name, status, generation, attempt_id, attempts, "
         "request, created_at, updated_at) "
         f"VALUES ({p('key')}, {p('task_name')}, 'running', {p('generation')}, {p('attempt_id')}, "
-        f"1, {p('request')}{json}, {p('now')}, {p('now')}) "
+        f"{first_attempts}, {p('request')}{json}, {p('now')}, {p('now')}) "
         "ON CONFLICT (key) DO UPDATE SET generation = excluded.generation, "
         "attempt_id = excluded.attempt_id, status = 'running', "
         "attempts = fence_jobs.attempts + 1, updated_at = excluded.updated_at, retry_at = NULL "
@@ -71,19 +78,45 @@ def complete_sql(dialect: str, *, fenced: bool = True) -> str:
     )
 
 
+@cache
+def complete_first_sql(dialect: str) -> str:
+    """A deferred first claim's completion: the row inserted as completed, in one statement,
+    only where no row exists. Any row means a newer generation registered (or Redis lost its
+    counter and handed out 1 again): nothing is written, and the caller treats it as stale."""
+    p = lambda n: _p(dialect, n)  # noqa: E731
+    json = "::jsonb" if dialect == "postgresql" else ""
+    return (
+        "INSERT INTO fence_jobs (key, task_name, status, generation, attempt_id, attempts, "
+        "request, result, created_at, updated_at, finished_at) "
+        f"VALUES ({p('key')}, {p('task_name')}, 'completed', {p('generation')}, "
+        f"{p('attempt_id')}, 1, {p('request')}{json}, {p('result')}{json}, {p('now')}, "
+        f"{p('now')}, {p('now')}) ON CONFLICT (key) DO NOTHING {RETURNING}"
+    )
+
+
 TRANSITION_COLUMNS = "key, generation, attempt_id, action, reason, at"
 OUTBOX_COLUMNS = "key, name, idempotency_key, payload, status, attempts, available_at, created_at"
 
 
 @cache
-def pg_with_records(write_sql: str, *, action: str, transitions: bool, effects: bool) -> str:
-    """Wrap a write in data-modifying CTEs so its transition row and outbox rows share its
-    statement (one round trip, one commit) on PostgreSQL."""
+def pg_with_records(
+    write_sql: str, *, action: str | tuple[str, ...], transitions: bool, effects: bool
+) -> str:
+    """Wrap a write in data-modifying CTEs so its transition rows (one per action, in order) and
+    outbox rows share its statement (one round trip, one commit) on PostgreSQL."""
     parts = [f"WITH fenced AS ({write_sql})"]
-    if transitions:
+    actions = (action,) if isinstance(action, str) else action
+    if transitions and len(actions) == 1:
         parts.append(
             f", transition AS (INSERT INTO fence_transitions ({TRANSITION_COLUMNS}) "
-            f"SELECT key, generation, attempt_id, '{action}', NULL, %(now)s FROM fenced)"
+            f"SELECT key, generation, attempt_id, '{actions[0]}', NULL, %(now)s FROM fenced)"
+        )
+    elif transitions:  # one INSERT, rows in the actions' order (their ids keep it)
+        rows = ", ".join(f"({i}, '{name}')" for i, name in enumerate(actions))
+        parts.append(
+            f", transition AS (INSERT INTO fence_transitions ({TRANSITION_COLUMNS}) "
+            "SELECT f.key, f.generation, f.attempt_id, a.action, NULL, %(now)s FROM fenced f "
+            f"CROSS JOIN (VALUES {rows}) AS a(n, action) ORDER BY a.n)"
         )
     if effects:
         parts.append(

@@ -170,12 +170,14 @@ class Store(OutboxStore):
         *,
         record_transitions: bool = True,
         unfenced: bool = False,
+        defer_first_registration: bool = False,
         error_message_length: int = 500,
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.url = url
         self.record_transitions = record_transitions
         self.unfenced = unfenced
+        self.defer_first_registration = defer_first_registration
         self.error_message_length = error_message_length
         self._engine_options = dict(engine_options or {})
         self._lock = threading.Lock()
@@ -396,10 +398,10 @@ class Store(OutboxStore):
         sql: str,
         params: dict[str, Any],
         *,
-        action: str,
+        action: str | tuple[str, ...],
         effects: Sequence[Effect] = (),
     ) -> _Row | None:
-        """Run a critical-path write from :mod:`statements` with its transition row and staged
+        """Run a critical-path write from :mod:`statements` with its transition rows and staged
         effects: one prepared statement on PostgreSQL, one short transaction on SQLite. Returns
         the changed row, or None when the fence did not match."""
         now = utcnow()
@@ -430,9 +432,11 @@ class Store(OutboxStore):
             try:
                 cursor.execute(sql, params)
                 row = cursor.fetchone()
-                if row is not None and record:
+                for name in (action,) if isinstance(action, str) else action:
+                    if row is None or not record:
+                        break
                     cursor.execute(
-                        statements.sqlite_transition_sql(action),
+                        statements.sqlite_transition_sql(name),
                         {"key": row[0], "generation": row[1], "attempt_id": row[2], "now": stamp},
                     )
                 for e in effects if row is not None else ():
@@ -482,7 +486,11 @@ class Store(OutboxStore):
             if request is None
             else json.dumps(request, separators=(",", ":")),
         }
-        sql = statements.register_sql(self.dialect, fenced=not self.unfenced)
+        sql = statements.register_sql(
+            self.dialect,
+            fenced=not self.unfenced,
+            deferred_first=self.defer_first_registration,
+        )
         row = self._hot_write(sql, params, action="claimed")
         if row is not None:
             return Registration("registered", row.attempts, row.generation)
@@ -548,6 +556,34 @@ class Store(OutboxStore):
         sql = statements.complete_sql(self.dialect, fenced=not self.unfenced)
         if self._hot_write(sql, params, action="completed", effects=effects) is None:
             raise self._rejected(key, generation, attempt_id, "completion")
+
+    def complete_first(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        task_name: str,
+        request_json: str | None,
+        result: Any,
+        effects: Sequence[Effect] = (),
+    ) -> None:
+        """The completion of a first claim whose registration was deferred: one statement
+        inserts the row as completed with its ``claimed`` and ``completed`` transitions and staged
+        effects, only where no row exists. Raises :class:`StaleGeneration` otherwise (a newer
+        generation registered meanwhile, or Redis handed out generation 1 again)."""
+        params = {
+            "key": key,
+            "task_name": task_name,
+            "generation": generation,
+            "attempt_id": attempt_id,
+            "request": request_json,
+            "result": dumps_strict(result, "task's return value"),
+        }
+        sql = statements.complete_first_sql(self.dialect)
+        actions = ("claimed", "completed")
+        if self._hot_write(sql, params, action=actions, effects=effects) is None:
+            raise self._rejected(key, generation, attempt_id, "first completion")
 
     def _error_fields(self, error: BaseException | None) -> dict[str, Any]:
         if error is None:
@@ -897,6 +933,7 @@ def store_for(config: Any) -> Store:
         config.database_url,
         config.record_transitions,
         config.unfenced,
+        config.defer_first_registration,
         config.error_message_length,
     )
     with _stores_lock:
@@ -906,6 +943,7 @@ def store_for(config: Any) -> Store:
                 config.database_url,
                 record_transitions=config.record_transitions,
                 unfenced=config.unfenced,
+                defer_first_registration=config.defer_first_registration,
                 error_message_length=config.error_message_length,
             )
         return store

@@ -251,6 +251,11 @@ class FencedTask(Task):
                 request_json = (
                     request_text(self.name, args, kwargs, self.request.delivery_info) or ""
                 )
+            if a.generation == 1 and config.defer_first_registration:
+                # Nothing to fence out yet: the completion writes the row in one statement.
+                a.deferred, a.registered, a.attempts = True, True, 1
+                a.request_json = request_json or None
+                return None
             try:
                 registration = a.store.register(
                     a.key,
