@@ -56,3 +56,8 @@ class Rescheduled(FenceError):
 
 class PermanentError(FenceError):
     """Raised by a task body: this input will never succeed, so do not retry it."""
+
+
+class FenceEagerWarning(UserWarning):
+    """A fenced task ran eagerly (``task_always_eager`` or ``.apply()``): no worker, no lease
+    renewal, no redelivery, so its fencing is not exercised; test it with real workers."""

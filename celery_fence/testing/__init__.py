@@ -1,4 +1,11 @@
-"""Test helpers that behave like the real thing: :class:`ProviderStub`, an idempotent provider."""
+"""Test support that behaves like the real thing.
+
+- :mod:`celery_fence.testing.plugin` — the pytest plugin (fixtures ``fence_store``,
+  ``fence_redis``, ``fence_env``, ``fenced_worker``, ``fence_chaos``), loaded by its entry point.
+- :mod:`celery_fence.testing.processes` — workers and ``redis-server`` processes, stopped by
+  process group.
+- :class:`ProviderStub` — an idempotent HTTP provider for outbox handlers.
+"""
 
 from __future__ import annotations
 

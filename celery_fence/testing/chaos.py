@@ -1,0 +1,363 @@
+"""``fence_chaos``: the seeds' failure windows, injected into the user's own task, and the check.
+
+Two real workers of the user's app, A and B (each also on the test's queue, for the outbox's
+deliver task), and four windows, each given a Celery signature of the user's task:
+
+- ``pause``: A's body starts (claim and registration done), A is SIGSTOPped — the whole worker,
+  so its lease stops renewing — a duplicate is sent to B, which takes over once the lease expires
+  and finishes; A is resumed after at least 1.5 TTL and finishes its attempt.
+- ``kill``: A's pool process is SIGKILLed after the completion committed and before the ack;
+  Celery gives the message back and A runs it again.
+- ``duplicate``: one message (one task id) delivered to A and B at once.
+- ``redis-loss``: A's body is held while every lease and generation counter of the test is deleted
+  from Redis; a duplicate runs on B (Redis hands out a generation the store already saw), then A's
+  body goes on.
+
+Then :meth:`FenceChaos.assert_converged` waits (bounded) for every delivery to finish and checks
+the store and the callers: one completion, no stale write accepted, every caller got the stored
+result, each outbox effect recorded once. A failure names the window and prints the key's
+transition history and the bodies that ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery.canvas import Signature
+
+from . import processes
+from .environment import FenceEnv
+
+WINDOWS = ("pause", "kill", "duplicate", "redis-loss")
+FINAL_STATES = ("SUCCESS", "FAILURE")
+
+
+class ConvergenceError(AssertionError):
+    """A window broke one of the properties :meth:`FenceChaos.assert_converged` checks."""
+
+
+@dataclass
+class Injection:
+    """One window as it was run: which task ids were sent, and how many deliveries of each."""
+
+    window: str
+    task: str
+    started: float = field(default_factory=time.time)
+    deliveries: dict[str, int] = field(default_factory=dict)
+
+
+class FenceChaos:
+    """The ``fence_chaos`` fixture. ``inject(window, signature)`` (or ``pause(signature)``,
+    ``kill``, ``duplicate``, ``redis_loss``), then ``assert_converged(key)`` with the logical key
+    the signature's ``fence_key`` gives; parametrize a test over :data:`WINDOWS` to run them all.
+    """
+
+    windows = WINDOWS
+
+    def __init__(self, env: FenceEnv, *, timeout: float = 60.0) -> None:
+        self.env = env
+        self.timeout = timeout
+        self.injections: list[Injection] = []
+        self._checked = 0
+        self._workers: tuple[processes.Worker, processes.Worker] | None = None
+
+    # -- the workers -----------------------------------------------------------------------------
+
+    @property
+    def workers(self) -> tuple[processes.Worker, processes.Worker]:
+        """Workers A and B, started on first use (each ``-c 1``)."""
+        if self._workers is None:
+            q = self.env.queue
+            a = self.env.worker("a", queues=[f"{q}.a", q])
+            b = self.env.worker("b", queues=[f"{q}.b", q])
+            self._workers = (a.launch(), b.launch())  # stopped by FenceEnv.close, whatever happens
+            a.wait_ready()
+            b.wait_ready()
+        return self._workers
+
+    # -- the windows -----------------------------------------------------------------------------
+
+    def inject(self, window: str, signature: Signature) -> Injection:
+        """Run one window (see :data:`WINDOWS`) against ``signature``."""
+        runs: dict[str, Callable[[Signature], Injection]] = {
+            "pause": self.pause,
+            "kill": self.kill,
+            "duplicate": self.duplicate,
+            "redis-loss": self.redis_loss,
+        }
+        if window not in runs:
+            raise ValueError(f"unknown window {window!r}: choose from {', '.join(WINDOWS)}")
+        return runs[window](signature)
+
+    def pause(self, signature: Signature) -> Injection:
+        """Pause A after its claim for longer than the TTL while a duplicate runs on B."""
+        a, b = self.workers
+        inj = self._begin("pause", signature)
+        first = self._send(inj, signature, a, fault=("start", "hold"))
+        self._wait_event(inj, "start", first, "the body to start on worker A")
+        a.pause()
+        paused_at = time.monotonic()
+        try:
+            self._release(first)  # A goes on from here once it is resumed
+            second = self._send(inj, signature, b)
+            self._wait(lambda: self._finished(second) >= 1, "the duplicate to finish on worker B")
+            time.sleep(max(0.0, self.env.lease_ttl * 1.5 - (time.monotonic() - paused_at)))
+        finally:
+            a.resume()
+        return inj
+
+    def kill(self, signature: Signature) -> Injection:
+        """SIGKILL A's pool process after the completion commits and before the ack."""
+        a, _ = self.workers
+        inj = self._begin("kill", signature)
+        tid = self._send(inj, signature, a, fault=("commit", "kill"))
+        self._wait_event(inj, "kill", tid, "the completion (and the kill) on worker A")
+        return inj
+
+    def duplicate(self, signature: Signature) -> Injection:
+        """Deliver one message (the same task id) to A and B at once."""
+        a, b = self.workers
+        inj = self._begin("duplicate", signature)
+        tid = self._send(inj, signature, a)
+        self._send(inj, signature, b, task_id=tid)
+        return inj
+
+    def redis_loss(self, signature: Signature) -> Injection:
+        """Lose every lease and generation counter while A's body runs; a duplicate runs on B."""
+        a, b = self.workers
+        inj = self._begin("redis-loss", signature)
+        first = self._send(inj, signature, a, fault=("start", "hold"))
+        try:
+            self._wait_event(inj, "start", first, "the body to start on worker A")
+            self._lose_counters()
+            second = self._send(inj, signature, b)
+            self._wait(lambda: self._finished(second) >= 1, "the duplicate to finish on worker B")
+        finally:
+            self._release(first)
+        return inj
+
+    # -- the check -------------------------------------------------------------------------------
+
+    def assert_converged(self, key: str, *, timeout: float | None = None) -> None:
+        """Check every window injected since the last call against logical key ``key``.
+
+        Waits (at most ``timeout`` seconds) until every delivery finished and the job is
+        terminal, then requires: exactly one completion, none of them from a generation older
+        than one that had claimed the key, every caller's result equal to the stored one, and
+        each outbox effect recorded once (the effects the completing attempt staged).
+        """
+        pending = self.injections[self._checked :]
+        self._checked = len(self.injections)
+        if not pending:
+            raise ConvergenceError("fence_chaos.assert_converged: inject a window first")
+        for inj in pending:
+            problems = self._problems(inj, key, self.timeout if timeout is None else timeout)
+            if problems:
+                raise ConvergenceError(self._report(inj, key, problems))
+
+    def _problems(self, inj: Injection, key: str, timeout: float) -> list[str]:
+        store = self.env.store
+
+        def settled() -> bool:
+            if any(self._finished(t) < n for t, n in inj.deliveries.items()):
+                return False
+            record = store.get(key)
+            return record is None or record.status in ("completed", "dead")
+
+        if not processes.poll_until(settled, timeout, interval=0.1):
+            unfinished = [t for t, n in inj.deliveries.items() if self._finished(t) < n]
+            record = store.get(key)
+            status = record.status if record else "not in the store"
+            return [
+                f"did not converge within {timeout:g}s: job {status}, "
+                f"{len(unfinished)} of {len(inj.deliveries)} messages not finished "
+                f"({', '.join(t[:8] for t in unfinished) or '-'})"
+            ]
+        record = store.get(key)
+        if record is None:
+            ran = sorted({str(e.get("key")) for e in self._events(inj) if e["ev"] == "start"})
+            return [
+                f"no job {key!r} in the fence store: is the task a FencedTask whose fence_key "
+                f"gives this key? (its bodies ran under key {', '.join(ran) or '-'})"
+            ]
+        problems: list[str] = []
+        if record.status != "completed":
+            problems.append(
+                f"the job ended {record.status} ({record.error_type or 'no error'}), not completed"
+            )
+        history = store.history(key)
+        completions = [t for t in history if t.action == "completed"]
+        if len(completions) != 1:
+            gens = ", ".join(f"generation {t.generation}" for t in completions) or "none"
+            problems.append(f"{len(completions)} completions recorded ({gens}); expected exactly 1")
+        for i, done in enumerate(completions):
+            index = history.index(done)
+            newer = [
+                t.generation or 0
+                for t in history[:index]
+                if t.action == "claimed" and (t.generation or 0) > (done.generation or 0)
+            ]
+            if newer:
+                problems.append(
+                    f"a stale write was accepted: generation {done.generation} completed after "
+                    f"generation {max(newer)} had claimed the key"
+                )
+            if i == len(completions) - 1 and (done.generation, done.attempt_id) != (
+                record.generation,
+                record.attempt_id,
+            ):
+                problems.append(
+                    f"the stored job (generation {record.generation}) is not the one the last "
+                    f"completion wrote (generation {done.generation})"
+                )
+        problems += self._caller_problems(inj, record.result)
+        problems += self._outbox_problems(inj, key, record.attempt_id)
+        return problems
+
+    def _caller_problems(self, inj: Injection, stored: Any) -> list[str]:
+        problems = []
+        for tid in inj.deliveries:
+            result = self.env.app.AsyncResult(tid)
+            value = result.get(timeout=10, propagate=False)
+            state = result.state
+            if state != "SUCCESS":
+                problems.append(
+                    f"the caller of task {tid[:8]} got {state} ({type(value).__name__})"
+                )
+            elif _canonical(value) != _canonical(stored):
+                problems.append(
+                    f"the caller of task {tid[:8]} got a result that is not the stored one "
+                    f"(sha256 {_digest(value)} != stored {_digest(stored)})"
+                )
+        return problems
+
+    def _outbox_problems(self, inj: Injection, key: str, attempt_id: str) -> list[str]:
+        rows = self.env.store.outbox_rows(key=key)
+        names = Counter(r.name for r in rows)
+        problems = [
+            f"outbox effect {name!r} recorded {count} times" for name, count in names.items()
+        ]
+        problems = [p for p in problems if not p.endswith(" 1 times")]
+        staged = [
+            e.get("staged") or []
+            for e in self._events(inj)
+            if e["ev"] == "return" and e.get("attempt") == attempt_id
+        ]
+        if staged and sorted(staged[-1]) != sorted(names):
+            problems.append(
+                f"outbox rows {sorted(names)} are not the effects the completing attempt staged "
+                f"({sorted(staged[-1])})"
+            )
+        return problems
+
+    def _report(self, inj: Injection, key: str, problems: list[str]) -> str:
+        lines = [f"fence_chaos: window {inj.window!r} broke for key {key!r} (task {inj.task}):"]
+        lines += [f"  - {p}" for p in problems]
+        lines.append(f"transition history of {key!r}:")
+        history = self.env.store.history(key)
+        for t in history:
+            lines.append(
+                f"  {t.at:%H:%M:%S.%f}"[:-3]
+                + f"  {t.action:<16} generation {t.generation!s:<4} "
+                f"attempt {(t.attempt_id or '-')[:12]:<12}  {t.reason or ''}".rstrip()
+            )
+        if not history:
+            lines.append("  (none)")
+        lines.append("task bodies and deliveries seen by the workers:")
+        for e in self._events(inj):
+            what = f"  +{e['t'] - inj.started:6.2f}s  {e['ev']:<8} task {str(e.get('tid'))[:8]}"
+            if e["ev"] in ("start", "return", "released"):
+                what += f"  pid {e['pid']}  generation {e.get('gen')}"
+                what += f"  attempt {str(e.get('attempt'))[:12]}"
+            elif e["ev"] == "done":
+                what += f"  {e.get('state')}"
+            lines.append(what)
+        return "\n".join(lines)
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _begin(self, window: str, signature: Signature) -> Injection:
+        if not isinstance(signature, Signature):
+            raise TypeError(f"give a signature, e.g. my_task.s(42), not {signature!r}")
+        inj = Injection(window=window, task=str(signature.task))
+        self.injections.append(inj)
+        return inj
+
+    def _send(
+        self,
+        inj: Injection,
+        signature: Signature,
+        worker: processes.Worker,
+        *,
+        fault: tuple[str, str] | None = None,
+        task_id: str | None = None,
+    ) -> str:
+        tid = task_id or uuid.uuid4().hex
+        if fault is not None:
+            point, action = fault
+            self.env.redis.client.set(f"{self.env.ledger_base}:fault:{point}:{tid}", action, ex=600)
+        self.env.app.send_task(
+            str(signature.task),
+            args=tuple(signature.args),
+            kwargs=dict(signature.kwargs),
+            task_id=tid,
+            queue=worker.queue,
+        )
+        inj.deliveries[tid] = inj.deliveries.get(tid, 0) + 1
+        return tid
+
+    def _release(self, tid: str) -> None:
+        self.env.redis.client.rpush(f"{self.env.ledger_base}:release:{tid}", 1)
+
+    def _lose_counters(self) -> None:
+        """Delete every lease and generation counter of the test (what a Redis restart loses)."""
+        client, prefix = self.env.redis.client, self.env.prefix
+        keep = (f"{prefix}:testing:", f"{prefix}:results:", f"{prefix}:broker:")
+        keys = [
+            k
+            for k in client.scan_iter(f"{prefix}:*", count=1000)
+            if not k.decode().startswith(keep)
+        ]
+        if keys:
+            client.delete(*keys)
+
+    def _all_events(self) -> list[dict[str, Any]]:
+        raw = self.env.redis.client.lrange(f"{self.env.ledger_base}:events", 0, -1)
+        return [json.loads(r) for r in raw]
+
+    def _events(self, inj: Injection) -> list[dict[str, Any]]:
+        return [e for e in self._all_events() if e.get("tid") in inj.deliveries]
+
+    def _finished(self, tid: str) -> int:
+        return sum(
+            1
+            for e in self._all_events()
+            if e["ev"] == "done" and e.get("tid") == tid and e.get("state") in FINAL_STATES
+        )
+
+    def _wait(self, predicate: Callable[[], Any], what: str) -> None:
+        if not processes.poll_until(predicate, self.timeout, interval=0.05):
+            raise ConvergenceError(
+                f"fence_chaos: timed out after {self.timeout:g}s waiting for {what}"
+            )
+
+    def _wait_event(self, inj: Injection, ev: str, tid: str, what: str) -> None:
+        self._wait(
+            lambda: any(e["ev"] == ev and e.get("tid") == tid for e in self._all_events()),
+            f"{what} (window {inj.window!r})",
+        )
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=repr)
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(_canonical(value).encode()).hexdigest()[:10]

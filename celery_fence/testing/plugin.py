@@ -1,0 +1,223 @@
+"""The celery-fence pytest plugin (entry point ``pytest11: celery_fence``).
+
+Installed with celery-fence, it adds command-line options and fixtures and does nothing until a
+test asks for a fixture — apart from one thing: a fenced task that runs eagerly in a test
+(``task_always_eager``, ``.apply()``) gets a :class:`~celery_fence.errors.FenceEagerWarning`.
+Disable it all with ``-p no:celery_fence``.
+
+Fixtures (each test gets its own store, Redis key prefix and queue; nothing is left behind):
+
+- ``fence_app`` — override it to return your Celery app (or ``"package.module:app"``); or set
+  ``fence_app = package.module:app`` in your pytest configuration, or pass ``--fence-app``.
+- ``fence_store`` — the test's :class:`~celery_fence.store.Store`: a SQLite file in the test's
+  temporary directory, or with ``--fence-database-url postgresql://...`` a schema created for the
+  session (dropped after it) whose rows are deleted after each test.
+- ``fence_redis`` — a private key prefix on your Redis (``--fence-redis-url``, else your app's
+  ``fence_redis_url``, else 127.0.0.1:6379/0), or on a ``redis-server`` the plugin starts on a
+  free port when none answers; every key under the prefix is deleted after the test.
+- ``fence_env`` — your app with the test's settings applied (store, Redis, key prefix, queue,
+  ``--fence-lease-ttl``), undone after the test; ``fence_env.worker(name)`` makes more workers.
+- ``fenced_worker`` — a real ``celery worker`` of your app on the test's queue: ``start()``,
+  ``pause()``, ``resume()``, ``kill()``, ``logs``; its process group is killed after the test.
+- ``fence_chaos`` — the failure windows against your own task and ``assert_converged(key)``.
+"""
+
+from __future__ import annotations
+
+import uuid
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from celery_fence.errors import FenceEagerWarning
+
+_ENV_KEY = pytest.StashKey[Any]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("celery-fence", "celery-fence fixtures")
+    group.addoption(
+        "--fence-app",
+        default=None,
+        help="the Celery app of your fenced tasks, as for celery -A (e.g. proj.celery:app)",
+    )
+    group.addoption(
+        "--fence-database-url",
+        default=None,
+        help="run fence_store on this database (PostgreSQL: a fresh schema per session) "
+        "instead of a SQLite file per test",
+    )
+    group.addoption(
+        "--fence-redis-url",
+        default=None,
+        help="Redis for leases (default: your app's fence_redis_url, else 127.0.0.1:6379/0, "
+        "else a redis-server started on a free port)",
+    )
+    group.addoption(
+        "--fence-broker-url",
+        default=None,
+        help="broker for the plugin's workers (default: your app's; the fence Redis when "
+        "your app has none or uses memory://)",
+    )
+    group.addoption(
+        "--fence-lease-ttl",
+        type=float,
+        default=None,
+        help="fence_lease_ttl of the plugin's workers, seconds (default 1.5; renewal every ttl/5)",
+    )
+    parser.addini("fence_app", "the Celery app of your fenced tasks (module:attr)", default="")
+
+
+def _warn_eager(sender: Any = None, task: Any = None, **_: Any) -> None:
+    from celery_fence.task import FencedTask
+
+    task = task or sender
+    if isinstance(task, FencedTask) and getattr(task.request, "is_eager", False):
+        warnings.warn(
+            FenceEagerWarning(
+                f"fenced task {task.name} ran eagerly (task_always_eager or .apply()): no worker, "
+                "no lease renewal, no redelivery — fencing is not exercised here. Use the "
+                "fenced_worker / fence_chaos fixtures of celery_fence.testing to test it."
+            ),
+            stacklevel=2,
+        )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from celery.signals import task_prerun
+
+    task_prerun.connect(_warn_eager, weak=False, dispatch_uid="celery_fence.testing.eager")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from celery.signals import task_prerun
+
+    task_prerun.disconnect(_warn_eager, dispatch_uid="celery_fence.testing.eager")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    env = item.stash.get(_ENV_KEY, None)
+    if env is not None and report.failed:
+        for w in env.workers:
+            report.sections.append((f"celery-fence worker {w.name}", w.log()[-6000:]))
+    return report
+
+
+# -- fixtures --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def _fence_session(
+    pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    from .environment import DEFAULT_LEASE_TTL, FenceSession
+
+    session = FenceSession(
+        tmp_path_factory.mktemp("celery-fence"),
+        database_url=pytestconfig.getoption("fence_database_url"),
+        redis_url=pytestconfig.getoption("fence_redis_url"),
+        lease_ttl=pytestconfig.getoption("fence_lease_ttl") or DEFAULT_LEASE_TTL,
+    )
+    yield session
+    session.close()
+
+
+@pytest.fixture
+def fence_app(pytestconfig: pytest.Config) -> Any:
+    """Your Celery app: override this fixture, or set ``fence_app`` in the pytest config."""
+    path = pytestconfig.getoption("fence_app") or pytestconfig.getini("fence_app")
+    if not path:
+        pytest.fail(
+            "celery-fence: which Celery app do your tasks use? Override the fence_app fixture "
+            "(return your app), or set fence_app = package.module:app in your pytest config, or "
+            "pass --fence-app package.module:app",
+            pytrace=False,
+        )
+    return path
+
+
+@pytest.fixture
+def fence_store(_fence_session: Any, tmp_path: Any) -> Iterator[Any]:
+    """The test's store (SQLite file, or the session's PostgreSQL schema with rows cleared)."""
+    from celery_fence.store import Store
+
+    from .environment import clear_rows
+
+    url = _fence_session.database_url
+    if url is None:
+        url = f"sqlite:///{tmp_path / 'fence.sqlite3'}"
+    elif url.startswith("postgresql"):
+        url = _fence_session.pg_url()
+    shared = _fence_session.database_url is not None  # one database for the whole session
+    store = Store(url)
+    store.create_schema()
+    if shared:
+        clear_rows(store)
+    yield store
+    if shared:
+        clear_rows(store)
+    store.dispose()
+
+
+@pytest.fixture
+def fence_redis(_fence_session: Any, fence_app: Any) -> Iterator[Any]:
+    """The test's Redis URL and private key prefix (keys deleted after the test)."""
+    from .environment import DEFAULT_REDIS_URL, FenceRedis, resolve_app
+
+    app, _ = resolve_app(fence_app)
+    wanted = _fence_session.redis_url or app.conf.get("fence_redis_url") or DEFAULT_REDIS_URL
+    url, server = _fence_session.redis_for(wanted)
+    found = FenceRedis(url=url, prefix=f"fence-test-{uuid.uuid4().hex[:10]}", server=server)
+    yield found
+    found.clear()
+    found.close()
+
+
+@pytest.fixture
+def fence_env(
+    request: pytest.FixtureRequest,
+    _fence_session: Any,
+    fence_app: Any,
+    fence_store: Any,
+    fence_redis: Any,
+    tmp_path: Any,
+) -> Iterator[Any]:
+    """Your app pointed at the test's store, Redis prefix, queue and short lease TTL."""
+    from .environment import FenceEnv
+
+    env = FenceEnv(
+        fence_app,
+        store=fence_store,
+        fence_redis=fence_redis,
+        workdir=tmp_path / "celery-fence-workers",
+        broker_url=request.config.getoption("fence_broker_url"),
+        lease_ttl=_fence_session.lease_ttl,
+    )
+    env.apply()
+    request.node.stash[_ENV_KEY] = env
+    try:
+        env.check_broker()
+        yield env
+    finally:
+        try:
+            env.close()
+        finally:
+            env.restore()
+
+
+@pytest.fixture
+def fenced_worker(fence_env: Any) -> Any:
+    """A real worker of your app on the test's queue (call ``start()``); stopped after the test."""
+    return fence_env.worker("worker")
+
+
+@pytest.fixture
+def fence_chaos(fence_env: Any) -> Any:
+    """The failure windows against your own task (see ``celery_fence.testing.chaos``)."""
+    from .chaos import FenceChaos
+
+    return FenceChaos(fence_env)

@@ -1,0 +1,126 @@
+"""What a plugin-started worker runs: ``celery -A celery_fence.testing.worker_app worker``.
+
+It imports the user's own app (``CELERY_FENCE_TESTING``'s ``"app"``, as ``celery -A`` would),
+applies the test's settings over the app's own (the test's store, Redis key prefix, queue, short
+TTL), and installs the fault points the chaos windows use. Nothing else differs from the user's
+worker: the same tasks, the same ``FencedTask``, the same signals.
+
+The fault points, driven from the test process through Redis (``<prefix>:testing:*``), keyed on the
+Celery task id and consumed once (GET and DEL in one transaction):
+
+- ``start`` — at the start of the task body (for a fenced task: after the claim and the
+  registration, with ``self.fence`` set): ``hold`` blocks the body until the test releases it.
+- ``commit`` — after the completion committed and before the message is acked (the fence's
+  ``job_completed`` signal; Celery's ``task_success`` for a task that is not fenced): ``kill``
+  SIGKILLs the pool process, so Celery gives the message back and it is delivered again.
+
+Every body start and return and every finished delivery is recorded as one JSON line in
+``<prefix>:testing:events``: task id, pid, fence key, generation, attempt id, the names of staged
+outbox effects and Celery's final state — never arguments, results or payloads.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import time
+from typing import Any
+
+from celery import Celery
+from celery.app.utils import find_app
+from celery.signals import task_postrun, task_success, worker_init
+
+from celery_fence import signals as fence_signals
+
+ENV = "CELERY_FENCE_TESTING"  # environment.WORKER_ENV
+SKIP_PREFIXES = ("celery.", "celery_fence.")
+HOLD_SECONDS = 120.0  # a held body waits at most this long for the test to release it
+
+
+class Hooks:
+    """The fault points of one worker process tree, reading and writing ``<prefix>:testing``."""
+
+    def __init__(self, app: Any, ledger_url: str, base: str) -> None:
+        import redis
+
+        self.app = app
+        self.base = base
+        self.ledger = redis.Redis.from_url(ledger_url, socket_timeout=HOLD_SECONDS + 10)
+
+    def record(self, **event: Any) -> None:
+        event.setdefault("pid", os.getpid())
+        event.setdefault("t", time.time())
+        self.ledger.rpush(f"{self.base}:events", json.dumps(event, separators=(",", ":")))
+
+    def take(self, point: str, task_id: str | None) -> str | None:
+        """The fault set for this point and task id, consumed (one delivery meets it once)."""
+        if not task_id:
+            return None
+        key = f"{self.base}:fault:{point}:{task_id}"
+        pipe = self.ledger.pipeline(transaction=True)
+        pipe.get(key)
+        pipe.delete(key)
+        value, _ = pipe.execute()
+        return None if value is None else value.decode()
+
+    def wrap_tasks(self, **_: Any) -> None:
+        """Wrap each user task's ``run`` (in the main process, before the pool forks and Celery
+        builds its tracers, so plain tasks get the wrapper too)."""
+        for name, task in list(self.app.tasks.items()):
+            if name.startswith(SKIP_PREFIXES) or getattr(task, "_fence_testing_wrapped", False):
+                continue
+            task.run = self._wrapped(task, task.run)
+            task._fence_testing_wrapped = True
+
+    def _wrapped(self, task: Any, run: Any) -> Any:
+        @functools.wraps(run)
+        def body(*args: Any, **kwargs: Any) -> Any:
+            request = task.request
+            fence = getattr(request, "fence", None)
+            attempt = {
+                "tid": request.id,
+                "task": task.name,
+                "key": getattr(fence, "key", None),
+                "gen": getattr(fence, "generation", None),
+                "attempt": getattr(fence, "attempt_id", None),
+            }
+            fault = self.take("start", request.id)
+            self.record(ev="start", held=fault == "hold", **attempt)
+            if fault == "hold":
+                self.ledger.blpop([f"{self.base}:release:{request.id}"], timeout=HOLD_SECONDS)
+                self.record(ev="released", **attempt)
+            result = run(*args, **kwargs)
+            staged = [e.name for e in fence.outbox.staged] if fence is not None else []
+            self.record(ev="return", staged=staged, **attempt)
+            return result
+
+        return body
+
+    def after_commit(self, sender: Any = None, **_: Any) -> None:
+        task_id = getattr(getattr(sender, "request", None), "id", None)
+        if self.take("commit", task_id) == "kill":
+            self.record(ev="kill", tid=task_id)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def finished(
+        self, sender: Any = None, task_id: str | None = None, state: str | None = None, **_: Any
+    ) -> None:
+        self.record(ev="done", tid=task_id, task=getattr(sender, "name", None), state=state)
+
+
+def load(spec: dict[str, Any]) -> Celery:
+    """The user's app, configured for the test, with the fault points installed."""
+    app: Celery = find_app(spec["app"])
+    app.conf.update(spec["conf"])
+    app.__dict__.pop("_fence_config", None)  # FenceConfig.from_app's cache: read the new settings
+    hooks = Hooks(app, spec["ledger_url"], spec["ledger_base"])
+    worker_init.connect(hooks.wrap_tasks, weak=False)
+    fence_signals.job_completed.connect(hooks.after_commit, weak=False)
+    task_success.connect(hooks.after_commit, weak=False)
+    task_postrun.connect(hooks.finished, weak=False)
+    return app
+
+
+app = load(json.loads(os.environ[ENV]))

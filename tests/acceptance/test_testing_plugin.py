@@ -1,0 +1,287 @@
+"""The pytest plugin, as a user meets it: a throwaway project in a temporary directory, run by a
+pytest subprocess that loads the plugin through its entry point.
+
+A fenced task passes every window; a plain Celery task doing the same write (an upsert of the
+result row and its transition) fails ``assert_converged`` naming the window; nothing is left
+behind — no worker process, no Redis key, no broker queue, no PostgreSQL schema — after a pass, a
+failure, or Ctrl-C. The plugin also runs beside pytest-celery (and ``celery.contrib.pytest``'s
+``celery_app``) without Docker, and warns when a fenced task runs eagerly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from celery import Celery
+
+from celery_fence import FencedTask
+from celery_fence.errors import FenceEagerWarning
+from celery_fence.testing.processes import group_alive
+from tests.support.env import BROKER_URL, REDIS_URL
+from tests.support.worker import wait_until
+
+pytestmark = pytest.mark.acceptance
+
+PROJECT = f'''
+import datetime as dt
+import os
+
+import sqlalchemy as sa
+from celery import Celery
+
+from celery_fence import FencedTask
+from celery_fence.schema import jobs, transitions
+
+app = Celery("proj", broker="{BROKER_URL}")
+app.conf.update(fence_redis_url="{REDIS_URL}", fence_lease_ttl=30.0)
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda n: f"job:{{n}}")
+def fenced(self, n):
+    self.fence.outbox.add("notify", {{"n": n}})
+    return {{"n": n, "pid": os.getpid()}}
+
+
+@app.task(bind=True)
+def unfenced(self, n):
+    """The same write without the fence: upsert the result row and its transition."""
+    key, now = f"job:{{n}}", dt.datetime.now(dt.timezone.utc)
+    result = {{"n": n, "pid": os.getpid()}}
+    engine = sa.create_engine(app.conf.fence_database_url)
+    with engine.begin() as conn:
+        row = conn.execute(sa.select(jobs.c.generation).where(jobs.c.key == key)).first()
+        gen = (row.generation if row else 0) + 1
+        values = dict(task_name=self.name, status="completed", generation=gen, attempts=gen,
+                      attempt_id=self.request.id, result=result, updated_at=now, finished_at=now)
+        if row:
+            conn.execute(jobs.update().where(jobs.c.key == key).values(**values))
+        else:
+            conn.execute(jobs.insert().values(key=key, created_at=now, **values))
+        conn.execute(transitions.insert().values(
+            key=key, generation=gen, attempt_id=self.request.id, action="completed", at=now))
+    engine.dispose()
+    return result
+'''
+
+CONFTEST = """
+import json
+import os
+
+import pytest
+
+from proj import app
+
+
+@pytest.fixture
+def fence_app():
+    return app
+
+
+def pytest_runtest_makereport(item, call):
+    env = item.funcargs.get("fence_env")
+    if call.when == "teardown" and env is not None:
+        with open(os.environ["FENCE_RECORD"], "a") as f:
+            record = {"prefix": env.prefix, "queue": env.queue,
+                      "pids": [w.pid for w in env.workers if w.proc is not None]}
+            f.write(json.dumps(record) + "\\n")
+"""
+
+TEST_WINDOWS = """
+import pytest
+
+from proj import fenced, unfenced
+
+
+@pytest.mark.parametrize("window", ["pause", "kill", "duplicate", "redis-loss"])
+def test_fenced(fence_chaos, window):
+    fence_chaos.inject(window, fenced.s(1))
+    fence_chaos.assert_converged("job:1")
+
+
+def test_unfenced(fence_chaos):
+    fence_chaos.pause(unfenced.s(1))
+    fence_chaos.assert_converged("job:1")
+"""
+
+TEST_BESIDE = """
+def test_beside_celery_contrib(celery_app, fence_store, fence_redis):
+    assert celery_app.conf.broker_url.startswith("memory")  # celery.contrib.pytest's fixture
+    assert fence_store.get("job:1") is None
+    fence_redis.client.set(f"{fence_redis.prefix}:mine", 1)  # deleted after the test
+"""
+
+TEST_HANG = """
+import json
+import os
+import time
+
+
+def test_hang(fence_env, fenced_worker):
+    fenced_worker.start()
+    with open(os.environ["FENCE_PIDFILE"], "w") as f:
+        json.dump({"pid": fenced_worker.pid, "prefix": fence_env.prefix}, f)
+    time.sleep(120)
+"""
+
+
+def _project(root: Path, **tests: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "proj.py").write_text(textwrap.dedent(PROJECT))
+    (root / "conftest.py").write_text(CONFTEST)
+    for name, text in tests.items():
+        (root / f"{name}.py").write_text(text)
+    return root
+
+
+def _env(root: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    return {**env, "FENCE_RECORD": str(root / "record.jsonl")}
+
+
+def _run(root: Path, *args: str, timeout: float = 240) -> dict[str, tuple[str, str]]:
+    """Run pytest in ``root``; {test name: (outcome, failure text)} from its JUnit XML."""
+    junit = root / "junit.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    proc = subprocess.run(
+        [*cmd, *args], cwd=root, env=_env(root), capture_output=True, text=True, timeout=timeout
+    )
+    assert junit.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    outcomes = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        failure = case.find("failure")
+        error = case.find("error")
+        if failure is not None:
+            outcomes[case.get("name", "")] = ("failed", failure.text or "")
+        elif error is not None:
+            outcomes[case.get("name", "")] = ("error", error.text or "")
+        elif case.find("skipped") is not None:
+            outcomes[case.get("name", "")] = ("skipped", "")
+        else:
+            outcomes[case.get("name", "")] = ("passed", "")
+    return outcomes
+
+
+def _records(root: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (root / "record.jsonl").read_text().splitlines()]
+
+
+def _assert_nothing_left(records: list[dict[str, Any]]) -> None:
+    assert records
+    fence = redis.Redis.from_url(REDIS_URL)
+    broker = redis.Redis.from_url(BROKER_URL)
+    for record in records:
+        for pid in record["pids"]:
+            assert not group_alive(pid), f"worker group {pid} still runs"
+        for client in (fence, broker):
+            left = list(client.scan_iter(f"*{record['prefix']}*", count=1000))
+            assert left == [], f"keys left behind: {left[:5]}"
+
+
+def _passes_windows_and_fails_unfenced(outcomes: dict[str, tuple[str, str]]) -> None:
+    for window in ("pause", "kill", "duplicate", "redis-loss"):
+        name = f"test_fenced[{window}]"
+        if name in outcomes:
+            assert outcomes[name] == ("passed", ""), outcomes[name][1][-3000:]
+    outcome, text = outcomes["test_unfenced"]
+    assert outcome == "failed", text
+    assert "ConvergenceError: fence_chaos: window 'pause' broke for key 'job:1'" in text
+    assert "2 completions recorded (generation 1, generation 2); expected exactly 1" in text
+    assert "transition history of 'job:1':" in text
+
+
+def test_fenced_task_passes_every_window_and_a_plain_task_fails_on_sqlite(tmp_path: Path) -> None:
+    # Given a user project with a fenced task and a plain task doing the same write, run with
+    # pytest-celery loaded (no -p no:celery) and no Docker engine,
+    root = _project(tmp_path / "user", test_windows=TEST_WINDOWS, test_beside=TEST_BESIDE)
+    # when its tests run the windows with the plugin's SQLite store,
+    outcomes = _run(root)
+    # then the fenced task passes every window, the plain one fails naming the window,
+    _passes_windows_and_fails_unfenced(outcomes)
+    assert len([n for n in outcomes if n.startswith("test_fenced[")]) == 4
+    # celery.contrib.pytest's celery_app works beside the plugin's fixtures,
+    assert outcomes["test_beside_celery_contrib"] == ("passed", "")
+    # and no worker, key or queue outlived its test.
+    _assert_nothing_left(_records(root))
+
+
+def test_windows_on_postgresql_leave_no_schema(tmp_path: Path, pg_url: str) -> None:
+    # Given the same project run against PostgreSQL (a fresh schema for the session),
+    root = _project(tmp_path / "user", test_windows=TEST_WINDOWS)
+    outcomes = _run(
+        root,
+        "-p",
+        "no:celery",
+        "--fence-database-url",
+        pg_url,
+        "-k",
+        "pause or kill or unfenced",
+    )
+    # then the fenced task converges under pause and kill, the plain task fails,
+    assert sorted(outcomes) == ["test_fenced[kill]", "test_fenced[pause]", "test_unfenced"]
+    _passes_windows_and_fails_unfenced(outcomes)
+    # and the session's schema is gone with every key and worker.
+    engine = sa.create_engine(pg_url)
+    with engine.connect() as conn:
+        schemas = conn.execute(
+            sa.text("SELECT nspname FROM pg_namespace WHERE nspname LIKE :p"), {"p": "fence_test_%"}
+        ).all()
+    engine.dispose()
+    assert schemas == []
+    _assert_nothing_left(_records(root))
+
+
+def test_ctrl_c_stops_the_worker_and_clears_its_keys(tmp_path: Path) -> None:
+    # Given a user's test that started a fenced worker and is still running,
+    root = _project(tmp_path / "user", test_hang=TEST_HANG)
+    pidfile = root / "worker.json"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:celery"]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=root,
+        env={**_env(root), "FENCE_PIDFILE": str(pidfile)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(pidfile.exists, 90, interval=0.1, what="the worker to start")
+        started = json.loads(pidfile.read_text())
+        assert group_alive(started["pid"])
+        # when the user presses Ctrl-C,
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    # then the worker's process group is gone and so are the test's keys.
+    assert proc.returncode != 0
+    _assert_nothing_left([{"prefix": started["prefix"], "pids": [started["pid"]]}])
+
+
+def test_a_fenced_task_run_eagerly_warns(tmp_path: Path, prefix: str) -> None:
+    app = Celery("eager", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True,
+        fence_database_url=f"sqlite:///{tmp_path / 'fence.sqlite3'}",
+        fence_redis_url=REDIS_URL,
+        fence_key_prefix=prefix,
+    )
+
+    @app.task(base=FencedTask, bind=True, fence_key=lambda n: f"eager:{n}")
+    def job(self: Any, n: int) -> int:
+        return n
+
+    with pytest.warns(FenceEagerWarning, match="fencing is not exercised here"):
+        assert job.delay(1).get() == 1
+    app.close()
