@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from . import signals, transitions
 from .config import FenceConfig
 from .errors import (
     ConfigurationError,
+    FenceEagerWarning,
     FenceError,
     LeaseBusy,
     LeaseLost,
@@ -137,6 +139,15 @@ class FencedTask(Task):
     # -- orchestration ---------------------------------------------------------------------------
 
     def _run_fenced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.request.is_eager:
+            warnings.warn(
+                FenceEagerWarning(
+                    f"fenced task {self.name} ran eagerly (task_always_eager or .apply()): no "
+                    "worker, no redelivery — fencing is not exercised. Test it with the "
+                    "fenced_worker / fence_chaos fixtures of celery_fence.testing."
+                ),
+                stacklevel=3,
+            )
         try:
             config, store, leases, policy = self._fence_backends()
         except ConfigurationError as exc:  # checked at worker start; still, lose nothing

@@ -1,8 +1,9 @@
 """The celery-fence pytest plugin (entry point ``pytest11: celery_fence``).
 
 Installed with celery-fence, it adds command-line options and fixtures and does nothing until a
-test asks for a fixture — apart from one thing: a fenced task that runs eagerly in a test
-(``task_always_eager``, ``.apply()``) gets a :class:`~celery_fence.errors.FenceEagerWarning`.
+test asks for a fixture. (A fenced task that runs eagerly — ``task_always_eager``, ``.apply()``
+— warns with :class:`~celery_fence.errors.FenceEagerWarning` wherever it runs: fencing is not
+exercised there.)
 Disable it all with ``-p no:celery_fence``.
 
 Fixtures (each test gets its own store, Redis key prefix and queue; nothing is left behind):
@@ -25,13 +26,10 @@ Fixtures (each test gets its own store, Redis key prefix and queue; nothing is l
 from __future__ import annotations
 
 import uuid
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-from celery_fence.errors import FenceEagerWarning
 
 _ENV_KEY = pytest.StashKey[Any]()
 
@@ -68,33 +66,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="fence_lease_ttl of the plugin's workers, seconds (default 1.5; renewal every ttl/5)",
     )
     parser.addini("fence_app", "the Celery app of your fenced tasks (module:attr)", default="")
-
-
-def _warn_eager(sender: Any = None, task: Any = None, **_: Any) -> None:
-    from celery_fence.task import FencedTask
-
-    task = task or sender
-    if isinstance(task, FencedTask) and getattr(task.request, "is_eager", False):
-        warnings.warn(
-            FenceEagerWarning(
-                f"fenced task {task.name} ran eagerly (task_always_eager or .apply()): no worker, "
-                "no lease renewal, no redelivery — fencing is not exercised here. Use the "
-                "fenced_worker / fence_chaos fixtures of celery_fence.testing to test it."
-            ),
-            stacklevel=2,
-        )
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    from celery.signals import task_prerun
-
-    task_prerun.connect(_warn_eager, weak=False, dispatch_uid="celery_fence.testing.eager")
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    from celery.signals import task_prerun
-
-    task_prerun.disconnect(_warn_eager, dispatch_uid="celery_fence.testing.eager")
 
 
 @pytest.hookimpl(wrapper=True)
