@@ -6,10 +6,18 @@ Every variant is a task of this one app, so every variant runs under the same wo
 - ``bench.fenced_pg`` / ``bench.fenced_sqlite``: :class:`~celery_fence.FencedTask` with distinct
   keys, results fenced in PostgreSQL / SQLite;
 - ``bench.rlock``: python-redis-lock's ``Lock`` with auto-renewal around the body (no fencing),
-  what a user might pick instead.
+  what a user might pick instead;
+- ``bench.plain_dbresult``: plain Celery whose result goes to Celery's own database result backend
+  (``db+postgresql+psycopg2://``) on the same PostgreSQL as the fence store;
+- ``bench.once``: a celery_once ``QueueOnce`` task, locks in the lease Redis (:mod:`bench.once`);
+- ``bench.fenced_pg_redisresult``: ``bench.fenced_pg`` with a Redis result backend as well (the
+  result is written to the fence store and to Redis).
 
-Each takes ``(key, sleep=0.0)`` and sleeps ``sleep`` seconds (0: a no-op). No result backend:
-plain tasks ignore results; fenced tasks keep theirs in the fence store.
+Each takes ``(key, sleep=0.0)`` and sleeps ``sleep`` seconds (0: a no-op). The app has no result
+backend and ignores results (``task_ignore_result``); fenced tasks keep theirs in the fence store.
+The two tasks that store a result take ``ignore_result=False`` and their own ``backend`` (Celery's
+``Task.backend`` option), built from a URL exactly as ``result_backend`` would be: the same
+worker runs every variant, and no other task's path changes.
 """
 
 from __future__ import annotations
@@ -25,13 +33,16 @@ if os.environ.get("BENCH_FENCE_PATH"):  # --experiment-rev: celery_fence from an
 import redis
 import redis_lock
 from celery import Celery, signals
+from celery.app.backends import by_url
 
+from bench import once
 from celery_fence import FencedTask
 
 E = os.environ
 LEASE_REDIS = E.get("BENCH_LEASE_REDIS", "redis://127.0.0.1:6379/0")
 TTL = float(E.get("BENCH_TTL", "30"))
 SQLITE_URL = E.get("BENCH_SQLITE_URL", "sqlite:///bench.sqlite3")
+PG_URL = E.get("BENCH_PG_URL", SQLITE_URL)
 
 app = Celery("fence_bench", broker=E.get("BENCH_BROKER", "redis://127.0.0.1:6379/9"))
 app.conf.update(
@@ -40,11 +51,17 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=True,
     fence_redis_url=LEASE_REDIS,
-    fence_database_url=E.get("BENCH_PG_URL", SQLITE_URL),
+    fence_database_url=PG_URL,
     fence_key_prefix=E.get("BENCH_PREFIX", "bench"),
     fence_lease_ttl=TTL,
     fence_renew_interval=float(E.get("BENCH_RENEW", str(TTL / 3))),
 )
+
+
+def result_backend(url: str) -> Any:
+    """A result backend instance for ``url``, built as Celery builds ``result_backend``."""
+    cls, url = by_url(url, app.loader)
+    return cls(app=app, url=url)
 
 
 def _key(key: str, sleep: float = 0.0) -> str:
@@ -90,6 +107,35 @@ def rlock(key: str, sleep: float = 0.0) -> None:
     ):
         _body(sleep)
 
+
+# Celery's database result backend on the fence store's PostgreSQL. Built at import, in the
+# worker's main process before it forks the pool, as an app-wide ``result_backend`` is (the worker
+# banner asks it for its URL): each child then keeps one pooled engine, not a connection a task.
+# The bench creates its tables before the workers start (database_create_tables_at_setup off).
+app.conf.database_create_tables_at_setup = False
+DB_RESULT = result_backend(f"db+{PG_URL}")
+# A Redis result backend on the lease Redis (db 1), so the servers' counts show its writes.
+REDIS_RESULT = result_backend(LEASE_REDIS.rsplit("/", 1)[0] + "/1")
+
+
+@app.task(name="bench.plain_dbresult", acks_late=True, ignore_result=False, backend=DB_RESULT)
+def plain_dbresult(key: str, sleep: float = 0.0) -> None:
+    _body(sleep)
+
+
+@app.task(
+    name="bench.fenced_pg_redisresult",
+    base=FencedTask,
+    bind=True,
+    fence_key=_key,
+    ignore_result=False,
+    backend=REDIS_RESULT,
+)
+def fenced_pg_redisresult(self: Any, key: str, sleep: float = 0.0) -> None:
+    _body(sleep)
+
+
+once.register(app, LEASE_REDIS)
 
 if E.get("BENCH_EXPERIMENT") == "1":
     from bench import experiments

@@ -308,6 +308,10 @@ class PgCounter:
 
 def classify_sql(query: str) -> str:
     q = " ".join(query.split())
+    if "celery_taskmeta" in q:  # Celery's database result backend: "celery select", ...
+        return f"celery {q.split(' ', 1)[0].lower()}"
+    if q == "SELECT $1":  # a pool's pre-ping (Celery's database backend has pool_pre_ping on)
+        return "ping"
     if "INSERT INTO fence_jobs" in q:
         return "register"
     if "UPDATE fence_jobs SET status" in q:  # constants are $n in pg_stat_statements' text
@@ -353,8 +357,13 @@ class Services:
         }
 
     def control(self) -> Celery:
+        """The publishing app: control commands, and ``bench.once`` (sent through celery_once's
+        ``apply_async``, which takes the lock)."""
+        from bench import once
+
         app = Celery("fence_bench_client", broker=self.broker_url)
         app.conf.update(task_ignore_result=True, broker_connection_retry_on_startup=True)
+        once.register(app, self.lease_redis.url)
         return app
 
     def broker(self) -> redis.Redis:
@@ -400,6 +409,7 @@ def services(
         svc = Services(lease, broker, broker_url, pg, pg_admin_url, database, workdir)
         Store(svc.pg_url).create_schema()
         Store(svc.sqlite_url).create_schema()
+        create_celery_result_tables(svc.pg_url)
         try:
             yield svc
         finally:
@@ -416,14 +426,32 @@ def services(
             server.stop()
 
 
+def create_celery_result_tables(url: str) -> None:
+    """The tables of Celery's database result backend (``celery_taskmeta``, ...), created once
+    before any worker starts, so no two pool processes race to create them."""
+    from celery.backends.database import models
+
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        models.ResultModelBase.metadata.create_all(engine)
+    finally:
+        engine.dispose()
+
+
 # -- one timed run ----------------------------------------------------------------------------
 
 
 def publish(control: Celery, task: str, keys: list[str], queue: str, sleep: float) -> None:
+    """Send one message a key. A task registered on the publishing app goes through its own
+    ``apply_async`` (celery_once takes its lock there); any other by name."""
     kwargs = {"sleep": sleep} if sleep else None
+    registered = control.tasks.get(task)
     with control.producer_or_acquire() as producer:
         for key in keys:
-            control.send_task(task, args=(key,), kwargs=kwargs, queue=queue, producer=producer)
+            if registered is not None:
+                registered.apply_async(args=(key,), kwargs=kwargs, queue=queue, producer=producer)
+            else:
+                control.send_task(task, args=(key,), kwargs=kwargs, queue=queue, producer=producer)
 
 
 def pending(broker: redis.Redis, queue: str) -> int:

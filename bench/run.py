@@ -2,9 +2,11 @@
 
 Modes (default: throughput):
 
-- ``python -m bench`` — plain Celery vs fenced (PostgreSQL, SQLite) vs python-redis-lock, no-op
-  and 50 ms tasks, alternately in rounds, with Redis commands and SQL statements per task counted
-  by the servers and round trips per task counted in the worker (critical path vs background);
+- ``python -m bench`` — plain Celery vs fenced (PostgreSQL, SQLite; with a Redis result backend
+  too) vs what a user would pick instead (Celery's database result backend, python-redis-lock,
+  celery-once), no-op and 50 ms tasks, alternately in rounds, with Redis commands and SQL
+  statements per task counted by the servers and round trips per task counted in the worker
+  (critical path vs background);
 - ``python -m bench --renewal`` — 50 concurrent long tasks on the threads pool: renewal round trips
   per interval (celery-fence: one per process; python-redis-lock: one per lock);
 - ``python -m bench --memory`` — 100,000 fenced no-op tasks through one worker child, its RSS

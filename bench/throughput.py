@@ -1,4 +1,5 @@
-"""The default mode: plain vs fenced vs python-redis-lock, alternately, one worker, one run.
+"""The default mode: plain Celery vs fenced vs what a user would pick instead, alternately, one
+worker, one run.
 
 Each round runs every variant once, in the same order (A B C D E F, A B C D E F, ...), against
 the same worker (prefork, concurrency 4). Throughput ratios are taken within a round, so slow
@@ -46,12 +47,23 @@ class Variant:
 VARIANTS = (
     Variant("plain", "bench.plain", 0.0, None, "-"),
     Variant("fenced-pg", "bench.fenced_pg", 0.0, "plain", "postgresql"),
+    Variant("fenced-pg-redisresult", "bench.fenced_pg_redisresult", 0.0, "plain", "postgresql"),
+    Variant("plain-dbresult", "bench.plain_dbresult", 0.0, "plain", "postgresql"),
     Variant("fenced-sqlite", "bench.fenced_sqlite", 0.0, "plain", "sqlite"),
     Variant("redis-lock", "bench.rlock", 0.0, "plain", "-"),
+    Variant("celery-once", "bench.once", 0.0, "plain", "-"),
     Variant("plain-50ms", "bench.plain", 0.05, None, "-"),
     Variant("fenced-pg-50ms", "bench.fenced_pg", 0.05, "plain-50ms", "postgresql"),
 )
 EXPERIMENT = Variant("fenced-pg-exp", "bench.fenced_pg", 0.0, "plain", "postgresql", True)
+
+#: Throughput ratios printed as the headline, each within a round: (numerator, denominator).
+#: fenced-pg / plain-dbresult: a fenced task with its result in PostgreSQL against plain Celery
+#: with its own database result backend on the same PostgreSQL (the like-for-like durable
+#: result); fenced-pg-redisresult / fenced-pg: the cost of also writing the result to Redis.
+HEADLINES = (("fenced-pg", "plain-dbresult"), ("fenced-pg-redisresult", "fenced-pg"))
+#: The worker tree's processes in the CPU counts (the rest: the servers and the machine).
+WORKER_TREE = ("worker main", "worker children")
 
 
 def machine() -> dict[str, Any]:
@@ -84,7 +96,10 @@ def run(
     experiment: bool = False,
     experiment_fence_path: str | None = None,
 ) -> dict[str, Any]:
-    variants = (*VARIANTS[:2], EXPERIMENT, *VARIANTS[2:]) if experiment else VARIANTS
+    variants: tuple[Variant, ...] = VARIANTS
+    if experiment:  # right after fenced-pg, its reference
+        at = [v.name for v in VARIANTS].index("fenced-pg") + 1
+        variants = (*VARIANTS[:at], EXPERIMENT, *VARIANTS[at:])
     control, broker = svc.control(), svc.broker()
     lease_counter = RedisCounter(svc.lease_redis.client())
     pg_counter = PgCounter(svc.pg_admin_url, svc.database)
@@ -163,10 +178,15 @@ def run(
             w.stop()
     result["variants"] = [v.name for v in variants]
     result["ratios"] = ratios(variants, result["rounds"])
+    result["headlines"] = headlines(result["rounds"])
     result["counts"] = per_task_counts(variants, redis_totals, sql_totals, sizes, rounds)
     result["cpu_ms_per_task"] = {
         v.name: {k: 1000 * c / (sizes[v.name] * rounds) for k, c in cpu_totals[v.name].items()}
         for v in variants
+    }
+    result["worker_cpu_ms_per_task"] = {
+        name: sum(c.get(k, 0.0) for k in WORKER_TREE)
+        for name, c in result["cpu_ms_per_task"].items()
     }
     result["trace"] = traced_pass(svc, control, broker, trace_tasks, concurrency, loglevel)
     result["load_after"] = os.getloadavg()
@@ -185,6 +205,22 @@ def ratios(
         values = [row[v.name] / row[v.baseline] for row in rounds]
         out[v.name] = {
             "baseline": v.baseline,
+            "per_round": values,
+            "min": min(values),
+            "median": statistics.median(values),
+            "max": max(values),
+        }
+    return out
+
+
+def headlines(rounds: list[dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """The :data:`HEADLINES` throughput ratios, each taken within a round."""
+    out: dict[str, dict[str, Any]] = {}
+    for a, b in HEADLINES:
+        if not rounds or a not in rounds[0] or b not in rounds[0]:
+            continue
+        values = [row[a] / row[b] for row in rounds]
+        out[f"{a} / {b}"] = {
             "per_round": values,
             "min": min(values),
             "median": statistics.median(values),
@@ -274,15 +310,33 @@ def print_report(variants: tuple[Variant, ...], result: dict[str, Any], out: Any
     )
     print(f"# load average (1/5/15 min): {load}", file=out)
 
-    print("\n## Throughput: median tasks/s, ratio to plain Celery per round", file=out)
+    print(
+        "\n## Throughput: median tasks/s, ratio to plain Celery per round, worker-tree CPU",
+        file=out,
+    )
     rows = []
     for v in variants:
         median = statistics.median(row[v.name] for row in result["rounds"])
         ratio = result["ratios"].get(v.name)
         spread = (ratio["min"], ratio["median"], ratio["max"]) if ratio else ("-", "1", "-")
-        rows.append([v.name, result["sizes"][v.name], f"{median:.0f}", *spread])
-    headers = ["variant", "tasks/run", "tasks/s", "ratio min", "median", "max"]
+        cpu = result["worker_cpu_ms_per_task"][v.name]
+        rows.append([v.name, result["sizes"][v.name], f"{median:.0f}", *spread, cpu])
+    headers = ["variant", "tasks/run", "tasks/s", "ratio min", "median", "max", "worker CPU ms"]
     print(table(headers, rows, digits=3), file=out)
+    print(
+        "ratio: to plain (to plain-50ms for the 50 ms rows); worker CPU ms: per task, the "
+        "worker's main process and its pool children (scheduler run time).",
+        file=out,
+    )
+    for name, h in result["headlines"].items():
+        a, b = name.split(" / ")
+        cpu_a, cpu_b = (result["worker_cpu_ms_per_task"][x] for x in (a, b))
+        print(
+            f"# {a} runs {h['median']:.2f}x the tasks/s of {b} (per round min {h['min']:.2f}, "
+            f"max {h['max']:.2f}): a task takes {1 / h['median']:.2f}x the time; worker CPU "
+            f"{cpu_a:.3f} vs {cpu_b:.3f} ms a task ({cpu_a / max(cpu_b, 1e-9):.2f}x)",
+            file=out,
+        )
 
     print(
         "\n## Per task, counted by the servers (lease Redis: INFO commandstats and "

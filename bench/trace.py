@@ -9,6 +9,9 @@ connection idle for 30 s, and a new connection's set-up commands, are counted ap
 - ``critical``: a thread that runs task bodies (marked at ``task_prerun``): the task waits for it;
 - ``off``: any other thread (celery-fence's renewer, python-redis-lock's renewal threads).
 
+A PostgreSQL ``BEGIN``, ``COMMIT`` or ``ROLLBACK`` outside autocommit, and a pool's pre-ping,
+count as statements.
+
 Counts are cumulative and written to ``<BENCH_TRACE_DIR>/trace-<pid>.json`` every 50 ms, so the
 bench reads them from outside and takes differences. The timed runs use workers without tracing.
 """
@@ -68,6 +71,28 @@ def install(lease_redis_port: int, out_dir: str) -> None:
         _add(conn.dialect.name)
 
     sa.event.listen(sa.engine.Engine, "before_cursor_execute", before_cursor_execute)
+
+    # Outside autocommit, psycopg2 sends BEGIN (before the first statement) and COMMIT/ROLLBACK
+    # as round trips of their own, which cursor events do not see (Celery's database result
+    # backend runs in such transactions; the fence store's connections are autocommit).
+    def transaction_control(conn: Any) -> None:
+        if conn.dialect.name == "postgresql" and not conn.connection.dbapi_connection.autocommit:
+            _add("postgresql")
+
+    for event in ("begin", "commit", "rollback"):
+        sa.event.listen(sa.engine.Engine, event, transaction_control)
+
+    # A pool with pool_pre_ping (Celery's database backend's default) pings on every checkout of
+    # a pooled connection, on a raw cursor that no event sees.
+    from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
+
+    original_ping = PGDialect_psycopg2.do_ping
+
+    def do_ping(self: Any, dbapi_connection: Any) -> bool:
+        _add("postgresql")
+        return bool(original_ping(self, dbapi_connection))
+
+    PGDialect_psycopg2.do_ping = do_ping  # type: ignore[method-assign]
 
     # The two critical-path statements skip SQLAlchemy's cursor events (they run as prepared
     # statements on a raw DB-API cursor): count each EXECUTE here; the one-off PREPARE per
