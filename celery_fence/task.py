@@ -229,7 +229,7 @@ class FencedTask(Task):
                 "args": list(args),
                 "kwargs": kwargs,
                 "options": {
-                    "queue": delivery.get("routing_key") or None,
+                    "routing_key": delivery.get("routing_key"),  # as delivered (exchange too)
                     "exchange": delivery.get("exchange") or None,
                     "priority": delivery.get("priority"),
                 },
