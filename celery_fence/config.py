@@ -44,9 +44,11 @@ DEFAULT_ERROR_MESSAGE_LENGTH = 500
 #: detection, connect timeout and the client-side deadline all derive from it).
 DEFAULT_DATABASE_TIMEOUT = 10.0
 #: Seconds a generation counter lives in Redis after its last claim (0: never expires). The SQL
-#: store is the authority on generations, so an expired counter costs one raised counter, never
-#: correctness.
-DEFAULT_GENERATION_TTL = 3600.0
+#: store is the authority on generations, so an expired counter costs one raised counter (a few
+#: round trips) when its key is claimed again unfinished, never correctness. Ten minutes covers
+#: the default backoff cap and recovery threshold; Redis then holds at most ten minutes' worth
+#: of distinct keys.
+DEFAULT_GENERATION_TTL = 600.0
 #: ``fence recover`` / the recover task: a non-terminal job whose lease is gone counts as
 #: stranded once it has not moved for this many lease TTLs (unless ``fence_recover_after`` is set).
 RECOVER_AFTER_TTLS = 10
@@ -212,7 +214,7 @@ class FenceConfig:
         if not (self.generation_ttl == 0 or self.generation_ttl >= self.lease_ttl):
             raise ConfigurationError(
                 f"fence_generation_ttl={self.generation_ttl} must be 0 (counters never expire) "
-                f"or at least fence_lease_ttl={self.lease_ttl}, e.g. 3600.0."
+                f"or at least fence_lease_ttl={self.lease_ttl}, e.g. 600.0."
             )
         if self.recover_after is not None and not self.recover_after >= 2 * self.lease_ttl:
             raise ConfigurationError(

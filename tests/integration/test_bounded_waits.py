@@ -11,12 +11,15 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+import redis
 import sqlalchemy as sa
 
 from celery_fence.chaos.processes import TcpProxy
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError
+from celery_fence.lease import LeaseStore
 from celery_fence.store import Store
+from tests.support.worker import wait_until
 
 TIMEOUT = 1.0
 #: What a bounded call may take past the timeout: the watchdog's tick, scheduling on a busy box.
@@ -112,3 +115,35 @@ def test_database_and_generation_settings_are_validated() -> None:
         with pytest.raises(ConfigurationError, match=next(iter(bad))):
             FenceConfig.from_mapping(bad)
     assert FenceConfig.from_mapping({"fence_generation_ttl": 0}).generation_ttl_ms == 0
+
+
+def test_generation_counters_expire_and_one_that_came_back_low_is_raised(
+    store: Store, redis_client: redis.Redis, prefix: str
+) -> None:
+    # Given counters that live half a second after their last claim ...
+    leases = LeaseStore(redis_client, prefix=prefix, generation_ttl=0.5)
+    key = f"gen:{uuid.uuid4().hex[:8]}"
+    gen_key = leases.keys_for(key).generation
+    for attempt, expected in (("a", 1), ("b", 2)):
+        assert leases.claim(key, attempt, 5_000) == expected
+        assert 0 < redis_client.pttl(gen_key) <= 500
+        store.register(key, generation=expected, attempt_id=attempt, task_name="t")
+        assert leases.release(leases.keys_for(key).lease, f"{attempt}:{expected}")
+    # ... when the counter expired while the job is unfinished (generation 2 stored),
+    wait_until(lambda: not redis_client.exists(gen_key), 5, what="counter expired")
+    low = leases.claim(key, "c", 5_000)
+    assert low == 1
+    registration = store.register(key, generation=low, attempt_id="c", task_name="t")
+    # then the store refuses the low generation, the counter is raised (with its lifetime) and
+    # the next claim is above the store's.
+    assert (registration.outcome, registration.stored_generation) == ("stale", 2)
+    assert leases.release(leases.keys_for(key).lease, "c:1")
+    assert leases.raise_generation(key, registration.stored_generation) == 2
+    assert 0 < redis_client.pttl(gen_key) <= 500
+    assert leases.claim(key, "d", 5_000) == 3
+    assert store.register(key, generation=3, attempt_id="d", task_name="t").outcome == "registered"
+    # and with a lifetime of 0 a counter never expires (the old behaviour)
+    forever = LeaseStore(redis_client, prefix=prefix, generation_ttl=0)
+    other = f"gen:{uuid.uuid4().hex[:8]}"
+    assert forever.claim(other, "e", 5_000) == 1
+    assert redis_client.pttl(forever.keys_for(other).generation) == -1
