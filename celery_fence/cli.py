@@ -489,6 +489,7 @@ def recover(
                         "stranded": report.stranded,
                         "sent": report.sent,
                         "raced": report.raced,
+                        "dead": report.dead,
                         "failed": report.failed,
                     },
                 }
@@ -503,6 +504,8 @@ def recover(
                 if key in report.sent
                 else "moved meanwhile, left"
                 if key in report.raced
+                else "no stored request: now dead"
+                if key in report.dead
                 else "FAILED"
             )
             ctx.obj.echo(f"{key}: {state}")

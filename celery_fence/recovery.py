@@ -63,7 +63,8 @@ class RecoveryReport:
     stranded: list[str] = field(default_factory=list)
     sent: list[str] = field(default_factory=list)
     raced: list[str] = field(default_factory=list)  # another recovery or an attempt moved it
-    failed: list[str] = field(default_factory=list)  # no stored request, or the send failed
+    dead: list[str] = field(default_factory=list)  # no stored request: moved to dead
+    failed: list[str] = field(default_factory=list)  # the send failed (retried next run)
     dry_run: bool = False
 
     def as_dict(self) -> dict[str, Any]:
@@ -71,6 +72,7 @@ class RecoveryReport:
             "stranded": len(self.stranded),
             "sent": len(self.sent),
             "raced": len(self.raced),
+            "dead": len(self.dead),
             "failed": len(self.failed),
             "dry_run": self.dry_run,
         }
@@ -234,6 +236,21 @@ def recover(
     for record in found:
         report.stranded.append(record.key)
         if dry_run:
+            continue
+        if not record.request:  # nothing to re-send: dead, where an operator sees it
+            error = NotResendable(
+                f"stranded {record.status} with no stored request (its arguments were not "
+                "JSON): re-send it from your code"
+            )
+            if store.bury_stranded(record, error=error, reason="stranded, not resendable"):
+                report.dead.append(record.key)
+                logger.error(
+                    "fence recover: stranded job key=%s has no stored request; it is dead now",
+                    record.key,
+                    extra={"action": "dead", "fence_key": record.key, "reason": "not resendable"},
+                )
+            else:
+                report.raced.append(record.key)
             continue
         try:
             task_id = resend(app, store, record, reason=f"stranded {record.status}")

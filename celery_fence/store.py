@@ -829,6 +829,29 @@ class Store(OutboxStore):
             return None
         return dataclasses.replace(before, status=PENDING, updated_at=now, retry_at=None)
 
+    def bury_stranded(self, before: JobRecord, *, error: BaseException, reason: str) -> bool:
+        """Move an unfinished job that cannot be re-sent (no stored request) to ``dead``, with
+        the same compare-and-set as :meth:`take_for_resend`; False when it moved meanwhile."""
+        now = utcnow()
+        stmt = (
+            jobs.update()
+            .where(
+                (jobs.c.key == before.key)
+                & (jobs.c.status == before.status)
+                & (jobs.c.generation == before.generation)
+                & (jobs.c.attempt_id == before.attempt_id)
+                & (jobs.c.updated_at == before.updated_at)
+            )
+            .values(
+                status=DEAD,
+                updated_at=now,
+                finished_at=now,
+                retry_at=None,
+                **self._error_fields(error),
+            )
+        )
+        return self._fenced(stmt, action="dead", reason=reason, at=now) is not None
+
     def purge(
         self, *, finished_before: dt.datetime, statuses: Sequence[str] = (COMPLETED, DEAD)
     ) -> int:

@@ -14,6 +14,7 @@ import datetime as dt
 import json
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -220,9 +221,8 @@ def test_ls_stuck_and_recover_resend_stranded_jobs_under_their_key(
         record = fence_store.get(key)
         assert record is not None and record.status == "pending"
         assert record.attempts == (0 if key == requeued.key else 1)  # a requeue reset it
-    # A second run finds nothing: the rows moved (pending, updated now).
-    again = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "1", "--json")))
-    assert not set(again["keys"]["stranded"]) & ours
+        before = {running.key: running, retrying.key: retrying, requeued.key: requeued}[key]
+        assert record.updated_at > before.updated_at  # it moved: the threshold starts again
     leases.release(leases.keys_for(held.key).lease, f"{token}:{generation}")
 
 
@@ -234,9 +234,13 @@ def test_two_recover_runs_at_once_send_each_job_once(
     store = Store(sqlite_url)
     queue = worker_env["FENCE_T_QUEUE"]
     keys = {_stranded(store, queue, "running").key for _ in range(20)}
+    # Not moved for more than 1 s; a row one run takes moves (updated now), so the other run,
+    # with the same threshold, sees it only if it read the row before the take: then the
+    # compare-and-set decides.
+    time.sleep(1.2)
     procs = [
         subprocess.Popen(
-            [CELERY, "-A", APP, "fence", "recover", "--older-than", "0", "--json"],
+            [CELERY, "-A", APP, "fence", "recover", "--older-than", "1", "--json"],
             cwd=ROOT,
             env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
             stdout=subprocess.PIPE,
@@ -306,3 +310,19 @@ def test_recover_routes_to_the_exchange_and_routing_key_as_delivered(
     assert routed(_request(record.key, "q0", exchange="")) == {"queue": "q0"}
     # a row stored before the routing key was kept ("queue" held the delivered routing key)
     assert routed({"task": WORK, "args": [], "options": {"queue": "q1"}}) == {"queue": "q1"}
+
+
+def test_a_stranded_job_without_a_stored_request_goes_dead_not_stuck_forever(
+    worker_env: dict[str, str], sqlite_url: str
+) -> None:
+    env = {**worker_env, "FENCE_T_DB": sqlite_url}
+    store = Store(sqlite_url)
+    key = f"stuck:{uuid.uuid4().hex[:10]}"
+    store.register(key, generation=1, attempt_id="a", task_name=WORK, request=None)
+    report = json.loads(ok(fence_cli(env, "recover", "--older-than", "0", "--json")))
+    assert report["keys"]["dead"] == [key] and report["sent"] == 0
+    record = store.get(key)
+    assert record is not None and record.status == "dead"
+    assert record.error_message is not None and "no stored request" in record.error_message
+    assert json.loads(ok(fence_cli(env, "ls", "--stuck", "--older-than", "0", "--json"))) == []
+    store.dispose()
