@@ -331,7 +331,7 @@ def test_rabbitmq_topic_exchange_a_purged_job_is_recovered_to_its_queue(
         with kombu.Connection(AMQP_URL) as conn:
             conn.default_channel.queue_delete(queue)
             conn.default_channel.exchange_delete(f"{queue}-topic")
-        client.app.pool.force_close_all()
         client.app.close()
+        kombu.pools.reset()  # the AMQP connections (kombu's pools are global)
         sys.modules.pop("tests.support.app", None)
         store.dispose()
