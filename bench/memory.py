@@ -4,6 +4,12 @@ The worker runs with one prefork child (``-c 1``) so that every task passes thro
 being sampled. Messages are published in chunks while it consumes; the child's ``VmRSS`` is read
 from ``/proc/<pid>/status`` every 2 s. Growth is measured from a baseline taken after the first
 5,000 tasks (imports, pools and caches warmed up). At the end, the lease Redis must hold no lease.
+
+The lease Redis (a private server) is sampled too: its key count (``DBSIZE``) and ``used_memory``,
+before the first task and at every sample. Every distinct key leaves a generation counter that
+expires ``fence_generation_ttl`` after its last claim (default 600 s), so the key count levels
+off at about (tasks per second x that lifetime); counters without an expiry are counted apart
+(``gen_without_ttl``: 0 unless counters never expire).
 """
 
 from __future__ import annotations
@@ -27,6 +33,13 @@ def run(svc: Services, *, tasks: int, loglevel: str, out: Any) -> dict[str, Any]
     )
     worker.start(control)
     samples: list[tuple[int, int]] = []  # (tasks done, RSS KiB)
+    redis_samples: list[tuple[int, int, int]] = []  # (tasks done, keys, used_memory bytes)
+    lease_client = svc.lease_redis.client()
+
+    def redis_state() -> tuple[int, int]:
+        return int(lease_client.dbsize()), int(lease_client.info("memory")["used_memory"])
+
+    redis_before = redis_state()
     published = 0
     started = time.monotonic()
     try:
@@ -35,7 +48,7 @@ def run(svc: Services, *, tasks: int, loglevel: str, out: Any) -> dict[str, Any]
             raise RuntimeError(f"expected one pool child, found {children}")
         child = children[0]
         print(f"# worker: {' '.join(worker.command[1:])}  (child pid {child})", file=out)
-        print(f"{'tasks done':>11}{'RSS KiB':>10}", file=out)
+        print(f"{'tasks done':>11}{'RSS KiB':>10}{'redis keys':>12}{'used_memory':>14}", file=out)
         next_sample = 0.0
         while True:
             waiting = pending(broker, svc.queue)
@@ -53,8 +66,10 @@ def run(svc: Services, *, tasks: int, loglevel: str, out: Any) -> dict[str, Any]
             if time.monotonic() >= next_sample:
                 rss = rss_kib(child)
                 samples.append((done, rss))
+                redis_samples.append((done, *redis_state()))
                 if len(samples) % 10 == 1:
-                    print(f"{done:>11}{rss:>10}", file=out, flush=True)
+                    keys, used = redis_samples[-1][1:]
+                    print(f"{done:>11}{rss:>10}{keys:>12}{used:>14}", file=out, flush=True)
                 next_sample = time.monotonic() + 2.0
             if published >= tasks and waiting == 0:
                 break
@@ -62,8 +77,14 @@ def run(svc: Services, *, tasks: int, loglevel: str, out: Any) -> dict[str, Any]
         elapsed = time.monotonic() - started
         time.sleep(1.0)  # the last releases
         samples.append((tasks, rss_kib(child)))
-        print(f"{tasks:>11}{samples[-1][1]:>10}", file=out)
-        lease_client = svc.lease_redis.client()
+        redis_end = redis_state()
+        redis_samples.append((tasks, *redis_end))
+        print(f"{tasks:>11}{samples[-1][1]:>10}{redis_end[0]:>12}{redis_end[1]:>14}", file=out)
+        gen_without_ttl = sum(
+            1
+            for k in lease_client.scan_iter(match="bench:*:gen", count=1000)
+            if lease_client.pttl(k) == -1
+        )
         wait_for(
             lambda: not any(True for _ in lease_client.scan_iter(match="bench:*:lease")),
             10,
@@ -90,14 +111,24 @@ def run(svc: Services, *, tasks: int, loglevel: str, out: Any) -> dict[str, Any]
         "growth_second_half_kib": samples[-1][1] - half[0][1],
         "completed_rows": completed,
         "leases_left": 0,
+        "redis_keys_before": redis_before[0],
+        "redis_used_memory_before": redis_before[1],
+        "redis_keys_end": redis_end[0],
+        "redis_used_memory_end": redis_end[1],
+        "redis_keys_max": max(r[1] for r in redis_samples),
+        "gen_without_ttl": gen_without_ttl,
         "samples": samples,
+        "redis_samples": redis_samples,
     }
     print(
         f"\n## memory: {tasks} fenced no-op tasks in one worker child ({elapsed:.0f} s)\n"
         f"RSS after {WARM} tasks {baseline} KiB, max {result['rss_max_kib']} KiB, end "
         f"{result['rss_end_kib']} KiB: growth {result['growth_kib']} KiB "
         f"({result['growth_second_half_kib']} KiB over the second half); "
-        f"{completed} jobs completed; leases left in Redis: 0",
+        f"{completed} jobs completed; leases left in Redis: 0\n"
+        f"lease Redis: {redis_before[0]} keys / {redis_before[1]} B used before, "
+        f"{redis_end[0]} keys / {redis_end[1]} B at the end (max {result['redis_keys_max']} keys); "
+        f"generation counters without an expiry: {gen_without_ttl}",
         file=out,
     )
     return result

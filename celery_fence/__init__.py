@@ -19,6 +19,7 @@ from .errors import (
 )
 from .fence import Fence
 from .outbox import Outbox, idempotency_key, register_handler, storage_key
+from .recovery import recover
 from .schema import metadata
 from .store import JobRecord, Store
 from .task import FencedTask, get_store
@@ -45,6 +46,7 @@ __all__ = [
     "get_store",
     "idempotency_key",
     "metadata",
+    "recover",
     "register_handler",
     "storage_key",
 ]

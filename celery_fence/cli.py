@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,12 +20,12 @@ import sqlalchemy as sa
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException
 
-from . import migrate, signals
+from . import migrate, recovery, signals
 from .config import FenceConfig
 from .errors import FenceError, StaleGeneration
 from .lease import LeaseStore, make_redis_client
 from .schema import COMPLETED, DEAD, STATUSES
-from .store import JobRecord, Store, Transition, decode_request, store_for
+from .store import UNFINISHED, JobRecord, Store, Transition, store_for
 
 EX_FAILURE = 1
 EX_USAGE = 2
@@ -81,7 +80,7 @@ class FenceGroup(click.Group):
 @click.pass_context
 @handle_preload_options
 def fence(ctx: click.Context, **kwargs: Any) -> None:
-    """celery-fence: inspect, requeue and purge fenced jobs; create the schema."""
+    """celery-fence: inspect, recover, requeue and purge fenced jobs; create the schema."""
 
 
 def _config(ctx: click.Context) -> FenceConfig:
@@ -214,20 +213,61 @@ def check(ctx: click.Context) -> None:
     help_group="Filter Options",
     help="At most this many jobs, most recently updated first.",
 )
+@click.option(
+    "--stuck",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Filter Options",
+    help="Only stranded jobs: unfinished, no live lease, not moved for --older-than seconds "
+    "(what 'fence recover' re-sends), oldest first.",
+)
+@click.option(
+    "--older-than",
+    cls=CeleryOption,
+    type=click.FloatRange(min=0),
+    default=None,
+    help_group="Filter Options",
+    help="With --stuck: seconds without movement (default: fence_recover_after, 10 x lease TTL).",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
 @click.pass_context
-def ls(ctx: click.Context, status: str | None, task: str | None, limit: int, as_json: bool) -> None:
-    """List jobs, most recently updated first."""
+def ls(
+    ctx: click.Context,
+    status: str | None,
+    task: str | None,
+    limit: int,
+    stuck: bool,
+    older_than: float | None,
+    as_json: bool,
+) -> None:
+    """List jobs, most recently updated first (--stuck: stranded jobs, oldest first)."""
     if status is not None and status not in STATUSES:
         raise FenceCLIError(
             f"bad --status {status!r}: use one of {', '.join(STATUSES)}", exit_code=EX_USAGE
         )
-    records = _store(ctx).list(status=status, task_name=task, limit=limit)
+    if older_than is not None and not stuck:
+        raise FenceCLIError("--older-than goes with --stuck", exit_code=EX_USAGE)
+    if stuck:
+        if status is not None and status not in UNFINISHED:
+            raise FenceCLIError(
+                f"--stuck lists unfinished jobs ({', '.join(UNFINISHED)}), not {status}",
+                exit_code=EX_USAGE,
+            )
+        config = _config(ctx)
+        threshold = config.recover_after_seconds if older_than is None else older_than
+        with recovery.lease_store(config) as leases:
+            records = recovery.stranded_jobs(
+                store_for(config), leases, older_than=threshold, limit=limit, task_name=task
+            )
+        if status is not None:
+            records = [r for r in records if r.status == status]
+    else:
+        records = _store(ctx).list(status=status, task_name=task, limit=limit)
     if as_json:
         ctx.obj.echo(json.dumps([_record_json(r) for r in records]))
         return
     if not records:
-        ctx.obj.echo("no jobs")
+        ctx.obj.echo("no stranded jobs" if stuck else "no jobs")
         return
     rows = [
         (
@@ -281,12 +321,16 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         raise FenceCLIError(f"no job with key {key!r}")
     remaining, lease_generation = _lease(config, key)
     history = store.history(key)
-    request = decode_request(record.request)
-    queue = (request or {}).get("options", {}).get("queue") if request else None
+    routing = recovery.routing_for(record, ctx.obj.app) if record.request else {}
+    queue = routing.get("queue")
+    if "routing_key" in routing:
+        queue = f"exchange {routing['exchange']!r}, routing key {routing['routing_key']!r}"
     if as_json:
         doc = _record_json(record)
         doc.update(
-            queue=queue,
+            queue=routing.get("queue"),
+            exchange=routing.get("exchange"),
+            routing_key=routing.get("routing_key"),
             lease_remaining=remaining,
             lease_generation=lease_generation,
             history=[_transition_json(t) for t in history],
@@ -336,52 +380,48 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     ctx.obj.echo("\n".join(lines))
 
 
-# -- requeue -------------------------------------------------------------------------------------
-
-
-def _key_is_task_id(app: Any, task_name: str) -> bool:
-    """A task without ``fence_key`` uses its Celery task id as the key: re-send with that id."""
-    task = app.tasks.get(task_name)
-    return task is not None and getattr(task, "fence_key", None) is None
+# -- requeue, recover ----------------------------------------------------------------------------
 
 
 @_command("requeue")
 @click.argument("key")
+@click.option(
+    "--force",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Requeue Options",
+    help="Also re-send a job that is not dead (running, retrying, pending) once no live lease "
+    "holds it; its attempt count is kept.",
+)
 @click.pass_context
-def requeue(ctx: click.Context, key: str) -> None:
-    """Re-send a dead job (same key, fresh attempt budget) to its queue."""
+def requeue(ctx: click.Context, key: str, force: bool) -> None:
+    """Re-send a dead job (same key, fresh attempt budget) to its queue.
+
+    With --force, also an unfinished job that no live lease holds (a stranded one, without
+    waiting for 'fence recover'). A completed job is never re-sent.
+    """
     app = ctx.obj.app
-    store = _store(ctx)
+    config = _config(ctx)
+    store = store_for(config)
     record = store.get(key)
     if record is None:
         raise FenceCLIError(f"no job with key {key!r}")
     if record.status != DEAD:
-        raise FenceCLIError(
-            f"job {key!r} is {record.status}, not dead: only dead jobs are requeued"
-        )
-    request = dict(decode_request(record.request) or {})
-    if not request:
+        if record.status == COMPLETED or not force:
+            raise FenceCLIError(
+                f"job {key!r} is {record.status}, not dead: only dead jobs are requeued"
+                + ("" if record.status == COMPLETED else " (--force re-sends an unfinished one)")
+            )
+        _force_requeue(ctx, config, store, record)
+        return
+    if not record.request:
         raise FenceCLIError(
             f"job {key!r} has no stored request (its arguments were not JSON): re-send it from "
             "your code"
         )
     before = store.requeue(key)  # durable first: the job is pending with a fresh budget
-    task_name = str(request.get("task") or before.task_name)
-    options = request.get("options") or {}
-    queue = options.get("queue") or None
-    task_id = key if _key_is_task_id(app, task_name) else uuid.uuid4().hex
-    send: dict[str, Any] = {"task_id": task_id}
-    if queue:
-        send["queue"] = queue
-    if options.get("priority") is not None:
-        send["priority"] = options["priority"]
     try:
-        app.send_task(
-            task_name,
-            args=list(request.get("args") or []),
-            kwargs=dict(request.get("kwargs") or {}),
-            **send,
-        )
+        task_id = recovery.send_stored(app, before)
     except Exception as exc:
         reason = f"send failed ({type(exc).__name__})"
         try:
@@ -394,17 +434,130 @@ def requeue(ctx: click.Context, key: str) -> None:
         raise FenceCLIError(
             f"could not send {key!r} ({describe(exc)}); it is dead again, retry the requeue"
         ) from None
+    _requeued(ctx, before, task_id, "requeued by operator")
+
+
+def _force_requeue(
+    ctx: click.Context, config: FenceConfig, store: Store, record: JobRecord
+) -> None:
+    with recovery.lease_store(config) as leases:
+        remaining, generation = leases.remaining(record.key)
+    if remaining is not None:
+        raise FenceCLIError(
+            f"job {record.key!r} is {record.status} and a live lease holds it ({remaining:.1f}s "
+            f"left, generation {generation}): it is running; not re-sent"
+        )
+    try:
+        task_id = recovery.resend(ctx.obj.app, store, record, reason="forced requeue by operator")
+    except recovery.NotResendable as exc:
+        raise FenceCLIError(str(exc)) from None
+    except Exception as exc:
+        raise FenceCLIError(
+            f"could not send {record.key!r} ({describe(exc)}); it is pending: retry the requeue, "
+            f"or 'fence recover' sends it after {config.recover_after_seconds:g}s"
+        ) from None
+    if task_id is None:
+        raise FenceCLIError(f"job {record.key!r} changed while it was requeued: look again")
+    _requeued(ctx, record, task_id, "forced requeue by operator")
+
+
+def _requeued(ctx: click.Context, record: JobRecord, task_id: str, reason: str) -> None:
+    app = ctx.obj.app
+    task_name = str((record.request or {}).get("task") or record.task_name)
     signals.emit(
         signals.job_retry_scheduled,
         app.tasks.get(task_name, task_name),
-        key=key,
+        key=record.key,
         attempt_id=None,
-        generation=before.generation,
-        reason="requeued by operator",
+        generation=record.generation,
+        reason=reason,
         countdown=0.0,
-        attempts=0,
+        attempts=0 if record.status == DEAD else record.attempts,
     )
-    ctx.obj.echo(f"requeued {key}: {task_name} sent to queue {queue or '(routed)'} as {task_id}")
+    routing = recovery.routing_for(record, app)
+    where = (
+        f"exchange {routing['exchange']} with routing key {routing['routing_key']}"
+        if "routing_key" in routing
+        else f"queue {routing.get('queue') or '(routed)'}"
+    )
+    ctx.obj.echo(f"requeued {record.key}: {task_name} sent to {where} as {task_id}")
+
+
+@_command("recover")
+@click.option(
+    "--older-than",
+    cls=CeleryOption,
+    type=click.FloatRange(min=0),
+    default=None,
+    help_group="Recover Options",
+    help="Seconds an unfinished job must not have moved (default: fence_recover_after, "
+    "10 x lease TTL).",
+)
+@click.option(
+    "--dry-run",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Recover Options",
+    help="Only list what would be re-sent.",
+)
+@click.option(
+    "--limit",
+    cls=CeleryOption,
+    type=click.IntRange(min=1),
+    default=recovery.DEFAULT_LIMIT,
+    show_default=True,
+    help_group="Recover Options",
+    help="At most this many jobs in one run.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of text.")
+@click.pass_context
+def recover(
+    ctx: click.Context, older_than: float | None, dry_run: bool, limit: int, as_json: bool
+) -> None:
+    """Re-send stranded jobs (unfinished, no live lease, not moved) under their own key.
+
+    Each is taken by a compare-and-set before its send (two runs never both send it) and goes
+    through the ordinary claim (a late original message cannot make a second completion).
+    Exits 1 when a job could not be re-sent.
+    """
+    report = recovery.recover(ctx.obj.app, older_than=older_than, dry_run=dry_run, limit=limit)
+    if as_json:
+        ctx.obj.echo(
+            json.dumps(
+                {
+                    **report.as_dict(),
+                    "keys": {
+                        "stranded": report.stranded,
+                        "sent": report.sent,
+                        "raced": report.raced,
+                        "dead": report.dead,
+                        "failed": report.failed,
+                    },
+                }
+            )
+        )
+    else:
+        for key in report.stranded:
+            state = (
+                "would re-send"
+                if dry_run
+                else "re-sent"
+                if key in report.sent
+                else "moved meanwhile, left"
+                if key in report.raced
+                else "no stored request: now dead"
+                if key in report.dead
+                else "FAILED"
+            )
+            ctx.obj.echo(f"{key}: {state}")
+        verb = "would re-send" if dry_run else "re-sent"
+        count = len(report.stranded) if dry_run else len(report.sent)
+        ctx.obj.echo(f"{len(report.stranded)} stranded job(s); {verb} {count}")
+    if report.failed:
+        raise FenceCLIError(
+            f"{len(report.failed)} stranded job(s) could not be re-sent (see the log): "
+            + ", ".join(report.failed[:5])
+        )
 
 
 # -- purge ---------------------------------------------------------------------------------------

@@ -40,6 +40,18 @@ DEFAULT_RETRY_BUDGET_FLOOR = 10
 DEFAULT_RETRY_BUDGET_WINDOW = 60.0
 #: Characters of an error message kept in the store.
 DEFAULT_ERROR_MESSAGE_LENGTH = 500
+#: Seconds any one database call may take (statement timeout, TCP user timeout, keepalive
+#: detection, connect timeout and the client-side deadline all derive from it).
+DEFAULT_DATABASE_TIMEOUT = 10.0
+#: Seconds a generation counter lives in Redis after its last claim (0: never expires). The SQL
+#: store is the authority on generations, so an expired counter costs one raised counter (a few
+#: round trips) when its key is claimed again unfinished, never correctness. Ten minutes covers
+#: the default backoff cap and recovery threshold; Redis then holds at most ten minutes' worth
+#: of distinct keys.
+DEFAULT_GENERATION_TTL = 600.0
+#: ``fence recover`` / the recover task: a non-terminal job whose lease is gone counts as
+#: stranded once it has not moved for this many lease TTLs (unless ``fence_recover_after`` is set).
+RECOVER_AFTER_TTLS = 10
 
 
 def _as_float(name: str, value: Any) -> float:
@@ -137,6 +149,10 @@ class FenceConfig:
     unfenced: bool = False  # chaos demonstration only: turns off the store's generation fence
     # chaos demonstration only: Celery's own exits are not settled (plain Celery's behaviour)
     unsettled: bool = False
+    database_timeout: float = DEFAULT_DATABASE_TIMEOUT
+    generation_ttl: float = DEFAULT_GENERATION_TTL
+    recover_after: float | None = None  # None: RECOVER_AFTER_TTLS x lease_ttl
+    max_runtime: float | None = None  # None: the task's hard time limit, if it has one
 
     def __post_init__(self) -> None:
         self.validate()
@@ -144,6 +160,18 @@ class FenceConfig:
     @property
     def lease_ttl_ms(self) -> int:
         return round(self.lease_ttl * 1000)
+
+    @property
+    def generation_ttl_ms(self) -> int:
+        """Milliseconds a generation counter lives after its last claim; 0 means forever."""
+        return round(self.generation_ttl * 1000)
+
+    @property
+    def recover_after_seconds(self) -> float:
+        """Seconds without movement after which a job whose lease is gone is stranded."""
+        if self.recover_after is not None:
+            return self.recover_after
+        return RECOVER_AFTER_TTLS * self.lease_ttl
 
     def validate(self) -> None:
         if self.lease_ttl <= 0:
@@ -182,6 +210,27 @@ class FenceConfig:
         if self.retry_budget_window <= 0:
             raise ConfigurationError(
                 "fence_retry_budget_window must be a positive number of seconds."
+            )
+        if not self.database_timeout > 0:
+            raise ConfigurationError(
+                f"fence_database_timeout={self.database_timeout} must be a positive number of "
+                "seconds (the longest one database call may take), e.g. 10.0."
+            )
+        if not (self.generation_ttl == 0 or self.generation_ttl >= self.lease_ttl):
+            raise ConfigurationError(
+                f"fence_generation_ttl={self.generation_ttl} must be 0 (counters never expire) "
+                f"or at least fence_lease_ttl={self.lease_ttl}, e.g. 600.0."
+            )
+        if self.recover_after is not None and not self.recover_after >= 2 * self.lease_ttl:
+            raise ConfigurationError(
+                f"fence_recover_after={self.recover_after} must be at least twice "
+                f"fence_lease_ttl={self.lease_ttl} (a job is stranded only once its lease is long "
+                f"gone), e.g. {RECOVER_AFTER_TTLS * self.lease_ttl:g}."
+            )
+        if self.max_runtime is not None and not self.max_runtime > 0:
+            raise ConfigurationError(
+                f"fence_max_runtime={self.max_runtime} must be a positive number of seconds, or "
+                "None (the task's hard time limit, if any)."
             )
         if "://" not in self.database_url:
             raise ConfigurationError(
@@ -245,7 +294,10 @@ _FLOATS = {
     "retry_backoff_max",
     "retry_budget_ratio",
     "retry_budget_window",
+    "database_timeout",
+    "generation_ttl",
 }
+_OPTIONAL_FLOATS = {"recover_after", "max_runtime"}
 _INTS = {"max_attempts", "retry_budget_floor", "error_message_length"}
 _BOOLS = {
     "retry_unknown_errors",
@@ -270,6 +322,8 @@ def _parse(name: str, raw: Any) -> Any:
         raise ConfigurationError(f"unknown celery-fence setting {setting!r}.")
     if name in _FLOATS:
         return _as_float(setting, raw)
+    if name in _OPTIONAL_FLOATS:
+        return None if raw is None else _as_float(setting, raw)
     if name in _INTS:
         return _as_int(setting, raw)
     if name in _BOOLS:

@@ -8,7 +8,8 @@ Key layout for a logical key K (both keys share one Redis Cluster hash tag, so a
 one slot; the tag is a digest of K, so any user string is safe)::
 
     <prefix>:{<digest(K)>}:lease   "<token>:<generation>" with a PX expiry
-    <prefix>:{<digest(K)>}:gen     integer generation counter
+    <prefix>:{<digest(K)>}:gen     integer generation counter, expiring ``generation_ttl`` after
+                                   its last claim (the SQL store raises one that came back low)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from .config import FenceConfig
+from .config import DEFAULT_GENERATION_TTL, FenceConfig
 from .errors import LeaseBusy
 from .redis_client import client_identity, make_client
 
@@ -114,9 +115,13 @@ class LeaseKeys:
 class LeaseStore:
     """Lease operations against one Redis client. Safe to share between threads."""
 
-    def __init__(self, client: Any, *, prefix: str) -> None:
+    def __init__(
+        self, client: Any, *, prefix: str, generation_ttl: float = DEFAULT_GENERATION_TTL
+    ) -> None:
         self.client = client
         self.prefix = prefix
+        #: milliseconds a generation counter lives after its last claim (0: forever)
+        self.generation_ttl_ms = round(generation_ttl * 1000)
 
     @property
     def clustered(self) -> bool:
@@ -144,7 +149,7 @@ class LeaseStore:
             status, value = CLAIM.call_once(
                 self.client,
                 [keys.lease, keys.generation, *(lease_key for lease_key, _ in releases)],
-                [token, ttl_ms, *(value for _, value in releases)],
+                [token, ttl_ms, self.generation_ttl_ms, *(value for _, value in releases)],
             )
         if int(status) == CLAIMED:
             return int(value)
@@ -158,7 +163,9 @@ class LeaseStore:
         calls: list[tuple[_Script, tuple[Any, ...]]] = [
             (RELEASE, (1, lease_key, value)) for lease_key, value in releases
         ]
-        calls.append((CLAIM, (2, keys.lease, keys.generation, token, ttl_ms)))
+        calls.append(
+            (CLAIM, (2, keys.lease, keys.generation, token, ttl_ms, self.generation_ttl_ms))
+        )
         result = self._pipelined(calls)[-1]
         if isinstance(result, Exception):
             raise result
@@ -192,7 +199,9 @@ class LeaseStore:
     def raise_generation(self, key: str, floor: int) -> int:
         """Raise the generation counter to at least ``floor`` (set-if-greater); return it."""
         keys = self.keys_for(key)
-        return int(RAISE_GENERATION(self.client, [keys.generation], [floor]))
+        return int(
+            RAISE_GENERATION(self.client, [keys.generation], [floor, self.generation_ttl_ms])
+        )
 
     def release(self, lease_key: str, value: str) -> bool:
         """Compare-and-delete one lease; True when it was still ours."""
@@ -241,10 +250,12 @@ _lease_stores: dict[tuple[Any, ...], LeaseStore] = {}
 
 def lease_store_for(config: FenceConfig) -> LeaseStore:
     """The process-wide :class:`LeaseStore` for a configuration's Redis and key prefix."""
-    ident = (client_identity(config), config.key_prefix)
+    ident = (client_identity(config), config.key_prefix, config.generation_ttl)
     store = _lease_stores.get(ident)
     if store is None:
         store = _lease_stores[ident] = LeaseStore(
-            make_redis_client(config), prefix=config.key_prefix
+            make_redis_client(config),
+            prefix=config.key_prefix,
+            generation_ttl=config.generation_ttl,
         )
     return store

@@ -30,7 +30,6 @@ Logs name the key, the effect, the row id and the error type — never payloads.
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import logging
 import os
@@ -44,7 +43,7 @@ from typing import Any
 from .config import FenceConfig
 from .errors import FenceError
 from .retry import backoff, classify
-from .store import Effect, OutboxRow, Store, dumps_strict, store_for, utcnow
+from .store import Effect, OutboxRow, Store, dumps_strict, store_for
 
 logger = logging.getLogger("celery_fence.outbox")
 
@@ -222,6 +221,16 @@ class Outbox:
         """
         store = self.store
         report = DeliveryReport()
+        for row in store.outbox_bury_exhausted(max_attempts=self.max_attempts, key=key):
+            report.dead += 1  # its handler never returned (a killed or hung sender)
+            logger.error(
+                "outbox dead key=%s effect=%s id=%s after %s claims that never finished",
+                row.key,
+                row.name,
+                row.id,
+                row.attempts,
+                extra=_extra(row, "outbox_dead", reason="claims exhausted"),
+            )
         cursor = 0
         for _ in range(limit or self.batch):
             claimer = _claim_token()
@@ -286,12 +295,13 @@ class Outbox:
         give_up = kind == "permanent" or row.attempts >= self.max_attempts
         if kind == "unknown" and not config.retry_unknown_errors and not isinstance(exc, NoHandler):
             give_up = True
-        retry_at = None
+        retry_in = None
         if not give_up:
-            delay = backoff(row.attempts, config)
-            retry_at = utcnow() + dt.timedelta(seconds=delay)
-            report.retry_in = delay if report.retry_in is None else min(report.retry_in, delay)
-        if not store.outbox_fail(row.id, claimer=claimer, error=exc, retry_at=retry_at):
+            retry_in = backoff(row.attempts, config)
+            report.retry_in = (
+                retry_in if report.retry_in is None else min(report.retry_in, retry_in)
+            )
+        if not store.outbox_fail(row.id, claimer=claimer, error=exc, retry_in=retry_in):
             report.lost_claims += 1
             return
         if give_up:

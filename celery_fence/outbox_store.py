@@ -58,6 +58,51 @@ class OutboxStore:
     # A sender claims a row for ``claim_ttl`` seconds under a claim token of its own; marking and
     # failing are conditional on that token, so a sender whose claim expired and was taken over
     # cannot change the row. Rows are written only by :meth:`complete` (with the fenced result).
+    # Claim expiry and due times are compared on the database's clock (PostgreSQL ``now()``), so
+    # senders on hosts with skewed clocks agree on when a claim has expired; SQLite is one host.
+
+    def _db_now(self) -> Any:
+        """The current time as the database sees it (PostgreSQL), or this process's (SQLite)."""
+        return sa.func.now() if self.dialect == "postgresql" else utcnow()
+
+    def _db_later(self, seconds: float) -> Any:
+        if self.dialect == "postgresql":
+            return sa.func.now() + sa.literal(dt.timedelta(seconds=seconds), sa.Interval)
+        return utcnow() + dt.timedelta(seconds=seconds)
+
+    def outbox_bury_exhausted(
+        self, *, max_attempts: int, key: str | None = None
+    ) -> Sequence[OutboxRow]:
+        """Move due ``pending`` rows already claimed ``max_attempts`` times to ``dead``.
+
+        Each claim counts an attempt when it is made, so a row whose handler kills its worker
+        (the sender never reaches its failure path) still runs out of attempts: once its last
+        claim expired unmarked, it goes ``dead`` here instead of being claimed again.
+        """
+        now = self._db_now()
+        exhausted = (
+            (outbox.c.status == "pending")
+            & (outbox.c.attempts >= max_attempts)
+            & (outbox.c.available_at <= now)
+            & (outbox.c.claimed_until.is_(None) | (outbox.c.claimed_until < now))
+        )
+        if key is not None:
+            exhausted = exhausted & (outbox.c.key == key)
+        stmt = (
+            outbox.update()
+            .where(exhausted)
+            .values(
+                status="dead",
+                claimed_until=None,
+                last_error=(
+                    f"claimed {max_attempts} time(s) without being marked delivered or failed "
+                    "(did the handler kill or hang its worker?)"
+                ),
+            )
+            .returning(*outbox.c)
+        )
+        with self.engine.connect() as conn:
+            return [_outbox_row(r) for r in conn.execute(stmt).all()]
 
     def outbox_claim(
         self,
@@ -75,7 +120,7 @@ class OutboxStore:
         PostgreSQL: ``FOR UPDATE SKIP LOCKED`` in one statement; SQLite: the same conditional
         ``UPDATE`` under ``BEGIN IMMEDIATE`` (writers are serialized).
         """
-        now = utcnow()
+        now = self._db_now()
         due = (
             (outbox.c.status == "pending")
             & (outbox.c.available_at <= now)
@@ -87,7 +132,7 @@ class OutboxStore:
         ids = sa.select(outbox.c.id).where(due).order_by(outbox.c.id).limit(limit)
         claim = outbox.update().values(
             claimed_by=claimer[:64],
-            claimed_until=now + dt.timedelta(seconds=claim_ttl),
+            claimed_until=self._db_later(claim_ttl),
             attempts=outbox.c.attempts + 1,
         )
         if self.dialect == "postgresql":
@@ -134,19 +179,23 @@ class OutboxStore:
         *,
         claimer: str,
         error: BaseException,
-        retry_at: dt.datetime | None,
+        retry_at: dt.datetime | None = None,
+        retry_in: float | None = None,
     ) -> bool:
-        """Record a failed delivery: due again at ``retry_at``, or ``dead`` when it is None.
+        """Record a failed delivery: due again ``retry_in`` seconds from now on the database's
+        clock (or at ``retry_at``), or ``dead`` when neither is given.
 
         False when the claim is no longer this sender's (nothing changes).
         """
         fields = self._error_fields(error)
         last_error = f"{fields['error_type']}: {fields['error_message']}"[:2000]
         values: dict[str, Any] = {"claimed_until": None, "last_error": last_error}
-        if retry_at is None:
-            values["status"] = "dead"
-        else:
+        if retry_in is not None:
+            values["available_at"] = self._db_later(retry_in)
+        elif retry_at is not None:
             values["available_at"] = retry_at
+        else:
+            values["status"] = "dead"
         return self._update_claimed(row_id, claimer, **values)
 
     def outbox_requeue(self, row_id: int) -> bool:

@@ -54,6 +54,7 @@ class HeldLease:
         claimed_at: float,
         on_lost: Callable[[HeldLease, str], None] | None = None,
         on_renewed: Callable[[HeldLease], None] | None = None,
+        max_runtime: float | None = None,
     ) -> None:
         self.key = key
         self.lease_key = lease_key
@@ -67,7 +68,10 @@ class HeldLease:
         self.on_lost = on_lost
         self.on_renewed = on_renewed
         self._lock = threading.Lock()
-        self.deadline = claimed_at + self._validity()
+        #: ``fence_max_runtime``: past this monotonic time the lease is never renewed again (it
+        #: frees itself one TTL after its last renewal) and ``check()`` raises.
+        self.max_deadline = math.inf if max_runtime is None else claimed_at + max_runtime
+        self.deadline = min(claimed_at + self._validity(), self.max_deadline)
         self.lost_reason: str | None = None
 
     def _validity(self) -> float:
@@ -77,10 +81,16 @@ class HeldLease:
         """A renewal sent at monotonic ``sent_at`` was confirmed by Redis."""
         with self._lock:
             if self.lost_reason is None:
-                self.deadline = max(self.deadline, sent_at + self._validity())
+                extended = max(self.deadline, sent_at + self._validity())
+                self.deadline = min(extended, self.max_deadline)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
+
+    def _expiry_reason(self) -> str:
+        if time.monotonic() > self.max_deadline:
+            return "fence_max_runtime exceeded: no longer renewed"
+        return "deadline passed without a confirmed renewal"
 
     @property
     def lost(self) -> bool:
@@ -106,7 +116,7 @@ class HeldLease:
         task resume in either order, and the task must not trust a flag the thread did not set yet.
         """
         if self.lost_reason is None and time.monotonic() > self.deadline:
-            self.mark_lost("deadline passed without a confirmed renewal")
+            self.mark_lost(self._expiry_reason())
         if self.lost_reason is not None:
             raise LeaseLost(
                 f"lease lost for key {self.key!r} at generation {self.generation}: "
@@ -248,15 +258,22 @@ class Renewer:
                         self._tick = self._interval()
                         next_renewal = time.monotonic() + self._tick
                 self._wake_at = 0.0  # awake: nobody needs to notify
+                expired: list[HeldLease] = []  # past fence_max_runtime: not renewed any more
                 releases: list[tuple[str, str]] = []
                 if release_due or self._stopping:
                     releases, self._releases = self._releases, []
                 held: list[HeldLease] = []
                 if renew_due:
-                    held = list(self._held.values())
+                    now = time.monotonic()
+                    held = [lease for lease in self._held.values() if now < lease.max_deadline]
+                    for lease in self._held.values():
+                        if now >= lease.max_deadline and lease.lost_reason is None:
+                            expired.append(lease)
                     self._tick = self._interval()
                     next_renewal = time.monotonic() + self._tick
                 stopping = self._stopping
+            for lease in expired:  # outside the lock: the observer may log and signal
+                lease.mark_lost("fence_max_runtime exceeded: no longer renewed")
             if held or releases:
                 self._trip(held, releases)
             if stopping:

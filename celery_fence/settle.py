@@ -195,6 +195,9 @@ class Return:
 
     result: Any
     deliver: str | None = None
+    #: A replay: re-trigger delivery of the job's outbox rows still undelivered, if the app has
+    #: an outbox (the completing attempt may have died before it triggered them).
+    replay: bool = False
 
 
 @dataclass(frozen=True)
@@ -301,7 +304,7 @@ def _completed(a: Attempt, o: Completed) -> Action:
 
 def _replayed(a: Attempt, o: Replayed) -> Action:
     a.emit(signals.job_replayed, a, reason="already completed")
-    return Return(o.record.result)
+    return Return(o.record.result, deliver=a.key, replay=True)
 
 
 def _already_dead(a: Attempt, o: AlreadyDead) -> Action:

@@ -10,9 +10,11 @@ AUTOCOMMIT engine.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import logging
+import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -23,9 +25,15 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from . import _process, schema, statements
+from .config import DEFAULT_DATABASE_TIMEOUT
 from .errors import ConfigurationError, StaleGeneration, StoreError
 from .outbox_store import OutboxRow, OutboxStore
 from .schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, jobs, outbox, transitions, utcnow
+from .watchdog import watchdog
+
+#: Statuses of a job that is not finished: each needs a live lease, a pending retry time or a
+#: message on its way, or it is stranded (:meth:`Store.stranded`).
+UNFINISHED = (RUNNING, RETRYING, PENDING)
 
 logger = logging.getLogger(__name__)
 
@@ -125,19 +133,21 @@ def decode_request(request: Mapping[str, Any] | None) -> Mapping[str, Any] | Non
     return request
 
 
-def request_text(task_name: str, args: Any, kwargs: Any, delivery: Any) -> str | None:
-    """The request as stored for a requeue (task, args, kwargs, routing as delivered: exchange
-    and routing key), as JSON text; None when the arguments are not JSON."""
+def request_text(
+    task_name: str, args: Any, kwargs: Any, delivery: Any, task_id: str | None = None
+) -> str | None:
+    """The request as stored for a requeue (task, Celery task id, args, kwargs, routing as
+    delivered: exchange and routing key), as JSON text; None when the arguments are not JSON."""
     delivery = delivery or {}
     routing_key = delivery.get("routing_key") or None
     try:
         return json.dumps(
             {
                 "task": task_name,
+                "id": task_id,
                 "args": list(args or ()),
                 "kwargs": dict(kwargs or {}),
                 "options": {
-                    "queue": routing_key,  # kept for requeues written before 0.2
                     "exchange": delivery.get("exchange") or None,
                     "routing_key": routing_key,
                     "priority": delivery.get("priority"),
@@ -150,15 +160,19 @@ def request_text(task_name: str, args: Any, kwargs: Any, delivery: Any) -> str |
         return None
 
 
-def encode_request(task_name: str, args: Any, kwargs: Any, delivery: Any) -> dict[str, Any] | None:
+def encode_request(
+    task_name: str, args: Any, kwargs: Any, delivery: Any, task_id: str | None = None
+) -> dict[str, Any] | None:
     """:func:`request_text` as a dict (None when the arguments are not JSON)."""
-    text = request_text(task_name, args, kwargs, delivery)
+    text = request_text(task_name, args, kwargs, delivery, task_id)
     return None if text is None else dict(json.loads(text))
 
 
 def _record(row: Any) -> JobRecord:
     m = row._mapping
-    return JobRecord(**{name: m[name] for name in JobRecord.__dataclass_fields__})
+    fields = {name: m[name] for name in JobRecord.__dataclass_fields__}
+    fields["request"] = decode_request(fields["request"])  # as sent, also when stored encoded
+    return JobRecord(**fields)
 
 
 class Store(OutboxStore):
@@ -173,8 +187,10 @@ class Store(OutboxStore):
         defer_first_registration: bool = False,
         error_message_length: int = 500,
         engine_options: Mapping[str, Any] | None = None,
+        database_timeout: float = DEFAULT_DATABASE_TIMEOUT,
     ) -> None:
         self.url = url
+        self.database_timeout = database_timeout
         self.record_transitions = record_transitions
         self.unfenced = unfenced
         self.defer_first_registration = defer_first_registration
@@ -221,9 +237,11 @@ class Store(OutboxStore):
             options["connect_args"] = {"timeout": 30, "check_same_thread": False}
         else:
             options.update(pool_size=5, max_overflow=10, pool_recycle=1800)
-            options["connect_args"] = {"connect_timeout": 10}
+            options["connect_args"] = self._pg_connect_args()
         options.update(self._engine_options)
         engine = sa.create_engine(self.url, **options)
+        if self.dialect == "postgresql":
+            self._bound_calls(engine)
         if self.dialect == "sqlite":
 
             @sa.event.listens_for(engine, "connect")
@@ -238,6 +256,53 @@ class Store(OutboxStore):
             schema.create_schema(engine)
         return engine
 
+    def _pg_connect_args(self) -> dict[str, Any]:
+        """libpq options that bound every wait on a PostgreSQL connection by
+        ``fence_database_timeout`` (t): connecting (``connect_timeout``), unacknowledged data
+        (``tcp_user_timeout``), a silent peer while waiting for an answer (keepalives: idle t/2,
+        then 3 probes t/6 apart) and a slow statement (``statement_timeout``). Options given in
+        the URL's query win; an ``options`` there is kept and extended."""
+        t = self.database_timeout
+        query = sa.engine.make_url(self.url).query
+        args: dict[str, Any] = {
+            "connect_timeout": max(2, math.ceil(t)),  # libpq: whole seconds, at least 2
+            "keepalives": 1,
+            "keepalives_idle": max(1, round(t / 2)),
+            "keepalives_interval": max(1, round(t / 6)),
+            "keepalives_count": 3,
+            "tcp_user_timeout": max(1, round(t * 1000)),
+        }
+        args = {name: value for name, value in args.items() if name not in query}
+        statement_timeout = f"-c statement_timeout={max(1, round(t * 1000))}"
+        user_options = query.get("options")
+        if isinstance(user_options, tuple):
+            user_options = " ".join(user_options)
+        if user_options is None:
+            args["options"] = statement_timeout
+        elif "statement_timeout" not in user_options:
+            args["options"] = f"{user_options} {statement_timeout}"
+        return args
+
+    def _bound_calls(self, engine: sa.Engine) -> None:
+        """Arm :mod:`celery_fence.watchdog` for every statement SQLAlchemy runs on ``engine``
+        (the two hot-path statements arm it themselves, in :meth:`_pg_execute`). A connection
+        with the execution option ``fence_unbounded`` is not watched (purge)."""
+        timeout = self.database_timeout
+
+        @sa.event.listens_for(engine, "before_cursor_execute")
+        def _arm(conn: Any, cursor: Any, *_: Any) -> None:
+            if not conn.get_execution_options().get("fence_unbounded"):
+                conn.info["fence_watch"] = watchdog.arm(cursor.connection.fileno(), timeout)
+
+        @sa.event.listens_for(engine, "after_cursor_execute")
+        def _disarm(conn: Any, *_: Any) -> None:
+            watchdog.disarm(conn.info.pop("fence_watch", None))
+
+        @sa.event.listens_for(engine, "handle_error")
+        def _disarm_on_error(context: Any) -> None:
+            if context.connection is not None:
+                watchdog.disarm(context.connection.info.pop("fence_watch", None))
+
     def dispose(self) -> None:
         if self._engine is not None:
             self._engine.dispose()
@@ -247,10 +312,17 @@ class Store(OutboxStore):
         schema.create_schema(self.engine)
 
     @contextmanager
-    def _tx(self) -> Iterator[sa.Connection]:
-        """A short explicit transaction on the AUTOCOMMIT engine (BEGIN IMMEDIATE on SQLite)."""
+    def _tx(self, *, unbounded: bool = False) -> Iterator[sa.Connection]:
+        """A short explicit transaction on the AUTOCOMMIT engine (BEGIN IMMEDIATE on SQLite).
+
+        ``unbounded``: a long operator statement (purge) — no statement timeout, no watchdog.
+        """
         with self.engine.connect() as conn:
+            if unbounded:
+                conn = conn.execution_options(fence_unbounded=True)
             conn.exec_driver_sql("BEGIN IMMEDIATE" if self.dialect == "sqlite" else "BEGIN")
+            if unbounded and self.dialect == "postgresql":
+                conn.exec_driver_sql("SET LOCAL statement_timeout = 0")
             try:
                 yield conn
             except BaseException:
@@ -386,7 +458,11 @@ class Store(OutboxStore):
             cursor = raw.info.get("fence_cursor")
             if cursor is None or cursor.closed or cursor.connection is not raw.dbapi_connection:
                 cursor = raw.info["fence_cursor"] = raw.cursor()
-            return statements.execute_prepared(raw, cursor, sql, params)
+            token = watchdog.arm(cursor.connection.fileno(), self.database_timeout)
+            try:
+                return statements.execute_prepared(raw, cursor, sql, params)
+            finally:
+                watchdog.disarm(token)
         except engine.dialect.loaded_dbapi.Error as exc:
             raw.info.pop("fence_cursor", None)
             raise _driver_error(engine, raw, exc) from None
@@ -660,25 +736,29 @@ class Store(OutboxStore):
         """Keep a message that cannot even be registered (e.g. its ``fence_key`` failed) as a
         ``dead`` job, so nothing is lost: an operator sees it and can requeue it after the fix.
 
-        Inserts only; an existing row is never touched. Returns True when the row was written.
+        Inserts; an existing row is touched only when it is ``pending`` (an operator re-sent
+        this message and its key failed again: back to ``dead``, instead of ``pending`` with no
+        message). Returns True when the row was written.
         """
         now = utcnow()
-        stmt = (
-            self._insert()
-            .values(
-                key=key,
-                task_name=task_name,
-                status=DEAD,
-                generation=0,
-                attempt_id="-",
-                attempts=0,
-                request=request,
-                created_at=now,
-                updated_at=now,
-                finished_at=now,
-                **self._error_fields(error),
-            )
-            .on_conflict_do_nothing(index_elements=[jobs.c.key])
+        errors = self._error_fields(error)
+        stmt = self._insert().values(
+            key=key,
+            task_name=task_name,
+            status=DEAD,
+            generation=0,
+            attempt_id="-",
+            attempts=0,
+            request=request,
+            created_at=now,
+            updated_at=now,
+            finished_at=now,
+            **errors,
+        )
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[jobs.c.key],
+            set_={"status": DEAD, "updated_at": now, "finished_at": now, **errors},
+            where=jobs.c.status == PENDING,
         )
         return self._fenced(stmt, action="dead", reason=reason, at=now) is not None
 
@@ -886,6 +966,85 @@ class Store(OutboxStore):
         if self._fenced(stmt, action="requeue_reverted", reason=reason, at=now) is None:
             raise self._rejected(before.key, before.generation, before.attempt_id, "restore")
 
+    # -- recovery: stranded jobs ------------------------------------------------------------------
+
+    def stranded(
+        self,
+        *,
+        older_than: float,
+        limit: int = 1000,
+        task_name: str | None = None,
+        now: dt.datetime | None = None,
+    ) -> Sequence[JobRecord]:
+        """Unfinished jobs (``running``, ``retrying``, ``pending``) that have not moved for
+        ``older_than`` seconds, oldest first: ``updated_at`` before the cutoff and, for a
+        ``retrying`` job, its ``retry_at`` too. Whether a live lease still holds one is for the
+        caller to ask Redis (:func:`celery_fence.recovery.stranded_jobs`)."""
+        cutoff = (now or utcnow()) - dt.timedelta(seconds=older_than)
+        still = jobs.c.status.in_(UNFINISHED) & (jobs.c.updated_at < cutoff)
+        retry_due = jobs.c.retry_at.is_(None) | (jobs.c.retry_at < cutoff)
+        query = (
+            sa.select(jobs)
+            .where(still & ((jobs.c.status != RETRYING) | retry_due))
+            .order_by(jobs.c.updated_at)
+            .limit(limit)
+        )
+        if task_name is not None:
+            query = query.where(jobs.c.task_name == task_name)
+        with self.engine.connect() as conn:
+            return [_record(r) for r in conn.execute(query).all()]
+
+    def take_for_resend(self, before: JobRecord, *, reason: str) -> JobRecord | None:
+        """Move an unfinished job that is about to be re-sent to ``pending`` — only if it is
+        still exactly ``before`` (status, generation, attempt and ``updated_at``): of two
+        recoveries racing for it, one gets the row and the other None, so one of them sends.
+
+        The attempt count is kept (a job that keeps stranding still ends ``dead``); the owner
+        attempt, if it is alive after all, can no longer write: its fenced writes need
+        ``running``. If the send that follows never happens, the row is ``pending`` with a
+        fresh ``updated_at``, and the next recovery past the threshold takes it again.
+        """
+        if before.status not in UNFINISHED:
+            raise StoreError(f"job {before.key!r} is {before.status}: only unfinished jobs")
+        now = utcnow()
+        stmt = (
+            jobs.update()
+            .where(
+                (jobs.c.key == before.key)
+                & (jobs.c.status == before.status)
+                & (jobs.c.generation == before.generation)
+                & (jobs.c.attempt_id == before.attempt_id)
+                & (jobs.c.updated_at == before.updated_at)
+            )
+            .values(status=PENDING, updated_at=now, retry_at=None)
+        )
+        if self._fenced(stmt, action="recovered", reason=reason, at=now) is None:
+            return None
+        return dataclasses.replace(before, status=PENDING, updated_at=now, retry_at=None)
+
+    def bury_stranded(self, before: JobRecord, *, error: BaseException, reason: str) -> bool:
+        """Move an unfinished job that cannot be re-sent (no stored request) to ``dead``, with
+        the same compare-and-set as :meth:`take_for_resend`; False when it moved meanwhile."""
+        now = utcnow()
+        stmt = (
+            jobs.update()
+            .where(
+                (jobs.c.key == before.key)
+                & (jobs.c.status == before.status)
+                & (jobs.c.generation == before.generation)
+                & (jobs.c.attempt_id == before.attempt_id)
+                & (jobs.c.updated_at == before.updated_at)
+            )
+            .values(
+                status=DEAD,
+                updated_at=now,
+                finished_at=now,
+                retry_at=None,
+                **self._error_fields(error),
+            )
+        )
+        return self._fenced(stmt, action="dead", reason=reason, at=now) is not None
+
     def purge(
         self, *, finished_before: dt.datetime, statuses: Sequence[str] = (COMPLETED, DEAD)
     ) -> int:
@@ -897,7 +1056,7 @@ class Store(OutboxStore):
         if unfinished:
             raise StoreError(f"only finished jobs are purged, not {sorted(unfinished)}")
         done = (jobs.c.status.in_(tuple(statuses))) & (jobs.c.finished_at < finished_before)
-        with self._tx() as conn:
+        with self._tx(unbounded=True) as conn:
             keys = sa.select(jobs.c.key).where(done)
             conn.execute(transitions.delete().where(transitions.c.key.in_(keys)))
             return int(conn.execute(jobs.delete().where(done)).rowcount or 0)
@@ -935,6 +1094,7 @@ def store_for(config: Any) -> Store:
         config.unfenced,
         config.defer_first_registration,
         config.error_message_length,
+        config.database_timeout,
     )
     with _stores_lock:
         store = _stores.get(ident)
@@ -945,6 +1105,7 @@ def store_for(config: Any) -> Store:
                 unfenced=config.unfenced,
                 defer_first_registration=config.defer_first_registration,
                 error_message_length=config.error_message_length,
+                database_timeout=config.database_timeout,
             )
         return store
 

@@ -38,7 +38,7 @@ from .lease import LeaseStore, lease_store_for
 from .renewer import HeldLease, renewer_for
 from .retry import RetryBudget, RetryPolicy
 from .schema import KEY_LENGTH
-from .store import Store, encode_request, request_text, store_for
+from .store import Store, request_text, store_for
 from .worker import FENCED_REQUEST
 
 logger = logging.getLogger("celery_fence")
@@ -182,16 +182,18 @@ class FencedTask(Task):
     ) -> s.Outcome:
         """Key -> claim -> register -> body, as far as it gets: the outcome, never an exit."""
         try:
-            attempt.key = self.logical_key(args, kwargs, self.request.id)
+            # A recovery or requeue re-sends with the job's key in a header: keep that key.
+            override = None if self.request.called_directly else self.request.get("fence_key")
+            if isinstance(override, str) and override:
+                attempt.key = override
+            else:
+                attempt.key = self.logical_key(args, kwargs, self.request.id)
         except ConfigurationError as exc:
             if self.request.called_directly:
                 raise
             attempt.key = f"unkeyed:{self.name}:{self.request.id}"
-            return s.Unkeyed(
-                exc,
-                self.request.id,
-                encode_request(self.name, args, kwargs, self.request.delivery_info),
-            )
+            request = self._stored_request(args, kwargs)
+            return s.Unkeyed(exc, self.request.id, None if request is None else json.loads(request))
         attempt.policy.budget.record_call(self.name)
         stop = self._claim_and_register(attempt, leases, args, kwargs)
         if stop is not None:
@@ -253,6 +255,7 @@ class FencedTask(Task):
                 interval=config.renew_interval,
                 margin=config.lease_margin,
                 claimed_at=claimed_at,
+                max_runtime=self._max_runtime(config),
                 on_lost=on_lost,
                 on_renewed=on_renewed,
             )
@@ -260,7 +263,10 @@ class FencedTask(Task):
             self._emit_for(signals.lease_claimed, a)
             if request_json is None:
                 request_json = (
-                    request_text(self.name, args, kwargs, self.request.delivery_info) or ""
+                    request_text(
+                        self.name, args, kwargs, self.request.delivery_info, self.request.id
+                    )
+                    or ""
                 )
             if a.generation == 1 and config.defer_first_registration:
                 # Nothing to fence out yet: the completion writes the row in one statement.
@@ -317,15 +323,29 @@ class FencedTask(Task):
             "generation regressed on every claim round",
         )
 
+    def _stored_request(self, args: Any, kwargs: Any) -> str | None:
+        """The request as the store keeps it for a requeue (JSON text; None if not JSON)."""
+        return request_text(self.name, args, kwargs, self.request.delivery_info, self.request.id)
+
+    def _max_runtime(self, config: FenceConfig) -> float | None:
+        """``fence_max_runtime``, else the hard time limit of this message or task, else None."""
+        if config.max_runtime is not None:
+            return config.max_runtime
+        limit = (self.request.timelimit or (None, None))[0]
+        return limit or self.time_limit or self.app.conf.task_time_limit or None
+
     # -- Celery's side ---------------------------------------------------------------------------
 
     def _act(self, action: s.Action) -> Any:
         """The one adapter from a settled action to Celery's terms (Celery then acks late)."""
         if isinstance(action, s.Return):
             if action.deliver is not None:
-                from .outbox import trigger_delivery  # the outbox imports the task module
+                from .outbox import Outbox, trigger_delivery  # the outbox imports this module
 
-                trigger_delivery(self.app, action.deliver)
+                if not action.replay or isinstance(
+                    getattr(self.app, "_fence_outbox", None), Outbox
+                ):
+                    trigger_delivery(self.app, action.deliver)
             return action.result
         if isinstance(action, (s.Fail, s.Reraise)):
             raise action.error

@@ -107,7 +107,9 @@ class FencedRequest(Request):
             store.end_unrun(
                 key,
                 task_name=self.task_name,
-                request=encode_request(self.task_name, self.args, self.kwargs, self.delivery_info),
+                request=encode_request(
+                    self.task_name, self.args, self.kwargs, self.delivery_info, self.id
+                ),
                 reason=why,
                 only_insert=shared_key,
             )

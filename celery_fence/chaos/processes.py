@@ -13,6 +13,7 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -59,7 +60,9 @@ class Worker(processes.Worker):
 class TcpProxy:
     """A loopback TCP proxy in front of a database: :meth:`down` refuses new connections and cuts
     the open ones (a real outage as the client sees it); :meth:`up` listens again on the same
-    port."""
+    port. :meth:`stall` stops forwarding without closing anything (a peer that has gone silent:
+    connections stay open, packets are acknowledged, no answer ever comes); :meth:`unstall`
+    forwards again."""
 
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
         self.upstream = (upstream_host, upstream_port)
@@ -67,7 +70,14 @@ class TcpProxy:
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._stalled = threading.Event()
         register_closer(self.down)
+
+    def stall(self) -> None:
+        self._stalled.set()
+
+    def unstall(self) -> None:
+        self._stalled.clear()
 
     def up(self) -> None:
         with self._lock:
@@ -118,9 +128,13 @@ class TcpProxy:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while True:
+                while self._stalled.is_set():  # stop reading: nothing is forwarded or closed
+                    time.sleep(0.02)
                 data = src.recv(65536)
                 if not data:
                     break
+                while self._stalled.is_set():  # read during the stall: held back, not sent
+                    time.sleep(0.02)
                 dst.sendall(data)
         except OSError:
             pass

@@ -168,3 +168,43 @@ def test_releases_whose_round_trip_failed_are_kept_and_sent_later(
         assert renewer._releases == []
     finally:
         renewer.stop()
+
+
+def test_past_max_runtime_a_lease_is_no_longer_renewed_and_frees_itself(
+    leases: LeaseStore,
+) -> None:
+    # Given a lease renewed every 0.1 s (TTL 0.6 s) with a maximum runtime of 1 s ...
+    renewer = Renewer(leases)
+    lost: list[str] = []
+    claimed_at = time.monotonic()
+    g = leases.claim("hung", "tok-hung", 600)
+    lease = HeldLease(
+        key="hung",
+        lease_key=leases.keys_for("hung").lease,
+        token="tok-hung",
+        generation=g,
+        ttl=0.6,
+        interval=0.1,
+        margin=0.1,
+        claimed_at=claimed_at,
+        on_lost=lambda _, reason: lost.append(reason),
+        max_runtime=1.0,
+    )
+    renewer.add(lease)
+    time.sleep(0.8)  # past one TTL: renewals keep it
+    lease.check()
+    assert leases.client.exists(lease.lease_key) == 1
+    # ... when the body is still running past its maximum runtime (never checking),
+    # then the key frees itself within one TTL after it, check() raises, the owner is told,
+    wait_until(lambda: leases.client.exists(lease.lease_key) == 0, 3, what="lease expired")
+    assert time.monotonic() - claimed_at < 1.0 + 0.6 + 0.5
+    try:
+        lease.check()
+        raise AssertionError("check() did not raise past fence_max_runtime")
+    except LeaseLost as exc:
+        assert "fence_max_runtime" in str(exc)
+    assert lost and "fence_max_runtime" in lost[0]
+    # and the next attempt takes the key over.
+    assert leases.claim("hung", "tok-next", 600) == g + 1
+    renewer.discard(lease)
+    renewer.stop()

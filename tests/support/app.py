@@ -22,7 +22,11 @@ from celery_fence import signals as fence_signals
 
 E = os.environ
 PREFIX = E.get("FENCE_T_PREFIX", "t")
-app = Celery("fence_tests", broker=E.get("FENCE_T_BROKER"), backend=E.get("FENCE_T_BROKER"))
+app = Celery(
+    "fence_tests",
+    broker=E.get("FENCE_T_BROKER"),
+    backend=E.get("FENCE_T_BACKEND", E.get("FENCE_T_BROKER")),
+)
 app.conf.update(
     task_default_queue=E.get("FENCE_T_QUEUE", "celery"),
     worker_prefetch_multiplier=1,
@@ -44,6 +48,26 @@ app.conf.update(
 )
 ledger = redis.Redis.from_url(E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"))
 
+if E.get("FENCE_T_TOPIC") == "1":  # the queue bound to a topic exchange (RabbitMQ tests)
+    from kombu import Exchange, Queue
+
+    _topic = Exchange(f"{app.conf.task_default_queue}-topic", type="topic")
+    app.conf.task_queues = [
+        Queue(app.conf.task_default_queue, _topic, routing_key=f"{app.conf.task_default_queue}.#")
+    ]
+    app.conf.task_default_exchange = _topic.name
+    app.conf.task_default_exchange_type = "topic"
+    app.conf.task_default_routing_key = f"{app.conf.task_default_queue}.work"
+
+
+def _hang_once(key: str) -> None:
+    """Hang the body (up to 60 s) once per flag ``<prefix>:hang:<key>``: a worker to kill or
+    pause while it holds the key."""
+    if ledger.getdel(f"{PREFIX}:hang:{key}") is not None:
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not ledger.exists(f"{PREFIX}:unhang:{key}"):
+            time.sleep(0.05)
+
 
 def _kill_once(window: str, key: str) -> None:
     if ledger.getdel(f"{PREFIX}:kill:{window}:{key}") is not None:
@@ -63,6 +87,7 @@ def work(
     fence = self.fence
     ledger.rpush(f"{PREFIX}:runs:{key}", f"{fence.generation}:{fence.attempt_id}")
     _kill_once("before_effect", key)
+    _hang_once(key)
     end = time.monotonic() + sleep
     while time.monotonic() < end:
         time.sleep(0.02)

@@ -88,3 +88,19 @@ def race_sender(db_url: str, redis_url: str, ledger_key: str, barrier_key: str) 
     while not r.exists(barrier_key) and time.monotonic() < end:
         time.sleep(0.005)
     sender.deliver()
+
+
+def crashing_sender(db_url: str, redis_url: str, ledger_key: str, key: str) -> None:
+    """One sender process whose handler kills it (SIGKILL) mid-delivery, as an OOM kill would:
+    the row stays claimed, and the sender never reaches its failure path."""
+    crasher = Celery("fence_outbox_crash", set_as_current=False)
+    crasher.conf.update(fence_database_url=db_url, fence_redis_url=redis_url)
+    sender = Outbox(crasher, claim_ttl=0.3, max_attempts=3)
+    r = redis.Redis.from_url(redis_url)
+
+    @sender.handler("crash")
+    def deliver(payload: Any, *, idempotency_key: str) -> None:
+        r.rpush(ledger_key, idempotency_key)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    sender.deliver(key=key)

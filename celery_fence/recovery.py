@@ -1,0 +1,307 @@
+"""Stranded jobs: found, and re-sent under their own key.
+
+A job row can stay ``running``, ``retrying`` or ``pending`` with no message left to finish it: a
+purged queue, a broker that lost messages, a ``fence requeue`` that died between its commit and
+its send, a worker killed while the Redis broker's visibility timeout is still hours away.
+Such a row is **stranded** when no live lease holds its key in Redis and it has not moved for
+``fence_recover_after`` seconds (default: 10 x ``fence_lease_ttl``) — for a ``retrying`` job,
+counted from its ``retry_at`` too.
+
+:func:`recover` re-sends each stranded job from its stored request (task, args, kwargs, and the
+exchange and routing key it was delivered with) under the same key. Before the send, the row is
+moved to ``pending`` by a compare-and-set on what was observed (status, generation, attempt,
+``updated_at``), so two recoveries running at once send it once. The re-sent message goes
+through the ordinary claim: if the original message was only late and turns up too, both are
+fenced on the key and one completion is stored.
+
+Three ways to run it: ``celery -A proj fence recover [--older-than S] [--dry-run]``, the task
+:data:`RECOVER_TASK` in beat (registered on every app that imports ``celery_fence``)::
+
+    beat_schedule = {"fence-recover": {"task": "celery_fence.recover", "schedule": 60.0}}
+
+or :func:`recover` from your own code. ``fence ls --stuck`` lists the same set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import shared_task
+
+from .config import FenceConfig
+from .errors import FenceError
+from .lease import LeaseStore, make_redis_client
+from .store import JobRecord, Store, store_for
+
+logger = logging.getLogger("celery_fence.recovery")
+
+#: The beat task: ``{"task": RECOVER_TASK, "schedule": 60.0}``.
+RECOVER_TASK = "celery_fence.recover"
+#: Stranded jobs one run looks at, at most (the next run takes the rest).
+DEFAULT_LIMIT = 1000
+#: The message header that names the job's key on a re-send (see :func:`send_stored`).
+KEY_HEADER = "fence_key"
+#: Celery task ids longer than this are not sent as they are (AMQP's correlation id is a
+#: short string of at most 255 bytes).
+MAX_TASK_ID = 255
+UNKEYED_PREFIX = "unkeyed:"
+
+
+class NotResendable(FenceError):
+    """The job cannot be re-sent: it has no stored request (its arguments were not JSON)."""
+
+
+@dataclass
+class RecoveryReport:
+    """What one :func:`recover` run found and did (keys only, never payloads)."""
+
+    stranded: list[str] = field(default_factory=list)
+    sent: list[str] = field(default_factory=list)
+    raced: list[str] = field(default_factory=list)  # another recovery or an attempt moved it
+    dead: list[str] = field(default_factory=list)  # no stored request: moved to dead
+    failed: list[str] = field(default_factory=list)  # the send failed (retried next run)
+    dry_run: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "stranded": len(self.stranded),
+            "sent": len(self.sent),
+            "raced": len(self.raced),
+            "dead": len(self.dead),
+            "failed": len(self.failed),
+            "dry_run": self.dry_run,
+        }
+
+
+@contextlib.contextmanager
+def lease_store(config: FenceConfig) -> Iterator[LeaseStore]:
+    """A lease store on a client of its own, closed afterwards (CLI and recovery runs)."""
+    client = make_redis_client(config)
+    try:
+        yield LeaseStore(client, prefix=config.key_prefix)
+    finally:
+        close = getattr(client, "close", None)
+        if close is not None:
+            close()
+
+
+def lease_held(leases: LeaseStore, key: str) -> bool:
+    """True while a live lease holds ``key`` in Redis."""
+    remaining, _ = leases.remaining(key)
+    return remaining is not None
+
+
+def stranded_jobs(
+    store: Store,
+    leases: LeaseStore,
+    *,
+    older_than: float,
+    limit: int = DEFAULT_LIMIT,
+    task_name: str | None = None,
+) -> list[JobRecord]:
+    """Unfinished jobs that have not moved for ``older_than`` seconds and whose lease is gone."""
+    candidates = store.stranded(older_than=older_than, limit=limit, task_name=task_name)
+    return [record for record in candidates if not lease_held(leases, record.key)]
+
+
+def task_id_for(app: Any, record: JobRecord) -> str:
+    """The Celery task id of a re-send: never a new key.
+
+    The stored request's ``id`` (the original task id, so callers' ``AsyncResult`` converges)
+    when it has one; for ``unkeyed:<task>:<id>`` the id in the key; a task the app knows with a
+    ``fence_key`` gets a fresh id (its key comes from its arguments); otherwise the key itself —
+    the default key is the Celery task id, and a task this app lacks may be using it.
+    """
+    request = record.request or {}
+    stored = request.get("id")
+    if isinstance(stored, str) and stored:
+        return stored
+    if record.key.startswith(UNKEYED_PREFIX):
+        original = record.key.rsplit(":", 1)[-1]
+        if original:
+            return original
+    task = app.tasks.get(str(request.get("task") or record.task_name))
+    if task is not None and getattr(task, "fence_key", None) is not None:
+        return uuid.uuid4().hex
+    if len(record.key.encode()) > MAX_TASK_ID:
+        raise NotResendable(
+            f"job {record.key!r} may use its key as its task id, and the key is longer than "
+            f"{MAX_TASK_ID} bytes: re-send it from your code"
+        )
+    return record.key
+
+
+def routing_for(record: JobRecord, app: Any = None) -> dict[str, Any]:
+    """``send_task`` routing options that reach the queue the original message reached.
+
+    The stored request keeps the exchange and routing key as delivered. A queue of ``app``'s
+    own bound that way is named (Celery declares it before the send); otherwise, with a named
+    exchange, both are sent as they were (a topic or direct exchange on RabbitMQ routes on them);
+    with the default exchange the routing key is the queue's name. Rows stored before the
+    routing key was kept name the delivered routing key ``queue``.
+    """
+    options = dict((record.request or {}).get("options") or {})
+    exchange = options.get("exchange") or None
+    routing_key = options.get("routing_key")
+    if routing_key is None:
+        routing_key = options.get("queue")
+    send: dict[str, Any] = {}
+    if exchange and routing_key is not None:
+        queue = _queue_bound(app, exchange, routing_key)
+        if queue is not None:
+            send["queue"] = queue
+        else:
+            send.update(exchange=exchange, routing_key=routing_key)
+    elif routing_key:
+        send["queue"] = routing_key
+    if options.get("priority") is not None:
+        send["priority"] = options["priority"]
+    return send
+
+
+def _queue_bound(app: Any, exchange: str, routing_key: str) -> str | None:
+    """The name of ``app``'s queue bound to ``exchange`` with exactly ``routing_key``."""
+    if app is None:
+        return None
+    for queue in app.amqp.queues.values():
+        bound = queue.exchange.name if queue.exchange is not None else None
+        if bound == exchange and queue.routing_key == routing_key:
+            return str(queue.name)
+    return None
+
+
+def send_stored(app: Any, record: JobRecord) -> str:
+    """Send ``record``'s stored request again, under its key; return the Celery task id.
+
+    The message carries the key in the ``fence_key`` header, so a worker can run it under the
+    same key even when its ``fence_key`` callable would compute another (an ``unkeyed:`` job
+    whose key function is fixed now).
+    """
+    request = dict(record.request or {})
+    if not request:
+        raise NotResendable(
+            f"job {record.key!r} has no stored request (its arguments were not JSON): re-send it "
+            "from your code"
+        )
+    task_name = str(request.get("task") or record.task_name)
+    task_id = task_id_for(app, record)
+    app.send_task(
+        task_name,
+        args=list(request.get("args") or []),
+        kwargs=dict(request.get("kwargs") or {}),
+        task_id=task_id,
+        headers={KEY_HEADER: record.key},
+        **routing_for(record, app),
+    )
+    return task_id
+
+
+def resend(app: Any, store: Store, record: JobRecord, *, reason: str) -> str | None:
+    """Take ``record`` for a re-send (compare-and-set to ``pending``) and send it.
+
+    Returns the task id, or None when the row moved since it was read (another recovery, or an
+    attempt, got there first). A failed send raises; the row stays ``pending`` and the next
+    recovery past the threshold sends it.
+    """
+    if not record.request:
+        raise NotResendable(
+            f"job {record.key!r} has no stored request (its arguments were not JSON): re-send it "
+            "from your code"
+        )
+    taken = store.take_for_resend(record, reason=reason)
+    if taken is None:
+        return None
+    return send_stored(app, taken)
+
+
+def recover(
+    app: Any,
+    *,
+    older_than: float | None = None,
+    dry_run: bool = False,
+    limit: int = DEFAULT_LIMIT,
+) -> RecoveryReport:
+    """Find stranded jobs and re-send each under its key (see the module docstring)."""
+    config = FenceConfig.from_app(app)
+    threshold = config.recover_after_seconds if older_than is None else older_than
+    store = store_for(config)
+    report = RecoveryReport(dry_run=dry_run)
+    with lease_store(config) as leases:
+        found = stranded_jobs(store, leases, older_than=threshold, limit=limit)
+    for record in found:
+        report.stranded.append(record.key)
+        if dry_run:
+            continue
+        if not record.request:  # nothing to re-send: dead, where an operator sees it
+            error = NotResendable(
+                f"stranded {record.status} with no stored request (its arguments were not "
+                "JSON): re-send it from your code"
+            )
+            if store.bury_stranded(record, error=error, reason="stranded, not resendable"):
+                report.dead.append(record.key)
+                logger.error(
+                    "fence recover: stranded job key=%s has no stored request; it is dead now",
+                    record.key,
+                    extra={"action": "dead", "fence_key": record.key, "reason": "not resendable"},
+                )
+            else:
+                report.raced.append(record.key)
+            continue
+        try:
+            task_id = resend(app, store, record, reason=f"stranded {record.status}")
+        except Exception as exc:  # one job's failure must not stop the others
+            report.failed.append(record.key)
+            logger.error(
+                "fence recover could not re-send key=%s: %s",
+                record.key,
+                type(exc).__name__,
+                extra={"action": "recover_failed", "fence_key": record.key, "reason": str(exc)},
+            )
+            continue
+        if task_id is None:
+            report.raced.append(record.key)
+            continue
+        report.sent.append(record.key)
+        logger.warning(
+            "fence recovered stranded job key=%s status=%s generation=%s: re-sent as %s",
+            record.key,
+            record.status,
+            record.generation,
+            task_id,
+            extra={
+                "action": "recovered",
+                "fence_key": record.key,
+                "generation": record.generation,
+                "attempt_id": record.attempt_id,
+                "reason": f"stranded {record.status}",
+            },
+        )
+    return report
+
+
+@shared_task(name=RECOVER_TASK, bind=True, ignore_result=True)
+def recover_task(self: Any, older_than: float | None = None) -> dict[str, Any]:
+    """The beat task: one :func:`recover` run on this worker's app."""
+    return recover(self.app, older_than=older_than).as_dict()
+
+
+__all__ = [
+    "DEFAULT_LIMIT",
+    "KEY_HEADER",
+    "RECOVER_TASK",
+    "NotResendable",
+    "RecoveryReport",
+    "lease_held",
+    "lease_store",
+    "recover",
+    "resend",
+    "routing_for",
+    "send_stored",
+    "stranded_jobs",
+    "task_id_for",
+]

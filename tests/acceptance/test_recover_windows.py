@@ -1,0 +1,337 @@
+"""Stranded jobs with real workers: lost messages, recoveries racing late originals, a requeue
+killed between its commit and its send — each ends with exactly one completion.
+
+The workload (tests/support/app.py) writes a ledger to Redis: one ``runs`` entry per body start,
+one ``effects`` entry per side effect. A flag ``<prefix>:hang:<key>`` makes the body hang once
+(so a worker can be killed or paused while it holds the key); ``<prefix>:unhang:<key>`` ends it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import kombu
+import pytest
+import redis
+
+from celery_fence.lease import LeaseStore
+from celery_fence.store import JobRecord, Store
+from tests.integration.test_cli import APP, CELERY, fence_cli, ok
+from tests.support.env import BROKER_URL
+from tests.support.worker import ROOT, wait_until
+
+AMQP_URL = os.environ.get("FENCE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+@pytest.fixture
+def fence_store(db_url: str) -> Iterator[Store]:
+    s = Store(db_url)
+    yield s
+    s.dispose()
+
+
+@pytest.fixture
+def broker(worker_env: dict[str, str]) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(BROKER_URL)
+    yield client
+    client.delete(worker_env["FENCE_T_QUEUE"])
+    client.close()
+
+
+def _status(store: Store, key: str) -> str | None:
+    record = store.get(key)
+    return None if record is None else record.status
+
+
+def _completions(store: Store, key: str) -> int:
+    return sum(1 for t in store.history(key) if t.action == "completed")
+
+
+def _lease_gone(leases: LeaseStore, key: str) -> bool:
+    return leases.remaining(key)[0] is None
+
+
+def _unacked(broker: redis.Redis, key: str) -> list[tuple[bytes, list[Any]]]:
+    """The Redis broker's unacked entries (delivery tag, [message, exchange, routing key]) of
+    messages for ``key`` — where a message sits while a killed worker had it."""
+    found = []
+    for tag, raw in broker.hgetall("unacked").items():
+        entry = json.loads(raw)
+        args = json.loads(base64.b64decode(entry[0]["body"]))[0]
+        if args and args[0] == key:
+            found.append((tag, entry))
+    return found
+
+
+def _lose_unacked(broker: redis.Redis, key: str) -> int:
+    """What a broker that lost the message leaves: nothing (no redelivery, ever)."""
+    entries = _unacked(broker, key)
+    for tag, _ in entries:
+        broker.hdel("unacked", tag)
+        broker.zrem("unacked_index", tag)
+    return len(entries)
+
+
+def _redeliver_unacked(broker: redis.Redis, key: str, queue: str) -> int:
+    """What the Redis broker does once the visibility timeout passed: the original message goes
+    back to its queue (here, at once)."""
+    entries = _unacked(broker, key)
+    for tag, (message, _exchange, _routing_key) in entries:
+        broker.lpush(queue, json.dumps(message))
+        broker.hdel("unacked", tag)
+        broker.zrem("unacked_index", tag)
+    return len(entries)
+
+
+def _claimed_then_killed(
+    spawn_worker: Any, client_app: Any, redis_client: redis.Redis, prefix: str, key: str, **kw: Any
+) -> Any:
+    """A worker claims ``key`` and is SIGKILLed (main process and pool) while the body runs."""
+    redis_client.set(f"{prefix}:hang:{key}", 1)
+    worker = spawn_worker("doomed", **kw)
+    client_app.work.delay(key)
+    wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="body started")
+    worker.kill()
+    return worker
+
+
+def _one_completion(store: Store, redis_client: redis.Redis, prefix: str, key: str) -> JobRecord:
+    record = store.get(key)
+    assert record is not None and record.status == "completed"
+    assert _completions(store, key) == 1
+    effects = redis_client.lrange(f"{prefix}:effects:{key}", 0, -1)
+    assert effects == [f"{record.generation}:{record.attempt_id}".encode()]
+    assert record.result["attempt_id"] == record.attempt_id
+    return record
+
+
+def test_a_claimed_job_whose_worker_died_and_message_was_lost_is_recovered_once(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: redis.Redis,
+    broker: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    leases: LeaseStore,
+    worker_env: dict[str, str],
+) -> None:
+    # Given a job claimed by a worker that was killed, its message lost (purged queue, lost
+    # unacked message) ...
+    key = f"lost:{uuid.uuid4().hex[:8]}"
+    _claimed_then_killed(spawn_worker, client_app, redis_client, prefix, key)
+    broker.delete(worker_env["FENCE_T_QUEUE"])
+    assert _lose_unacked(broker, key) == 1
+    wait_until(lambda: _lease_gone(leases, key), 10, what="lease expired")
+    assert _status(fence_store, key) == "running"  # stranded: no lease, no message
+    spawn_worker("rescuer")
+    # ... when recover runs (ls --stuck shows the job first),
+    stuck = json.loads(ok(fence_cli(worker_env, "ls", "--stuck", "--older-than", "1", "--json")))
+    assert key in {j["key"] for j in stuck}
+    out = ok(fence_cli(worker_env, "recover", "--older-than", "1"))
+    assert f"{key}: re-sent" in out
+    # then it completes exactly once, under its key, with a newer generation.
+    wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")
+    record = _one_completion(fence_store, redis_client, prefix, key)
+    assert record.generation == 2 and record.attempts == 2
+    assert redis_client.llen(f"{prefix}:runs:{key}") == 2
+    assert "recovered" in [t.action for t in fence_store.history(key)]
+    assert key not in ok(fence_cli(worker_env, "ls", "--stuck", "--older-than", "0"))
+
+
+def test_a_late_original_message_racing_the_recovery_yields_one_completion(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: redis.Redis,
+    broker: redis.Redis,
+    prefix: str,
+    pg_url: str,
+    leases: LeaseStore,
+    worker_env: dict[str, str],
+) -> None:
+    store = Store(pg_url)
+    env = {**worker_env, "FENCE_T_DB": pg_url}
+    # Given a stranded job whose original message is not lost, only late ...
+    key = f"late:{uuid.uuid4().hex[:8]}"
+    _claimed_then_killed(spawn_worker, client_app, redis_client, prefix, key, FENCE_T_DB=pg_url)
+    wait_until(lambda: _lease_gone(leases, key), 10, what="lease expired")
+    # ... when a recovery re-sends it and the original comes back at the same moment,
+    assert f"{key}: re-sent" in ok(fence_cli(env, "recover", "--older-than", "1"))
+    assert _redeliver_unacked(broker, key, worker_env["FENCE_T_QUEUE"]) == 1
+    assert broker.llen(worker_env["FENCE_T_QUEUE"]) == 2
+    spawn_worker("racer", concurrency=2, FENCE_T_DB=pg_url)  # both messages at once
+    # then one of them completes it and the other converges on that result.
+    wait_until(lambda: _status(store, key) == "completed", 30, what="completed")
+    wait_until(lambda: broker.llen(worker_env["FENCE_T_QUEUE"]) == 0, 30, what="both consumed")
+    wait_until(lambda: not _unacked(broker, key), 30, what="both acked")
+    _one_completion(store, redis_client, prefix, key)
+    assert redis_client.llen(f"{prefix}:runs:{key}") in (2, 3)  # killed run + one or both
+    store.dispose()
+
+
+def test_a_paused_original_attempt_loses_to_the_recovery(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: redis.Redis,
+    prefix: str,
+    pg_url: str,
+    leases: LeaseStore,
+    worker_env: dict[str, str],
+) -> None:
+    store = Store(pg_url)
+    env = {**worker_env, "FENCE_T_DB": pg_url}
+    # Given an attempt paused (SIGSTOP) mid-body past its lease, that never checks its lease ...
+    key = f"paused:{uuid.uuid4().hex[:8]}"
+    redis_client.set(f"{prefix}:hang:{key}", 1)
+    paused = spawn_worker("paused", FENCE_T_DB=pg_url)
+    client_app.work.delay(key, check=False)
+    wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="body started")
+    paused.pause()
+    wait_until(lambda: _lease_gone(leases, key), 10, what="lease expired")
+    # ... when recovery re-sends it and another worker completes it,
+    spawn_worker("rescuer", FENCE_T_DB=pg_url)
+    assert f"{key}: re-sent" in ok(fence_cli(env, "recover", "--older-than", "1"))
+    wait_until(lambda: _status(store, key) == "completed", 30, what="completed")
+    done = store.get(key)
+    assert done is not None
+    # then the original, resumed, performs its effect (it never checks) but cannot complete.
+    redis_client.set(f"{prefix}:unhang:{key}", 1)
+    paused.resume()
+    wait_until(lambda: redis_client.llen(f"{prefix}:effects:{key}") == 2, 30, what="late effect")
+    wait_until(lambda: "stale" in [t.action for t in store.history(key)], 30, what="stale rejected")
+    after = store.get(key)
+    assert after is not None and (after.attempt_id, after.result) == (done.attempt_id, done.result)
+    assert _completions(store, key) == 1
+    store.dispose()
+
+
+def _blackhole() -> socket.socket:
+    """A listening socket that never accepts: a connection to it hangs (a broker gone silent)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock
+
+
+def test_a_requeue_killed_between_commit_and_send_is_finished_by_recover(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    worker_env: dict[str, str],
+) -> None:
+    # Given a dead job (2 attempts, both failed; the cause is fixed now) ...
+    spawn_worker("w", FENCE_T_MAX_ATTEMPTS="2")
+    key = f"requeue:{uuid.uuid4().hex[:8]}"
+    redis_client.set(f"{prefix}:fail_times:{key}", 2)
+    client_app.work.delay(key, fail="transient")
+    wait_until(lambda: _status(fence_store, key) == "dead", 60, what="dead")
+    # ... and a requeue that commits 'pending' and is killed while it sends (a silent broker),
+    silent = _blackhole()
+    port = silent.getsockname()[1]
+    proc = subprocess.Popen(
+        [CELERY, "-A", APP, "fence", "requeue", key],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            **worker_env,
+            "FENCE_T_BROKER": f"redis://127.0.0.1:{port}/0",
+            "FENCE_T_BACKEND": BROKER_URL,
+            "PYTHONPATH": str(ROOT),
+        },
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_until(lambda: _status(fence_store, key) == "pending", 30, what="requeue committed")
+        assert proc.poll() is None  # still sending
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        silent.close()
+    assert _status(fence_store, key) == "pending"  # committed, never sent
+    # when recover runs, the job runs again under its key and completes once.
+    assert f"{key}: re-sent" in ok(fence_cli(worker_env, "recover", "--older-than", "0"))
+    wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")
+    _one_completion(fence_store, redis_client, prefix, key)
+
+
+def _rabbitmq_up() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _rabbitmq_up(), reason="RabbitMQ is not running on 127.0.0.1:5672")
+def test_rabbitmq_topic_exchange_a_purged_job_is_recovered_to_its_queue(
+    spawn_worker: Any,
+    redis_client: redis.Redis,
+    prefix: str,
+    sqlite_url: str,
+    leases: LeaseStore,
+    worker_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib
+    import sys
+
+    env = {
+        **worker_env,
+        "FENCE_T_DB": sqlite_url,
+        "FENCE_T_BROKER": AMQP_URL,
+        "FENCE_T_BACKEND": BROKER_URL,
+        "FENCE_T_TOPIC": "1",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    sys.modules.pop("tests.support.app", None)
+    client = importlib.import_module("tests.support.app")
+    store = Store(sqlite_url)
+    queue = worker_env["FENCE_T_QUEUE"]
+    try:
+        # Given a job delivered through a topic exchange, claimed, its worker killed and its
+        # queue purged (RabbitMQ gave the unacked message back; the operator purged it) ...
+        key = f"topic:{uuid.uuid4().hex[:8]}"
+        redis_client.set(f"{prefix}:hang:{key}", 1)
+        worker = spawn_worker("doomed", **env)
+        client.work.apply_async(
+            (key,), exchange=f"{queue}-topic", routing_key=f"{queue}.work.eu"
+        )  # matches the queue's binding "<queue>.#"
+        wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="started")
+        stored = store.get(key)
+        assert stored is not None and stored.request is not None
+        assert stored.request["options"]["exchange"] == f"{queue}-topic"
+        assert stored.request["options"]["routing_key"] == f"{queue}.work.eu"
+        worker.kill()
+        with kombu.Connection(AMQP_URL) as conn:
+            wait_until(lambda: conn.default_channel.queue_purge(queue) or 0, 15, what="purged")
+        wait_until(lambda: _lease_gone(leases, key), 10, what="lease expired")
+        # ... when recover runs,
+        out = ok(fence_cli(env, "recover", "--older-than", "1"))
+        assert f"{key}: re-sent" in out
+        # then the message reaches the queue through the exchange and routing key as delivered,
+        spawn_worker("rescuer", **env)
+        wait_until(lambda: _status(store, key) == "completed", 30, what="completed")
+        _one_completion(store, redis_client, prefix, key)
+        record = store.get(key)
+        assert record is not None and record.request is not None
+        assert record.request["options"]["routing_key"] == f"{queue}.work.eu"
+    finally:
+        with kombu.Connection(AMQP_URL) as conn:
+            conn.default_channel.queue_delete(queue)
+            conn.default_channel.exchange_delete(f"{queue}-topic")
+        client.app.close()
+        kombu.pools.reset()  # the AMQP connections (kombu's pools are global)
+        sys.modules.pop("tests.support.app", None)
+        store.dispose()

@@ -1,0 +1,328 @@
+"""Stranded jobs: the store's scan and compare-and-set, ``fence ls --stuck``, ``fence recover``
+and ``fence requeue --force`` against real Redis (leases and broker) and SQLite/PostgreSQL.
+
+The messages a recovery sends are read back from the Redis broker's queue list (no worker):
+task name, task id, key header, arguments and routing. ``tests/acceptance/test_recover_windows.py``
+runs them through real workers.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import datetime as dt
+import json
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from celery_fence.lease import LeaseStore
+from celery_fence.store import JobRecord, Store
+from tests.integration.test_cli import APP, CELERY, assert_one_line_error, fence_cli, ok
+from tests.support.env import BROKER_URL
+from tests.support.worker import ROOT
+
+WORK = "tests.support.app.work"
+
+
+@pytest.fixture
+def fence_store(db_url: str) -> Iterator[Store]:
+    s = Store(db_url)
+    yield s
+    s.dispose()
+
+
+@pytest.fixture
+def broker(worker_env: dict[str, str]) -> Iterator[redis.Redis]:
+    """The Redis broker; this test's queue is deleted afterwards."""
+    client = redis.Redis.from_url(BROKER_URL)
+    yield client
+    client.delete(worker_env["FENCE_T_QUEUE"])
+    client.close()
+
+
+def _request(key: str, queue: str, **options: Any) -> dict[str, Any]:
+    return {
+        "task": WORK,
+        "args": [key],
+        "kwargs": {"marker": "m"},
+        "options": {"routing_key": queue, "exchange": queue, "priority": None, **options},
+    }
+
+
+def _stranded(
+    store: Store, queue: str, status: str, *, key: str | None = None, generation: int = 1
+) -> JobRecord:
+    """A job left ``status`` by an attempt whose lease is gone (none was ever taken in Redis)."""
+    key = key or f"stuck:{uuid.uuid4().hex[:10]}"
+    attempt = uuid.uuid4().hex
+    store.register(
+        key,
+        generation=generation,
+        attempt_id=attempt,
+        task_name=WORK,
+        request=_request(key, queue),
+    )
+    if status == "retrying":
+        store.schedule_retry(
+            key,
+            generation=generation,
+            attempt_id=attempt,
+            error=ConnectionError("down"),
+            retry_at=dt.datetime.now(dt.timezone.utc),
+            reason="test",
+        )
+    elif status == "completed":
+        store.complete(key, generation=generation, attempt_id=attempt, result=1)
+    elif status == "dead":
+        store.mark_dead(
+            key, generation=generation, attempt_id=attempt, error=ValueError("x"), reason="t"
+        )
+    record = store.get(key)
+    assert record is not None and record.status == status
+    return record
+
+
+def _messages(broker: redis.Redis, queue: str) -> list[dict[str, Any]]:
+    """The messages waiting in a Redis-broker queue: headers, body and delivery info."""
+    out = []
+    for raw in broker.lrange(queue, 0, -1):
+        message = json.loads(raw)
+        body = json.loads(base64.b64decode(message["body"]))
+        out.append({**message, "body": body})
+    return out
+
+
+# -- the store ------------------------------------------------------------------------------------
+
+
+def test_stranded_is_unfinished_and_not_moved_and_the_take_is_compare_and_set(
+    fence_store: Store, prefix: str
+) -> None:
+    queue = f"{prefix}-q"
+    running = _stranded(fence_store, queue, "running")
+    retrying = _stranded(fence_store, queue, "retrying")
+    done = _stranded(fence_store, queue, "completed")
+    dead = _stranded(fence_store, queue, "dead")
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=60)
+
+    def keys(**kw: Any) -> set[str]:
+        return {r.key for r in fence_store.stranded(**kw)} & {
+            running.key,
+            retrying.key,
+            done.key,
+            dead.key,
+        }
+
+    # Not moved for 30 s as seen 60 s from now: both unfinished jobs; finished ones never.
+    assert keys(older_than=30, now=later) == {running.key, retrying.key}
+    # Moved less than 120 s before then: none.
+    assert keys(older_than=120, now=later) == set()
+    # A retry due only in the future is not stranded until its retry time has passed too.
+    future = _stranded(fence_store, queue, "running")
+    fence_store.schedule_retry(
+        future.key,
+        generation=1,
+        attempt_id=future.attempt_id,
+        error=None,
+        retry_at=later + dt.timedelta(seconds=600),
+        reason="test",
+    )
+    assert future.key not in {r.key for r in fence_store.stranded(older_than=30, now=later)}
+
+    # Two recoveries that read the same row: one takes it, the other gets None.
+    first = fence_store.take_for_resend(running, reason="test")
+    second = fence_store.take_for_resend(running, reason="test")
+    assert first is not None and first.status == "pending" and second is None
+    stored = fence_store.get(running.key)
+    assert stored is not None
+    assert (stored.status, stored.generation, stored.attempts) == ("pending", 1, 1)
+    assert [t.action for t in fence_store.history(running.key)][-1] == "recovered"
+    # The attempt that was running cannot write any more (its writes need ``running``).
+    with pytest.raises(Exception, match="rejected"):
+        fence_store.complete(running.key, generation=1, attempt_id=running.attempt_id, result=2)
+
+
+def test_a_requeued_unkeyed_message_whose_key_fails_again_goes_back_to_dead(
+    fence_store: Store,
+) -> None:
+    key = f"unkeyed:{WORK}:{uuid.uuid4().hex}"
+    assert fence_store.bury(
+        key, task_name=WORK, request={"task": WORK}, error=ValueError("1"), reason="fence_key"
+    )
+    fence_store.requeue(key)
+    assert (fence_store.get(key) or pytest.fail()).status == "pending"
+    assert fence_store.bury(
+        key, task_name=WORK, request={"task": WORK}, error=ValueError("2"), reason="fence_key"
+    )
+    record = fence_store.get(key)
+    assert record is not None and record.status == "dead" and record.error_message == "2"
+    # a dead (or any other) row is never overwritten by a bury
+    assert not fence_store.bury(
+        key, task_name=WORK, request=None, error=ValueError("3"), reason="fence_key"
+    )
+
+
+# -- the CLI --------------------------------------------------------------------------------------
+
+
+def test_ls_stuck_and_recover_resend_stranded_jobs_under_their_key(
+    fence_store: Store,
+    worker_env: dict[str, str],
+    leases: LeaseStore,
+    broker: redis.Redis,
+    prefix: str,
+) -> None:
+    queue = worker_env["FENCE_T_QUEUE"]
+    running = _stranded(fence_store, queue, "running")
+    retrying = _stranded(fence_store, queue, "retrying")
+    # a job left pending by a requeue that died between its commit and its send
+    requeued = _stranded(fence_store, queue, "dead")
+    fence_store.requeue(requeued.key)
+    # held: unfinished and not moved, but a live lease holds it
+    held = _stranded(fence_store, queue, "running")
+    token = uuid.uuid4().hex
+    generation = leases.claim(held.key, token, 30_000)
+    ours = {running.key, retrying.key, requeued.key, held.key}
+
+    # ls --stuck lists exactly the stranded ones (not the one a lease holds)
+    listed = json.loads(ok(fence_cli(worker_env, "ls", "--stuck", "--older-than", "0", "--json")))
+    assert {j["key"] for j in listed} & ours == {running.key, retrying.key, requeued.key}
+    # nothing has moved for 10 x TTL yet
+    default = json.loads(ok(fence_cli(worker_env, "ls", "--stuck", "--json")))
+    assert not {j["key"] for j in default} & ours
+
+    # --dry-run sends nothing and changes nothing
+    dry = json.loads(
+        ok(fence_cli(worker_env, "recover", "--older-than", "0", "--dry-run", "--json"))
+    )
+    assert set(dry["keys"]["stranded"]) & ours == {running.key, retrying.key, requeued.key}
+    assert dry["sent"] == 0 and broker.llen(queue) == 0
+    assert (fence_store.get(running.key) or pytest.fail()).status == "running"
+
+    report = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "0", "--json")))
+    assert set(report["keys"]["sent"]) & ours == {running.key, retrying.key, requeued.key}
+    messages = [m for m in _messages(broker, queue) if m["body"][0][0] in ours]
+    assert sorted(m["body"][0][0] for m in messages) == sorted(
+        [running.key, retrying.key, requeued.key]
+    )
+    for m in messages:
+        key = m["body"][0][0]
+        assert m["headers"]["task"] == WORK
+        assert m["headers"]["fence_key"] == key  # the key travels with the message
+        assert m["body"][1] == {"marker": "m"}
+        assert m["properties"]["delivery_info"]["routing_key"] == queue
+        record = fence_store.get(key)
+        assert record is not None and record.status == "pending"
+        assert record.attempts == (0 if key == requeued.key else 1)  # a requeue reset it
+        before = {running.key: running, retrying.key: retrying, requeued.key: requeued}[key]
+        assert record.updated_at > before.updated_at  # it moved: the threshold starts again
+    leases.release(leases.keys_for(held.key).lease, f"{token}:{generation}")
+
+
+def test_two_recover_runs_at_once_send_each_job_once(
+    fence_store: Store, worker_env: dict[str, str], broker: redis.Redis, sqlite_url: str
+) -> None:
+    # SQLite file of this test's own: every stranded row in it is ours
+    env = {**worker_env, "FENCE_T_DB": sqlite_url}
+    store = Store(sqlite_url)
+    queue = worker_env["FENCE_T_QUEUE"]
+    keys = {_stranded(store, queue, "running").key for _ in range(20)}
+    # Not moved for more than 1 s; a row one run takes moves (updated now), so the other run,
+    # with the same threshold, sees it only if it read the row before the take: then the
+    # compare-and-set decides.
+    time.sleep(1.2)
+    procs = [
+        subprocess.Popen(
+            [CELERY, "-A", APP, "fence", "recover", "--older-than", "1", "--json"],
+            cwd=ROOT,
+            env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err
+        reports.append(json.loads(out))
+    sent = [k for r in reports for k in r["keys"]["sent"]]
+    assert sorted(sent) == sorted(keys)  # each once, between the two runs
+    assert sorted(m["body"][0][0] for m in _messages(broker, queue)) == sorted(keys)
+    store.dispose()
+
+
+def test_requeue_force(
+    fence_store: Store,
+    worker_env: dict[str, str],
+    leases: LeaseStore,
+    broker: redis.Redis,
+) -> None:
+    queue = worker_env["FENCE_T_QUEUE"]
+    held = _stranded(fence_store, queue, "running")
+    token = uuid.uuid4().hex
+    generation = leases.claim(held.key, token, 30_000)
+    # not dead, no --force: refused
+    assert_one_line_error(fence_cli(worker_env, "requeue", held.key), 1, "not dead", "--force")
+    # --force, but a live lease holds it: refused, nothing sent
+    assert_one_line_error(
+        fence_cli(worker_env, "requeue", "--force", held.key), 1, "live lease", "not re-sent"
+    )
+    assert broker.llen(queue) == 0
+    # the lease is gone: re-sent under its key, attempt count kept
+    leases.release(leases.keys_for(held.key).lease, f"{token}:{generation}")
+    out = ok(fence_cli(worker_env, "requeue", "--force", held.key))
+    assert out.startswith(f"requeued {held.key}:")
+    (message,) = _messages(broker, queue)
+    assert message["headers"]["fence_key"] == held.key and message["body"][0] == [held.key]
+    record = fence_store.get(held.key)
+    assert record is not None and (record.status, record.attempts) == ("pending", 1)
+    # a completed job is never re-sent, forced or not
+    done = _stranded(fence_store, queue, "completed")
+    assert_one_line_error(fence_cli(worker_env, "requeue", "--force", done.key), 1, "completed")
+
+
+def test_recover_routes_to_the_exchange_and_routing_key_as_delivered(
+    fence_store: Store, worker_env: dict[str, str], client_app: Any
+) -> None:
+    from celery_fence import recovery
+
+    queue = worker_env["FENCE_T_QUEUE"]
+    record = _stranded(fence_store, queue, "running")
+
+    def routed(request: dict[str, Any]) -> dict[str, Any]:
+        return recovery.routing_for(dataclasses.replace(record, request=request), client_app.app)
+
+    # delivered through a topic exchange (as RabbitMQ reports it): the same exchange and key
+    topic = _request(record.key, "", exchange="jobs.topic", routing_key="jobs.work.eu")
+    assert routed(topic) == {"exchange": "jobs.topic", "routing_key": "jobs.work.eu"}
+    # through a queue this app declares: named, so Celery declares it before the send
+    assert routed(_request(record.key, queue)) == {"queue": queue}
+    # through the default exchange: the routing key is the queue's name
+    assert routed(_request(record.key, "q0", exchange="")) == {"queue": "q0"}
+    # a row stored before the routing key was kept ("queue" held the delivered routing key)
+    assert routed({"task": WORK, "args": [], "options": {"queue": "q1"}}) == {"queue": "q1"}
+
+
+def test_a_stranded_job_without_a_stored_request_goes_dead_not_stuck_forever(
+    worker_env: dict[str, str], sqlite_url: str
+) -> None:
+    env = {**worker_env, "FENCE_T_DB": sqlite_url}
+    store = Store(sqlite_url)
+    key = f"stuck:{uuid.uuid4().hex[:10]}"
+    store.register(key, generation=1, attempt_id="a", task_name=WORK, request=None)
+    report = json.loads(ok(fence_cli(env, "recover", "--older-than", "0", "--json")))
+    assert report["keys"]["dead"] == [key] and report["sent"] == 0
+    record = store.get(key)
+    assert record is not None and record.status == "dead"
+    assert record.error_message is not None and "no stored request" in record.error_message
+    assert json.loads(ok(fence_cli(env, "ls", "--stuck", "--older-than", "0", "--json"))) == []
+    store.dispose()
