@@ -9,6 +9,7 @@ only place that speaks Celery (return, fail, re-raise, re-send).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
