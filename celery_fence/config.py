@@ -40,6 +40,9 @@ DEFAULT_RETRY_BUDGET_FLOOR = 10
 DEFAULT_RETRY_BUDGET_WINDOW = 60.0
 #: Characters of an error message kept in the store.
 DEFAULT_ERROR_MESSAGE_LENGTH = 500
+#: PostgreSQL: seconds a store statement (a registration, a completion) waits for a row lock,
+#: e.g. behind a paused ``fence.transaction()`` holder, before it fails and the message is re-sent.
+DEFAULT_LOCK_TIMEOUT = 5.0
 
 
 def _as_float(name: str, value: Any) -> float:
@@ -130,6 +133,7 @@ class FenceConfig:
     transient_exceptions: tuple[type[BaseException], ...] | None = None  # None: the defaults
     retry_unknown_errors: bool = True
     error_message_length: int = DEFAULT_ERROR_MESSAGE_LENGTH
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT
     record_transitions: bool = True
     send_events: bool = True
     redact_celery_logs: bool = False
@@ -178,6 +182,12 @@ class FenceConfig:
             raise ConfigurationError(
                 "fence_retry_budget_window must be a positive number of seconds."
             )
+        if self.lock_timeout <= 0:
+            raise ConfigurationError(
+                f"fence_lock_timeout={self.lock_timeout} must be a positive number of seconds "
+                "(the longest a store statement waits for a row lock), e.g. "
+                f"{DEFAULT_LOCK_TIMEOUT}."
+            )
         if "://" not in self.database_url:
             raise ConfigurationError(
                 f"fence_database_url={self.database_url!r} is not an SQLAlchemy URL: use e.g. "
@@ -223,6 +233,7 @@ _FLOATS = {
     "retry_backoff_max",
     "retry_budget_ratio",
     "retry_budget_window",
+    "lock_timeout",
 }
 _INTS = {"max_attempts", "retry_budget_floor", "error_message_length"}
 _BOOLS = {

@@ -128,9 +128,11 @@ class Store(OutboxStore):
         record_transitions: bool = True,
         unfenced: bool = False,
         error_message_length: int = 500,
+        lock_timeout: float = 5.0,
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.url = url
+        self.lock_timeout = lock_timeout
         self.record_transitions = record_transitions
         self.unfenced = unfenced
         self.error_message_length = error_message_length
@@ -191,6 +193,21 @@ class Store(OutboxStore):
 
             # The embedded default needs no set-up step: create the tables once per process.
             schema.create_schema(engine)
+        else:
+            lock_timeout_ms = max(1, round(self.lock_timeout * 1000))
+
+            @sa.event.listens_for(engine, "connect")
+            def _pg_session(dbapi_conn: Any, _: Any) -> None:
+                # A store statement never waits for a row lock for ever (e.g. a registration
+                # behind a paused fence.transaction() holder): it fails, and the message is
+                # re-sent with backoff (task.py's registration and completion error paths).
+                autocommit = dbapi_conn.autocommit
+                dbapi_conn.autocommit = True
+                cur = dbapi_conn.cursor()
+                cur.execute(f"SET lock_timeout = {lock_timeout_ms}")
+                cur.close()
+                dbapi_conn.autocommit = autocommit
+
         return engine
 
     def dispose(self) -> None:
@@ -451,6 +468,26 @@ class Store(OutboxStore):
         if record.status == DEAD:
             return Registration("dead", record.attempts, record.generation, record)
         return Registration("stale", record.attempts, record.generation, record)
+
+    def commit_check(
+        self, conn: sa.Connection, key: str, *, generation: int, attempt_id: str
+    ) -> bool:
+        """The ownership check of a fenced commit (:mod:`celery_fence.transaction`): run on
+        ``conn`` inside its open transaction, just before that transaction commits.
+
+        One fenced ``UPDATE ... RETURNING`` of the job row (it touches ``updated_at``). On
+        PostgreSQL under Read Committed it either finds a newer registration already committed
+        (no row), waits for one in flight and re-checks it (no row), or locks the row, so that no
+        registration commits before this transaction does. True when this attempt still owns the
+        key.
+        """
+        stmt = (
+            jobs.update()
+            .where(self._owned(key, generation, attempt_id))
+            .values(updated_at=utcnow())
+            .returning(jobs.c.generation)
+        )
+        return conn.execute(stmt).first() is not None
 
     def _owned(self, key: str, generation: int, attempt_id: str) -> Any:
         where = jobs.c.key == key
@@ -747,6 +784,7 @@ def store_for(config: Any) -> Store:
         config.record_transitions,
         config.unfenced,
         config.error_message_length,
+        config.lock_timeout,
     )
     with _stores_lock:
         store = _stores.get(ident)
@@ -756,6 +794,7 @@ def store_for(config: Any) -> Store:
                 record_transitions=config.record_transitions,
                 unfenced=config.unfenced,
                 error_message_length=config.error_message_length,
+                lock_timeout=config.lock_timeout,
             )
         return store
 

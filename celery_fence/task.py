@@ -540,6 +540,7 @@ class FencedTask(Task):
             generation=generation,
             attempts=registration.attempts,
             lease=lease,
+            store=store,
         )
         self.request.fence = fence
         try:
@@ -548,6 +549,8 @@ class FencedTask(Task):
             raise  # the body's own Celery control flow
         except LeaseLost as exc:
             return self._after_lost(fence, store, config, exc)
+        except StaleGeneration as exc:  # a fenced commit (fence.transaction()) was refused
+            return self._after_stale(key, attempt_id, generation, store, exc)
         except Exception as exc:
             return self._after_error(fence, store, policy, exc)
         finally:
