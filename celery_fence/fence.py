@@ -10,6 +10,7 @@ from .outbox import StagedEffects
 from .renewer import HeldLease
 from .transaction import session as _session
 from .transaction import transaction as _transaction
+from .transaction import unrecorded_loss
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -64,12 +65,18 @@ class Fence:
 
     def check(self) -> None:
         """Raise ``LeaseLost`` if this attempt no longer holds its lease (decided locally)."""
+        if self._block is not None and self._lease.lost:
+            # Inside an open fence block the loss is recorded once the block has rolled back: on
+            # SQLite the block holds the database's write lock, which the record would wait for.
+            raise unrecorded_loss(self)
         self._lease.check()
 
     @contextmanager
     def guard(self) -> Iterator[Fence]:
-        """``with self.fence.guard(): publish(...)`` — checks the lease before the effect starts."""
-        self._lease.check()
+        """``with self.fence.guard(): publish(...)`` — checks the lease before the effect starts.
+
+        A check on entry, not a fence: for the app's own tables use ``transaction()``."""
+        self.check()
         yield self
 
     def transaction(self, bind: sa.Engine | None = None) -> AbstractContextManager[sa.Connection]:

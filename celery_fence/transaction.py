@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from .errors import ConfigurationError, FenceError
+from .errors import ConfigurationError, FenceError, LeaseLost
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -141,9 +141,13 @@ def _outermost(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
             yield block
         except BaseException:
             _rollback(conn)
+            fence._block = None
+            _record_loss(fence)
             raise
         if block.refused is not None:  # refused inside the block, and the refusal swallowed
             _rollback(conn)
+            fence._block = None
+            _record_loss(fence)
             raise _again(block.refused)
     finally:
         fence._block = None
@@ -196,6 +200,23 @@ def _on_commit(fence: Fence, store: Store, block: Block, conn: sa.Connection) ->
     refused = store._rejected(fence.key, fence.generation, fence.attempt_id, "fenced commit")
     block.refused = fence._refused = refused
     raise refused
+
+
+def unrecorded_loss(fence: Fence) -> LeaseLost:
+    """The ``LeaseLost`` of a check inside an open block, whose loss is recorded (and signalled)
+    after the block rolled back: :func:`_record_loss`."""
+    return LeaseLost(
+        f"lease lost for key {fence.key!r} at generation {fence.generation}: "
+        f"{fence._lease.lost_reason or 'deadline passed without a confirmed renewal'}",
+        key=fence.key,
+        generation=fence.generation,
+    )
+
+
+def _record_loss(fence: Fence) -> None:
+    """Mark and record a loss seen inside the block, now that it no longer holds locks."""
+    with contextlib.suppress(LeaseLost):
+        fence.check()
 
 
 def _rollback_driver(conn: sa.Connection) -> None:

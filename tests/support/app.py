@@ -240,3 +240,6 @@ def _upsert(bind: Any, key: str, gen: int, attempt: str) -> Any:
         index_elements=[app_reports.c.key],
         set_={"generation": stmt.excluded.generation, "attempt_id": stmt.excluded.attempt_id},
     )
+
+
+app.conf.fence_lock_timeout = float(E.get("FENCE_T_LOCK_TIMEOUT", "5"))
