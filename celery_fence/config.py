@@ -52,6 +52,9 @@ DEFAULT_GENERATION_TTL = 600.0
 #: ``fence recover`` / the recover task: a non-terminal job whose lease is gone counts as
 #: stranded once it has not moved for this many lease TTLs (unless ``fence_recover_after`` is set).
 RECOVER_AFTER_TTLS = 10
+#: PostgreSQL: seconds a store statement (a registration, a completion) waits for a row lock,
+#: e.g. behind a paused ``fence.transaction()`` holder, before it fails and the message is re-sent.
+DEFAULT_LOCK_TIMEOUT = 5.0
 
 
 def _as_float(name: str, value: Any) -> float:
@@ -142,6 +145,7 @@ class FenceConfig:
     transient_exceptions: tuple[type[BaseException], ...] | None = None  # None: the defaults
     retry_unknown_errors: bool = True
     error_message_length: int = DEFAULT_ERROR_MESSAGE_LENGTH
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT
     record_transitions: bool = True
     send_events: bool = True
     redact_celery_logs: bool = False
@@ -232,6 +236,12 @@ class FenceConfig:
                 f"fence_max_runtime={self.max_runtime} must be a positive number of seconds, or "
                 "None (the task's hard time limit, if any)."
             )
+        if self.lock_timeout <= 0:
+            raise ConfigurationError(
+                f"fence_lock_timeout={self.lock_timeout} must be a positive number of seconds "
+                "(the longest a store statement waits for a row lock), e.g. "
+                f"{DEFAULT_LOCK_TIMEOUT}."
+            )
         if "://" not in self.database_url:
             raise ConfigurationError(
                 f"fence_database_url={self.database_url!r} is not an SQLAlchemy URL: use e.g. "
@@ -296,6 +306,7 @@ _FLOATS = {
     "retry_budget_window",
     "database_timeout",
     "generation_ttl",
+    "lock_timeout",
 }
 _OPTIONAL_FLOATS = {"recover_after", "max_runtime"}
 _INTS = {"max_attempts", "retry_budget_floor", "error_message_length"}

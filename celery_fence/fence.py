@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING
 
 from .outbox import StagedEffects
 from .renewer import HeldLease
+from .transaction import session as _session
+from .transaction import transaction as _transaction
+from .transaction import unrecorded_loss
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+    from sqlalchemy.orm import Session
+
+    from .errors import FenceError
+    from .store import Store
+    from .transaction import Block
 
 
 class Fence:
@@ -14,13 +26,34 @@ class Fence:
 
     ``key`` is the stable logical key, ``attempt_id`` is new for every execution, ``generation``
     is the number this attempt's claim received. ``check()`` and ``guard()`` raise
-    :class:`~celery_fence.LeaseLost` once the lease is lost; call one before each side effect.
+    :class:`~celery_fence.LeaseLost` once the lease is lost: a check on entry, not a fence.
+    Writes to the app's own tables go through ``transaction()`` or ``session()``, whose commit is
+    fenced; effects on other systems through ``outbox``.
     """
 
-    __slots__ = ("_lease", "attempt_id", "attempts", "generation", "key", "outbox")
+    __slots__ = (
+        "_before_block",
+        "_block",
+        "_lease",
+        "_refused",
+        "_store",
+        "attempt_id",
+        "attempts",
+        "generation",
+        "key",
+        "outbox",
+    )
 
     def __init__(
-        self, *, key: str, attempt_id: str, generation: int, attempts: int, lease: HeldLease
+        self,
+        *,
+        key: str,
+        attempt_id: str,
+        generation: int,
+        attempts: int,
+        lease: HeldLease,
+        store: Store | None = None,
+        before_block: Callable[[], None] | None = None,
     ) -> None:
         self.key = key
         self.attempt_id = attempt_id
@@ -28,16 +61,48 @@ class Fence:
         self.attempts = attempts
         self.outbox = StagedEffects(key)
         self._lease = lease
+        self._store = store
+        #: Run before a fenced block opens: registers a deferred first claim (it has no row yet,
+        #: and the block's ownership check is a statement on that row).
+        self._before_block = before_block
+        self._block: Block | None = None  # the open fence.transaction()/session() block
+        self._refused: FenceError | None = None  # a fenced commit found a newer generation
 
     def check(self) -> None:
         """Raise ``LeaseLost`` if this attempt no longer holds its lease (decided locally)."""
+        if self._block is not None and self._lease.lost:
+            # Inside an open fence block the loss is recorded once the block has rolled back: on
+            # SQLite the block holds the database's write lock, which the record would wait for.
+            raise unrecorded_loss(self)
         self._lease.check()
 
     @contextmanager
     def guard(self) -> Iterator[Fence]:
-        """``with self.fence.guard(): publish(...)`` — checks the lease before the effect starts."""
-        self._lease.check()
+        """``with self.fence.guard(): publish(...)`` — checks the lease before the effect starts.
+
+        A check on entry, not a fence: for the app's own tables use ``transaction()``."""
+        self.check()
         yield self
+
+    def transaction(self, bind: sa.Engine | None = None) -> AbstractContextManager[sa.Connection]:
+        """``with self.fence.transaction() as conn:`` — a SQLAlchemy ``Connection`` in a
+        transaction on the store's database (or on ``bind``, your own ``Engine`` on that same
+        database) that commits only if this attempt still owns its key at commit time.
+
+        Otherwise nothing of the block commits and :class:`~celery_fence.StaleGeneration` is
+        raised out of it (the attempt then settles as stale). The lease is checked on entry and
+        again just before the commit. Nested blocks are savepoints of the outermost one, which
+        commits. See :mod:`celery_fence.transaction`.
+        """
+        return _transaction(self, bind)
+
+    def session(
+        self, factory: Callable[..., Session], bind: sa.Engine | None = None
+    ) -> AbstractContextManager[Session]:
+        """``with self.fence.session(SessionFactory) as session:`` — an ORM ``Session`` on a
+        fenced connection: every ``session.commit()`` is fenced like ``transaction()``'s, and the
+        block commits what is left at its end. ``bind`` defaults to the factory's own engine."""
+        return _session(self, factory, bind)
 
     @property
     def remaining(self) -> float:

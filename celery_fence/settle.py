@@ -243,6 +243,24 @@ def settle(attempt: Attempt, outcome: Outcome) -> Action:
         return _unrecorded(attempt, exc, what=type(outcome).__name__.lower())
 
 
+def register_deferred(a: Attempt) -> None:
+    """Before a ``fence.transaction()`` block of a deferred first claim: register it now (the
+    block's ownership check is a statement on its row). Raises :class:`StaleGeneration` when the
+    store says a newer generation (or a completion) got there first: the body stops, and the
+    attempt settles as stale, converging on the stored result."""
+    if not a.deferred:
+        return
+    outcome = _register_late(a)
+    if isinstance(outcome, Stale):
+        raise outcome.error
+    if outcome is not None:  # replayed or dead: the job was finished by another attempt
+        record = getattr(outcome, "record", None)
+        raise StaleGeneration(
+            f"generation {a.generation} of {a.key!r} cannot write: the job is already finished",
+            stored_generation=None if record is None else record.generation,
+        )
+
+
 def _register_late(a: Attempt) -> Outcome | None:
     """Register a deferred first claim before an outcome that writes its row; None when it
     registered, else the outcome the store's state calls for."""

@@ -186,11 +186,13 @@ class Store(OutboxStore):
         unfenced: bool = False,
         defer_first_registration: bool = False,
         error_message_length: int = 500,
+        lock_timeout: float = 5.0,
         engine_options: Mapping[str, Any] | None = None,
         database_timeout: float = DEFAULT_DATABASE_TIMEOUT,
     ) -> None:
         self.url = url
         self.database_timeout = database_timeout
+        self.lock_timeout = lock_timeout
         self.record_transitions = record_transitions
         self.unfenced = unfenced
         self.defer_first_registration = defer_first_registration
@@ -254,6 +256,21 @@ class Store(OutboxStore):
 
             # The embedded default needs no set-up step: create the tables once per process.
             schema.create_schema(engine)
+        else:
+            lock_timeout_ms = max(1, round(self.lock_timeout * 1000))
+
+            @sa.event.listens_for(engine, "connect")
+            def _pg_session(dbapi_conn: Any, _: Any) -> None:
+                # A store statement never waits for a row lock for ever (e.g. a registration
+                # behind a paused fence.transaction() holder): it fails, and the message is
+                # re-sent with backoff (task.py's registration and completion error paths).
+                autocommit = dbapi_conn.autocommit
+                dbapi_conn.autocommit = True
+                cur = dbapi_conn.cursor()
+                cur.execute(f"SET lock_timeout = {lock_timeout_ms}")
+                cur.close()
+                dbapi_conn.autocommit = autocommit
+
         return engine
 
     def _pg_connect_args(self) -> dict[str, Any]:
@@ -579,6 +596,26 @@ class Store(OutboxStore):
             return Registration("dead", record.attempts, record.generation, record)
         return Registration("stale", record.attempts, record.generation, record)
 
+    def commit_check(
+        self, conn: sa.Connection, key: str, *, generation: int, attempt_id: str
+    ) -> bool:
+        """The ownership check of a fenced commit (:mod:`celery_fence.transaction`): run on
+        ``conn`` inside its open transaction, just before that transaction commits.
+
+        One fenced ``UPDATE ... RETURNING`` of the job row (it touches ``updated_at``). On
+        PostgreSQL under Read Committed it either finds a newer registration already committed
+        (no row), waits for one in flight and re-checks it (no row), or locks the row, so that no
+        registration commits before this transaction does. True when this attempt still owns the
+        key.
+        """
+        stmt = (
+            jobs.update()
+            .where(self._owned(key, generation, attempt_id))
+            .values(updated_at=utcnow())
+            .returning(jobs.c.generation)
+        )
+        return conn.execute(stmt).first() is not None
+
     def _owned(self, key: str, generation: int, attempt_id: str) -> Any:
         where = jobs.c.key == key
         if not self.unfenced:
@@ -854,11 +891,15 @@ class Store(OutboxStore):
 
     def last_exit(self, key: str) -> str | None:
         """How the key's latest attempt before this one ended, as far as the history says: the
-        action of its newest transition row that is not a claim (None without one)."""
+        action of its newest transition row that is not a claim or a lease loss (None without
+        one)."""
         with self.engine.connect() as conn:
             return conn.execute(
                 sa.select(transitions.c.action)
-                .where((transitions.c.key == key) & (transitions.c.action != "claimed"))
+                .where(
+                    (transitions.c.key == key)
+                    & transitions.c.action.not_in(("claimed", "lost"))  # a loss is a symptom
+                )
                 .order_by(transitions.c.id.desc())
                 .limit(1)
             ).scalar()
@@ -1095,6 +1136,7 @@ def store_for(config: Any) -> Store:
         config.defer_first_registration,
         config.error_message_length,
         config.database_timeout,
+        config.lock_timeout,
     )
     with _stores_lock:
         store = _stores.get(ident)
@@ -1106,6 +1148,7 @@ def store_for(config: Any) -> Store:
                 defer_first_registration=config.defer_first_registration,
                 error_message_length=config.error_message_length,
                 database_timeout=config.database_timeout,
+                lock_timeout=config.lock_timeout,
             )
         return store
 

@@ -9,6 +9,7 @@ only place that speaks Celery (return, fail, re-raise, re-send).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -144,7 +145,7 @@ class FencedTask(Task):
             warnings.warn(
                 FenceEagerWarning(
                     f"fenced task {self.name} ran eagerly (task_always_eager or .apply()): no "
-                    "worker, no redelivery — fencing is not exercised. Test it with the "
+                    "worker, no redelivery — fencing is not exercised here. Test it with the "
                     "fenced_worker / fence_chaos fixtures of celery_fence.testing."
                 ),
                 stacklevel=3,
@@ -206,6 +207,8 @@ class FencedTask(Task):
             generation=attempt.generation,
             attempts=attempt.attempts,
             lease=attempt.lease,
+            store=attempt.store,
+            before_block=functools.partial(s.register_deferred, attempt),
         )
         self.request.fence = fence
         try:

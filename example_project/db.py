@@ -1,4 +1,5 @@
-"""The application's own tables: orders (the data) and export requests (stored before the job)."""
+"""The application's own tables: orders (the data), export requests (stored before the job) and
+reports (written by ``build_report`` through ``self.fence.transaction()``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 
 from . import settings
 
@@ -29,6 +31,17 @@ exports = sa.Table(
     sa.Column("email", sa.String(255), nullable=False),
     sa.Column("input_version", sa.Integer, nullable=False),  # the snapshot the export reads
     sa.Column("requested_at", sa.DateTime(timezone=True), nullable=False),
+)
+
+
+reports = sa.Table(
+    "example_reports",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),  # one row per report: a re-run replaces it
+    sa.Column("orders", sa.Integer, nullable=False),
+    sa.Column("revenue_cents", sa.Integer, nullable=False),
+    sa.Column("generation", sa.Integer, nullable=False),  # which attempt wrote it
+    sa.Column("attempt_id", sa.String(64), nullable=False),
 )
 
 
@@ -88,3 +101,29 @@ def get_export(export_id: str) -> ExportRequest | None:
     with engine().connect() as conn:
         row = conn.execute(sa.select(exports).where(exports.c.id == export_id)).first()
     return None if row is None else ExportRequest(row.id, row.email, row.input_version)
+
+
+def save_report(conn: sa.Connection, report: dict[str, Any], *, attempt_id: str) -> None:
+    """Upsert the report on ``conn`` (the task's fenced transaction): keyed by the report, so the
+    attempt that commits last — only ever the one that owns the job — leaves its row."""
+    insert = (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(reports)
+    values = {
+        "id": report["report_id"],
+        "orders": report["orders"],
+        "revenue_cents": report["revenue_cents"],
+        "generation": report["generation"],
+        "attempt_id": attempt_id,
+    }
+    stmt = insert.values(**values)
+    conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=[reports.c.id],
+            set_={k: stmt.excluded[k] for k in values if k != "id"},
+        )
+    )
+
+
+def get_report(report_id: str) -> dict[str, Any] | None:
+    with engine().connect() as conn:
+        row = conn.execute(sa.select(reports).where(reports.c.id == report_id)).first()
+    return None if row is None else dict(row._mapping)

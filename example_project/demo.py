@@ -8,7 +8,9 @@
 3. The "report ready" notification and the export email go through the outbox. The email's first
    delivery times out after the provider did the work; the outbox retries with the same
    idempotency key and the provider replays its answer: delivered twice, performed once.
-4. A resumes (SIGCONT) and tries to complete with generation 1: the store rejects it.
+4. A resumes (SIGCONT). Its report write to the app's table (``self.fence.transaction()``) is
+   refused — the table keeps generation 2's row — and its completions with generation 1 are
+   rejected by the store.
 5. A new export after new data: a new input version, a new object.
 
 Runs on the embedded default: a SQLite file of its own, Redis at 127.0.0.1:6379 (or a
@@ -290,6 +292,11 @@ class Demo:
         for key in (report_key, export_key):
             stale = wait_for(lambda k=key: _stale(store, k), 40, f"A's rejection on {key}")
             self.say(f"store rejected {key} from generation 1 (attempt {_short(stale.attempt_id)})")
+        row = wait_for(lambda: db.get_report(report_id), 10, "the report's row in the app table")
+        self.say(
+            f"app table example_reports: {report_id} written by generation {row['generation']} "
+            f"(attempt {_short(row['attempt_id'])}); A's fenced write never committed"
+        )
 
         # 4. New data, new export request: a new input version, a new object.
         db.add_orders([{"customer": "customer-new", "amount_cents": 99_00}])
@@ -311,6 +318,7 @@ class Demo:
             storage=storage,
             stats=stats,
             keys={"report": report_key, "export": export_key, "export_v2": export2_key},
+            report_row=db.get_report(report_id),
             exports={"export": export, "export_v2": export2},
             idempotency_key=idempotency_key,
             env=env,
@@ -328,6 +336,7 @@ class Demo:
         idempotency_key: Callable[[str, str], str],
         env: dict[str, str],
         redis_url: str,
+        report_row: dict[str, Any] | None,
     ) -> dict[str, Any]:
         jobs: dict[str, Any] = {}
         for name, key in keys.items():
@@ -379,6 +388,7 @@ class Demo:
             "key_prefix": env["EXAMPLE_KEY_PREFIX"],
             "objects_dir": env["EXAMPLE_OBJECTS_DIR"],
             "jobs": jobs,
+            "report_row": report_row,
             "deliveries": deliveries,
             "objects": storage.keys(),
             "worker_pids": self.worker_pids,
@@ -436,6 +446,12 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"  {job['key']:<22} completed by generation {job['generation']} (attempt "
             f"{_short(job['attempt_id'])}); rejected as stale: {stale or 'none'}"
         )
+    row = summary["report_row"]
+    print(
+        f"  {'report table row':<22} example_reports[{row['id']}] by generation "
+        f"{row['generation']} (attempt {_short(row['attempt_id'])}): the paused attempt's "
+        "fenced write never committed"
+    )
     writes = ", ".join(f"generation {w['generation']}" for w in export["object_writes"])
     print(
         f"  {'export object':<22} {export['object_key']} written {len(export['object_writes'])}x "

@@ -2,7 +2,9 @@
 
 Both publish through the fenced completion — only the attempt that still owns the job stores its
 result — and both send their external effect through the outbox, which writes it in the same
-transaction as that result. A stale attempt's result and effects are never recorded.
+transaction as that result. The report is also written to the app's own table, inside
+``self.fence.transaction()``: that commit is fenced too. A stale attempt's rows, result and
+effects are never recorded.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ def build_report(self: Any, report_id: str) -> dict[str, Any]:
         "revenue_cents": sum(o["amount_cents"] for o in orders),
         "generation": self.fence.generation,
     }
+    # The app's own table: this commit lands only while this attempt still owns the job (the
+    # lease is checked on entry, the store's generation at commit); otherwise nothing of it
+    # commits and the attempt settles as stale.
+    with self.fence.transaction() as conn:
+        db.save_report(conn, report, attempt_id=self.fence.attempt_id)
     # Sent only if this attempt's result is the one stored; its key is the same on every retry.
     self.fence.outbox.add("notify", {"report_id": report_id, "text": f"Report {report_id} ready"})
     return report  # published by the fenced completion: a stale attempt's write is rejected

@@ -48,6 +48,11 @@ Scenarios (faults counted per run):
   ``idempotency_key(key, "charge")``; the provider performs the first request, then answers after
   3x the client's timeout, so the call times out; the retry sends the same key and gets the stored
   response. Faults: the timeouts (1).
+- ``app-write``: the body writes one row to the app's own table (``chaos_app_rows``) inside
+  ``self.fence.transaction()``; the worker is SIGSTOPped inside the block, after it entered and
+  before its write, for 1.2-1.6 TTL; a second worker takes the job over and writes its own row;
+  the first one gets SIGCONT (on SQLite, where the paused block holds the write lock, as soon as
+  the newer attempt has started or two TTLs have passed). 1 fault.
 - ``poison``: a job whose input always fails permanently (``PermanentError``: dead after one
   attempt) and a job that SIGKILLs its worker every time (dead after ``fence_max_attempts`` body
   runs). Faults: 1 + the kills.
@@ -65,6 +70,10 @@ same machine's clock.
   that lost its ownership can write then); (c) ledger side effects of generation g whose
   ``guard()`` was entered after a generation g' > g had been registered (the ``claimed``
   transition's time precedes the effect's ``t0``).
+- **stale app-table writes accepted** (safety): rows of ``chaos_app_rows`` (written through
+  ``fence.transaction()``, each with the time just before its INSERT) of generation g written
+  after a ``claimed`` transition of a generation g' > g for the same key: the row's commit came
+  later still, so it landed although a newer attempt owned the key.
 - **lost jobs** (safety): jobs that, within ``--converge-timeout`` of the fault, did not reach
   ``completed`` or ``dead`` in the store, or had a message that never finished (SUCCESS or
   FAILURE), or whose committed outbox effect was never delivered.
@@ -86,12 +95,16 @@ same machine's clock.
 
 ``--unfenced`` is a demonstration, never a setting for production: it sets ``fence_unfenced=True``
 in the workers, which turns off only the store's generation fence (``Store(unfenced=True)``: last
-writer wins); leases, renewal and ``guard()`` stay on. ``--scenario pause --unfenced`` then shows
-stale writes accepted > 0 (and usually duplicate completions and re-runs), which is the proof that
-the fence is what keeps the other tables at zero.
+writer wins); leases, renewal and ``guard()`` stay on, and ``fence.transaction()`` becomes what it
+replaces: ``guard()`` on entry, then a plain transaction. ``--scenario pause --unfenced`` then shows
+stale writes accepted > 0 (and usually duplicate completions and re-runs), and ``--scenario
+app-write --unfenced`` stale app-table writes > 0, which is the proof that the fence is what keeps
+the other tables at zero.
 """
 
 from __future__ import annotations
+
+import sqlalchemy as sa
 
 #: The one fenced task of the workload.
 TASK_NAME = "celery_fence.chaos.op"
@@ -100,4 +113,16 @@ NOTIFY = "notify"
 #: The effect the ``remote`` body calls the provider for directly (with an idempotency key).
 CHARGE = "charge"
 
-__all__ = ["CHARGE", "NOTIFY", "TASK_NAME"]
+#: The app's own table the ``app-write`` bodies write through ``self.fence.transaction()``.
+app_metadata = sa.MetaData()
+APP_ROWS = sa.Table(
+    "chaos_app_rows",
+    app_metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("key", sa.String(200), nullable=False, index=True),
+    sa.Column("generation", sa.BigInteger, nullable=False),
+    sa.Column("attempt_id", sa.String(64), nullable=False),
+    sa.Column("written_at", sa.Float, nullable=False),  # epoch seconds, just before the INSERT
+)
+
+__all__ = ["APP_ROWS", "CHARGE", "NOTIFY", "TASK_NAME", "app_metadata"]

@@ -13,16 +13,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import sqlalchemy as sa
+
 from celery_fence.outbox import idempotency_key
 from celery_fence.store import Store, Transition
 
-from . import CHARGE
+from . import APP_ROWS, CHARGE
 
 #: Store writes that are fenced (each recorded in the same statement as the write itself).
 FENCED_WRITES = ("claimed", "completed", "retry_scheduled", "dead")
 #: Columns that must be zero; the harness exits 1 when one is not.
 SAFETY_COLUMNS = (
     "stale_writes",
+    "stale_app_writes",
     "lost_jobs",
     "duplicate_completions",
     "duplicate_external_effects",
@@ -35,6 +38,7 @@ COLUMNS = (
     ("runs", "runs"),
     ("faults", "faults injected"),
     ("stale_writes", "stale writes accepted"),
+    ("stale_app_writes", "stale app-table writes accepted"),
     ("lost_jobs", "lost jobs"),
     ("duplicate_completions", "duplicate completions"),
     ("duplicate_external_effects", "duplicate external effects"),
@@ -64,6 +68,7 @@ class ScenarioResult:
     runs: int = 0
     faults: int = 0
     stale_writes: int = 0
+    stale_app_writes: int = 0
     lost_jobs: int = 0
     duplicate_completions: int = 0
     duplicate_external_effects: int = 0
@@ -113,6 +118,7 @@ def check(
         events = ledger.get(job.key, [])
         record = store.get(job.key)
         result.stale_writes += _stale_writes(job.key, history, events, result.violations)
+        result.stale_app_writes += _stale_app_writes(job.key, history, store, result.violations)
         result.duplicate_completions += _duplicate_completions(job.key, history, result.violations)
         result.reruns_after_completion += _reruns(job.key, history, events, result.violations)
         result.duplicate_external_effects += _duplicate_effects(
@@ -178,6 +184,28 @@ def _stale_writes(
             count += 1
             violations.append(
                 f"stale effect: {key} side effect of generation {e['gen']} started after "
+                f"generation {max(newer)} was registered"
+            )
+    return count
+
+
+def _stale_app_writes(
+    key: str, history: Sequence[Transition], store: Store, violations: list[str]
+) -> int:
+    """App-table rows of generation g written (so committed) after a g' > g was registered."""
+    claims = _claims(history)
+    with store.engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(APP_ROWS.c.generation, APP_ROWS.c.written_at).where(APP_ROWS.c.key == key)
+        ).all()
+    count = 0
+    for generation, written_at in rows:
+        newer = [g for _, g, at in claims if g > generation and at < written_at]
+        if newer:
+            count += 1
+            violations.append(
+                f"stale app-table write: {key} row of generation {generation} written "
+                f"{written_at - min(at for _, g, at in claims if g in newer):.3f}s after "
                 f"generation {max(newer)} was registered"
             )
     return count

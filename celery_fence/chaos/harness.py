@@ -28,7 +28,7 @@ from celery_fence.outbox import SWEEP_TASK, idempotency_key
 from celery_fence.store import Store
 from celery_fence.testing.provider import ProviderStub
 
-from . import CHARGE, TASK_NAME, checker
+from . import CHARGE, TASK_NAME, app_metadata, checker
 from .checker import Job, ScenarioResult
 from .processes import (
     RedisServer,
@@ -40,7 +40,16 @@ from .processes import (
     wait_until,
 )
 
-SCENARIOS = ("pause", "kill", "duplicate", "redis-loss", "db-outage", "unknown-remote", "poison")
+SCENARIOS = (
+    "pause",
+    "app-write",
+    "kill",
+    "duplicate",
+    "redis-loss",
+    "db-outage",
+    "unknown-remote",
+    "poison",
+)
 KILL_WINDOWS = ("before_effect", "before_commit", "after_commit")
 
 
@@ -117,6 +126,7 @@ class Scenario:
         if self.proxy is not None:
             self.proxy.up()
         self.store.create_schema()  # before the workers: nobody races for it
+        app_metadata.create_all(self.store.engine)  # the app's own table (app-write)
         for i in range(self.opts.workers):
             name = f"chaos-{self.name}-{i}-{self.run_id}"
             self.workers.append(
@@ -256,6 +266,35 @@ def run_pause(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     return 1, s.converge([job], paused_at)
 
 
+def run_app_write(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """SIGSTOP the worker inside its ``fence.transaction()`` block (entered, not yet written) past
+    its TTL, let a newer attempt take over and write its own row, SIGCONT.
+
+    On PostgreSQL the server ends the paused block's session after one TTL idle; on SQLite the
+    paused block holds the database's write lock, so the newer attempt cannot register until the
+    first one resumes: the harness resumes it once the newer attempt started or two TTLs passed.
+    Odd runs also stage an outbox effect."""
+    ttl = s.opts.ttl
+    job = Job(s.key(i))
+    s.send(job, app_write=True, block_sleep=ttl * 2.5, check=False, notify=i % 2 == 1)
+    entered = s.wait_event(job.key, "tx")
+    a = s.worker_of(entered["pid"])
+    time.sleep(rng.uniform(0.05, ttl * 0.3))
+    a.signal(signal.SIGSTOP)
+    paused_at = time.monotonic()
+    time.sleep(ttl * rng.uniform(1.2, 1.6))  # A's lease expires in Redis: nobody renews it
+    s.send(job, app_write=True, sleep=0.1, check=False, notify=i % 2 == 1)
+    with contextlib.suppress(TimeoutError):
+        s.wait_event(job.key, "start", timeout=ttl * 2, gen=lambda e: e["gen"] > entered["gen"])
+        if rng.random() < 0.5:  # resume after the newer attempt completed, or while it works
+            wait_until(
+                lambda: (r := s.store.get(job.key)) is not None and r.status == "completed",
+                ttl * 4,
+            )
+    a.signal(signal.SIGCONT)
+    return 1, s.converge([job], paused_at)
+
+
 def run_kill(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     """SIGKILL the pool process in each window: before the side effect, after it but before the
     completion commit, after the commit but before the ack (one job per window, at once)."""
@@ -338,6 +377,7 @@ def run_poison(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
 
 RUNS: dict[str, Run] = {
     "pause": run_pause,
+    "app-write": run_app_write,
     "kill": run_kill,
     "duplicate": run_duplicate,
     "redis-loss": run_redis_loss,
@@ -514,7 +554,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "--unfenced",
         action="store_true",
         help="DEMONSTRATION ONLY: fence_unfenced=True turns off the store's "
-        "generation fence; expect stale writes",
+        "generation fence (fence.transaction() becomes guard() + a plain transaction); "
+        "expect stale writes",
     )
     p.add_argument(
         "--own-redis",

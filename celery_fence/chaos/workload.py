@@ -12,6 +12,8 @@ The workload writes a **ledger** of what really happened: one Redis list,
   time just before the guard was entered;
 - ``call``    an external call to the provider (``outcome``: ok, timeout, error; ``idem``: the
   idempotency key sent; ``effect``: the effect name);
+- ``tx``      the body entered its ``self.fence.transaction()`` block (``app_write``), before its
+  write; ``tx_committed``: the block committed;
 - ``kill``    a one-shot fault flag was consumed and the process is about to SIGKILL itself
   (``window``: before_effect, before_commit, after_commit, or poison).
 
@@ -38,7 +40,7 @@ from celery_fence import FencedTask, PermanentError
 from celery_fence import signals as fence_signals
 from celery_fence.outbox import Outbox, idempotency_key
 
-from . import CHARGE, NOTIFY, TASK_NAME
+from . import APP_ROWS, CHARGE, NOTIFY, TASK_NAME
 
 #: Environment variables the harness sets (all strings) and their defaults.
 ENV_DEFAULTS = {
@@ -145,11 +147,15 @@ def op(
     mode: str = "normal",
     remote: bool = False,
     notify: bool = True,
+    app_write: bool = False,
+    block_sleep: float = 0.0,
 ) -> dict[str, Any]:
     """One logical operation. ``check=False``: no direct side effect, the body relies on the
     store alone (its result and its outbox row are what a stale attempt would write).
     ``notify=False``: no outbox effect either (the outbox's unique idempotency key would
-    otherwise refuse a second completion on its own), so the result is the only thing written."""
+    otherwise refuse a second completion on its own), so the result is the only thing written.
+    ``app_write``: write one row to the app's table inside ``self.fence.transaction()``, after
+    ``block_sleep`` seconds inside the block."""
     fence = self.fence
     gen, attempt = fence.generation, fence.attempt_id
     record("start", key, gen, attempt)
@@ -179,6 +185,15 @@ def op(
         t0 = time.time()
         with fence.guard():
             record("effect", key, gen, attempt, t0=t0)
+    if app_write:
+        with fence.transaction() as conn:
+            record("tx", key, gen, attempt)
+            end = time.monotonic() + block_sleep
+            while time.monotonic() < end:
+                time.sleep(0.02)
+            row = {"key": key, "generation": gen, "attempt_id": attempt, "written_at": time.time()}
+            conn.execute(APP_ROWS.insert().values(**row))
+        record("tx_committed", key, gen, attempt)
     _kill_once("before_commit", key, gen, attempt)
     if notify:
         fence.outbox.add(NOTIFY, {"key": key})

@@ -30,6 +30,7 @@ MAX_ATTEMPTS = 3
 #: The fewest faults each scenario injects in RUNS runs (see celery_fence.chaos's docstring).
 MIN_FAULTS = {
     "pause": RUNS,
+    "app-write": RUNS,
     "kill": 3 * RUNS,
     "duplicate": 3 * RUNS,
     "redis-loss": RUNS,
@@ -133,6 +134,34 @@ def test_unfenced_store_accepts_stale_writes_under_the_same_pause(tmp_path: Path
     assert row["faults"] == RUNS
     assert row["stale_writes"] > 0, row
     assert any("accepted after" in v for v in row["violations"]), row["violations"]
+    assert code == 1 and report["ok"] is False, output
+
+
+@pytest.mark.timeout(600)
+def test_app_write_on_postgresql_keeps_the_fence(tmp_path: Path, pg_url: str) -> None:
+    # Given a worker paused inside its fence.transaction() block, the store on PostgreSQL,
+    code, report, output = _chaos(
+        tmp_path, "--scenario", "app-write", "--runs", str(RUNS), "--database-url", pg_url
+    )
+    row = _by_name(report)["app-write"]
+    # then its row never lands (the server ended its idle block) and nothing else goes wrong.
+    assert row["faults"] == RUNS
+    assert {c: row[c] for c in SAFETY_COLUMNS} == dict.fromkeys(SAFETY_COLUMNS, 0), row
+    assert code == 0, output
+
+
+@pytest.mark.timeout(600)
+def test_unfenced_app_writes_land_stale_under_the_same_pause(tmp_path: Path) -> None:
+    # Given the app-write window with the fence off (fence.transaction() is then guard() + a
+    # plain transaction: the pattern the fence replaces),
+    code, report, output = _chaos(
+        tmp_path, "--scenario", "app-write", "--runs", str(RUNS), "--unfenced"
+    )
+    row = _by_name(report)["app-write"]
+    # then the paused attempt's row lands after the newer attempt registered.
+    assert row["faults"] == RUNS
+    assert row["stale_app_writes"] > 0, row
+    assert any("stale app-table write" in v for v in row["violations"]), row["violations"]
     assert code == 1 and report["ok"] is False, output
 
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from celery_fence.outbox import idempotency_key, storage_key
 from celery_fence.store import Store
@@ -75,6 +76,20 @@ def test_the_demo_tells_the_story_and_its_summary_matches_the_store(tmp_path: Pa
         ]
         assert stale == job["stale"] and [s["generation"] for s in stale] == [1]
         assert ("completed", 1) not in [(t.action, t.generation) for t in store.history(job["key"])]
+
+    # The report's row in the app's own table (written inside self.fence.transaction()) is the
+    # completing attempt's; the paused attempt never committed one.
+    report = jobs["report"]
+    engine = sa.create_engine(summary["database_url"])
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql(
+            "SELECT id, generation, attempt_id FROM example_reports WHERE id = ?",
+            (report["result"]["report_id"],),
+        ).all()
+    engine.dispose()
+    assert [tuple(r) for r in rows] == [(report["result"]["report_id"], 2, report["attempt_id"])]
+    assert summary["report_row"]["generation"] == 2
+    assert summary["report_row"]["attempt_id"] == report["attempt_id"]
 
     # The export: both attempts wrote the same deterministic object; a new version, a new one.
     export, export2 = jobs["export"], jobs["export_v2"]

@@ -74,7 +74,7 @@ def _kill_once(window: str, key: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-@app.task(base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
+@app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
 def work(
     self: Any,
     key: str,
@@ -123,7 +123,9 @@ def _kill_after_commit(sender: Any = None, key: str = "", **_: Any) -> None:
 fence_signals.job_completed.connect(_kill_after_commit, weak=False)
 
 
-@app.task(base=FencedTask, bind=True, fence_key=lambda n: n)  # returns an int: a user's mistake
+@app.task(
+    shared=False, base=FencedTask, bind=True, fence_key=lambda n: n
+)  # returns an int: a user's mistake
 def badly_keyed(self: Any, n: int) -> int:
     ledger.incr(f"{PREFIX}:badly_keyed_runs")
     return n
@@ -133,7 +135,7 @@ def badly_keyed(self: Any, n: int) -> int:
 app.conf.fence_redact_celery_logs = E.get("FENCE_T_REDACT", "0") == "1"
 
 
-@app.task(base=FencedTask, bind=True, fence_key=lambda key, *args, **kwargs: key)
+@app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key, *args, **kwargs: key)
 def echo(self: Any, key: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Return its own arguments (payload-leak tests) after one line on the task logger."""
     from celery.utils.log import get_task_logger
@@ -146,14 +148,14 @@ if E.get("FENCE_T_SIGNALS") == "1":
     import tests.support.signal_recorder  # noqa: F401 - records every fence signal to Redis
 
 
-@app.task(base=FencedTask, bind=True, fence_key=lambda key: key)
+@app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key: key)
 def nul_result(self: Any, key: str) -> dict[str, str]:
     ledger.incr(f"{PREFIX}:nul_runs:{key}")
     return {"text": "before\x00after"}  # valid JSON; PostgreSQL's jsonb refuses \u0000
 
 
 # -- the settle step (issue 12): Celery's own exits ---------------------------------------------
-@app.task(base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
+@app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
 def overrun(self: Any, key: str, *, sleep: float, runs_overrunning: int = 1) -> dict[str, Any]:
     """Sleeps ``sleep`` seconds on its first ``runs_overrunning`` runs (time-limit tests)."""
     runs = ledger.rpush(f"{PREFIX}:runs:{key}", f"{self.fence.generation}:{self.fence.attempt_id}")
@@ -164,7 +166,7 @@ def overrun(self: Any, key: str, *, sleep: float, runs_overrunning: int = 1) -> 
     return {"key": key, "generation": self.fence.generation}
 
 
-@app.task(base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
+@app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
 def control(self: Any, key: str, *, kind: str) -> dict[str, Any]:
     """Raises Celery's own control flow from the body on its first run."""
     from celery.exceptions import Ignore, Reject
@@ -182,7 +184,7 @@ def control(self: Any, key: str, *, kind: str) -> dict[str, Any]:
     return {"key": key, "runs": runs}
 
 
-@app.task(base=FencedTask, bind=True)
+@app.task(shared=False, base=FencedTask, bind=True)
 def default_keyed(self: Any, label: str, *, fail_first: bool = False, sleep: float = 0.0) -> str:
     """Keyed by its Celery task id (the default); can fail transiently on its first run."""
     runs = ledger.rpush(
@@ -207,3 +209,120 @@ if E.get("FENCE_T_FAIL_RAISE") == "1":
         return _raise_generation(self, key, floor)
 
     LeaseStore.raise_generation = _failing_raise  # type: ignore[method-assign]
+# -- fenced app writes (issue 13): the app's own tables, written through self.fence ------------
+import sqlalchemy as sa  # noqa: E402
+from sqlalchemy.dialects import postgresql as _pg  # noqa: E402
+from sqlalchemy.dialects import sqlite as _sqlite  # noqa: E402
+from sqlalchemy.orm import registry, sessionmaker  # noqa: E402
+
+app_metadata = sa.MetaData()
+#: One row per job (an upsert keyed by the job, as a report would be): the newer attempt's row
+#: needs the same primary key a paused holder's uncommitted row holds.
+app_reports = sa.Table(
+    "t_app_reports",
+    app_metadata,
+    sa.Column("key", sa.String(200), primary_key=True),
+    sa.Column("generation", sa.Integer, nullable=False),
+    sa.Column("attempt_id", sa.String(64), nullable=False),
+)
+#: Rows appended by every attempt (as invoice lines would be): any stale commit shows here.
+app_lines = sa.Table(
+    "t_app_lines",
+    app_metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("key", sa.String(200), nullable=False),
+    sa.Column("generation", sa.Integer, nullable=False),
+    sa.Column("attempt_id", sa.String(64), nullable=False),
+)
+
+
+class AppLine:
+    key: str
+    generation: int
+    attempt_id: str
+
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+registry().map_imperatively(AppLine, app_lines)
+_app_engine: sa.Engine | None = None
+
+
+def app_engine() -> sa.Engine:
+    """The app's own engine on the store's database (``bind=`` and the ORM session use it)."""
+    global _app_engine
+    if _app_engine is None:
+        _app_engine = sa.create_engine(E["FENCE_T_DB"])
+    return _app_engine
+
+
+def _at(key: str, what: str, generation: int) -> None:
+    ledger.rpush(f"{PREFIX}:at:{key}", f"{what}:{generation}")
+
+
+def _sleep(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.02)
+
+
+@app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
+def write_app(
+    self: Any,
+    key: str,
+    *,
+    via: str = "conn",
+    pause_before: float = 0.0,
+    pause_inside: float = 0.0,
+    gate: bool = False,
+    fail_inside_once: bool = False,
+) -> dict[str, Any]:
+    """Do the work, then write this attempt's report row and two lines through the fence.
+
+    The ledger ``<prefix>:at:<key>`` says where the body is (``worked``, ``inside``,
+    ``committed``, each with the generation), so a test can SIGSTOP it there: ``pause_before``
+    and ``pause_inside`` are seconds the body waits before the block and inside it after writing.
+    ``gate``: wait (bounded) before the block until ``<prefix>:gate:<key>`` is set.
+    """
+    fence = self.fence
+    gen, attempt = fence.generation, fence.attempt_id
+    ledger.rpush(f"{PREFIX}:runs:{key}", f"{gen}:{attempt}")
+    _at(key, "worked", gen)
+    _sleep(pause_before)
+    end = time.monotonic() + 30
+    while gate and not ledger.exists(f"{PREFIX}:gate:{key}") and time.monotonic() < end:
+        time.sleep(0.02)
+    lines = [{"key": key, "generation": gen, "attempt_id": attempt} for _ in range(2)]
+    if via == "session":
+        with fence.session(sessionmaker(bind=app_engine())) as session:
+            session.add_all([AppLine(**line) for line in lines])
+            session.flush()
+            session.execute(_upsert(session.get_bind(), key, gen, attempt))
+            _inside(key, gen, pause_inside, fail_inside_once)
+    else:
+        with fence.transaction(bind=app_engine() if via == "bind" else None) as conn:
+            conn.execute(app_lines.insert(), lines)
+            conn.execute(_upsert(conn, key, gen, attempt))
+            _inside(key, gen, pause_inside, fail_inside_once)
+    _at(key, "committed", gen)
+    return {"key": key, "generation": gen, "attempt_id": attempt}
+
+
+def _inside(key: str, gen: int, pause: float, fail_once: bool) -> None:
+    _at(key, "inside", gen)
+    _sleep(pause)
+    if fail_once and ledger.getdel(f"{PREFIX}:fail_inside:{key}") is not None:
+        raise ValueError("simulated failure inside the block")
+
+
+def _upsert(bind: Any, key: str, gen: int, attempt: str) -> Any:
+    dialect = _pg if bind.dialect.name == "postgresql" else _sqlite
+    stmt = dialect.insert(app_reports).values(key=key, generation=gen, attempt_id=attempt)
+    return stmt.on_conflict_do_update(
+        index_elements=[app_reports.c.key],
+        set_={"generation": stmt.excluded.generation, "attempt_id": stmt.excluded.attempt_id},
+    )
+
+
+app.conf.fence_lock_timeout = float(E.get("FENCE_T_LOCK_TIMEOUT", "5"))

@@ -44,7 +44,7 @@ outbox = Outbox(app, claim_ttl=float(E.get("FENCE_T_CLAIM_TTL", "2.0")))
 ledger = redis.Redis.from_url(E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"))
 
 
-@app.task(base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
+@app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
 def publish(self: Any, key: str, *, sleep: float = 0.0) -> dict[str, Any]:
     fence = self.fence
     ledger.rpush(f"{PREFIX}:runs:{key}", f"{fence.generation}:{fence.attempt_id}")

@@ -1,0 +1,234 @@
+"""The app's own writes through ``self.fence.transaction()`` / ``session()`` with real workers
+(issue 13): a stale attempt's rows never land, a paused holder does not block takeover for long.
+
+The task (``tests/support/app.py: write_app``) upserts the job's report row and appends two lines
+per attempt, inside one fenced block; its ledger says where the body is, so the test can pause it
+there. TTL 2 s, renewal every 0.5 s.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from celery_fence.store import Store
+from tests.support.worker import wait_until
+
+pytestmark = pytest.mark.acceptance
+
+TTL = 2.0
+
+
+@pytest.fixture
+def app_db(client_app: Any, db_url: str) -> Any:
+    """The app's tables in the store's database; reads them back for the test."""
+    engine = sa.create_engine(db_url)
+    client_app.app_metadata.create_all(engine)
+
+    class AppDb:
+        def lines(self, key: str) -> list[tuple[int, str]]:
+            t = client_app.app_lines
+            with engine.connect() as conn:
+                query = sa.select(t.c.generation, t.c.attempt_id).where(t.c.key == key)
+                return [tuple(r) for r in conn.execute(query.order_by(t.c.id))]
+
+        def report(self, key: str) -> tuple[int, str] | None:
+            t = client_app.app_reports
+            with engine.connect() as conn:
+                row = conn.execute(
+                    sa.select(t.c.generation, t.c.attempt_id).where(t.c.key == key)
+                ).first()
+            return None if row is None else (row[0], row[1])
+
+    yield AppDb()
+    engine.dispose()
+
+
+def _at(redis_client: Any, prefix: str, key: str) -> list[str]:
+    return [v.decode() for v in redis_client.lrange(f"{prefix}:at:{key}", 0, -1)]
+
+
+def _key() -> str:
+    return f"report:{uuid.uuid4().hex[:8]}"
+
+
+def _assert_only_the_newer_attempts_rows(app_db: Any, store: Store, key: str, result: Any) -> None:
+    record = store.get(key)
+    assert record is not None
+    assert (record.status, record.generation) == ("completed", result["generation"])
+    newer = (result["generation"], result["attempt_id"])
+    assert app_db.lines(key) == [newer, newer]
+    assert app_db.report(key) == newer
+
+
+def test_paused_after_its_work_before_its_block_its_rows_never_land(
+    spawn_worker: Any,
+    client_app: Any,
+    app_db: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
+) -> None:
+    key = _key()
+    store = Store(db_url)
+    # Given worker A that finished its work (generation 1) and is about to write,
+    a = spawn_worker("a")
+    first = client_app.write_app.delay(key, pause_before=1.5)
+    wait_until(lambda: "worked:1" in _at(redis_client, prefix, key), 20, what="A's work")
+    # when A pauses past its lease, B takes the job over and commits its rows,
+    a.pause()
+    time.sleep(TTL + 0.6)
+    spawn_worker("b")
+    second = client_app.write_app.delay(key)
+    newer = second.get(timeout=30)
+    assert newer["generation"] == 2
+    # and A resumes,
+    a.resume()
+    # then A's rows never land, B's stay, the job is B's, and both callers get B's result.
+    assert first.get(timeout=30) == newer
+    _assert_only_the_newer_attempts_rows(app_db, store, key, newer)
+    assert "committed:1" not in _at(redis_client, prefix, key)
+    store.dispose()
+
+
+@pytest.mark.parametrize("via", ["conn", "bind", "session"])
+def test_a_newer_registration_refuses_the_commit_while_the_lease_still_looks_valid(
+    spawn_worker: Any,
+    client_app: Any,
+    app_db: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
+    via: str,
+) -> None:
+    """The store's check, not the lease: A is never paused, its lease is renewed all along, and
+    a newer generation registers in the store (as after Redis lost A's lease)."""
+    key = _key()
+    store = Store(db_url)
+    # Given worker A at the door of its block (generation 1, its lease live),
+    spawn_worker("a")
+    first = client_app.write_app.delay(key, gate=True, via=via)
+    wait_until(lambda: "worked:1" in _at(redis_client, prefix, key), 20, what="A's work")
+    # when a newer generation registers with the store, and A then writes through the fence,
+    newer = uuid.uuid4().hex
+    registered = store.register(key, generation=2, attempt_id=newer, task_name="elsewhere")
+    assert registered.outcome == "registered"
+    redis_client.set(f"{prefix}:gate:{key}", 1)
+    # then A's commit is refused: none of its rows landed, and it settled as stale,
+    wait_until(
+        lambda: ("stale", 1) in [(t.action, t.generation) for t in store.history(key)],
+        20,
+        what="A's stale record",
+    )
+    assert "inside:1" in _at(redis_client, prefix, key)  # it did write, inside the block
+    assert "committed:1" not in _at(redis_client, prefix, key)
+    assert app_db.lines(key) == [] and app_db.report(key) is None
+    # and its message converges on the newer attempt's result once that one completes.
+    store.complete(key, generation=2, attempt_id=newer, result={"by": "newer"})
+    assert first.get(timeout=30) == {"by": "newer"}
+    assert app_db.lines(key) == []
+    store.dispose()
+
+
+def test_paused_inside_its_block_it_does_not_hold_up_the_takeover_and_never_commits(
+    spawn_worker: Any,
+    client_app: Any,
+    app_db: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
+) -> None:
+    key = _key()
+    store = Store(db_url)
+    # Given worker A paused inside its block, after writing its rows, before its commit,
+    a = spawn_worker("a")
+    first = client_app.write_app.delay(key, pause_inside=1.5)
+    wait_until(lambda: "inside:1" in _at(redis_client, prefix, key), 20, what="A's writes")
+    a.pause()
+    paused_at = time.monotonic()
+    spawn_worker("b")
+    # when its lease runs out and the job is handed to B,
+    time.sleep(max(0.0, paused_at + TTL + 0.3 - time.monotonic()))
+    second = client_app.write_app.delay(key)
+    if store.dialect == "sqlite":
+        # SQLite: nothing can end a stopped process's transaction, and its write lock holds every
+        # writer (B's registration too) until A resumes; A's commit is then refused (lease lost).
+        time.sleep(max(0.0, paused_at + 1.5 * TTL - time.monotonic()))
+        a.resume()
+    # then B completes within a few TTLs of the pause (PostgreSQL: A still paused; the server
+    # ended A's session after one TTL idle in its transaction, which freed its row locks),
+    wait_until(
+        lambda: (r := store.get(key)) is not None and r.status == "completed",
+        max(0.0, paused_at + 5 * TTL - time.monotonic()),
+        what="B to complete within 5 TTLs of A's pause",
+    )
+    newer = second.get(timeout=10)
+    assert newer["generation"] == 2
+    a.resume()
+    # and A's rows never land: B's stay, and A's message converges on B's result.
+    assert first.get(timeout=30) == newer
+    _assert_only_the_newer_attempts_rows(app_db, store, key, newer)
+    assert "committed:1" not in _at(redis_client, prefix, key)
+    store.dispose()
+
+
+def test_an_exception_inside_the_block_rolls_it_back_and_the_retry_writes(
+    spawn_worker: Any,
+    client_app: Any,
+    app_db: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
+) -> None:
+    key = _key()
+    store = Store(db_url)
+    redis_client.set(f"{prefix}:fail_inside:{key}", 1)  # the first attempt raises in its block
+    spawn_worker("w")
+    result = client_app.write_app.delay(key, fail_inside_once=True).get(timeout=30)
+    assert result["generation"] == 2
+    at = _at(redis_client, prefix, key)
+    assert "inside:1" in at and "committed:1" not in at  # it wrote, raised, and was rolled back
+    _assert_only_the_newer_attempts_rows(app_db, store, key, result)
+    actions = [(t.action, t.generation) for t in store.history(key)]
+    assert ("retry_scheduled", 1) in actions  # the normal error path
+    store.dispose()
+
+
+def test_postgresql_a_registration_behind_a_locked_job_row_is_resent_not_stuck(
+    spawn_worker: Any,
+    client_app: Any,
+    app_db: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
+) -> None:
+    if not db_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL: SQLite has no row locks (its writers wait busy_timeout)")
+    # Given a job row locked by a holder paused between its ownership check and its commit,
+    key, other = _key(), _key()
+    store = Store(db_url)
+    store.register(key, generation=0, attempt_id="holder", task_name="t")
+    holder = store.engine.connect()
+    holder.exec_driver_sql("BEGIN")
+    holder.execute(sa.text("UPDATE fence_jobs SET updated_at = now() WHERE key = :k"), {"k": key})
+    try:
+        # and one worker process, whose store statements wait 1 s at most for a row lock,
+        spawn_worker("w", FENCE_T_LOCK_TIMEOUT="1")
+        # when the job and another one are sent,
+        blocked = client_app.write_app.delay(key)
+        unrelated = client_app.work.delay(other)
+        # then the worker is not stuck behind the lock (the other job completes meanwhile),
+        assert unrelated.get(timeout=30)["key"] == other
+        record = store.get(key)
+        assert record is not None and (record.generation, record.attempt_id) == (0, "holder")
+    finally:
+        holder.exec_driver_sql("ROLLBACK")  # the holder goes away (its session ended)
+        holder.close()
+    # and the job's message was re-sent, not dropped: it completes once the row is free.
+    result = blocked.get(timeout=40)
+    _assert_only_the_newer_attempts_rows(app_db, store, key, result)
+    store.dispose()
