@@ -24,7 +24,13 @@ from .schema import metadata
 from .store import JobRecord, Store
 from .task import FencedTask, get_store
 
-__version__ = "0.1.0"
+try:  # one version, in setup.cfg: the installed distribution's metadata
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _version
+
+    __version__ = _version("celery-fence")
+except PackageNotFoundError:  # pragma: no cover - run from a source tree that is not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ConfigurationError",

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -26,7 +29,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from .config import DEFAULT_GENERATION_TTL, FenceConfig
-from .errors import LeaseBusy
+from .errors import LeaseBusy, LeaseLost
 from .redis_client import client_identity, make_client
 
 logger = logging.getLogger(__name__)
@@ -110,6 +113,102 @@ def make_redis_client(config: FenceConfig) -> Any:
 class LeaseKeys:
     lease: str
     generation: str
+
+
+class HeldLease:
+    """One lease held by one attempt: the attempt's view of its own authority.
+
+    Its local deadline is the send time of the last confirmed renewal (or the claim) plus the TTL
+    less the safety margin, capped by ``fence_max_runtime``; once the deadline passes
+    unconfirmed, the lease is lost, whatever Redis says later. All times are monotonic seconds
+    from ``clock``.
+    """
+
+    def __init__(
+        self,
+        *,
+        key: str,
+        lease_key: str,
+        token: str,
+        generation: int,
+        ttl: float,
+        interval: float,
+        margin: float,
+        claimed_at: float,
+        on_lost: Callable[[HeldLease, str], None] | None = None,
+        on_renewed: Callable[[HeldLease], None] | None = None,
+        max_runtime: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.key = key
+        self.lease_key = lease_key
+        self.token = token
+        self.generation = generation
+        self.value = f"{token}:{generation}"
+        self.ttl = ttl
+        self.ttl_ms = round(ttl * 1000)
+        self.interval = interval
+        self.margin = margin
+        self.on_lost = on_lost
+        self.on_renewed = on_renewed
+        self._lock = threading.Lock()
+        self._clock = clock  # monotonic seconds; injectable so the deadline logic is unit-tested
+        #: ``fence_max_runtime``: past this monotonic time the lease is never renewed again (it
+        #: frees itself one TTL after its last renewal) and ``check()`` raises.
+        self.max_deadline = math.inf if max_runtime is None else claimed_at + max_runtime
+        self.deadline = min(claimed_at + self._validity(), self.max_deadline)
+        self.lost_reason: str | None = None
+
+    def _validity(self) -> float:
+        return self.ttl * (1.0 - self.margin)
+
+    def confirm(self, sent_at: float) -> None:
+        """A renewal sent at monotonic ``sent_at`` was confirmed by Redis."""
+        with self._lock:
+            if self.lost_reason is None:
+                extended = max(self.deadline, sent_at + self._validity())
+                self.deadline = min(extended, self.max_deadline)
+
+    def remaining(self) -> float:
+        return self.deadline - self._clock()
+
+    def _expiry_reason(self) -> str:
+        if self._clock() > self.max_deadline:
+            return "fence_max_runtime exceeded: no longer renewed"
+        return "deadline passed without a confirmed renewal"
+
+    @property
+    def lost(self) -> bool:
+        return self.lost_reason is not None or self._clock() > self.deadline
+
+    def mark_lost(self, reason: str) -> bool:
+        """Record the loss once; return True for the call that recorded it."""
+        with self._lock:
+            if self.lost_reason is not None:
+                return False
+            self.lost_reason = reason
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self, reason)
+            except Exception:  # the loss is recorded; a failing observer must not hide it
+                logger.exception("lease_lost observer failed for key=%s", self.key)
+        return True
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` once the lease is lost or its deadline passed unconfirmed.
+
+        Decides from the local deadline itself: after a process pause the renewal thread and the
+        task resume in either order, and the task must not trust a flag the thread did not set yet.
+        """
+        if self.lost_reason is None and self._clock() > self.deadline:
+            self.mark_lost(self._expiry_reason())
+        if self.lost_reason is not None:
+            raise LeaseLost(
+                f"lease lost for key {self.key!r} at generation {self.generation}: "
+                f"{self.lost_reason}",
+                key=self.key,
+                generation=self.generation,
+            )
 
 
 class LeaseStore:

@@ -17,11 +17,9 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
 
 from . import _process
-from .errors import LeaseLost
-from .lease import LeaseStore
+from .lease import HeldLease, LeaseStore
 
 logger = logging.getLogger("celery_fence.renewer")
 
@@ -36,94 +34,6 @@ RELEASE_RETRY_DELAY = 1.0
 
 #: Releases kept for re-sending while Redis cannot be reached.
 MAX_PENDING_RELEASES = 10_000
-
-
-class HeldLease:
-    """One lease held by one attempt: the attempt's view of its own authority."""
-
-    def __init__(
-        self,
-        *,
-        key: str,
-        lease_key: str,
-        token: str,
-        generation: int,
-        ttl: float,
-        interval: float,
-        margin: float,
-        claimed_at: float,
-        on_lost: Callable[[HeldLease, str], None] | None = None,
-        on_renewed: Callable[[HeldLease], None] | None = None,
-        max_runtime: float | None = None,
-    ) -> None:
-        self.key = key
-        self.lease_key = lease_key
-        self.token = token
-        self.generation = generation
-        self.value = f"{token}:{generation}"
-        self.ttl = ttl
-        self.ttl_ms = round(ttl * 1000)
-        self.interval = interval
-        self.margin = margin
-        self.on_lost = on_lost
-        self.on_renewed = on_renewed
-        self._lock = threading.Lock()
-        #: ``fence_max_runtime``: past this monotonic time the lease is never renewed again (it
-        #: frees itself one TTL after its last renewal) and ``check()`` raises.
-        self.max_deadline = math.inf if max_runtime is None else claimed_at + max_runtime
-        self.deadline = min(claimed_at + self._validity(), self.max_deadline)
-        self.lost_reason: str | None = None
-
-    def _validity(self) -> float:
-        return self.ttl * (1.0 - self.margin)
-
-    def confirm(self, sent_at: float) -> None:
-        """A renewal sent at monotonic ``sent_at`` was confirmed by Redis."""
-        with self._lock:
-            if self.lost_reason is None:
-                extended = max(self.deadline, sent_at + self._validity())
-                self.deadline = min(extended, self.max_deadline)
-
-    def remaining(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def _expiry_reason(self) -> str:
-        if time.monotonic() > self.max_deadline:
-            return "fence_max_runtime exceeded: no longer renewed"
-        return "deadline passed without a confirmed renewal"
-
-    @property
-    def lost(self) -> bool:
-        return self.lost_reason is not None or time.monotonic() > self.deadline
-
-    def mark_lost(self, reason: str) -> bool:
-        """Record the loss once; return True for the call that recorded it."""
-        with self._lock:
-            if self.lost_reason is not None:
-                return False
-            self.lost_reason = reason
-        if self.on_lost is not None:
-            try:
-                self.on_lost(self, reason)
-            except Exception:  # the loss is recorded; a failing observer must not hide it
-                logger.exception("lease_lost observer failed for key=%s", self.key)
-        return True
-
-    def check(self) -> None:
-        """Raise :class:`LeaseLost` once the lease is lost or its deadline passed unconfirmed.
-
-        Decides from the local deadline itself: after a process pause the renewal thread and the
-        task resume in either order, and the task must not trust a flag the thread did not set yet.
-        """
-        if self.lost_reason is None and time.monotonic() > self.deadline:
-            self.mark_lost(self._expiry_reason())
-        if self.lost_reason is not None:
-            raise LeaseLost(
-                f"lease lost for key {self.key!r} at generation {self.generation}: "
-                f"{self.lost_reason}",
-                key=self.key,
-                generation=self.generation,
-            )
 
 
 class Renewer:
@@ -206,9 +116,6 @@ class Renewer:
                 if threading.current_thread() is not self._thread:
                     self._start_locked()
                 self._cond.notify()
-
-    def held(self) -> int:
-        return len(self._held)
 
     def flush(self, timeout: float = 5.0) -> None:
         """Wait until queued releases were sent (tests, worker shutdown)."""

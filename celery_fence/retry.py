@@ -267,9 +267,6 @@ class RetryBudget:
             self._unreported[name] = (max(0.0, calls - unreported), at)
         return 0.0 if int(granted) else int(wait_ms) / 1000
 
-    def try_spend(self, name: str) -> bool:
-        return self.spend(name) == 0.0
-
 
 # -- the decision ---------------------------------------------------------------------------------
 

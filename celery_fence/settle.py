@@ -53,7 +53,7 @@ from .errors import (
     ResultNotSerializable,
     StaleGeneration,
 )
-from .renewer import HeldLease
+from .lease import HeldLease
 from .retry import DEFAULT_TRANSIENT, Decision, RetryPolicy, backoff
 from .store import Effect, JobRecord, Store
 

@@ -36,8 +36,8 @@ from .errors import (
     StaleGeneration,
 )
 from .fence import Fence
-from .lease import LeaseStore, lease_store_for
-from .renewer import HeldLease, renewer_for
+from .lease import HeldLease, LeaseStore, lease_store_for
+from .renewer import renewer_for
 from .retry import RetryBudget, RetryPolicy
 from .schema import KEY_LENGTH
 from .store import Store, request_text, store_for

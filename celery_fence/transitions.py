@@ -16,7 +16,8 @@ from typing import Any
 
 from . import signals
 from .events import send_transition_event
-from .renewer import RENEWER_THREAD_NAME, HeldLease
+from .lease import HeldLease
+from .renewer import RENEWER_THREAD_NAME
 
 logger = logging.getLogger("celery_fence")
 

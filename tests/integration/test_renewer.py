@@ -8,8 +8,8 @@ import time
 import redis
 
 from celery_fence.errors import LeaseLost
-from celery_fence.lease import LeaseStore
-from celery_fence.renewer import HeldLease, Renewer
+from celery_fence.lease import HeldLease, LeaseStore
+from celery_fence.renewer import Renewer
 from tests.integration.test_lease_scripts import CountingConnection
 from tests.support.worker import wait_until
 

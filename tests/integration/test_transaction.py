@@ -23,7 +23,7 @@ from celery_fence.errors import (
     StaleGeneration,
 )
 from celery_fence.fence import Fence
-from celery_fence.renewer import HeldLease
+from celery_fence.lease import HeldLease
 from celery_fence.store import Store
 from celery_fence.transaction import different_database
 
