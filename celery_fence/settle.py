@@ -54,8 +54,9 @@ from .errors import (
     StaleGeneration,
 )
 from .lease import HeldLease
+from .records import Effect, JobRecord
 from .retry import DEFAULT_TRANSIENT, Decision, RetryPolicy, backoff
-from .store import Effect, JobRecord, Store
+from .store import Store
 
 logger = logging.getLogger("celery_fence")
 

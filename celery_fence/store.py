@@ -1,4 +1,4 @@
-"""The fenced result store: the only module that runs SQL.
+"""The fenced result store: the only module that runs SQL (its values live in records.py).
 
 Every write on a fenced path is one conditional statement (or, on SQLite, one short
 ``BEGIN IMMEDIATE`` transaction) whose ``WHERE`` names the key, the generation and the attempt:
@@ -18,8 +18,7 @@ import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -28,6 +27,17 @@ from . import _process, schema, statements
 from .config import DEFAULT_DATABASE_TIMEOUT
 from .errors import ConfigurationError, StaleGeneration, StoreError
 from .outbox_store import OutboxRow, OutboxStore
+from .records import (
+    ENCODED_REQUEST,
+    Effect,
+    JobRecord,
+    Registration,
+    Transition,
+    _record,
+    decode_request,
+    dumps_strict,
+    encode_request,
+)
 from .schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, jobs, outbox, transitions, utcnow
 from .watchdog import watchdog
 
@@ -36,70 +46,6 @@ from .watchdog import watchdog
 UNFINISHED = (RUNNING, RETRYING, PENDING)
 
 logger = logging.getLogger(__name__)
-
-Outcome = Literal["registered", "completed", "dead", "stale"]
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """One logical job as the store knows it."""
-
-    key: str
-    task_name: str
-    status: str
-    generation: int
-    attempt_id: str
-    attempts: int
-    result: Any
-    request: Mapping[str, Any] | None
-    error_type: str | None
-    error_message: str | None
-    created_at: dt.datetime
-    updated_at: dt.datetime
-    finished_at: dt.datetime | None
-    retry_at: dt.datetime | None
-
-
-@dataclass(frozen=True)
-class Transition:
-    key: str
-    generation: int | None
-    attempt_id: str | None
-    action: str
-    reason: str | None
-    at: dt.datetime
-
-
-@dataclass(frozen=True)
-class Registration:
-    """What :meth:`Store.register` found: run the body only when ``outcome == "registered"``."""
-
-    outcome: Outcome
-    attempts: int
-    stored_generation: int
-    record: JobRecord | None = None
-
-
-@dataclass(frozen=True)
-class Effect:
-    """An external effect staged by a task body, written with the fenced completion."""
-
-    name: str
-    payload: Any
-    idempotency_key: str
-
-
-def dumps_strict(value: Any, what: str = "value") -> str:
-    """JSON or a clear error; never a lossy conversion (no NaN, no ``default=str``)."""
-    try:
-        return json.dumps(value, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
-        from .errors import ResultNotSerializable
-
-        raise ResultNotSerializable(
-            f"the {what} is not JSON ({exc}); return plain dicts, lists, str, int, float, bool "
-            "or None, e.g. convert dates with .isoformat()"
-        ) from None
 
 
 class _RedactedDriverError(Exception):
@@ -119,60 +65,6 @@ class _Row(NamedTuple):
     generation: int
     attempt_id: str
     attempts: int
-
-
-#: The stored request of a job whose arguments the database refused: ``{"encoded": "<json>"}``.
-ENCODED_REQUEST = "encoded"
-
-
-def decode_request(request: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    """The request as sent (task, args, kwargs, options), also when it was stored encoded."""
-    if request is not None and set(request) == {ENCODED_REQUEST}:
-        decoded: Mapping[str, Any] = json.loads(request[ENCODED_REQUEST])
-        return decoded
-    return request
-
-
-def request_text(
-    task_name: str, args: Any, kwargs: Any, delivery: Any, task_id: str | None = None
-) -> str | None:
-    """The request as stored for a requeue (task, Celery task id, args, kwargs, routing as
-    delivered: exchange and routing key), as JSON text; None when the arguments are not JSON."""
-    delivery = delivery or {}
-    routing_key = delivery.get("routing_key") or None
-    try:
-        return json.dumps(
-            {
-                "task": task_name,
-                "id": task_id,
-                "args": list(args or ()),
-                "kwargs": dict(kwargs or {}),
-                "options": {
-                    "exchange": delivery.get("exchange") or None,
-                    "routing_key": routing_key,
-                    "priority": delivery.get("priority"),
-                },
-            },
-            allow_nan=False,
-            separators=(",", ":"),
-        )
-    except (TypeError, ValueError):
-        return None
-
-
-def encode_request(
-    task_name: str, args: Any, kwargs: Any, delivery: Any, task_id: str | None = None
-) -> dict[str, Any] | None:
-    """:func:`request_text` as a dict (None when the arguments are not JSON)."""
-    text = request_text(task_name, args, kwargs, delivery, task_id)
-    return None if text is None else dict(json.loads(text))
-
-
-def _record(row: Any) -> JobRecord:
-    m = row._mapping
-    fields = {name: m[name] for name in JobRecord.__dataclass_fields__}
-    fields["request"] = decode_request(fields["request"])  # as sent, also when stored encoded
-    return JobRecord(**fields)
 
 
 class Store(OutboxStore):

@@ -37,10 +37,11 @@ from .errors import (
 )
 from .fence import Fence
 from .lease import HeldLease, LeaseStore, lease_store_for
+from .records import request_text
 from .renewer import renewer_for
 from .retry import RetryBudget, RetryPolicy
 from .schema import KEY_LENGTH
-from .store import Store, request_text, store_for
+from .store import Store, store_for
 from .worker import FENCED_REQUEST
 
 logger = logging.getLogger("celery_fence")

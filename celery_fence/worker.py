@@ -30,8 +30,8 @@ from celery.signals import worker_init, worker_process_shutdown
 from celery.worker.request import Request
 
 from .errors import ConfigurationError
+from .records import encode_request
 from .renewer import shutdown as shutdown_renewers
-from .store import encode_request
 
 logger = logging.getLogger("celery_fence")
 
