@@ -266,3 +266,25 @@ def test_an_exception_in_the_regression_branch_re_sends_and_converges(
     assert _runs(redis_client, prefix, key) == 1
     assert redis_client.get(f"{prefix}:fail_raise:{key}") is None  # the fault did fire
     _broker_drained(client_app)
+
+
+def test_a_body_hung_past_max_runtime_frees_its_key_and_its_late_completion_is_rejected(
+    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+) -> None:
+    # Given a threads-pool worker (no hard time limit is enforced there) and fence_max_runtime=1.5
+    spawn_worker("w", pool="threads", concurrency=2, FENCE_T_MAX_RUNTIME="1.5")
+    key = f"hung:{uuid.uuid4().hex[:8]}"
+    # When a body hangs for 8 s without checking its lease ...
+    first = client_app.overrun.delay(key, sleep=8.0)
+    wait_until(lambda: _runs(redis_client, prefix, key) == 1, 20, what="the hung body to start")
+    # ... the renewal stops at 1.5 s, the key frees itself a TTL (2 s) later, and a second
+    # message for the same key is claimed and completes while the first body still hangs
+    second = client_app.overrun.delay(key, sleep=0.0)
+    result = second.get(timeout=30)
+    assert result["generation"] == 2
+    assert _runs(redis_client, prefix, key) == 2
+    # Then the hung attempt's late completion is rejected: both callers get generation 2's result
+    assert first.get(timeout=30) == result
+    record = fence_store.get(key)
+    assert record is not None and (record.status, record.generation) == ("completed", 2)
+    assert ("stale", 1) in [(t.action, t.generation) for t in fence_store.history(key)]

@@ -45,6 +45,7 @@ app.conf.update(
     fence_retry_budget_window=float(E.get("FENCE_T_BUDGET_WINDOW", "60")),
     fence_unfenced=E.get("FENCE_T_UNFENCED", "0") == "1",
     fence_defer_first_registration=E.get("FENCE_T_DEFER", "0") == "1",
+    fence_max_runtime=float(E["FENCE_T_MAX_RUNTIME"]) if E.get("FENCE_T_MAX_RUNTIME") else None,
 )
 ledger = redis.Redis.from_url(E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"))
 
