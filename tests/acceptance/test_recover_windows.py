@@ -25,10 +25,8 @@ import redis
 from celery_fence.lease import LeaseStore
 from celery_fence.store import JobRecord, Store
 from tests.integration.test_cli import APP, CELERY, fence_cli, ok
-from tests.support.env import BROKER_URL
+from tests.support.env import AMQP_URL, BROKER_URL
 from tests.support.worker import ROOT, wait_until
-
-AMQP_URL = os.environ.get("FENCE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 
 @pytest.fixture
@@ -265,15 +263,6 @@ def test_a_requeue_killed_between_commit_and_send_is_finished_by_recover(
     _one_completion(fence_store, redis_client, prefix, key)
 
 
-def _rabbitmq_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 5672), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _rabbitmq_up(), reason="RabbitMQ is not running on 127.0.0.1:5672")
 def test_rabbitmq_topic_exchange_a_purged_job_is_recovered_to_its_queue(
     spawn_worker: Any,
     redis_client: redis.Redis,
