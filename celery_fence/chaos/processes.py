@@ -155,6 +155,10 @@ class Worker:
             return ""
 
     @property
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    @property
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
