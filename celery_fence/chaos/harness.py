@@ -398,7 +398,7 @@ def run_time_limit(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]
     """Hard time limits (the prefork pool kills the process running the body): a job whose first
     run overruns must complete on a later attempt; a job that overruns on every run must end
     ``dead``, reason "time limit", after ``fence_max_attempts`` executions."""
-    limit = rng.uniform(0.8, 1.2)
+    limit = rng.uniform(1.0, 1.5)  # seconds: room for a normal run on a loaded machine
     once = Job(s.key(i, "once"), expect_attempts=2, expect_starts=2)
     always = Job(
         s.key(i, "always"),
@@ -419,15 +419,15 @@ def run_expires(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     """Messages sent with ``expires``: one whose first run fails transiently after the expiry
     (its retry must arrive), one that meets a lease held elsewhere past the expiry (its busy
     reschedule must arrive). Both must complete."""
-    expires = 1.0
+    expires = 1.5  # seconds: ample for an idle worker to take the first delivery
     retried = Job(s.key(i, "retry"), expect_attempts=2, expect_starts=2)
     busy = Job(s.key(i, "busy"), expect_attempts=1, expect_starts=1)
-    hold = rng.uniform(1.3, 1.8)  # another holder (a slow or paused worker) keeps the lease
+    hold = rng.uniform(1.8, 2.3)  # another holder (a slow or paused worker) keeps the lease
     s.lease_store.claim(busy.key, f"chaos-holder-{s.run_id}", int(hold * 1000))
     s.ledger.set(f"{s.ledger_prefix}:fail:{retried.key}", 1)
     sent_at = time.time()
     s.send(busy, sleep=0.1, options={"expires": expires})
-    s.send(retried, sleep=rng.uniform(1.2, 1.6), options={"expires": expires})
+    s.send(retried, sleep=rng.uniform(1.7, 2.1), options={"expires": expires})
     elapsed = s.converge([retried, busy], time.monotonic())
     late = [e for e in s.events(retried.key) if e["ev"] == "fail" and e["t"] > sent_at + expires]
     return 1 + len(late), elapsed
