@@ -448,7 +448,9 @@ def run_misconfig(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     if not bad.exited:  # it started: plain Celery fails each task (and acks it)
         for job in jobs:
             job.observed.append(f"a worker with fence_renew_interval={interval:.3f} started")
-        wait_until(lambda: all(s._finished(j) for j in jobs), 15)
+        # until it has taken and acked all of them (a message it has not acked yet would go
+        # back to the queue when it stops)
+        wait_until(lambda: all(s._finished(j) for j in jobs) and s.queued() == 0, 15)
     s.stop_worker(bad)
     taken = len(jobs) - s.queued()
     if taken:
