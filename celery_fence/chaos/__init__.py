@@ -4,7 +4,7 @@ Run it against your own configuration (your Redis, broker, database and TTLs)::
 
     python -m celery_fence.chaos [--scenario NAME|all ...] [--runs N] [--seed S]
         [--redis-url URL] [--broker-url URL] [--database-url URL] [--pg-admin-url URL]
-        [--ttl SECONDS] [--max-attempts N] [--workers N] [--own-redis] [--unfenced]
+        [--ttl SECONDS] [--max-attempts N] [--workers N] [--own-redis] [--unfenced] [--unsettled]
         [--converge-timeout SECONDS] [--json PATH] [--workdir DIR] [-q]
 
 Defaults: Redis ``redis://127.0.0.1:6379/1`` (leases under a fresh key prefix, the ledger,
@@ -56,6 +56,27 @@ Scenarios (faults counted per run):
 - ``poison``: a job whose input always fails permanently (``PermanentError``: dead after one
   attempt) and a job that SIGKILLs its worker every time (dead after ``fence_max_attempts`` body
   runs). Faults: 1 + the kills.
+- ``time-limit``: two jobs sent with a hard ``time_limit`` of 1-1.5 s (the prefork pool kills the
+  process running the body): one overruns on its first run only (a one-shot flag) and must end
+  ``completed`` on its second execution (attempts 2, body starts 2); one overruns on every run
+  and must end ``dead`` with reason "time limit" after ``fence_max_attempts`` executions
+  (attempts and body starts both ``fence_max_attempts``). Faults: the overruns.
+- ``expires``: two jobs sent with ``expires=1.5``: one whose first run fails with a transient
+  error after 1.7-2.1 s (its retry is sent after the expiry and must arrive), one that meets a
+  lease the harness holds under a foreign token for 1.8-2.3 s, as a slow or paused worker would
+  (its busy reschedule arrives after the expiry and must run). Both must complete (attempts and
+  body starts: 2 and 1). Faults: the busy hold + the failures that came after the expiry (2).
+- ``misconfig``: no worker runs; three jobs are queued, then a worker starts with
+  ``fence_renew_interval`` = 0.95-1.2 x ttl (at least ttl x (1 - ``fence_lease_margin``)): it must
+  refuse to start and leave the three messages in the broker; then a correctly configured worker
+  starts and must complete each (attempts 1, body starts 1). A misconfigured worker that started,
+  or took a message, is an unexpected outcome for each job. 1 fault.
+- ``refused-arg``: PostgreSQL only (``--database-url`` when it is PostgreSQL, else a throwaway
+  database through ``--pg-admin-url``, as for db-outage; skipped with the reason when there is
+  none — SQLite stores the NUL character): a job whose argument holds ``"\\u0000"``, which jsonb
+  refuses, must end ``dead`` at once with reason "arguments refused by the database": attempts 1,
+  the body never run, one generation claimed in Redis (no loop), and its stored request must
+  decode to the arguments sent (``fence show`` / ``fence requeue``). 1 fault.
 
 Columns (per scenario, summed over its runs). The transitions table is written in the same
 statement or transaction as the state change it records, so its ``id`` order for a key is the
@@ -84,11 +105,15 @@ same machine's clock.
 - **body re-runs after completion** (safety): ledger body starts of a key later than its first
   accepted ``completed`` transition.
 - **unexpected outcomes** (safety): a job whose terminal state is not the scenario's expectation:
-  wrong status (``poison`` jobs must be ``dead``, all others ``completed``); ``poison``'s
-  permanent job with attempts or body starts other than 1, its killer with body starts other than
-  ``fence_max_attempts``; an after-commit kill whose body ran more than once; a stored result not
-  written by the stored generation; a message that ended FAILURE although its job completed; an
-  ``unknown-remote`` charge not performed exactly once or never retried through its key.
+  wrong status (``poison`` jobs, ``time-limit``'s always-overrunning job and ``refused-arg``'s
+  must be ``dead``, all others ``completed``); attempts, body starts, the terminal transition's
+  reason or the generations claimed other than the scenario states above (``poison``'s
+  permanent job: 1 attempt, 1 start; its killer: ``fence_max_attempts`` starts); an after-commit
+  kill whose body ran more than once; a stored result not written by the stored generation; a
+  message that ended FAILURE although its job completed; an ``unknown-remote`` charge not
+  performed exactly once or never retried through its key; what the harness saw go wrong around
+  a job (``misconfig``: the misconfigured worker started or took a message; ``refused-arg``: the
+  stored request does not decode to the arguments sent).
 - **max time to converge**: the longest time, over the runs, from the fault (the SIGSTOP, the
   flush, the outage; for the others the send) until every job of the run was terminal, every
   message finished and every effect delivered.
@@ -100,6 +125,15 @@ replaces: ``guard()`` on entry, then a plain transaction. ``--scenario pause --u
 stale writes accepted > 0 (and usually duplicate completions and re-runs), and ``--scenario
 app-write --unfenced`` stale app-table writes > 0, which is the proof that the fence is what keeps
 the other tables at zero.
+
+``--unsettled`` is a demonstration too: it sets ``fence_unsettled=True`` in the workers, which
+leaves Celery's own exits as plain Celery handles them — a hard time limit is acked, ``expires``
+is copied onto the fence's re-sends, the settings are not checked when the worker starts (the
+bad setting fails at the first task, acked as FAILURE), and a request the database refuses is
+re-sent in a loop. ``--scenario time-limit,expires,misconfig,refused-arg --unsettled`` then shows
+lost jobs > 0 in each (rows left ``running`` or ``retrying`` with no message, jobs with no row),
+which is the proof that the settle step is what keeps those rows at zero. A lost job is only
+known lost when ``--converge-timeout`` runs out, so give the control arm a short one.
 """
 
 from __future__ import annotations

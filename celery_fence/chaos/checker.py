@@ -57,6 +57,11 @@ class Job:
     expect_attempts: int | None = None  # attempts counted by the store, when it matters
     expect_starts: int | None = None  # body starts in the ledger, when it matters
     expect_remote: bool = False  # a charge that timed out once must converge through its key
+    expect_reason: str | None = None  # the reason of the terminal transition, when it matters
+    expect_claims: int | None = None  # generations claimed in Redis, when it matters
+    claims: int | None = None  # generations claimed, as the harness read them after the run
+    #: What the harness itself saw go wrong around the job (e.g. a misconfigured worker started).
+    observed: list[str] = field(default_factory=list)
     task_ids: list[str] = field(default_factory=list)
     finished: bool = False  # every message of the job finished (SUCCESS or FAILURE)
     states: list[str] = field(default_factory=list)  # the final Celery state of each message
@@ -129,13 +134,16 @@ def check(
             result.violations.append(
                 f"lost: {job.key} status={record.status if record else None} "
                 f"messages finished={job.finished}"
+                + (f" generations claimed={job.claims}" if job.claims is not None else "")
             )
         elif record.status == "completed" and any(
             row.status != "delivered" for row in store.outbox_rows(key=job.key)
         ):
             result.lost_jobs += 1
             result.violations.append(f"lost: {job.key} has a committed effect never delivered")
-        result.unexpected_outcomes += _unexpected(job, record, events, by_idem, result.violations)
+        result.unexpected_outcomes += _unexpected(
+            job, record, history, events, by_idem, result.violations
+        )
     return result
 
 
@@ -279,13 +287,16 @@ def _duplicate_effects(
 def _unexpected(
     job: Job,
     record: Any,
+    history: Sequence[Transition],
     events: Sequence[Mapping[str, Any]],
     by_idem: Mapping[str, Any],
     violations: list[str],
 ) -> int:
+    problems = list(job.observed)
     if record is None or record.status not in ("completed", "dead"):
-        return 0  # counted as lost
-    problems = []
+        for p in problems:
+            violations.append(f"unexpected outcome: {job.key} {p}")
+        return 1 if problems else 0  # the job itself is counted as lost
     if record.status != job.expect:
         problems.append(f"status {record.status}, expected {job.expect}")
     if job.expect_attempts is not None and record.attempts != job.expect_attempts:
@@ -299,6 +310,13 @@ def _unexpected(
         problems.append("stored result is not the stored generation's")
     if record.status == "completed" and "FAILURE" in job.states:
         problems.append(f"a message ended FAILURE although the job completed ({job.states})")
+    if job.expect_reason is not None:
+        terminal = next((t for t in history if t.action == record.status), None)
+        reason = terminal.reason if terminal is not None else None
+        if reason != job.expect_reason:
+            problems.append(f"{record.status}, reason {reason!r}, expected {job.expect_reason!r}")
+    if job.expect_claims is not None and job.claims != job.expect_claims:
+        problems.append(f"{job.claims} generations claimed, expected {job.expect_claims}")
     if job.expect_remote:
         idem = idempotency_key(job.key, CHARGE)
         stats = by_idem.get(idem, {})

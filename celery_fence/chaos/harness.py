@@ -24,8 +24,9 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
+from celery_fence.lease import LeaseStore
 from celery_fence.outbox import SWEEP_TASK, idempotency_key
-from celery_fence.store import Store
+from celery_fence.store import Store, decode_request
 from celery_fence.testing.provider import ProviderStub
 
 from . import CHARGE, TASK_NAME, app_metadata, checker
@@ -49,8 +50,18 @@ SCENARIOS = (
     "db-outage",
     "unknown-remote",
     "poison",
+    "time-limit",
+    "expires",
+    "misconfig",
+    "refused-arg",
 )
 KILL_WINDOWS = ("before_effect", "before_commit", "after_commit")
+#: Scenarios that run against PostgreSQL whatever the store (a throwaway database if need be).
+POSTGRESQL_ONLY = ("db-outage", "refused-arg")
+#: Scenarios that start their own workers in each run (none are running in between).
+OWN_WORKERS = ("misconfig",)
+#: What the refused-arg scenario passes: valid JSON, which PostgreSQL's jsonb refuses.
+NUL_ARGUMENT = "before\x00after"
 
 
 @dataclass
@@ -66,6 +77,7 @@ class Options:
     max_attempts: int = 3
     workers: int = 2
     unfenced: bool = False
+    unsettled: bool = False
     own_redis: bool = False
     converge_timeout: float = 60.0
     remote_timeout: float = 0.5
@@ -101,6 +113,7 @@ class Scenario:
             "chaos-client", broker=self.opts.broker_url, backend=self.opts.redis_url
         )
         self.store = Store(self.database_url)
+        self.lease_store = LeaseStore(self.leases, prefix=self.prefix)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -117,6 +130,7 @@ class Scenario:
             "CHAOS_TTL": str(self.opts.ttl),
             "CHAOS_MAX_ATTEMPTS": str(self.opts.max_attempts),
             "CHAOS_UNFENCED": "1" if self.opts.unfenced else "0",
+            "CHAOS_UNSETTLED": "1" if self.opts.unsettled else "0",
             "CHAOS_PROVIDER_URL": self.provider.url,
             "CHAOS_REMOTE_TIMEOUT": str(self.opts.remote_timeout),
         }
@@ -127,17 +141,30 @@ class Scenario:
             self.proxy.up()
         self.store.create_schema()  # before the workers: nobody races for it
         app_metadata.create_all(self.store.engine)  # the app's own table (app-write)
-        for i in range(self.opts.workers):
-            name = f"chaos-{self.name}-{i}-{self.run_id}"
-            self.workers.append(
-                Worker(name=name, queue=self.queue, env=self.env(), log_dir=self.workdir).start()
-            )
-        for w in self.workers:
+        if self.name in OWN_WORKERS:
+            return
+        started = [self.start_worker(str(i)) for i in range(self.opts.workers)]
+        for w in started:
             w.wait_ready()
+
+    def start_worker(self, label: str, **env: str) -> Worker:
+        """Start one more worker on this scenario's queue (``env`` overrides ``CHAOS_*``)."""
+        name = f"chaos-{self.name}-{label}-{self.run_id}"
+        env = {**self.env(), **env}
+        worker = Worker(name=name, queue=self.queue, env=env, log_dir=self.workdir)
+        self.workers.append(worker.start())
+        return worker
+
+    def stop_worker(self, worker: Worker) -> None:
+        worker.stop()
+        self.workers.remove(worker)
 
     def stop(self) -> None:
         for w in self.workers:
             w.stop()
+        # what a worker left in the queue (e.g. the control arm's endless re-sends)
+        with contextlib.suppress(Exception), self.client.connection_for_write() as conn:
+            conn.default_channel.queue_purge(self.queue)
         self.provider.stop()
         if self.proxy is not None:
             self.proxy.down()
@@ -154,10 +181,33 @@ class Scenario:
     def key(self, run: int, label: str = "") -> str:
         return f"{self.prefix}:{self.name}:{run}{':' + label if label else ''}"
 
-    def send(self, job: Job, **kwargs: Any) -> str:
-        result = self.client.send_task(TASK_NAME, args=[job.key], kwargs=kwargs, queue=self.queue)
+    def send(self, job: Job, *, options: dict[str, Any] | None = None, **kwargs: Any) -> str:
+        """Send the job's message (task kwargs ``kwargs``; Celery ``options`` such as
+        ``time_limit`` or ``expires``)."""
+        result = self.client.send_task(
+            TASK_NAME, args=[job.key], kwargs=kwargs, queue=self.queue, **(options or {})
+        )
         job.task_ids.append(result.id)
         return str(result.id)
+
+    def queued(self) -> int:
+        """Messages of this scenario's queue the broker holds (ready, plus delivered and not
+        yet acked on the Redis transport)."""
+        with self.client.connection_for_write() as conn:
+            channel: Any = conn.default_channel
+            if conn.transport.driver_type != "redis":
+                return int(channel.queue_declare(queue=self.queue, passive=True).message_count)
+            lists = {channel._q_for_pri(self.queue, p) for p in channel.priority_steps}
+            ready = sum(int(channel.client.llen(name)) for name in lists)
+            unacked = 0
+            for raw in channel.client.hvals(channel.unacked_key):
+                with contextlib.suppress(ValueError, TypeError):
+                    unacked += json.loads(raw)[2] == self.queue
+            return ready + unacked
+
+    def claims(self, key: str) -> int:
+        """Generations claimed in Redis for ``key`` (its counter)."""
+        return int(self.leases.get(self.lease_store.keys_for(key).generation) or 0)
 
     def events(self, key: str | None = None) -> list[dict[str, Any]]:
         raw = self.ledger.lrange(f"{self.ledger_prefix}:events", 0, -1)
@@ -375,6 +425,98 @@ def run_poison(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     return 1 + kills, elapsed
 
 
+def run_time_limit(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """Hard time limits (the prefork pool kills the process running the body): a job whose first
+    run overruns must complete on a later attempt; a job that overruns on every run must end
+    ``dead``, reason "time limit", after ``fence_max_attempts`` executions."""
+    limit = rng.uniform(1.0, 1.5)  # seconds: room for a normal run on a loaded machine
+    once = Job(s.key(i, "once"), expect_attempts=2, expect_starts=2)
+    always = Job(
+        s.key(i, "always"),
+        expect="dead",
+        expect_attempts=s.opts.max_attempts,
+        expect_starts=s.opts.max_attempts,
+        expect_reason="time limit",
+    )
+    s.ledger.set(f"{s.ledger_prefix}:overrun:{once.key}", 1)
+    s.send(once, sleep=rng.uniform(0.0, 0.2), options={"time_limit": limit})
+    s.send(always, mode="overrun", options={"time_limit": limit})
+    elapsed = s.converge([once, always], time.monotonic())
+    overruns = sum(1 for j in (once, always) for e in s.events(j.key) if e["ev"] == "overrun")
+    return overruns, elapsed
+
+
+def run_expires(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """Messages sent with ``expires``: one whose first run fails transiently after the expiry
+    (its retry must arrive), one that meets a lease held elsewhere past the expiry (its busy
+    reschedule must arrive). Both must complete."""
+    expires = 1.5  # seconds: ample for an idle worker to take the first delivery
+    retried = Job(s.key(i, "retry"), expect_attempts=2, expect_starts=2)
+    busy = Job(s.key(i, "busy"), expect_attempts=1, expect_starts=1)
+    hold = rng.uniform(1.8, 2.3)  # another holder (a slow or paused worker) keeps the lease
+    s.lease_store.claim(busy.key, f"chaos-holder-{s.run_id}", int(hold * 1000))
+    s.ledger.set(f"{s.ledger_prefix}:fail:{retried.key}", 1)
+    sent_at = time.time()
+    s.send(busy, sleep=0.1, options={"expires": expires})
+    s.send(retried, sleep=rng.uniform(1.7, 2.1), options={"expires": expires})
+    elapsed = s.converge([retried, busy], time.monotonic())
+    late = [e for e in s.events(retried.key) if e["ev"] == "fail" and e["t"] > sent_at + expires]
+    return 1 + len(late), elapsed
+
+
+def run_misconfig(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """Jobs queued, then a worker whose ``fence_renew_interval`` leaves no room before the local
+    deadline (>= ttl x (1 - margin)) starts: it must refuse to start and take nothing. Then a
+    correctly configured worker starts and must complete every job."""
+    jobs = [Job(s.key(i, str(n)), expect_attempts=1, expect_starts=1) for n in range(3)]
+    for job in jobs:
+        s.send(job, sleep=rng.uniform(0.0, 0.2))
+    interval = s.opts.ttl * rng.uniform(0.95, 1.2)
+    bad = s.start_worker(f"bad-{i}", CHAOS_RENEW_INTERVAL=f"{interval:.3f}")
+    started_at = time.monotonic()
+    if not wait_until(lambda: bad.exited or " ready." in bad.log(), 90, 0.1):
+        raise TimeoutError("the misconfigured worker neither exited nor started in 90s")
+    if not bad.exited:  # it started: plain Celery fails each task (and acks it)
+        for job in jobs:
+            job.observed.append(f"a worker with fence_renew_interval={interval:.3f} started")
+        # until it has taken and acked all of them (a message it has not acked yet would go
+        # back to the queue when it stops)
+        wait_until(lambda: all(s._finished(j) for j in jobs) and s.queued() == 0, 15)
+    s.stop_worker(bad)
+    taken = len(jobs) - s.queued()
+    if taken:
+        for job in jobs:
+            job.observed.append(f"the misconfigured worker took {taken} of {len(jobs)} messages")
+    good = s.start_worker(f"good-{i}")
+    good.wait_ready()
+    elapsed = s.converge(jobs, started_at)
+    s.stop_worker(good)
+    return 1, elapsed
+
+
+def run_refused_arg(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """An argument PostgreSQL refuses (jsonb cannot store ``\\u0000``): one claim, then ``dead``
+    at once, the body never run; no loop."""
+    job = Job(
+        s.key(i),
+        expect="dead",
+        expect_attempts=1,
+        expect_starts=0,
+        expect_claims=1,
+        expect_reason="arguments refused by the database",
+    )
+    s.send(job, payload=NUL_ARGUMENT, sleep=rng.uniform(0.0, 0.1))
+    elapsed = s.converge([job], time.monotonic())
+    time.sleep(0.5)  # a message still looping would claim again meanwhile
+    job.claims = s.claims(job.key)
+    record = s.store.get(job.key)
+    if record is not None and record.status == "dead":  # kept for `fence show` / `requeue`
+        request = decode_request(record.request)
+        if request is None or request.get("kwargs", {}).get("payload") != NUL_ARGUMENT:
+            job.observed.append("the stored request does not decode to the arguments sent")
+    return 1, elapsed
+
+
 RUNS: dict[str, Run] = {
     "pause": run_pause,
     "app-write": run_app_write,
@@ -384,14 +526,19 @@ RUNS: dict[str, Run] = {
     "db-outage": run_db_outage,
     "unknown-remote": run_unknown_remote,
     "poison": run_poison,
+    "time-limit": run_time_limit,
+    "expires": run_expires,
+    "misconfig": run_misconfig,
+    "refused-arg": run_refused_arg,
 }
 
 
 # -- databases ---------------------------------------------------------------------------------
 
 
-def _pg_database_for_outage(opts: Options) -> tuple[str, str] | str:
-    """(direct URL, URL of an admin connection used to drop it) of a fresh PostgreSQL database,
+def _pg_database(opts: Options, scenario: str) -> tuple[str, str] | str:
+    """(URL, name to drop afterwards or "") of the PostgreSQL database ``scenario`` runs against:
+    ``--database-url`` when it is PostgreSQL, else a fresh one made through ``--pg-admin-url``;
     or the reason there is none."""
     if opts.database_url and opts.database_url.startswith("postgresql"):
         return opts.database_url, ""
@@ -402,7 +549,7 @@ def _pg_database_for_outage(opts: Options) -> tuple[str, str] | str:
             conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
         admin.dispose()
     except Exception as exc:
-        return f"db-outage needs PostgreSQL (--pg-admin-url): {type(exc).__name__}: {exc}"[:300]
+        return f"{scenario} needs PostgreSQL (--pg-admin-url): {type(exc).__name__}: {exc}"[:300]
     url = sa.engine.make_url(opts.pg_admin_url).set(database=name)
     return url.render_as_string(hide_password=False), name
 
@@ -434,15 +581,17 @@ def run_scenario(
     lease_url = own_redis.url if own_redis is not None else opts.redis_url
     proxy = None
     drop: str | None = None
-    if name == "db-outage":
-        found = _pg_database_for_outage(opts)
+    if name in POSTGRESQL_ONLY:
+        found = _pg_database(opts, name)
         if isinstance(found, str):
             result.skipped = found
             return result
         database_url, drop = found
-        upstream = sa.engine.make_url(database_url)
-        proxy = TcpProxy(upstream.host or "127.0.0.1", upstream.port or 5432)
-        worker_url = _proxied(database_url, proxy)
+        worker_url = database_url
+        if name == "db-outage":
+            upstream = sa.engine.make_url(database_url)
+            proxy = TcpProxy(upstream.host or "127.0.0.1", upstream.port or 5432)
+            worker_url = _proxied(database_url, proxy)
     else:
         database_url = opts.database_url or f"sqlite:///{workdir / f'{name}.sqlite3'}"
         worker_url = database_url
@@ -558,6 +707,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "expect stale writes",
     )
     p.add_argument(
+        "--unsettled",
+        action="store_true",
+        help="DEMONSTRATION ONLY: fence_unsettled=True leaves Celery's own exits "
+        "(hard time limit, expires, bad settings, refused arguments) as plain Celery "
+        "handles them; expect lost jobs",
+    )
+    p.add_argument(
         "--own-redis",
         action="store_true",
         help="start a redis-server for the lease store; redis-loss restarts it",
@@ -607,6 +763,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         max_attempts=a.max_attempts,
         workers=a.workers,
         unfenced=a.unfenced,
+        unsettled=a.unsettled,
         own_redis=a.own_redis,
         converge_timeout=a.converge_timeout,
         json_path=a.json_path,
@@ -635,9 +792,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for v in r.violations[:20]:
             print(f"{r.scenario}: {v}")
     total = sum(r.faults for r in results)
+    arms = "".join(
+        f", {arm}" for arm, on in (("UNFENCED", opts.unfenced), ("UNSETTLED", opts.unsettled)) if on
+    )
     print(
         f"{total} faults injected in {time.monotonic() - started:.0f}s "
-        f"(seed {opts.seed}, ttl {opts.ttl}s{', UNFENCED' if opts.unfenced else ''}): "
+        f"(seed {opts.seed}, ttl {opts.ttl}s{arms}): "
         + ("every safety column is zero" if ok else "SAFETY VIOLATIONS")
     )
     if opts.json_path:
@@ -650,6 +810,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "seed": opts.seed,
                     "ttl": opts.ttl,
                     "unfenced": opts.unfenced,
+                    "unsettled": opts.unsettled,
                     "faults": total,
                     "safety_columns": list(checker.SAFETY_COLUMNS),
                     "scenarios": [r.as_dict() for r in results],

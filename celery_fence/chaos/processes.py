@@ -56,6 +56,10 @@ class Worker(processes.Worker):
         super().wait_ready(timeout)
         return self
 
+    @property
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
 
 class TcpProxy:
     """A loopback TCP proxy in front of a database: :meth:`down` refuses new connections and cuts

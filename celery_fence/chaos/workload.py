@@ -15,11 +15,15 @@ The workload writes a **ledger** of what really happened: one Redis list,
 - ``tx``      the body entered its ``self.fence.transaction()`` block (``app_write``), before its
   write; ``tx_committed``: the block committed;
 - ``kill``    a one-shot fault flag was consumed and the process is about to SIGKILL itself
-  (``window``: before_effect, before_commit, after_commit, or poison).
+  (``window``: before_effect, before_commit, after_commit, or poison);
+- ``overrun`` the body starts to overrun (it sleeps until the pool's hard time limit kills it);
+- ``fail``    the body raises a transient error (``ConnectionError``) after its sleep.
 
 Fault flags are one-shot: ``<ledger prefix>:kill:<window>:<key>`` is consumed with GETDEL right
-before ``os.kill(os.getpid(), SIGKILL)``, so a fault happens once even though the process dies.
-The after-commit window is a :data:`celery_fence.signals.job_completed` receiver.
+before ``os.kill(os.getpid(), SIGKILL)``, so a fault happens once even though the process dies;
+``<ledger prefix>:overrun:<key>`` and ``<ledger prefix>:fail:<key>`` likewise (``mode="overrun"``
+overruns on every run). The after-commit window is a :data:`celery_fence.signals.job_completed`
+receiver.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ ENV_DEFAULTS = {
     "CHAOS_TTL": "1.5",
     "CHAOS_MAX_ATTEMPTS": "3",
     "CHAOS_UNFENCED": "0",
+    "CHAOS_UNSETTLED": "0",
+    "CHAOS_RENEW_INTERVAL": "",  # empty: ttl / 3 (the misconfig scenario sets an invalid one)
     "CHAOS_PROVIDER_URL": "",
     "CHAOS_REMOTE_TIMEOUT": "0.5",
 }
@@ -79,13 +85,14 @@ def make_app(s: Mapping[str, str]) -> Celery:
         fence_database_url=s["CHAOS_DATABASE_URL"],
         fence_key_prefix=s["CHAOS_PREFIX"],
         fence_lease_ttl=ttl,
-        fence_renew_interval=ttl / 3,
+        fence_renew_interval=float(s["CHAOS_RENEW_INTERVAL"] or ttl / 3),
         fence_max_attempts=int(s["CHAOS_MAX_ATTEMPTS"]),
         fence_retry_backoff=0.1,
         fence_retry_backoff_max=0.5,
         # the harness retries on purpose, many times a minute: the budget must not delay it
         fence_retry_budget_floor=100_000,
         fence_unfenced=s["CHAOS_UNFENCED"] == "1",
+        fence_unsettled=s["CHAOS_UNSETTLED"] == "1",
     )
     return app
 
@@ -108,8 +115,17 @@ def record(
     ledger.rpush(f"{LEDGER}:events", json.dumps(entry))
 
 
+#: How long an overrunning body sleeps at most (the hard time limit kills it long before).
+OVERRUN_S = 60.0
+
+
+def _once(flag: str, key: str) -> bool:
+    """Consume the one-shot fault flag ``<ledger prefix>:<flag>:<key>``: True if it was set."""
+    return ledger.getdel(f"{LEDGER}:{flag}:{key}") is not None
+
+
 def _kill_once(window: str, key: str, gen: int | None = None, attempt: str | None = None) -> None:
-    if ledger.getdel(f"{LEDGER}:kill:{window}:{key}") is not None:
+    if _once(f"kill:{window}", key):
         record("kill", key, gen, attempt, window=window)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -149,20 +165,28 @@ def op(
     notify: bool = True,
     app_write: bool = False,
     block_sleep: float = 0.0,
+    payload: str = "",
 ) -> dict[str, Any]:
     """One logical operation. ``check=False``: no direct side effect, the body relies on the
     store alone (its result and its outbox row are what a stale attempt would write).
     ``notify=False``: no outbox effect either (the outbox's unique idempotency key would
     otherwise refuse a second completion on its own), so the result is the only thing written.
     ``app_write``: write one row to the app's table inside ``self.fence.transaction()``, after
-    ``block_sleep`` seconds inside the block."""
+    ``block_sleep`` seconds inside the block.
+    ``payload``: only carried in the request (the refused-arg scenario puts a NUL in it)."""
     fence = self.fence
     gen, attempt = fence.generation, fence.attempt_id
     record("start", key, gen, attempt)
     _kill_once("before_effect", key, gen, attempt)
+    if mode == "overrun" or _once("overrun", key):
+        record("overrun", key, gen, attempt)
+        sleep = OVERRUN_S  # the pool's hard time limit kills this process first
     end = time.monotonic() + sleep
     while time.monotonic() < end:
         time.sleep(0.02)
+    if _once("fail", key):
+        record("fail", key, gen, attempt)
+        raise ConnectionError("chaos: a transient failure")
     if mode == "permanent":
         raise PermanentError("chaos: input that can never succeed")
     if mode == "kill":

@@ -3,7 +3,9 @@ through its ``--json`` output (issue 6).
 
 A short run of every scenario must inject its faults and keep every safety column at zero; the
 same pause scenario against the deliberately unfenced store must accept stale writes (so the
-zeros are the fence's doing); Ctrl-C must leave no worker behind.
+zeros are the fence's doing); the windows of issue 12 with Celery's own exits left unsettled
+(``--unsettled``) must lose jobs (so those zeros are the settle step's doing); Ctrl-C must leave
+no worker behind.
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ MIN_FAULTS = {
     "db-outage": RUNS,
     "unknown-remote": RUNS,
     "poison": (1 + MAX_ATTEMPTS) * RUNS,
+    "time-limit": (1 + MAX_ATTEMPTS) * RUNS,
+    "expires": 2 * RUNS,
+    "misconfig": RUNS,
+    "refused-arg": RUNS,
 }
+#: Issue 12's windows, and the jobs each run loses when Celery's own exits are left unsettled.
+UNSETTLED_LOSSES = {"time-limit": 2, "expires": 2, "misconfig": 3, "refused-arg": 1}
 
 
 def _command(tmp_path: Path, *args: str) -> list[str]:
@@ -162,6 +170,33 @@ def test_unfenced_app_writes_land_stale_under_the_same_pause(tmp_path: Path) -> 
     assert row["faults"] == RUNS
     assert row["stale_app_writes"] > 0, row
     assert any("stale app-table write" in v for v in row["violations"]), row["violations"]
+    assert code == 1 and report["ok"] is False, output
+
+
+@pytest.mark.timeout(600)
+def test_unsettled_exits_lose_the_jobs_of_the_same_windows(tmp_path: Path) -> None:
+    # Given issue 12's windows (hard time limit, expires on a retry and on a busy reschedule, a
+    # misconfigured worker, an argument PostgreSQL refuses), one run each, but Celery's own exits
+    # handled as plain Celery handles them (--unsettled),
+    code, report, output = _chaos(
+        tmp_path,
+        "--scenario",
+        ",".join(UNSETTLED_LOSSES),
+        "--runs",
+        "1",
+        "--unsettled",
+        "--converge-timeout",
+        "6",
+    )
+    scenarios = _by_name(report)
+    # then every one of them loses its jobs (a row left running or retrying with no message, or
+    # no row at all), where the run above, settled, loses none; and the harness fails.
+    assert report["unsettled"] is True
+    for name, lost in UNSETTLED_LOSSES.items():
+        row = scenarios[name]
+        assert row["skipped"] is None and row["runs"] == 1, (name, row, output)
+        assert row["faults"] > 0, (name, row)
+        assert row["lost_jobs"] == lost, (name, row["violations"])
     assert code == 1 and report["ok"] is False, output
 
 
