@@ -47,6 +47,7 @@ class Variant:
 VARIANTS = (
     Variant("plain", "bench.plain", 0.0, None, "-"),
     Variant("fenced-pg", "bench.fenced_pg", 0.0, "plain", "postgresql"),
+    Variant("fenced-pg-defer", "bench.fenced_pg_defer", 0.0, "plain", "postgresql"),
     Variant("fenced-pg-redisresult", "bench.fenced_pg_redisresult", 0.0, "plain", "postgresql"),
     Variant("plain-dbresult", "bench.plain_dbresult", 0.0, "plain", "postgresql"),
     Variant("fenced-sqlite", "bench.fenced_sqlite", 0.0, "plain", "sqlite"),
@@ -54,6 +55,7 @@ VARIANTS = (
     Variant("celery-once", "bench.once", 0.0, "plain", "-"),
     Variant("plain-50ms", "bench.plain", 0.05, None, "-"),
     Variant("fenced-pg-50ms", "bench.fenced_pg", 0.05, "plain-50ms", "postgresql"),
+    Variant("fenced-pg-defer-50ms", "bench.fenced_pg_defer", 0.05, "plain-50ms", "postgresql"),
 )
 EXPERIMENT = Variant("fenced-pg-exp", "bench.fenced_pg", 0.0, "plain", "postgresql", True)
 
@@ -61,7 +63,12 @@ EXPERIMENT = Variant("fenced-pg-exp", "bench.fenced_pg", 0.0, "plain", "postgres
 #: fenced-pg / plain-dbresult: a fenced task with its result in PostgreSQL against plain Celery
 #: with its own database result backend on the same PostgreSQL (the like-for-like durable
 #: result); fenced-pg-redisresult / fenced-pg: the cost of also writing the result to Redis.
-HEADLINES = (("fenced-pg", "plain-dbresult"), ("fenced-pg-redisresult", "fenced-pg"))
+HEADLINES = (
+    ("fenced-pg", "plain-dbresult"),
+    ("fenced-pg-defer", "plain-dbresult"),
+    ("fenced-pg-defer", "fenced-pg"),
+    ("fenced-pg-redisresult", "fenced-pg"),
+)
 #: The worker tree's processes in the CPU counts (the rest: the servers and the machine).
 WORKER_TREE = ("worker main", "worker children")
 

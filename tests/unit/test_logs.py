@@ -227,7 +227,12 @@ def test_only_celerys_task_id_format_is_amended_and_only_once() -> None:
     assert fenced_task_format("%(levelname)s %(message)s") == "%(levelname)s %(message)s"
 
 
-def test_the_task_logger_signal_installs_context_and_format() -> None:
+def test_the_task_logger_signal_installs_context_and_format(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The current app is whichever was created last (another test's, a conftest's): this test's
+    # is one that does not redact, so only the context filter is expected.
+    monkeypatch.setattr(logs, "_current_app", lambda: Celery("plain", set_as_current=False))
     task_logger = logging.getLogger(f"test.celery_fence.tasks.{id(object())}")
     handler = logging.StreamHandler()
     handler.setFormatter(TaskFormatter(CELERY_TASK_FORMAT, use_color=False))
