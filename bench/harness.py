@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
@@ -27,6 +25,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from bench.servers import PrivatePostgres, PrivateRedis, wait_for
+from celery_fence.testing import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PG_ADMIN_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres"
@@ -35,8 +34,9 @@ DEFAULT_PG_ADMIN_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres"
 # -- the worker -------------------------------------------------------------------------------
 
 
-class BenchWorker:
-    """One ``celery worker`` of :mod:`bench.app`, in its own process group."""
+class BenchWorker(processes.Worker):
+    """One ``celery worker`` of :mod:`bench.app`, in its own process group (the project's one
+    process module, :mod:`celery_fence.testing.processes`); ready once it answers a ping."""
 
     def __init__(
         self,
@@ -48,83 +48,40 @@ class BenchWorker:
         concurrency: int = 4,
         loglevel: str = "WARNING",
     ) -> None:
-        self.name = f"bench-{uuid.uuid4().hex[:6]}"
-        self.hostname = f"{self.name}@{socket.gethostname()}"
-        self.queue = queue
-        self.env = {**os.environ, **env, "BENCH_POOL": pool, "PYTHONPATH": str(ROOT)}
-        self.log_path = log_dir / f"{self.name}.log"
-        self.command = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
+        name = f"bench-{uuid.uuid4().hex[:6]}"
+        super().__init__(
             "bench.app",
-            "worker",
-            "-P",
-            pool,
-            "-c",
-            str(concurrency),
-            "-Q",
-            queue,
-            "-n",
-            f"{self.name}@%h",
-            "-l",
-            loglevel,
-            "--without-heartbeat",
-            "--without-mingle",
-            "--without-gossip",
-        ]
-        self.proc: subprocess.Popen[bytes] | None = None
+            env={**env, "BENCH_POOL": pool},
+            queue=queue,
+            name=name,
+            log_dir=log_dir,
+            concurrency=concurrency,
+            pool=pool,
+            loglevel=loglevel,
+            cwd=ROOT,
+            pythonpath=[str(ROOT)],
+            prefetch_multiplier=None,  # Celery's default, as a user's worker has it
+        )
+        self.hostname = f"{name}@{socket.gethostname()}"
 
-    def start(self, control: Celery, timeout: float = 60.0) -> BenchWorker:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
-        try:
-            self.proc = subprocess.Popen(
-                self.command,
-                env=self.env,
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            log.close()
+    def start_answering(self, control: Celery, timeout: float = 60.0) -> BenchWorker:
+        """Start the worker and wait until it answers a control ping."""
+        self.launch()
 
         def answers() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited at start:\n{self.log()[-3000:]}")
             return bool(control.control.ping(destination=[self.hostname], timeout=0.5))
 
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if answers():
-                return self
-        self.stop()
-        raise TimeoutError(f"worker not ready in {timeout}s:\n{self.log()[-3000:]}")
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        if not processes.poll_until(answers, timeout, interval=0.0):
+            self.stop()
+            raise TimeoutError(f"worker not ready in {timeout}s:\n{self.log()[-3000:]}")
+        return self
 
     def children(self) -> list[int]:
         """Pids of the pool processes (prefork children of the main worker process)."""
         assert self.proc is not None
         return sorted(children_of(self.proc.pid))
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=timeout)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
 
 
 def rss_kib(pid: int) -> int:

@@ -31,7 +31,7 @@ def run(svc: Services, *, tasks: int, loglevel: str, out: Any) -> dict[str, Any]
     worker = BenchWorker(
         svc.worker_env(), queue=svc.queue, log_dir=svc.workdir, concurrency=1, loglevel=loglevel
     )
-    worker.start(control)
+    worker.start_answering(control)
     samples: list[tuple[int, int]] = []  # (tasks done, RSS KiB)
     redis_samples: list[tuple[int, int, int]] = []  # (tasks done, keys, used_memory bytes)
     lease_client = svc.lease_redis.client()
@@ -47,7 +47,7 @@ def run(svc: Services, *, tasks: int, loglevel: str, out: Any) -> dict[str, Any]
         if len(children) != 1:
             raise RuntimeError(f"expected one pool child, found {children}")
         child = children[0]
-        print(f"# worker: {' '.join(worker.command[1:])}  (child pid {child})", file=out)
+        print(f"# worker: {' '.join(worker.command()[1:])}  (child pid {child})", file=out)
         print(f"{'tasks done':>11}{'RSS KiB':>10}{'redis keys':>12}{'used_memory':>14}", file=out)
         next_sample = 0.0
         while True:

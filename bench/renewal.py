@@ -39,8 +39,8 @@ def run(svc: Services, *, leases: int, loglevel: str, out: Any) -> dict[str, Any
         loglevel=loglevel,
     )
     result: dict[str, Any] = {"leases": leases, "window_s": WINDOW, "worker_command": ""}
-    result["worker_command"] = " ".join(worker.command[1:])
-    worker.start(control)
+    result["worker_command"] = " ".join(worker.command()[1:])
+    worker.start_answering(control)
     try:
         for name, task, pattern, interval in (
             ("celery-fence", "bench.fenced_pg", "bench:*:lease", RENEW),

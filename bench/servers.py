@@ -14,7 +14,6 @@ import glob
 import os
 import pwd
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -22,6 +21,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from celery_fence.testing import processes
 
 
 def free_port() -> int:
@@ -43,36 +44,16 @@ def wait_for(predicate: object, timeout: float, what: str) -> None:
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
-class PrivateRedis:
-    """One ``redis-server`` on 127.0.0.1:<free port>, no persistence."""
+class PrivateRedis(processes.RedisServer):
+    """One ``redis-server`` on 127.0.0.1:<free port>, no persistence, in a directory of its own
+    (the project's one process module, :mod:`celery_fence.testing.processes`)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.port = free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix=f"fence-bench-{name}-"))
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(tempfile.mkdtemp(prefix=f"fence-bench-{name}-"))
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> PrivateRedis:
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        log = open(self.dir / "redis.log", "ab")  # noqa: SIM115 - the child owns it
-        try:
-            self.proc = subprocess.Popen(
-                [
-                    *(binary, "--bind", "127.0.0.1", "--port", str(self.port)),
-                    *("--dir", str(self.dir), "--save", "", "--appendonly", "no"),
-                    *("--daemonize", "no"),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            log.close()
-        wait_for(lambda: self.client().ping(), 20, f"redis-server {self.name} on {self.port}")
+    def start(self, timeout: float = 20.0) -> PrivateRedis:
+        super().start(timeout)
         return self
 
     def client(self) -> redis.Redis:
@@ -84,15 +65,8 @@ class PrivateRedis:
         return self.proc.pid
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        super().stop()
+        shutil.rmtree(self.dir.parent, ignore_errors=True)
 
 
 def postgres_bindir() -> Path | None:

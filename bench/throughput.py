@@ -125,7 +125,7 @@ def run(
         concurrency=concurrency,
         loglevel=loglevel,
     )
-    result["worker_command"] = " ".join(worker.command[1:])
+    result["worker_command"] = " ".join(worker.command()[1:])
     redis_totals: dict[str, Counter[str]] = {v.name: Counter() for v in variants}
     sql_totals: dict[str, Counter[str]] = {v.name: Counter() for v in variants}
     cpu_totals: dict[str, Counter[str]] = {v.name: Counter() for v in variants}
@@ -144,7 +144,7 @@ def run(
     cpu_counters = {exp: CpuCounter(svc, w) for exp, w in workers.items()}
     try:
         for w in workers.values():
-            w.start(control)
+            w.start_answering(control)
             set_consuming(control, w, False)
         for v in variants:  # warm-up: connections, scripts, SQLite schema, imports
             w = workers[v.experimental]
@@ -276,7 +276,7 @@ def traced_pass(
         loglevel=loglevel,
     )
     out: dict[str, dict[str, float]] = {}
-    worker.start(control)
+    worker.start_answering(control)
     try:
         set_consuming(control, worker, False)
         for v in VARIANTS:  # every pool process connects before counting starts

@@ -26,8 +26,6 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
+from celery_fence.testing import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_REDIS_DB = 3  # the tests use 1 and 2
@@ -49,71 +49,20 @@ class DemoError(Exception):
 # -- processes -------------------------------------------------------------------------------------
 
 
-class Worker:
-    """A real ``celery worker`` in its own process group (SIGSTOP reaches its pool children)."""
+class Worker(processes.Worker):
+    """A real ``celery worker`` on the example app, in its own process group (SIGSTOP reaches its
+    pool children): the project's one process module, :mod:`celery_fence.testing.processes`."""
 
     def __init__(self, name: str, env: dict[str, str], workdir: Path, queue: str) -> None:
-        self.name = name
-        self.log_path = workdir / f"worker-{name}.log"
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "example_project.app",
-                "worker",
-                "-P",
-                "prefork",
-                "-c",
-                "2",
-                "-n",
-                f"demo-{name}-{uuid.uuid4().hex[:6]}@%h",
-                "-Q",
-                queue,
-                "-l",
-                "INFO",
-                "--prefetch-multiplier=1",
-                "--without-heartbeat",
-                "--without-mingle",
-                "--without-gossip",
-            ],
+        super().__init__(
+            "example_project.app",
             env=env,
+            queue=queue,
+            name=f"demo-{name}-{uuid.uuid4().hex[:6]}",
+            log_dir=workdir,
+            concurrency=2,
             cwd=ROOT,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
         )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise DemoError(f"worker {self.name} exited; see {self.log_path}")
-            return " ready." in self.log_path.read_text(errors="replace")
-
-        wait_for(ready, timeout, f"worker {self.name} to start (log: {self.log_path})")
-
-    def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
-
-    def stop(self) -> None:
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError):  # pool children that outlived the parent
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self._log.close()
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -126,50 +75,25 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
     raise DemoError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def redis_server(
     url: str | None, workdir: Path, say: Callable[[str], None], *, own: bool = False
 ) -> Iterator[str]:
     """A Redis URL that answers: the given one, the local default, or a server started here."""
     candidate = url or f"redis://127.0.0.1:6379/{DEMO_REDIS_DB}"
-    if not own and _pings(candidate):
-        yield candidate
-        return
-    if url:
+    if url and not own and not _pings(url):
         raise DemoError(f"Redis at {url} does not answer")
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if (own or not _pings(candidate)) and shutil.which("redis-server") is None:
         raise DemoError(
             "no Redis answers on 127.0.0.1:6379 and there is no redis-server to start: install "
             "Redis (e.g. apt-get install redis-server) or pass --redis-url redis://host:port/db"
         )
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        cwd=workdir,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    reason = "as asked (--own-redis)" if own else "no Redis answers on 127.0.0.1:6379"
-    say(f"{reason}: started redis-server on port {port} (pid {proc.pid})")
-    started = f"redis://127.0.0.1:{port}/{DEMO_REDIS_DB}"
-    try:
-        wait_for(lambda: _pings(started), 15, "redis-server to start")
-        yield started
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    with processes.redis_url_or_server(candidate, workdir, own=own) as (answering, server):
+        if server is not None:
+            reason = "as asked (--own-redis)" if own else "no Redis answers on 127.0.0.1:6379"
+            pid = server.proc.pid if server.proc is not None else "?"
+            say(f"{reason}: started redis-server on port {server.port} (pid {pid})")
+        yield answering
 
 
 def _pings(url: str) -> bool:
@@ -217,8 +141,11 @@ class Demo:
     def start_worker(self, name: str, env: dict[str, str], queue: str) -> Worker:
         worker = Worker(name, env, self.workdir, queue)
         self.workers.append(worker)
+        try:
+            worker.start()
+        except (RuntimeError, processes.WaitTimeout) as exc:
+            raise DemoError(f"worker {name} did not start: {exc}") from None
         self.worker_pids.append(worker.pid)
-        worker.wait_ready()
         self.say(f"worker {name} ready (pid {worker.pid})")
         return worker
 
@@ -266,7 +193,7 @@ class Demo:
         self.say(f"A uploaded {first_write['object_key']} (generation 1)")
 
         # 2. A pauses past its lease; B claims the jobs again (generation 2) and completes them.
-        a.signal(signal.SIGSTOP)
+        a.pause()
         paused_at = time.monotonic()
         self.say(f"A paused (SIGSTOP) mid-job; its leases run out in {self.args.lease_ttl:g}s")
         b = self.start_worker("B", env, QUEUE)
@@ -287,7 +214,7 @@ class Demo:
         self.say("outbox delivered the notification and the email (the email needed a retry)")
 
         # 3. A resumes; its completions are rejected as stale.
-        a.signal(signal.SIGCONT)
+        a.resume()
         self.say("A resumed (SIGCONT) and tries to complete its jobs with generation 1")
         for key in (report_key, export_key):
             stale = wait_for(lambda k=key: _stale(store, k), 40, f"A's rejection on {key}")

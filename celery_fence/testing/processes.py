@@ -380,10 +380,14 @@ class RedisServer:
         def answers() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server on port {self.port} exited:\n{self.log()}")
-            return redis_answers(self.url)
+            return self.answers()
 
         wait_until(answers, timeout, what=f"redis-server on port {self.port}")
         return self
+
+    def answers(self) -> bool:
+        """Whether the server answers a PING (subclasses with TLS or Sentinel override it)."""
+        return redis_answers(self.url)
 
     def log(self) -> str:
         try:

@@ -11,7 +11,6 @@ import contextlib
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import redis
 
+from celery_fence.testing import processes
 from tests.support.worker import Worker, wait_until
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -54,8 +54,9 @@ def free_port(*, cluster_bus: bool = False) -> int:
     raise RuntimeError("no free loopback port found")
 
 
-class RedisServer:
-    """One ``redis-server`` process on 127.0.0.1 (TCP, or TLS with ``tls_dir``)."""
+class RedisServer(processes.RedisServer):
+    """One ``redis-server`` process on 127.0.0.1 (TCP, or TLS with ``tls``; a cluster node; a
+    sentinel): the project's one process module's server with the topology's command line."""
 
     def __init__(
         self,
@@ -67,52 +68,22 @@ class RedisServer:
         sentinel_conf: str | None = None,
         cluster: bool = False,
     ) -> None:
-        self.port = port or free_port(cluster_bus=cluster)
-        self.dir = workdir / f"redis-{self.port}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        super().__init__(workdir, port=port or free_port(cluster_bus=cluster), args=args)
         self.tls = tls
         self.cluster = cluster
         self.sentinel_conf = sentinel_conf
-        self.args = list(args)
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def log_path(self) -> Path:
-        return self.dir / "server.log"
 
     def command(self) -> list[str]:
         if self.sentinel_conf is not None:
             conf = self.dir / "sentinel.conf"
             conf.write_text(f"port {self.port}\nbind 127.0.0.1\n{self.sentinel_conf}")
             return [REDIS_SERVER, str(conf), "--sentinel", "--dir", str(self.dir)]
-        cmd = [
-            REDIS_SERVER,
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.dir),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--daemonize",
-            "no",
-        ]
+        cmd = [REDIS_SERVER, "--bind", "127.0.0.1", "--dir", str(self.dir)]
+        cmd += ["--save", "", "--appendonly", "no", "--daemonize", "no"]
         if self.tls is not None:
-            cmd += [
-                "--port",
-                "0",
-                "--tls-port",
-                str(self.port),
-                "--tls-cert-file",
-                str(self.tls.cert),
-                "--tls-key-file",
-                str(self.tls.key),
-                "--tls-ca-cert-file",
-                str(self.tls.ca),
-                "--tls-auth-clients",
-                "optional",
-            ]
+            cmd += ["--port", "0", "--tls-port", str(self.port)]
+            cmd += ["--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key)]
+            cmd += ["--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "optional"]
         else:
             cmd += ["--port", str(self.port)]
         if self.cluster:
@@ -121,29 +92,15 @@ class RedisServer:
                 "yes",
                 "--cluster-config-file",
                 str(self.dir / "nodes.conf"),
-                "--cluster-node-timeout",
-                "2000",
             ]
+            cmd += ["--cluster-node-timeout", "2000"]
         return cmd + self.args
 
     def start(self, timeout: float = 20.0) -> RedisServer:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it; closed below
-        try:
-            self.proc = subprocess.Popen(
-                self.command(),
-                cwd=self.dir,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            log.close()
-        wait_until(self._answers, timeout, interval=0.05, what=f"redis-server on {self.port}")
+        super().start(timeout)
         return self
 
-    def _answers(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(f"redis-server {self.port} exited:\n{self.log()}")
+    def answers(self) -> bool:
         try:
             with contextlib.closing(self.client()) as client:
                 return bool(client.ping())
@@ -161,34 +118,6 @@ class RedisServer:
     @property
     def url(self) -> str:
         return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown save, no goodbye to replicas or clients."""
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @contextlib.contextmanager
