@@ -57,6 +57,8 @@ app.conf.update(
     fence_key_prefix=E.get("BENCH_PREFIX", "bench"),
     fence_lease_ttl=TTL,
     fence_renew_interval=float(E.get("BENCH_RENEW", str(TTL / 3))),
+    # --memory with a short counter lifetime shows the key count level off within one run
+    fence_generation_ttl=float(E.get("BENCH_GENERATION_TTL", "600")),
 )
 
 
