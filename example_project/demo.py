@@ -31,6 +31,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,7 @@ class Demo:
         report_msg = build_report.delay(report_id)
         export_msg = generate_export.delay(export.id)
         for key in (report_key, export_key):
-            record = wait_for(lambda k=key: _running(store, k, 1), 30, f"A to claim {key}")
+            record = wait_for(partial(_running, store, key, 1), 30, f"A to claim {key}")
             self.say(f"A claimed {key}: generation 1, attempt {_short(record.attempt_id)}")
         first_write = wait_for(lambda: storage.writes(), 30, "the export's first upload")[0]
         self.say(f"A uploaded {first_write['object_key']} (generation 1)")
@@ -202,22 +203,20 @@ class Demo:
         build_report.apply_async((report_id,), task_id=report_msg.id)
         generate_export.apply_async((export.id,), task_id=export_msg.id)
         for key in (report_key, export_key):
-            record = wait_for(lambda k=key: _completed(store, k), 40, f"B to complete {key}")
+            record = wait_for(partial(_completed, store, key), 40, f"B to complete {key}")
             self.say(
                 f"B completed {key}: generation {record.generation}, attempt "
                 f"{_short(record.attempt_id)}"
             )
         for key in (report_key, export_key):
-            wait_for(
-                lambda k=key: _delivered(store, k), 40, f"the outbox to deliver {key}'s effect"
-            )
+            wait_for(partial(_delivered, store, key), 40, f"the outbox to deliver {key}'s effect")
         self.say("outbox delivered the notification and the email (the email needed a retry)")
 
         # 3. A resumes; its completions are rejected as stale.
         a.resume()
         self.say("A resumed (SIGCONT) and tries to complete its jobs with generation 1")
         for key in (report_key, export_key):
-            stale = wait_for(lambda k=key: _stale(store, k), 40, f"A's rejection on {key}")
+            stale = wait_for(partial(_stale, store, key), 40, f"A's rejection on {key}")
             self.say(f"store rejected {key} from generation 1 (attempt {_short(stale.attempt_id)})")
         row = wait_for(lambda: db.get_report(report_id), 10, "the report's row in the app table")
         self.say(

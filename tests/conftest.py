@@ -120,7 +120,8 @@ def spawn_worker(tmp_path: Path, worker_env: dict[str, str]) -> Iterator[Any]:
             loglevel=loglevel,
         )
         started.append(w)
-        return w.start()
+        w.start()
+        return w
 
     yield spawn
     for w in started:

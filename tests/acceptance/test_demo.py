@@ -94,7 +94,9 @@ def test_the_demo_tells_the_story_and_its_summary_matches_the_store(tmp_path: Pa
     # The export: both attempts wrote the same deterministic object; a new version, a new one.
     export, export2 = jobs["export"], jobs["export_v2"]
     key_v1 = storage_key(export["key"], export["input_version"], suffix=".csv")
-    assert export["object_key"] == key_v1 == store.get(export["key"]).result["object_key"]
+    stored = store.get(export["key"])
+    assert stored is not None
+    assert export["object_key"] == key_v1 == stored.result["object_key"]
     assert [w["generation"] for w in export["object_writes"]] == [1, 2]
     assert export["object_writes"][0]["attempt_id"] == export["stale"][0]["attempt_id"]
     assert export["object_writes"][1]["attempt_id"] == export["attempt_id"]
@@ -108,9 +110,9 @@ def test_the_demo_tells_the_story_and_its_summary_matches_the_store(tmp_path: Pa
 
     # The outbox: each row as stored; the email delivered twice and performed once.
     by_idem = {d["idempotency_key"]: d for d in summary["deliveries"]}
-    rows = [r for j in jobs.values() for r in store.outbox_rows(key=j["key"])]
-    assert len(rows) == len(by_idem) == 3
-    for row in rows:
+    outbox_rows = [r for j in jobs.values() for r in store.outbox_rows(key=j["key"])]
+    assert len(outbox_rows) == len(by_idem) == 3
+    for row in outbox_rows:
         d = by_idem[row.idempotency_key]
         assert (d["key"], d["effect"], d["status"], d["deliveries"]) == (
             row.key,

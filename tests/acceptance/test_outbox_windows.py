@@ -50,7 +50,8 @@ def spawn(tmp_path: Path, outbox_env: dict[str, str]) -> Iterator[Any]:
             log_dir=tmp_path,
         )
         started.append(w)
-        return w.start()
+        w.start()
+        return w
 
     yield start
     for w in started:

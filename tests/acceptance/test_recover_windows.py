@@ -57,7 +57,7 @@ def _lease_gone(leases: LeaseStore, key: str) -> bool:
     return leases.remaining(key)[0] is None
 
 
-def _unacked(broker: redis.Redis, key: str) -> list[tuple[bytes, list[Any]]]:
+def _unacked(broker: redis.Redis, key: str) -> list[tuple[Any, list[Any]]]:
     """The Redis broker's unacked entries (delivery tag, [message, exchange, routing key]) of
     messages for ``key`` — where a message sits while a killed worker had it."""
     found = []

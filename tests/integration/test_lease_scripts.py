@@ -87,7 +87,7 @@ class CountingConnection(redis.Connection):
 
     def send_packed_command(self, command: object, check_health: bool = True) -> None:
         type(self).writes += 1
-        super().send_packed_command(command, check_health)  # type: ignore[arg-type]
+        super().send_packed_command(command, check_health)
 
 
 def test_batch_renews_and_releases_in_one_round_trip(leases: LeaseStore) -> None:

@@ -156,8 +156,13 @@ def test_an_expired_claim_is_taken_over_and_the_late_mark_refused(store: Store) 
     assert store.outbox_claim(claimer="B", claim_ttl=30, key=key) == []
     # but once it expired (A crashed after sending?), B claims it: a second delivery,
     taken: list[Any] = []
+
+    def claimed_by_b() -> list[Any]:
+        taken.extend(store.outbox_claim(claimer="B", claim_ttl=30, key=key))
+        return taken
+
     wait_until(
-        lambda: taken.extend(store.outbox_claim(claimer="B", claim_ttl=30, key=key)) or taken,
+        claimed_by_b,
         10,
         what="B's claim after A's expired",
     )

@@ -121,7 +121,7 @@ def test_one_round_trip_per_tick_whatever_the_number_of_leases(leases: LeaseStor
     renewer.stop()
 
 
-def _child(leases: LeaseStore, renewer: Renewer, q: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+def _child(leases: LeaseStore, renewer: Renewer, q: multiprocessing.Queue) -> None:
     lease = _hold(leases, "child", ttl=0.5, interval=0.1)
     renewer.add(lease)
     time.sleep(1.0)

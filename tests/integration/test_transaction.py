@@ -396,7 +396,7 @@ def test_the_session_uses_its_factorys_engine_and_rolls_back_on_an_exception(
     factory = sessionmaker(bind=app_engine)
     fence = _attempt(tables)
     with pytest.raises(KeyError), fence.session(factory) as session:
-        assert session.get_bind().engine is app_engine  # type: ignore[union-attr]
+        assert session.get_bind().engine is app_engine
         session.add(Row(fence.key, "rolled-back"))
         session.flush()
         raise KeyError("boom")
