@@ -80,6 +80,14 @@ def store(db_url: str) -> Iterator[Store]:
 
 
 @pytest.fixture
+def fence_store(db_url: str) -> Iterator[Store]:
+    """The store of this test's ``db_url``, without creating the schema (the workers' is used)."""
+    s = Store(db_url)
+    yield s
+    s.dispose()
+
+
+@pytest.fixture
 def leases(redis_client: redis.Redis, prefix: str) -> LeaseStore:
     return LeaseStore(redis_client, prefix=prefix)
 

@@ -19,7 +19,6 @@ from tests.acceptance.test_core_failure_windows import (  # noqa: F401 - collect
     test_two_workers_given_the_same_key_at_once_one_body_run_no_message_lost,
 )
 from tests.acceptance.test_retries import (  # noqa: F401 - collected again here
-    fence_store,
     test_success_after_two_transient_failures_completes_on_the_third_attempt,
 )
 from tests.acceptance.test_settle_edges import _broker_drained, _ended, _runs
@@ -35,7 +34,7 @@ def worker_env(worker_env: dict[str, str]) -> dict[str, str]:
 def test_a_first_completion_is_one_row_with_its_claim_and_completion(
     spawn_worker: Any,
     client_app: Any,
-    fence_store: Store,  # noqa: F811
+    fence_store: Store,
 ) -> None:
     spawn_worker("w")
     key = f"defer:{uuid.uuid4().hex[:8]}"
@@ -51,7 +50,7 @@ def test_a_first_attempt_that_kills_its_worker_is_counted_when_the_next_register
     client_app: Any,
     redis_client: Any,
     prefix: str,
-    fence_store: Store,  # noqa: F811
+    fence_store: Store,
 ) -> None:
     # Given a message that SIGKILLs its worker on every run, two attempts allowed: the first
     # (generation 1) dies before writing any row

@@ -30,13 +30,6 @@ from tests.support.worker import ROOT, wait_until
 
 
 @pytest.fixture
-def fence_store(db_url: str) -> Iterator[Store]:
-    s = Store(db_url)
-    yield s
-    s.dispose()
-
-
-@pytest.fixture
 def broker(worker_env: dict[str, str]) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(BROKER_URL)
     yield client

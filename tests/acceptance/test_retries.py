@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,13 +20,6 @@ from tests.support.worker import wait_until
 pytestmark = pytest.mark.acceptance
 
 RETRY_IN = re.compile(r"retry in (\d+\.\d+)s")
-
-
-@pytest.fixture
-def fence_store(db_url: str) -> Iterator[Store]:
-    s = Store(db_url)
-    yield s
-    s.dispose()
 
 
 def _runs(redis_client: Any, prefix: str, key: str) -> list[str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -37,13 +36,6 @@ def worker_env(worker_env: dict[str, str], broker: str) -> dict[str, str]:
 
 
 BOTH_BROKERS = pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=True)
-
-
-@pytest.fixture
-def fence_store(db_url: str) -> Iterator[Store]:
-    s = Store(db_url)
-    yield s
-    s.dispose()
 
 
 def _runs(redis_client: Any, prefix: str, key: str) -> int:

@@ -65,13 +65,6 @@ def ok(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 @pytest.fixture
-def fence_store(db_url: str) -> Iterator[Store]:
-    s = Store(db_url)
-    yield s
-    s.dispose()
-
-
-@pytest.fixture
 def task_name(prefix: str) -> str:
     """A task name of this test's own, so listings on the shared PostgreSQL database are ours."""
     return f"{prefix}.report"

@@ -32,13 +32,6 @@ WORK = "tests.support.app.work"
 
 
 @pytest.fixture
-def fence_store(db_url: str) -> Iterator[Store]:
-    s = Store(db_url)
-    yield s
-    s.dispose()
-
-
-@pytest.fixture
 def broker(worker_env: dict[str, str]) -> Iterator[redis.Redis]:
     """The Redis broker; this test's queue is deleted afterwards."""
     client = redis.Redis.from_url(BROKER_URL)
