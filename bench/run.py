@@ -62,14 +62,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--experiment",
         action="store_true",
-        help="also run fenced-pg-exp: candidate hot-path changes (bench/experiments.py) on a "
-        "second worker",
+        help="also run fenced-pg-exp and fenced-sqlite-exp: candidate hot-path changes "
+        "(bench/experiments.py) on a second worker",
     )
     p.add_argument(
         "--experiment-rev",
         metavar="REV",
         help="with --experiment: run fenced-pg-exp on celery_fence as of this git revision "
         "(e.g. HEAD~1), so its row compares that revision with the working tree in one run",
+    )
+    p.add_argument(
+        "--variants",
+        metavar="NAMES",
+        help="comma-separated variants to run (their baselines are added); default: all",
     )
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     return p.parse_args(argv)
@@ -133,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 out=sys.stdout,
                 experiment=args.experiment or bool(fence_path),
                 experiment_fence_path=fence_path,
+                only=frozenset(args.variants.split(",")) if args.variants else None,
             )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))

@@ -57,7 +57,13 @@ VARIANTS = (
     Variant("fenced-pg-50ms", "bench.fenced_pg", 0.05, "plain-50ms", "postgresql"),
     Variant("fenced-pg-defer-50ms", "bench.fenced_pg_defer", 0.05, "plain-50ms", "postgresql"),
 )
-EXPERIMENT = Variant("fenced-pg-exp", "bench.fenced_pg", 0.0, "plain", "postgresql", True)
+#: With ``--experiment``: the same tasks on the second worker, each right after its reference.
+EXPERIMENTS = {
+    "fenced-pg": Variant("fenced-pg-exp", "bench.fenced_pg", 0.0, "plain", "postgresql", True),
+    "fenced-sqlite": Variant(
+        "fenced-sqlite-exp", "bench.fenced_sqlite", 0.0, "plain", "sqlite", True
+    ),
+}
 
 #: Throughput ratios printed as the headline, each within a round: (numerator, denominator).
 #: fenced-pg / plain-dbresult: a fenced task with its result in PostgreSQL against plain Celery
@@ -71,6 +77,26 @@ HEADLINES = (
 )
 #: The worker tree's processes in the CPU counts (the rest: the servers and the machine).
 WORKER_TREE = ("worker main", "worker children")
+
+
+def select(only: frozenset[str] | None, *, experiment: bool) -> tuple[Variant, ...]:
+    """The variants to run, in order: ``only`` (with the baselines their ratios need) or all;
+    with ``experiment``, each reference in :data:`EXPERIMENTS` then its second-worker copy."""
+    if only is not None:
+        unknown = only - {v.name for v in VARIANTS}
+        if unknown:
+            raise SystemExit(
+                f"--variants: unknown {', '.join(sorted(unknown))}; "
+                f"known: {', '.join(v.name for v in VARIANTS)}"
+            )
+        wanted = only | {v.baseline for v in VARIANTS if v.name in only and v.baseline}
+    chosen: list[Variant] = []
+    for v in VARIANTS:
+        if only is None or v.name in wanted:
+            chosen.append(v)
+            if experiment and v.name in EXPERIMENTS:
+                chosen.append(EXPERIMENTS[v.name])
+    return tuple(chosen)
 
 
 def machine() -> dict[str, Any]:
@@ -102,11 +128,9 @@ def run(
     out: Any,
     experiment: bool = False,
     experiment_fence_path: str | None = None,
+    only: frozenset[str] | None = None,
 ) -> dict[str, Any]:
-    variants: tuple[Variant, ...] = VARIANTS
-    if experiment:  # right after fenced-pg, its reference
-        at = [v.name for v in VARIANTS].index("fenced-pg") + 1
-        variants = (*VARIANTS[:at], EXPERIMENT, *VARIANTS[at:])
+    variants = select(only, experiment=experiment)
     control, broker = svc.control(), svc.broker()
     lease_counter = RedisCounter(svc.lease_redis.client())
     pg_counter = PgCounter(svc.pg_admin_url, svc.database)
@@ -151,7 +175,7 @@ def run(
             timed_run(svc, control, broker, w, v.task, min(200, sizes[v.name]), sleep=v.sleep)
         print(f"# worker: {result['worker_command']}", file=out)
         if experiment_fence_path:
-            print(f"# fenced-pg-exp: celery_fence from {experiment_fence_path}", file=out)
+            print(f"# *-exp: celery_fence from {experiment_fence_path}", file=out)
         print(
             f"# {'round':>5} " + " ".join(f"{v.name:>15}" for v in variants) + "   tasks/s",
             file=out,
