@@ -35,7 +35,7 @@ from .common import (
 def check(ctx: click.Context) -> None:
     """Check the settings of every fenced task, ping Redis and the database, and say whether the
     schema is current. Exits non-zero on the first problem, with one line naming it and the fix."""
-    from .task import FencedTask
+    from ..task import FencedTask
 
     app = ctx.obj.app
     app.loader.import_default_modules()
