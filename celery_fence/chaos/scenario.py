@@ -20,6 +20,7 @@ from celery import Celery
 from celery_fence.lease import LeaseStore
 from celery_fence.outbox import SWEEP_TASK
 from celery_fence.store import Store
+from celery_fence.testing.broker import delete_queues
 from celery_fence.testing.provider import ProviderStub
 
 from . import TASK_NAME, app_metadata
@@ -104,9 +105,10 @@ class Scenario:
     def stop(self) -> None:
         for w in self.workers:
             w.stop()
-        # what a worker left in the queue (e.g. the control arm's endless re-sends)
-        with contextlib.suppress(Exception), self.client.connection_for_write() as conn:
-            conn.default_channel.queue_purge(self.queue)
+        # what a worker left in the queue (e.g. the control arm's endless re-sends), and on Redis
+        # kombu's binding keys of the queue
+        with contextlib.suppress(Exception):
+            delete_queues(self.client, [self.queue])
         self.provider.stop()
         if self.proxy is not None:
             self.proxy.down()
