@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
+from celery import Celery
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import Store
+from celery_fence.testing.broker import delete_queues
 from tests.support.env import BROKER_URL, PG_ADMIN_URL, REDIS_URL
 from tests.support.worker import Worker
 
@@ -93,15 +95,22 @@ def leases(redis_client: redis.Redis, prefix: str) -> LeaseStore:
 
 
 @pytest.fixture
-def worker_env(prefix: str, db_url: str) -> dict[str, str]:
-    """Environment for tests/support/app.py workers of this test."""
-    return {
+def worker_env(prefix: str, db_url: str) -> Iterator[dict[str, str]]:
+    """Environment for tests/support/app.py workers of this test. Its queue is deleted from the
+    Redis broker afterwards, with kombu's binding keys for it (which stopping a worker leaves)."""
+    queue = f"{prefix}-q"
+    yield {
         "FENCE_T_PREFIX": prefix,
-        "FENCE_T_QUEUE": f"{prefix}-q",
+        "FENCE_T_QUEUE": queue,
         "FENCE_T_BROKER": BROKER_URL,
         "FENCE_T_REDIS": REDIS_URL,
         "FENCE_T_DB": db_url,
     }
+    broker = Celery(broker=BROKER_URL)
+    try:
+        delete_queues(broker, [queue])
+    finally:
+        broker.close()
 
 
 @pytest.fixture

@@ -134,6 +134,14 @@ re-sent in a loop. ``--scenario time-limit,expires,misconfig,refused-arg --unset
 lost jobs > 0 in each (rows left ``running`` or ``retrying`` with no message, jobs with no row),
 which is the proof that the settle step is what keeps those rows at zero. A lost job is only
 known lost when ``--converge-timeout`` runs out, so give the control arm a short one.
+
+The code, one concept a module: :mod:`~celery_fence.chaos.options` (the scenario names and a
+run's options), :mod:`~celery_fence.chaos.scenario` (one scenario's workers, queue, database and
+ledger), :mod:`~celery_fence.chaos.scenarios` (the fault injections),
+:mod:`~celery_fence.chaos.runner` (a database per scenario, the runs, the checker),
+:mod:`~celery_fence.chaos.checker` (the columns), :mod:`~celery_fence.chaos.command` (the command
+line and the report), :mod:`~celery_fence.chaos.workload` (the workers' app) and
+:mod:`~celery_fence.chaos.processes`.
 """
 
 from __future__ import annotations

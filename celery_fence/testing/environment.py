@@ -23,6 +23,7 @@ from celery import Celery
 from celery_fence.store import Store
 
 from . import processes
+from .broker import delete_queues
 
 #: What the plugin's workers run (``-A``), and the variable that carries the test's settings to it.
 WORKER_APP = "celery_fence.testing.worker_app"
@@ -276,25 +277,7 @@ class FenceEnv:
             ) from None
 
     def _delete_queues(self, queues: list[str]) -> None:
-        """Remove the test's queues from the broker (on Redis also kombu's binding keys, which
-        ``queue_delete`` leaves behind)."""
-        url = str(self.app.conf.broker_url or "")
-        if url.startswith(("redis://", "rediss://", "unix://")):
-            options = self.app.conf.broker_transport_options or {}
-            prefix = str(options.get("global_keyprefix") or "")
-            client = redis.Redis.from_url(url)
-            try:
-                for q in queues:
-                    names = [q, *(f"{q}\x06\x16{n}" for n in range(10))]
-                    names += [f"_kombu.binding.{q}", f"_kombu.binding_permanent.{q}"]
-                    client.delete(*(prefix + n for n in names))
-            finally:
-                client.close()
-            return
-        with contextlib.suppress(Exception), self.app.connection_for_write() as conn:
-            for q in queues:
-                with contextlib.suppress(Exception):
-                    conn.default_channel.queue_delete(q)
+        delete_queues(self.app, queues)
 
     # -- workers ---------------------------------------------------------------------------------
 

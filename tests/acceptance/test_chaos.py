@@ -23,6 +23,7 @@ import pytest
 
 from celery_fence.chaos.checker import SAFETY_COLUMNS
 from tests.support.env import BROKER_URL, PG_ADMIN_URL, REDIS_URL
+from tests.support.leftovers import kill_groups, processes_mentioning
 from tests.support.worker import ROOT, wait_until
 
 pytestmark = pytest.mark.acceptance
@@ -200,20 +201,6 @@ def test_unsettled_exits_lose_the_jobs_of_the_same_windows(tmp_path: Path) -> No
     assert code == 1 and report["ok"] is False, output
 
 
-def _processes_mentioning(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline:
-            found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.timeout(300)
 def test_ctrl_c_stops_every_process_the_harness_started(tmp_path: Path) -> None:
     work = tmp_path / "work"
@@ -233,14 +220,17 @@ def test_ctrl_c_stops_every_process_the_harness_started(tmp_path: Path) -> None:
 
         wait_until(lambda: len(ready_worker_names()) >= 2, 120, what="the chaos workers")
         run_id = ready_worker_names()[0].rsplit("-", 1)[1]
-        assert _processes_mentioning(run_id), "the workers should be running"
+        assert processes_mentioning(run_id), "the workers should be running"
         time.sleep(1.0)  # mid-scenario
         # when it is interrupted (Ctrl-C),
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 130
         # then no process it started is left.
-        wait_until(lambda: not _processes_mentioning(run_id), 20, what="the workers to be gone")
+        wait_until(lambda: not processes_mentioning(run_id), 20, what="the workers to be gone")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+        # On a failure above, the harness never stopped its workers (each in a process group of
+        # its own); each names this test's directory in its environment.
+        kill_groups(processes_mentioning(str(tmp_path)))

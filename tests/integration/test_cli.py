@@ -171,14 +171,6 @@ def test_init_db_refuses_a_partial_schema(fresh_db_url: str, worker_env: dict[st
     assert migrate.VERSION_TABLE not in _tables(fresh_db_url)
 
 
-def test_migrations_ship_as_package_files() -> None:
-    from importlib import resources
-
-    root = resources.files("celery_fence") / "migrations"
-    assert (root / "env.py").is_file() and (root / "script.py.mako").is_file()
-    assert (root / "versions" / "0001_initial.py").is_file()
-
-
 # -- ls -------------------------------------------------------------------------------------------
 
 

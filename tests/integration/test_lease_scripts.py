@@ -72,14 +72,6 @@ def test_raise_generation_is_set_if_greater(leases: LeaseStore) -> None:
     assert leases.claim("k", "tok", 1_000) == 42
 
 
-def test_keys_of_one_logical_key_share_a_hash_tag_for_any_string(leases: LeaseStore) -> None:
-    for key in ["plain", "with {braces}", "ünïcode/ключ", "a" * 500, "}{"]:
-        keys = leases.keys_for(key)
-        tag = keys.lease[keys.lease.index("{") + 1 : keys.lease.index("}")]
-        assert keys.generation == keys.lease.replace(":lease", ":gen")
-        assert tag.isalnum() and f"{{{tag}}}" in keys.generation
-
-
 class CountingConnection(redis.Connection):
     """Counts network writes: one per command, one per pipeline."""
 

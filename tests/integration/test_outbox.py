@@ -28,7 +28,7 @@ from celery import Celery
 
 from celery_fence import FencedTask, PermanentError, StaleGeneration
 from celery_fence.lease import LeaseStore
-from celery_fence.outbox import Outbox, idempotency_key, storage_key
+from celery_fence.outbox import Outbox, idempotency_key
 from celery_fence.store import Effect, Store, utcnow
 from tests.support.env import PG_ADMIN_URL, REDIS_URL
 from tests.support.worker import wait_until
@@ -294,16 +294,6 @@ def test_two_sender_processes_racing_deliver_each_row_once_per_claim(
     assert {(r.status, r.attempts) for r in rows} == {("delivered", 1)}
     assert len({pid for _, pid in deliveries}) == 2
     store.dispose()
-
-
-def test_storage_key_is_deterministic_per_input_version() -> None:
-    # A re-run of the same export (same key, same input version) writes the same object,
-    assert storage_key("export:7", 3) == storage_key("export:7", 3)
-    assert storage_key("export:7", 3, suffix=".csv").endswith(".csv")
-    # a new input version or another export writes a new one.
-    assert storage_key("export:7", 4) != storage_key("export:7", 3)
-    assert storage_key("export:8", 3) != storage_key("export:7", 3)
-    assert storage_key("export:7", "3") == storage_key("export:7", 3)
 
 
 def _post(url: str, body: Any, key: str | None, timeout: float = 5.0) -> tuple[int, Any]:

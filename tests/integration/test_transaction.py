@@ -25,7 +25,6 @@ from celery_fence.errors import (
 from celery_fence.fence import Fence
 from celery_fence.lease import HeldLease
 from celery_fence.store import Store
-from celery_fence.transaction import different_database
 
 metadata = sa.MetaData()
 rows = sa.Table(
@@ -352,24 +351,6 @@ def test_bind_to_another_database_is_a_clear_error(
     ):
         pass
     other.dispose()
-
-
-def test_different_database_compares_backend_host_port_database_and_sqlite_files(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    url = sa.make_url
-    pg = url("postgresql+psycopg2://postgres@127.0.0.1/app")
-    assert different_database(pg, url("postgresql://u:pw@localhost:5432/app")) is None
-    assert "port" in str(different_database(pg, url("postgresql://127.0.0.1:5433/app")))
-    assert "host" in str(different_database(pg, url("postgresql://db.internal/app")))
-    assert "database" in str(different_database(pg, url("postgresql://127.0.0.1/other")))
-    assert "backend" in str(different_database(pg, url("sqlite:///app.sqlite3")))
-    monkeypatch.chdir(tmp_path)
-    sqlite = url(f"sqlite:///{tmp_path / 'app.sqlite3'}")
-    assert different_database(sqlite, url("sqlite:///app.sqlite3")) is None
-    assert different_database(sqlite, url("sqlite:///./sub/../app.sqlite3")) is None
-    assert "file" in str(different_database(sqlite, url("sqlite:///other.sqlite3")))
-    assert "in-memory" in str(different_database(sqlite, url("sqlite://")))
 
 
 def test_the_session_commits_fenced(tables: Store) -> None:

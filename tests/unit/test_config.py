@@ -72,3 +72,19 @@ def test_per_task_options_override_and_are_validated() -> None:
     assert (config.lease_ttl, config.renew_interval) == (6.0, 2.0)
     with pytest.raises(ConfigurationError, match=r"broken.*fence_renew_interval"):
         broken.fence_config()
+
+
+def test_database_and_generation_settings_are_validated() -> None:
+    config = FenceConfig.from_mapping({"fence_database_timeout": "2.5"})
+    assert config.database_timeout == 2.5
+    assert config.recover_after_seconds == 10 * config.lease_ttl
+    assert FenceConfig.from_mapping({"fence_recover_after": 120}).recover_after_seconds == 120
+    for bad in (
+        {"fence_database_timeout": 0},
+        {"fence_generation_ttl": 5, "fence_lease_ttl": 30},
+        {"fence_recover_after": 10, "fence_lease_ttl": 30},
+        {"fence_max_runtime": -1},
+    ):
+        with pytest.raises(ConfigurationError, match=next(iter(bad))):
+            FenceConfig.from_mapping(bad)
+    assert FenceConfig.from_mapping({"fence_generation_ttl": 0}).generation_ttl_ms == 0

@@ -1,7 +1,7 @@
 """The retry policy: classification, full-jitter backoff (bounds, growth, cap) and the budget.
 
-The budget runs against the real Redis (its shared bucket is a Lua script) with a controlled
-clock: time is passed in, never slept.
+The budget's local token bucket runs with a controlled clock: time is passed in, never slept. Its
+shared bucket (a Lua script on the real Redis) is tested in tests/integration/test_retry_budget.py.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import kombu.exceptions
 import pytest
 import redis
 import sqlalchemy.exc
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from celery_fence import LeaseBusy, PermanentError, ResultNotSerializable
 from celery_fence.config import FenceConfig
@@ -190,69 +188,6 @@ def test_a_budget_without_floor_depends_on_traffic() -> None:
         bucket.deposit(clock())
     assert bucket.spend(clock()) == 0.0
     assert bucket.spend(clock()) > 0
-
-
-@pytest.fixture
-def budget_config(prefix: str) -> FenceConfig:
-    return _config(
-        key_prefix=prefix, retry_budget_floor=3, retry_budget_ratio=0.5, retry_budget_window=60.0
-    )
-
-
-def test_the_shared_budget_is_one_bucket_for_every_process(
-    redis_client: redis.Redis, budget_config: FenceConfig
-) -> None:
-    # Given two processes' budgets (separate objects, separate local buckets) on one Redis ...
-    clock = Clock()
-    a = RetryBudget(budget_config, redis_client=redis_client, clock=clock)
-    b = RetryBudget(budget_config, redis_client=redis_client, clock=clock)
-    # ... when both spend retries of the same task, they share floor = 3 tokens,
-    spent = [a.spend("task.x"), b.spend("task.x"), a.spend("task.x"), b.spend("task.x")]
-    assert spent[:3] == [0.0, 0.0, 0.0]
-    assert spent[3] == pytest.approx(20.0, abs=0.01)  # 1 token / (60 s / 3)
-    # while another task name has a budget of its own,
-    assert a.spend("task.y") == 0.0
-    # and calls, counted locally without I/O, are reported with the next failure: 4 x 0.5.
-    for _ in range(4):
-        b.record_call("task.x")
-    assert redis_client.exists(f"{budget_config.key_prefix}:budget:task.x")
-    after_calls = [b.spend("task.x"), b.spend("task.x"), b.spend("task.x")]
-    assert after_calls[:2] == [0.0, 0.0] and after_calls[2] > 0
-    assert a.spend("task.x") > 0
-    # Time refills it: 20 s later one token is back for whoever asks first.
-    clock.now += 20.0
-    assert a.spend("task.x") == 0.0
-    assert b.spend("task.x") > 0
-
-
-def test_the_shared_bucket_and_the_local_twin_agree(
-    redis_client: redis.Redis, budget_config: FenceConfig
-) -> None:
-    clock = Clock()
-    shared = RetryBudget(budget_config, redis_client=redis_client, clock=clock)
-    local = RetryBudget(budget_config, shared=False, clock=clock)
-    rng = random.Random(5)
-    outcomes = []
-    for _ in range(150):
-        for _ in range(rng.randint(0, 3)):
-            shared.record_call("t")
-            local.record_call("t")
-        wait = shared.spend("t")
-        assert wait == pytest.approx(local.spend("t"), abs=0.002)
-        outcomes.append(wait == 0.0)
-        clock.now += rng.randint(0, 12)  # whole seconds: both sides compute the same floats
-    assert any(outcomes) and not all(outcomes)  # both regimes were exercised
-
-
-def test_an_unreachable_shared_bucket_falls_back_to_the_process_budget(
-    budget_config: FenceConfig,
-) -> None:
-    down = redis.Redis(
-        host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
-    )
-    budget = RetryBudget(budget_config, redis_client=down, clock=Clock())
-    assert [budget.spend("t") for _ in range(3)] == [0.0, 0.0, 0.0]
-    assert budget.spend("t") > 0  # still a budget, per process, with the same rules
 
 
 def test_task_options_override_the_retry_settings() -> None:

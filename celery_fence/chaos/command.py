@@ -1,0 +1,190 @@
+"""``python -m celery_fence.chaos``: the command line, the results table and the JSON report.
+
+See the package docstring (:mod:`celery_fence.chaos`) for the options and the columns."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import checker
+from .options import SCENARIOS, Options
+from .runner import run
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Options:
+    p = argparse.ArgumentParser(
+        prog="python -m celery_fence.chaos",
+        description="Inject faults into real celery-fence workers and check the history.",
+    )
+    p.add_argument(
+        "--scenario",
+        action="append",
+        default=None,
+        metavar="NAME|all",
+        help=f"one of {', '.join(SCENARIOS)} or all (repeatable; default all)",
+    )
+    p.add_argument("--runs", type=int, default=3, help="runs per scenario (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random timings (default 0)")
+    p.add_argument(
+        "--redis-url",
+        default=Options.redis_url,
+        help="Redis for leases, the ledger and results (default %(default)s)",
+    )
+    p.add_argument("--broker-url", default=Options.broker_url, help="default %(default)s")
+    p.add_argument(
+        "--database-url",
+        default=None,
+        help="the result store (default: a fresh SQLite file per scenario)",
+    )
+    p.add_argument(
+        "--pg-admin-url",
+        default=Options.pg_admin_url,
+        help="where db-outage creates a throwaway PostgreSQL database when "
+        "--database-url is not PostgreSQL (default %(default)s)",
+    )
+    p.add_argument(
+        "--ttl",
+        type=float,
+        default=Options.ttl,
+        help="fence_lease_ttl in seconds (renewal every ttl/3; default %(default)s)",
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=Options.max_attempts,
+        help="fence_max_attempts (default %(default)s)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=Options.workers,
+        help="worker processes per scenario, each -c 1 (default %(default)s, min 2)",
+    )
+    p.add_argument(
+        "--unfenced",
+        action="store_true",
+        help="DEMONSTRATION ONLY: fence_unfenced=True turns off the store's "
+        "generation fence (fence.transaction() becomes guard() + a plain transaction); "
+        "expect stale writes",
+    )
+    p.add_argument(
+        "--unsettled",
+        action="store_true",
+        help="DEMONSTRATION ONLY: fence_unsettled=True leaves Celery's own exits "
+        "(hard time limit, expires, bad settings, refused arguments) as plain Celery "
+        "handles them; expect lost jobs",
+    )
+    p.add_argument(
+        "--own-redis",
+        action="store_true",
+        help="start a redis-server for the lease store; redis-loss restarts it",
+    )
+    p.add_argument(
+        "--converge-timeout",
+        type=float,
+        default=Options.converge_timeout,
+        help="seconds a run may take to converge (default %(default)s)",
+    )
+    p.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        metavar="PATH",
+        help="also write the results as JSON",
+    )
+    p.add_argument("--workdir", default=None, help="keep worker logs and SQLite files here")
+    p.add_argument("-q", "--quiet", action="store_true")
+    a = p.parse_args(argv)
+    names = a.scenario or ["all"]
+    scenarios: list[str] = []
+    for n in names:
+        for part in n.split(","):
+            if part == "all":
+                scenarios.extend(s for s in SCENARIOS if s not in scenarios)
+            elif part in SCENARIOS:
+                if part not in scenarios:
+                    scenarios.append(part)
+            else:
+                p.error(f"unknown scenario {part!r}: choose from {', '.join(SCENARIOS)} or all")
+    if a.runs < 1:
+        p.error("--runs must be at least 1")
+    if a.workers < 2:
+        p.error("--workers must be at least 2 (pause needs a second worker to take over)")
+    if a.ttl <= 0:
+        p.error("--ttl must be positive")
+    return Options(
+        scenarios=scenarios,
+        runs=a.runs,
+        seed=a.seed,
+        redis_url=a.redis_url,
+        broker_url=a.broker_url,
+        database_url=a.database_url,
+        pg_admin_url=a.pg_admin_url,
+        ttl=a.ttl,
+        max_attempts=a.max_attempts,
+        workers=a.workers,
+        unfenced=a.unfenced,
+        unsettled=a.unsettled,
+        own_redis=a.own_redis,
+        converge_timeout=a.converge_timeout,
+        json_path=a.json_path,
+        workdir=a.workdir,
+        quiet=a.quiet,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = parse_args(argv)
+    started = time.monotonic()
+    try:
+        results = run(opts)
+    except KeyboardInterrupt:
+        print("interrupted; every process the harness started was stopped", file=sys.stderr)
+        return 130
+    table = checker.render(results)
+    ok = all(r.safe for r in results)
+    errors = [f"{r.scenario}: {r.error}" for r in results if r.error]
+    print(table)
+    for r in results:
+        if r.skipped:
+            print(f"{r.scenario}: skipped: {r.skipped}")
+        if r.error:
+            print(f"{r.scenario}: HARNESS ERROR: {r.error}")
+        for v in r.violations[:20]:
+            print(f"{r.scenario}: {v}")
+    total = sum(r.faults for r in results)
+    arms = "".join(
+        f", {arm}" for arm, on in (("UNFENCED", opts.unfenced), ("UNSETTLED", opts.unsettled)) if on
+    )
+    print(
+        f"{total} faults injected in {time.monotonic() - started:.0f}s "
+        f"(seed {opts.seed}, ttl {opts.ttl}s{arms}): "
+        + ("every safety column is zero" if ok else "SAFETY VIOLATIONS")
+    )
+    if opts.json_path:
+        Path(opts.json_path).write_text(
+            json.dumps(
+                {
+                    "ok": ok and not errors,
+                    "errors": errors,
+                    "argv": list(sys.argv[1:] if argv is None else argv),
+                    "seed": opts.seed,
+                    "ttl": opts.ttl,
+                    "unfenced": opts.unfenced,
+                    "unsettled": opts.unsettled,
+                    "faults": total,
+                    "safety_columns": list(checker.SAFETY_COLUMNS),
+                    "scenarios": [r.as_dict() for r in results],
+                    "table": table,
+                },
+                indent=2,
+            )
+        )
+    if not ok:
+        return 1
+    return 2 if errors else 0

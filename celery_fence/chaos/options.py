@@ -1,0 +1,50 @@
+"""What a chaos run is asked to do: the scenario names, what some of them need, the options."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: Every scenario, in the order ``all`` runs them.
+SCENARIOS = (
+    "pause",
+    "app-write",
+    "kill",
+    "duplicate",
+    "redis-loss",
+    "db-outage",
+    "unknown-remote",
+    "poison",
+    "time-limit",
+    "expires",
+    "misconfig",
+    "refused-arg",
+)
+#: Scenarios that run against PostgreSQL whatever the store (a throwaway database if need be).
+POSTGRESQL_ONLY = ("db-outage", "refused-arg")
+#: Scenarios that start their own workers in each run (none are running in between).
+OWN_WORKERS = ("misconfig",)
+
+
+@dataclass
+class Options:
+    """One run of the harness, as :func:`~celery_fence.chaos.command.parse_args` reads it."""
+
+    scenarios: Sequence[str] = SCENARIOS
+    runs: int = 3
+    seed: int = 0
+    redis_url: str = "redis://127.0.0.1:6379/1"
+    broker_url: str = "redis://127.0.0.1:6379/2"
+    database_url: str | None = None  # None: a fresh SQLite file per scenario
+    pg_admin_url: str = "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres"
+    ttl: float = 1.5
+    max_attempts: int = 3
+    workers: int = 2
+    unfenced: bool = False
+    unsettled: bool = False
+    own_redis: bool = False
+    converge_timeout: float = 60.0
+    remote_timeout: float = 0.5
+    json_path: str | None = None
+    workdir: str | None = None
+    quiet: bool = False

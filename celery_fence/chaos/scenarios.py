@@ -1,0 +1,266 @@
+"""The fault injections: one function per scenario, each run returning (faults injected, seconds to
+converge). :mod:`celery_fence.chaos` describes each scenario and what it expects."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import time
+from collections.abc import Callable
+
+from celery_fence.outbox import idempotency_key
+from celery_fence.store import decode_request
+
+from . import CHARGE
+from .checker import Job
+from .processes import wait_until
+from .scenario import Scenario
+
+#: Where the ``kill`` scenario SIGKILLs the pool process, one job per window.
+KILL_WINDOWS = ("before_effect", "before_commit", "after_commit")
+#: What the refused-arg scenario passes: valid JSON, which PostgreSQL's jsonb refuses.
+NUL_ARGUMENT = "before\x00after"
+
+Run = Callable[[Scenario, int, random.Random], tuple[int, float]]
+
+
+def run_pause(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """SIGSTOP the worker running the job past its TTL, let a newer attempt take over, SIGCONT.
+
+    Runs cycle through four bodies: with or without ``guard()`` before the side effect, with or
+    without an outbox effect. Run 0 has neither, so only the store's generation fence stands
+    between the stale attempt and a stale write."""
+    ttl = s.opts.ttl
+    job = Job(s.key(i))
+    check, notify = ((False, False), (True, True), (False, True), (True, False))[i % 4]
+    s.send(job, sleep=ttl * 2.5, check=check, notify=notify)
+    first = s.wait_event(job.key, "start")
+    a = s.worker_of(first["pid"])
+    time.sleep(rng.uniform(0.05, ttl * 0.5))
+    a.signal(signal.SIGSTOP)
+    paused_at = time.monotonic()
+    time.sleep(ttl * rng.uniform(1.2, 1.6))  # A's lease expires in Redis: nobody renews it
+    s.send(job, sleep=0.1, check=True)
+    s.wait_event(job.key, "start", gen=lambda e: e["gen"] > first["gen"])
+    if rng.random() < 0.5:  # resume after the newer attempt completed, or while it works
+        wait_until(lambda: (r := s.store.get(job.key)) is not None and r.status == "completed", 30)
+    a.signal(signal.SIGCONT)
+    return 1, s.converge([job], paused_at)
+
+
+def run_app_write(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """SIGSTOP the worker inside its ``fence.transaction()`` block (entered, not yet written) past
+    its TTL, let a newer attempt take over and write its own row, SIGCONT.
+
+    On PostgreSQL the server ends the paused block's session after one TTL idle; on SQLite the
+    paused block holds the database's write lock, so the newer attempt cannot register until the
+    first one resumes: the harness resumes it once the newer attempt started or two TTLs passed.
+    Odd runs also stage an outbox effect."""
+    ttl = s.opts.ttl
+    job = Job(s.key(i))
+    s.send(job, app_write=True, block_sleep=ttl * 2.5, check=False, notify=i % 2 == 1)
+    entered = s.wait_event(job.key, "tx")
+    a = s.worker_of(entered["pid"])
+    time.sleep(rng.uniform(0.05, ttl * 0.3))
+    a.signal(signal.SIGSTOP)
+    paused_at = time.monotonic()
+    time.sleep(ttl * rng.uniform(1.2, 1.6))  # A's lease expires in Redis: nobody renews it
+    s.send(job, app_write=True, sleep=0.1, check=False, notify=i % 2 == 1)
+    with contextlib.suppress(TimeoutError):
+        s.wait_event(job.key, "start", timeout=ttl * 2, gen=lambda e: e["gen"] > entered["gen"])
+        if rng.random() < 0.5:  # resume after the newer attempt completed, or while it works
+            wait_until(
+                lambda: (r := s.store.get(job.key)) is not None and r.status == "completed",
+                ttl * 4,
+            )
+    a.signal(signal.SIGCONT)
+    return 1, s.converge([job], paused_at)
+
+
+def run_kill(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """SIGKILL the pool process in each window: before the side effect, after it but before the
+    completion commit, after the commit but before the ack (one job per window, at once)."""
+    jobs = []
+    windows = list(KILL_WINDOWS)
+    rng.shuffle(windows)
+    for window in windows:
+        job = Job(s.key(i, window), expect_starts=1 if window == "after_commit" else None)
+        s.ledger.set(f"{s.ledger_prefix}:kill:{window}:{job.key}", 1)
+        s.send(job, sleep=rng.uniform(0.0, 0.3))
+        jobs.append(job)
+    started = time.monotonic()
+    elapsed = s.converge(jobs, started)
+    return sum(1 for j in jobs for e in s.events(j.key) if e["ev"] == "kill"), elapsed
+
+
+def run_duplicate(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """The same logical operation delivered to several workers at once (4 copies)."""
+    job = Job(s.key(i))
+    copies = 4
+    sleep = rng.uniform(0.1, 0.6)
+    for _ in range(copies):
+        s.send(job, sleep=sleep, check=rng.random() < 0.5)
+    return copies - 1, s.converge([job], time.monotonic())
+
+
+def run_redis_loss(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """Lose every lease and generation counter mid-job, then deliver the job again: the claim
+    gets a generation the store already saw, and the store must stay the authority."""
+    ttl = s.opts.ttl
+    job = Job(s.key(i))
+    s.send(job, sleep=ttl * 1.5, check=rng.random() < 0.5)
+    s.wait_event(job.key, "start")
+    time.sleep(rng.uniform(0.0, ttl * 0.5))
+    s.flush_leases()
+    lost_at = time.monotonic()
+    s.send(job, sleep=0.1, check=rng.random() < 0.5)
+    return 1, s.converge([job], lost_at)
+
+
+def run_db_outage(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """The database unreachable (the harness's TCP proxy in front of PostgreSQL refuses and cuts
+    every connection) while the bodies finish and try to complete; then back."""
+    assert s.proxy is not None
+    jobs = [Job(s.key(i, str(n))) for n in range(2)]
+    for job in jobs:
+        s.send(job, sleep=rng.uniform(0.2, 0.5), check=rng.random() < 0.5)
+    for job in jobs:
+        s.wait_event(job.key, "start")
+    s.proxy.down()
+    down_at = time.monotonic()
+    time.sleep(rng.uniform(0.5, 2.0))
+    s.proxy.up()
+    return 1, s.converge(jobs, down_at)
+
+
+def run_unknown_remote(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """The provider performs the charge, then answers too late: the call times out, the retry
+    sends the same idempotency key and gets the stored response (performed once)."""
+    job = Job(s.key(i), expect_remote=True)
+    idem = idempotency_key(job.key, CHARGE)
+    s.provider.delay_next(s.opts.remote_timeout * 3, 1, path=f"/charges/{idem}")
+    s.send(job, sleep=rng.uniform(0.0, 0.2), remote=True)
+    elapsed = s.converge([job], time.monotonic())
+    timeouts = [e for e in s.events(job.key) if e["ev"] == "call" and e["outcome"] == "timeout"]
+    return len(timeouts), elapsed
+
+
+def run_poison(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """Input that always fails permanently (dead after one attempt) and a job that always kills
+    its worker (dead after ``fence_max_attempts`` body runs)."""
+    permanent = Job(s.key(i, "permanent"), expect="dead", expect_attempts=1, expect_starts=1)
+    killer = Job(s.key(i, "kills"), expect="dead", expect_starts=s.opts.max_attempts)
+    s.send(permanent, mode="permanent")
+    s.send(killer, mode="kill")
+    elapsed = s.converge([permanent, killer], time.monotonic())
+    kills = sum(1 for e in s.events(killer.key) if e["ev"] == "kill")
+    return 1 + kills, elapsed
+
+
+def run_time_limit(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """Hard time limits (the prefork pool kills the process running the body): a job whose first
+    run overruns must complete on a later attempt; a job that overruns on every run must end
+    ``dead``, reason "time limit", after ``fence_max_attempts`` executions."""
+    limit = rng.uniform(1.0, 1.5)  # seconds: room for a normal run on a loaded machine
+    once = Job(s.key(i, "once"), expect_attempts=2, expect_starts=2)
+    always = Job(
+        s.key(i, "always"),
+        expect="dead",
+        expect_attempts=s.opts.max_attempts,
+        expect_starts=s.opts.max_attempts,
+        expect_reason="time limit",
+    )
+    s.ledger.set(f"{s.ledger_prefix}:overrun:{once.key}", 1)
+    s.send(once, sleep=rng.uniform(0.0, 0.2), options={"time_limit": limit})
+    s.send(always, mode="overrun", options={"time_limit": limit})
+    elapsed = s.converge([once, always], time.monotonic())
+    overruns = sum(1 for j in (once, always) for e in s.events(j.key) if e["ev"] == "overrun")
+    return overruns, elapsed
+
+
+def run_expires(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """Messages sent with ``expires``: one whose first run fails transiently after the expiry
+    (its retry must arrive), one that meets a lease held elsewhere past the expiry (its busy
+    reschedule must arrive). Both must complete."""
+    expires = 1.5  # seconds: ample for an idle worker to take the first delivery
+    retried = Job(s.key(i, "retry"), expect_attempts=2, expect_starts=2)
+    busy = Job(s.key(i, "busy"), expect_attempts=1, expect_starts=1)
+    hold = rng.uniform(1.8, 2.3)  # another holder (a slow or paused worker) keeps the lease
+    s.lease_store.claim(busy.key, f"chaos-holder-{s.run_id}", int(hold * 1000))
+    s.ledger.set(f"{s.ledger_prefix}:fail:{retried.key}", 1)
+    sent_at = time.time()
+    s.send(busy, sleep=0.1, options={"expires": expires})
+    s.send(retried, sleep=rng.uniform(1.7, 2.1), options={"expires": expires})
+    elapsed = s.converge([retried, busy], time.monotonic())
+    late = [e for e in s.events(retried.key) if e["ev"] == "fail" and e["t"] > sent_at + expires]
+    return 1 + len(late), elapsed
+
+
+def run_misconfig(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """Jobs queued, then a worker whose ``fence_renew_interval`` leaves no room before the local
+    deadline (>= ttl x (1 - margin)) starts: it must refuse to start and take nothing. Then a
+    correctly configured worker starts and must complete every job."""
+    jobs = [Job(s.key(i, str(n)), expect_attempts=1, expect_starts=1) for n in range(3)]
+    for job in jobs:
+        s.send(job, sleep=rng.uniform(0.0, 0.2))
+    interval = s.opts.ttl * rng.uniform(0.95, 1.2)
+    bad = s.start_worker(f"bad-{i}", CHAOS_RENEW_INTERVAL=f"{interval:.3f}")
+    started_at = time.monotonic()
+    if not wait_until(lambda: bad.exited or " ready." in bad.log(), 90, 0.1):
+        raise TimeoutError("the misconfigured worker neither exited nor started in 90s")
+    if not bad.exited:  # it started: plain Celery fails each task (and acks it)
+        for job in jobs:
+            job.observed.append(f"a worker with fence_renew_interval={interval:.3f} started")
+        # until it has taken and acked all of them (a message it has not acked yet would go
+        # back to the queue when it stops)
+        wait_until(lambda: all(s._finished(j) for j in jobs) and s.queued() == 0, 15)
+    s.stop_worker(bad)
+    taken = len(jobs) - s.queued()
+    if taken:
+        for job in jobs:
+            job.observed.append(f"the misconfigured worker took {taken} of {len(jobs)} messages")
+    good = s.start_worker(f"good-{i}")
+    good.wait_ready()
+    elapsed = s.converge(jobs, started_at)
+    s.stop_worker(good)
+    return 1, elapsed
+
+
+def run_refused_arg(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """An argument PostgreSQL refuses (jsonb cannot store ``\\u0000``): one claim, then ``dead``
+    at once, the body never run; no loop."""
+    job = Job(
+        s.key(i),
+        expect="dead",
+        expect_attempts=1,
+        expect_starts=0,
+        expect_claims=1,
+        expect_reason="arguments refused by the database",
+    )
+    s.send(job, payload=NUL_ARGUMENT, sleep=rng.uniform(0.0, 0.1))
+    elapsed = s.converge([job], time.monotonic())
+    time.sleep(0.5)  # a message still looping would claim again meanwhile
+    job.claims = s.claims(job.key)
+    record = s.store.get(job.key)
+    if record is not None and record.status == "dead":  # kept for `fence show` / `requeue`
+        request = decode_request(record.request)
+        if request is None or request.get("kwargs", {}).get("payload") != NUL_ARGUMENT:
+            job.observed.append("the stored request does not decode to the arguments sent")
+    return 1, elapsed
+
+
+RUNS: dict[str, Run] = {
+    "pause": run_pause,
+    "app-write": run_app_write,
+    "kill": run_kill,
+    "duplicate": run_duplicate,
+    "redis-loss": run_redis_loss,
+    "db-outage": run_db_outage,
+    "unknown-remote": run_unknown_remote,
+    "poison": run_poison,
+    "time-limit": run_time_limit,
+    "expires": run_expires,
+    "misconfig": run_misconfig,
+    "refused-arg": run_refused_arg,
+}

@@ -1,0 +1,255 @@
+"""The verbs that only look: ``check`` (settings, Redis, schema), ``ls`` and ``show``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+import sqlalchemy as sa
+from celery.bin.base import CeleryOption
+
+from .. import migrate, recovery
+from ..config import FenceConfig
+from ..lease import LeaseStore, make_redis_client
+from ..schema import STATUSES
+from ..store import UNFINISHED, Transition, store_for
+from .common import (
+    EX_USAGE,
+    FenceCLIError,
+    command,
+    config_of,
+    record_json,
+    safe_url,
+    store_of,
+    table,
+    utc_iso,
+    utc_text,
+)
+
+# -- check ---------------------------------------------------------------------------------------
+
+
+@command("check")
+@click.pass_context
+def check(ctx: click.Context) -> None:
+    """Check the settings of every fenced task, ping Redis and the database, and say whether the
+    schema is current. Exits non-zero on the first problem, with one line naming it and the fix."""
+    from ..task import FencedTask
+
+    app = ctx.obj.app
+    app.loader.import_default_modules()
+    config = config_of(ctx)
+    tasks = sorted(t.name for t in app.tasks.values() if isinstance(t, FencedTask))
+    for name in tasks:
+        app.tasks[name].fence_config()  # raises ConfigurationError naming the setting
+    ctx.obj.echo(f"settings: ok ({len(tasks)} fenced task{'s' * (len(tasks) != 1)})")
+    make_redis_client(config).ping()
+    ctx.obj.echo("redis: ok")
+    url = config.database_url
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            tables = set(sa.inspect(conn).get_table_names())
+    finally:
+        engine.dispose()
+    missing = sorted(migrate.TABLES - tables)
+    stamped = migrate.current(url)
+    if missing:
+        raise FenceCLIError(
+            f"database {safe_url(url)}: tables missing ({', '.join(missing)}); run: "
+            "celery -A <app> fence init-db"
+        )
+    if stamped and migrate.head() not in stamped:
+        raise FenceCLIError(
+            f"database {safe_url(url)}: schema at {', '.join(stamped)}, not {migrate.head()}; "
+            "run: celery -A <app> fence init-db"
+        )
+    ctx.obj.echo(f"database: ok ({safe_url(url)}, schema current)")
+
+
+# -- ls ------------------------------------------------------------------------------------------
+
+
+@command("ls")
+@click.option(
+    "--status",
+    cls=CeleryOption,
+    help_group="Filter Options",
+    help=f"Only jobs in this status ({', '.join(STATUSES)}).",
+)
+@click.option("--task", cls=CeleryOption, help_group="Filter Options", help="Only this task name.")
+@click.option(
+    "--limit",
+    cls=CeleryOption,
+    type=click.IntRange(min=1),
+    default=50,
+    show_default=True,
+    help_group="Filter Options",
+    help="At most this many jobs, most recently updated first.",
+)
+@click.option(
+    "--stuck",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Filter Options",
+    help="Only stranded jobs: unfinished, no live lease, not moved for --older-than seconds "
+    "(what 'fence recover' re-sends), oldest first.",
+)
+@click.option(
+    "--older-than",
+    cls=CeleryOption,
+    type=click.FloatRange(min=0),
+    default=None,
+    help_group="Filter Options",
+    help="With --stuck: seconds without movement (default: fence_recover_after, 10 x lease TTL).",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
+@click.pass_context
+def ls(
+    ctx: click.Context,
+    status: str | None,
+    task: str | None,
+    limit: int,
+    stuck: bool,
+    older_than: float | None,
+    as_json: bool,
+) -> None:
+    """List jobs, most recently updated first (--stuck: stranded jobs, oldest first)."""
+    if status is not None and status not in STATUSES:
+        raise FenceCLIError(
+            f"bad --status {status!r}: use one of {', '.join(STATUSES)}", exit_code=EX_USAGE
+        )
+    if older_than is not None and not stuck:
+        raise FenceCLIError("--older-than goes with --stuck", exit_code=EX_USAGE)
+    if stuck:
+        if status is not None and status not in UNFINISHED:
+            raise FenceCLIError(
+                f"--stuck lists unfinished jobs ({', '.join(UNFINISHED)}), not {status}",
+                exit_code=EX_USAGE,
+            )
+        config = config_of(ctx)
+        threshold = config.recover_after_seconds if older_than is None else older_than
+        with recovery.lease_store(config) as leases:
+            records = recovery.stranded_jobs(
+                store_for(config), leases, older_than=threshold, limit=limit, task_name=task
+            )
+        if status is not None:
+            records = [r for r in records if r.status == status]
+    else:
+        records = store_of(ctx).list(status=status, task_name=task, limit=limit)
+    if as_json:
+        ctx.obj.echo(json.dumps([record_json(r) for r in records]))
+        return
+    if not records:
+        ctx.obj.echo("no stranded jobs" if stuck else "no jobs")
+        return
+    rows = [
+        (
+            r.key,
+            r.task_name,
+            r.status,
+            str(r.attempts),
+            str(r.generation),
+            utc_text(r.updated_at),
+            (r.error_type or "").rsplit(".", 1)[-1] or "-",
+        )
+        for r in records
+    ]
+    header = ("KEY", "TASK", "STATUS", "ATTEMPTS", "GEN", "UPDATED", "ERROR")
+    ctx.obj.echo(table(rows, header))
+
+
+# -- show ----------------------------------------------------------------------------------------
+
+
+def _lease(config: FenceConfig, key: str) -> tuple[float | None, int | None]:
+    client = make_redis_client(config)
+    try:
+        return LeaseStore(client, prefix=config.key_prefix).remaining(key)
+    finally:
+        close = getattr(client, "close", None)
+        if close is not None:
+            close()
+
+
+def _transition_json(t: Transition) -> dict[str, Any]:
+    return {
+        "at": utc_iso(t.at),
+        "action": t.action,
+        "generation": t.generation,
+        "attempt_id": t.attempt_id,
+        "reason": t.reason,
+    }
+
+
+@command("show")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of text.")
+@click.pass_context
+def show(ctx: click.Context, key: str, as_json: bool) -> None:
+    """Show one job: its state, its lease in Redis and its transition history."""
+    config = config_of(ctx)
+    store = store_for(config)
+    record = store.get(key)
+    if record is None:
+        raise FenceCLIError(f"no job with key {key!r}")
+    remaining, lease_generation = _lease(config, key)
+    history = store.history(key)
+    routing = recovery.routing_for(record, ctx.obj.app) if record.request else {}
+    queue = routing.get("queue")
+    if "routing_key" in routing:
+        queue = f"exchange {routing['exchange']!r}, routing key {routing['routing_key']!r}"
+    if as_json:
+        doc = record_json(record)
+        doc.update(
+            queue=routing.get("queue"),
+            exchange=routing.get("exchange"),
+            routing_key=routing.get("routing_key"),
+            lease_remaining=remaining,
+            lease_generation=lease_generation,
+            history=[_transition_json(t) for t in history],
+        )
+        ctx.obj.echo(json.dumps(doc))
+        return
+    error = "-"
+    if record.error_type:
+        error = f"{record.error_type}: {record.error_message or ''}".rstrip(": ")
+    lease = "none (not held)"
+    if remaining is not None:
+        lease = f"{remaining:.3f}s left, generation {lease_generation}"
+    fields = [
+        ("key", record.key),
+        ("task", record.task_name),
+        ("queue", queue or "-"),
+        ("status", record.status),
+        ("generation", str(record.generation)),
+        ("owner attempt", record.attempt_id),
+        ("attempts", str(record.attempts)),
+        ("last error", error),
+        ("created", utc_text(record.created_at)),
+        ("updated", utc_text(record.updated_at)),
+        ("finished", utc_text(record.finished_at)),
+        ("retry at", utc_text(record.retry_at)),
+        ("lease", lease),
+    ]
+    lines = [f"{name + ':':<15}{value}" for name, value in fields]
+    if history:
+        lines.append("history:")
+        rows = [
+            (
+                utc_text(t.at),
+                t.action,
+                "-" if t.generation is None else f"gen {t.generation}",
+                t.attempt_id or "-",
+                t.reason or "",
+            )
+            for t in history
+        ]
+        lines.extend(
+            "  " + line
+            for line in table(rows, ("AT", "ACTION", "GEN", "ATTEMPT", "REASON")).splitlines()
+        )
+    else:
+        lines.append("history:       none recorded")
+    ctx.obj.echo("\n".join(lines))

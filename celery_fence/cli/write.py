@@ -1,0 +1,277 @@
+"""The verbs that change state: ``init-db``, ``requeue``, ``recover`` and ``purge``."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+
+import click
+from celery.bin.base import CeleryOption
+
+from .. import migrate, recovery, signals
+from ..config import FenceConfig
+from ..errors import StaleGeneration
+from ..schema import COMPLETED, DEAD
+from ..store import JobRecord, Store, store_for
+from .common import (
+    EX_USAGE,
+    FenceCLIError,
+    command,
+    config_of,
+    describe,
+    safe_url,
+    store_of,
+    utc_text,
+)
+
+# -- init-db -----------------------------------------------------------------------------------
+
+
+@command("init-db")
+@click.pass_context
+def init_db(ctx: click.Context) -> None:
+    """Create or upgrade the celery-fence tables (Alembic; stamps tables made by create_all)."""
+    url = config_of(ctx).database_url
+    action = migrate.upgrade(url)
+    ctx.obj.echo(f"{action}: celery-fence schema at {safe_url(url)} is at {migrate.head()}")
+
+
+# -- requeue, recover ----------------------------------------------------------------------------
+
+
+@command("requeue")
+@click.argument("key")
+@click.option(
+    "--force",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Requeue Options",
+    help="Also re-send a job that is not dead (running, retrying, pending) once no live lease "
+    "holds it; its attempt count is kept.",
+)
+@click.pass_context
+def requeue(ctx: click.Context, key: str, force: bool) -> None:
+    """Re-send a dead job (same key, fresh attempt budget) to its queue.
+
+    With --force, also an unfinished job that no live lease holds (a stranded one, without
+    waiting for 'fence recover'). A completed job is never re-sent.
+    """
+    app = ctx.obj.app
+    config = config_of(ctx)
+    store = store_for(config)
+    record = store.get(key)
+    if record is None:
+        raise FenceCLIError(f"no job with key {key!r}")
+    if record.status != DEAD:
+        if record.status == COMPLETED or not force:
+            raise FenceCLIError(
+                f"job {key!r} is {record.status}, not dead: only dead jobs are requeued"
+                + ("" if record.status == COMPLETED else " (--force re-sends an unfinished one)")
+            )
+        _force_requeue(ctx, config, store, record)
+        return
+    if not record.request:
+        raise FenceCLIError(
+            f"job {key!r} has no stored request (its arguments were not JSON): re-send it from "
+            "your code"
+        )
+    before = store.requeue(key)  # durable first: the job is pending with a fresh budget
+    try:
+        task_id = recovery.send_stored(app, before)
+    except Exception as exc:
+        reason = f"send failed ({type(exc).__name__})"
+        try:
+            store.restore_dead(before, reason=reason)
+        except StaleGeneration:
+            raise FenceCLIError(
+                f"could not confirm the send of {key!r} ({describe(exc)}), and an attempt has "
+                "claimed it since: left as it is"
+            ) from None
+        raise FenceCLIError(
+            f"could not send {key!r} ({describe(exc)}); it is dead again, retry the requeue"
+        ) from None
+    _requeued(ctx, before, task_id, "requeued by operator")
+
+
+def _force_requeue(
+    ctx: click.Context, config: FenceConfig, store: Store, record: JobRecord
+) -> None:
+    with recovery.lease_store(config) as leases:
+        remaining, generation = leases.remaining(record.key)
+    if remaining is not None:
+        raise FenceCLIError(
+            f"job {record.key!r} is {record.status} and a live lease holds it ({remaining:.1f}s "
+            f"left, generation {generation}): it is running; not re-sent"
+        )
+    try:
+        task_id = recovery.resend(ctx.obj.app, store, record, reason="forced requeue by operator")
+    except recovery.NotResendable as exc:
+        raise FenceCLIError(str(exc)) from None
+    except Exception as exc:
+        raise FenceCLIError(
+            f"could not send {record.key!r} ({describe(exc)}); it is pending: retry the requeue, "
+            f"or 'fence recover' sends it after {config.recover_after_seconds:g}s"
+        ) from None
+    if task_id is None:
+        raise FenceCLIError(f"job {record.key!r} changed while it was requeued: look again")
+    _requeued(ctx, record, task_id, "forced requeue by operator")
+
+
+def _requeued(ctx: click.Context, record: JobRecord, task_id: str, reason: str) -> None:
+    app = ctx.obj.app
+    task_name = str((record.request or {}).get("task") or record.task_name)
+    signals.emit(
+        signals.job_retry_scheduled,
+        app.tasks.get(task_name, task_name),
+        key=record.key,
+        attempt_id=None,
+        generation=record.generation,
+        reason=reason,
+        countdown=0.0,
+        attempts=0 if record.status == DEAD else record.attempts,
+    )
+    routing = recovery.routing_for(record, app)
+    where = (
+        f"exchange {routing['exchange']} with routing key {routing['routing_key']}"
+        if "routing_key" in routing
+        else f"queue {routing.get('queue') or '(routed)'}"
+    )
+    ctx.obj.echo(f"requeued {record.key}: {task_name} sent to {where} as {task_id}")
+
+
+@command("recover")
+@click.option(
+    "--older-than",
+    cls=CeleryOption,
+    type=click.FloatRange(min=0),
+    default=None,
+    help_group="Recover Options",
+    help="Seconds an unfinished job must not have moved (default: fence_recover_after, "
+    "10 x lease TTL).",
+)
+@click.option(
+    "--dry-run",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Recover Options",
+    help="Only list what would be re-sent.",
+)
+@click.option(
+    "--limit",
+    cls=CeleryOption,
+    type=click.IntRange(min=1),
+    default=recovery.DEFAULT_LIMIT,
+    show_default=True,
+    help_group="Recover Options",
+    help="At most this many jobs in one run.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of text.")
+@click.pass_context
+def recover(
+    ctx: click.Context, older_than: float | None, dry_run: bool, limit: int, as_json: bool
+) -> None:
+    """Re-send stranded jobs (unfinished, no live lease, not moved) under their own key.
+
+    Each is taken by a compare-and-set before its send (two runs never both send it) and goes
+    through the ordinary claim (a late original message cannot make a second completion).
+    Exits 1 when a job could not be re-sent.
+    """
+    report = recovery.recover(ctx.obj.app, older_than=older_than, dry_run=dry_run, limit=limit)
+    if as_json:
+        ctx.obj.echo(
+            json.dumps(
+                {
+                    **report.as_dict(),
+                    "keys": {
+                        "stranded": report.stranded,
+                        "sent": report.sent,
+                        "raced": report.raced,
+                        "dead": report.dead,
+                        "failed": report.failed,
+                    },
+                }
+            )
+        )
+    else:
+        for key in report.stranded:
+            state = (
+                "would re-send"
+                if dry_run
+                else "re-sent"
+                if key in report.sent
+                else "moved meanwhile, left"
+                if key in report.raced
+                else "no stored request: now dead"
+                if key in report.dead
+                else "FAILED"
+            )
+            ctx.obj.echo(f"{key}: {state}")
+        verb = "would re-send" if dry_run else "re-sent"
+        count = len(report.stranded) if dry_run else len(report.sent)
+        ctx.obj.echo(f"{len(report.stranded)} stranded job(s); {verb} {count}")
+    if report.failed:
+        raise FenceCLIError(
+            f"{len(report.failed)} stranded job(s) could not be re-sent (see the log): "
+            + ", ".join(report.failed[:5])
+        )
+
+
+# -- purge ---------------------------------------------------------------------------------------
+
+_AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_before(value: str, now: dt.datetime | None = None) -> dt.datetime:
+    """An ISO 8601 date or date-time (naive means UTC), or an age like ``30d``, ``12h``."""
+    text = value.strip()
+    age = _AGE.match(text)
+    if age:
+        seconds = float(age.group(1)) * _UNITS[age.group(2)]
+        return (now or dt.datetime.now(dt.timezone.utc)) - dt.timedelta(seconds=seconds)
+    try:
+        when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise FenceCLIError(
+            f"bad date {value!r}: use ISO 8601 (2024-05-01 or 2024-05-01T12:00:00+00:00) or an "
+            "age (30d, 12h, 45m)",
+            exit_code=EX_USAGE,
+        ) from None
+    if when.tzinfo is None:
+        return when.replace(tzinfo=dt.timezone.utc)
+    return when.astimezone(dt.timezone.utc)  # stored times are UTC (SQLite compares text)
+
+
+@command("purge")
+@click.option(
+    "--completed-before",
+    "before",
+    cls=CeleryOption,
+    required=True,
+    help_group="Purge Options",
+    help="Delete jobs finished before this date (ISO 8601, naive = UTC) or age (30d).",
+)
+@click.option(
+    "--include-dead",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Purge Options",
+    help="Also delete dead jobs finished before the date (kept by default for inspection).",
+)
+@click.pass_context
+def purge(ctx: click.Context, before: str, include_dead: bool) -> None:
+    """Delete finished jobs and their history, and outbox rows delivered before the date.
+
+    Outbox rows are written when a job completes, so a row delivered before the date belongs to
+    a job completed before it; rows not delivered yet (pending, dead) are kept whatever their age.
+    """
+    when = parse_before(before)
+    statuses = (COMPLETED, DEAD) if include_dead else (COMPLETED,)
+    store = store_of(ctx)
+    count = store.purge(finished_before=when, statuses=statuses)
+    delivered = store.outbox_purge(delivered_before=when)
+    ctx.obj.echo(
+        f"purged {count} {' and '.join(statuses)} job(s) finished and {delivered} outbox row(s) "
+        f"delivered before {utc_text(when)}"
+    )
