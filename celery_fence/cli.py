@@ -20,12 +20,14 @@ import sqlalchemy as sa
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException
 
-from . import migrate, recovery, signals
+from . import migrate, recovery
+from .actions import Action
 from .config import FenceConfig
 from .errors import FenceError, StaleGeneration
 from .lease import LeaseStore, make_redis_client
 from .schema import COMPLETED, DEAD, STATUSES
 from .store import UNFINISHED, JobRecord, Store, Transition, store_for
+from .transitions import emit_transition
 
 EX_FAILURE = 1
 EX_USAGE = 2
@@ -434,7 +436,7 @@ def requeue(ctx: click.Context, key: str, force: bool) -> None:
         raise FenceCLIError(
             f"could not send {key!r} ({describe(exc)}); it is dead again, retry the requeue"
         ) from None
-    _requeued(ctx, before, task_id, "requeued by operator")
+    _requeued(ctx, before, task_id, Action.REQUEUED, "requeued by operator")
 
 
 def _force_requeue(
@@ -458,14 +460,18 @@ def _force_requeue(
         ) from None
     if task_id is None:
         raise FenceCLIError(f"job {record.key!r} changed while it was requeued: look again")
-    _requeued(ctx, record, task_id, "forced requeue by operator")
+    _requeued(ctx, record, task_id, Action.RECOVERED, "forced requeue by operator")
 
 
-def _requeued(ctx: click.Context, record: JobRecord, task_id: str, reason: str) -> None:
+def _requeued(
+    ctx: click.Context, record: JobRecord, task_id: str, action: Action, reason: str
+) -> None:
+    """Announce the re-send as the transition the store recorded (``requeued``, or ``recovered``
+    for a forced requeue)."""
     app = ctx.obj.app
     task_name = str((record.request or {}).get("task") or record.task_name)
-    signals.emit(
-        signals.job_retry_scheduled,
+    emit_transition(
+        action,
         app.tasks.get(task_name, task_name),
         key=record.key,
         attempt_id=None,
