@@ -1,8 +1,9 @@
 """The values of the settle step: the :class:`Attempt` as far as it got, the :data:`Outcome` it
 ended in, and the :data:`CeleryAction` that :func:`celery_fence.settle.settle` returns for it.
 
-Plain frozen values, no behaviour: the task builds an outcome, the settle step reads it, the
-task's adapter turns the returned action into Celery's terms (return, raise, re-send).
+Values, no behaviour: the task fills the attempt in as it goes and builds an outcome (frozen), the
+settle step reads both, and the task's adapter turns the returned action (frozen) into Celery's
+terms (return, raise, re-send).
 """
 
 from __future__ import annotations
