@@ -1,5 +1,6 @@
 """The one vocabulary of transitions: what logs, signals, Celery events and the transitions table
-call each step of a job's life."""
+call each step of a job's life. How each is seen (signal, log level, event, table row) is the
+table in :mod:`celery_fence.transitions`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class Action(str, Enum):
     RETRY_SCHEDULED = "retry_scheduled"
     DEAD = "dead"
     TIME_LIMIT = "time_limit"
+    EXPIRED = "expired"
+    REVOKED = "revoked"
     REQUEUED = "requeued"
     REQUEUE_REVERTED = "requeue_reverted"
     RECOVERED = "recovered"

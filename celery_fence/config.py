@@ -376,6 +376,13 @@ def _lookup(conf: Mapping[str, Any], name: str) -> tuple[bool, Any]:
     return False, None
 
 
+def read_setting(conf: Mapping[str, Any], name: str) -> Any:
+    """One setting read and validated alone (None when unset), for what runs before any task
+    validates them all (logging setup): ``read_setting(app.conf, "redact_celery_logs")``."""
+    found, raw = _lookup(conf, f"fence_{name}")
+    return _parse(name, raw) if found else None
+
+
 #: Task options that override a setting for one task without the ``fence_`` prefix:
 #: ``@app.task(base=FencedTask, lease_ttl=5)``.
 TASK_OPTIONS = frozenset({"lease_ttl", "renew_interval", "max_attempts"})

@@ -1,8 +1,9 @@
 """Celery events for fence transitions, so Flower shows them and counts them in ``/metrics``.
 
-One event per transition, of type ``task-fence<action>`` (``task-fenceclaimed``,
-``task-fencerenewed``, ``task-fencelost``, ``task-fencebusy``, ``task-fencecompleted``,
-``task-fencereplayed``, ``task-fencestale``, ``task-fenceretry``, ``task-fencedead``), with the
+One event per transition a worker sees, of the type :data:`celery_fence.transitions.TABLE`
+names: ``task-fence<subject>`` (``task-fenceclaimed``, ``task-fencerenewed``, ``task-fencelost``,
+``task-fencebusy``, ``task-fencecompleted``, ``task-fencereplayed``, ``task-fencestale``,
+``task-fenceretry`` for ``retry_scheduled``, ``task-fencedead``), with the
 Celery task id as ``uuid`` and the fields ``fence_key``, ``attempt_id``, ``generation`` and
 ``reason`` (plus ``remaining``, ``countdown`` or ``attempts`` where they fit) — never args, kwargs,
 results or payloads.
@@ -37,7 +38,7 @@ from celery import signals as celery_signals
 
 logger = logging.getLogger("celery_fence.events")
 
-#: Event types are ``EVENT_PREFIX + action``: ``task-fenceclaimed``, ``task-fencestale``, ...
+#: Event types are ``EVENT_PREFIX + subject``: ``task-fenceclaimed``, ``task-fencestale``, ...
 EVENT_PREFIX = "task-fence"
 #: Events waiting for the sender thread; beyond this they are dropped (the broker lags behind).
 MAX_PENDING = 10_000
@@ -45,9 +46,9 @@ MAX_PENDING = 10_000
 _task_events: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
-def event_type(action: str) -> str:
-    """The Celery event type of a transition: ``event_type("stale") == "task-fencestale"``."""
-    return f"{EVENT_PREFIX}{action}"
+def event_type(subject: str) -> str:
+    """The Celery event type of a subject: ``event_type("stale") == "task-fencestale"``."""
+    return f"{EVENT_PREFIX}{subject}"
 
 
 @celery_signals.worker_init.connect(weak=False)
@@ -153,13 +154,14 @@ def _sender_for(app: Any, hostname: str) -> _Sender:
 
 def send_transition_event(
     task: Any,
-    action: str,
+    type_: str,
     *,
     task_id: str | None,
     hostname: str | None,
     **fields: Any,
 ) -> None:
-    """Queue one ``task-fence<action>`` event for Celery task ``task_id``; never raises.
+    """Queue one event of type ``type_`` (``task-fence<subject>``, named by the transitions table)
+    for Celery task ``task_id``; never raises.
 
     ``fields`` are the transition's (``fence_key``, ``attempt_id``, ``generation``, ``reason``,
     numbers such as ``countdown``): JSON scalars, never payloads. ``task_id`` and ``hostname``
@@ -171,9 +173,9 @@ def send_transition_event(
         app = task.app
         if not task_events_enabled(app):
             return
-        _sender_for(app, hostname).submit(event_type(action), {"uuid": task_id, **fields})
+        _sender_for(app, hostname).submit(type_, {"uuid": task_id, **fields})
     except Exception:  # events are a view, never a reason to fail
-        logger.debug("could not queue fence event %s", action, exc_info=True)
+        logger.debug("could not queue fence event %s", type_, exc_info=True)
 
 
 def flush(timeout: float = 2.0) -> None:

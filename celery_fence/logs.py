@@ -36,7 +36,7 @@ from typing import Any
 from celery import signals as celery_signals
 from celery._state import get_current_task
 
-from .config import _as_bool, _lookup
+from .config import read_setting
 from .errors import ConfigurationError
 
 logger = logging.getLogger("celery_fence")
@@ -197,11 +197,8 @@ def redaction_enabled(app: Any) -> bool:
 
     Reads this one setting only: logging is set up before any task validates the others.
     """
-    found, raw = _lookup(app.conf, "fence_redact_celery_logs")
-    if not found:
-        return False
     try:
-        return _as_bool("fence_redact_celery_logs", raw)
+        return bool(read_setting(app.conf, "redact_celery_logs"))
     except ConfigurationError as exc:
         logger.error("%s; redacting Celery's payload log lines anyway", exc)
         return True

@@ -33,10 +33,12 @@ from typing import Any
 
 from celery import shared_task
 
+from .actions import Action
 from .config import FenceConfig
 from .errors import FenceError
 from .lease import LeaseStore, make_redis_client
 from .store import JobRecord, Store, store_for
+from .transitions import emit_transition
 
 logger = logging.getLogger("celery_fence.recovery")
 
@@ -244,10 +246,14 @@ def recover(
             )
             if store.bury_stranded(record, error=error, reason="stranded, not resendable"):
                 report.dead.append(record.key)
-                logger.error(
-                    "fence recover: stranded job key=%s has no stored request; it is dead now",
-                    record.key,
-                    extra={"action": "dead", "fence_key": record.key, "reason": "not resendable"},
+                emit_transition(
+                    Action.DEAD,
+                    _sender(app, record),
+                    key=record.key,
+                    attempt_id=record.attempt_id,
+                    generation=record.generation,
+                    reason="stranded, not resendable",
+                    attempts=record.attempts,
                 )
             else:
                 report.raced.append(record.key)
@@ -267,21 +273,23 @@ def recover(
             report.raced.append(record.key)
             continue
         report.sent.append(record.key)
-        logger.warning(
-            "fence recovered stranded job key=%s status=%s generation=%s: re-sent as %s",
-            record.key,
-            record.status,
-            record.generation,
-            task_id,
-            extra={
-                "action": "recovered",
-                "fence_key": record.key,
-                "generation": record.generation,
-                "attempt_id": record.attempt_id,
-                "reason": f"stranded {record.status}",
-            },
+        emit_transition(
+            Action.RECOVERED,
+            _sender(app, record),
+            key=record.key,
+            attempt_id=record.attempt_id,
+            generation=record.generation,
+            reason=f"stranded {record.status}, re-sent as {task_id}",
+            countdown=0.0,
+            attempts=record.attempts,
         )
     return report
+
+
+def _sender(app: Any, record: JobRecord) -> Any:
+    """The signal's sender for a job: its task, or the task's name when this app lacks it."""
+    name = str((record.request or {}).get("task") or record.task_name)
+    return app.tasks.get(name, name)
 
 
 @shared_task(name=RECOVER_TASK, bind=True, ignore_result=True)

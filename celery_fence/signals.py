@@ -19,25 +19,20 @@ where they fit: ``remaining`` for ``lease_busy``, ``countdown`` and ``attempts``
   lease, store or lease store unavailable, newer generation still running).
 - ``job_dead``: the job reached the terminal ``dead`` state.
 
-A receiver that raises never breaks the fenced path: Celery's ``send`` catches and logs each
-receiver's exception, and :func:`emit` guards the rest.
+``job_retry_scheduled`` is also sent when the CLI requeues a job and when recovery re-sends a
+stranded one; ``job_dead`` when recovery buries a stranded job it cannot re-send.
 
-Every transition is logged on logger ``celery_fence`` (renewals on ``celery_fence.renewer``) with
-lazy ``%`` formatting and the stable ``extra`` keys ``action``, ``fence_key``, ``attempt_id``,
-``generation`` and ``reason``, so a JSON formatter shows them as fields.
+A receiver that raises never breaks the fenced path: Celery's ``send`` catches and logs each
+receiver's exception, and :func:`celery_fence.transitions.emit_transition` guards the rest. That
+function also logs every transition and sends its Celery event; which action sends which signal
+is its table, :data:`celery_fence.transitions.TABLE`.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 from celery.utils.dispatch import Signal
 
 from . import logs  # noqa: F401 - connects the Celery logging signals (attempt context, redaction)
-
-logger = logging.getLogger("celery_fence")
-renew_logger = logging.getLogger("celery_fence.renewer")
 
 _ARGS = {"key", "attempt_id", "generation", "reason"}
 
@@ -51,67 +46,7 @@ stale_rejected = Signal(name="stale_rejected", providing_args=_ARGS)
 job_retry_scheduled = Signal(name="job_retry_scheduled", providing_args=_ARGS | {"countdown"})
 job_dead = Signal(name="job_dead", providing_args=_ARGS | {"attempts"})
 
-#: signal -> (action name used in logs, events and the transitions table, log level)
-ACTIONS: dict[Signal, tuple[str, int]] = {
-    lease_claimed: ("claimed", logging.INFO),
-    lease_renewed: ("renewed", logging.DEBUG),
-    lease_lost: ("lost", logging.WARNING),
-    lease_busy: ("busy", logging.INFO),
-    job_completed: ("completed", logging.INFO),
-    job_replayed: ("replayed", logging.INFO),
-    stale_rejected: ("stale", logging.WARNING),
-    job_retry_scheduled: ("retry", logging.WARNING),
-    job_dead: ("dead", logging.ERROR),
-}
-
-
-def emit(
-    signal: Signal,
-    sender: Any,
-    *,
-    key: str,
-    attempt_id: str | None,
-    generation: int | None,
-    reason: str | None = None,
-    **extra: Any,
-) -> None:
-    """Log the transition (key, attempt, generation, reason: never payloads) and send the signal."""
-    action, level = ACTIONS[signal]
-    log = renew_logger if signal is lease_renewed else logger
-    if log.isEnabledFor(level):
-        log.log(
-            level,
-            "fence %s key=%s generation=%s attempt=%s%s",
-            action,
-            key,
-            generation,
-            attempt_id,
-            f" reason={reason}" if reason else "",
-            extra={
-                "action": action,
-                "fence_key": key,
-                "attempt_id": attempt_id,
-                "generation": generation,
-                "reason": reason,
-            },
-        )
-    if signal.receivers:
-        try:  # Celery's send() already catches and logs each receiver's exception
-            signal.send(
-                sender,
-                key=key,
-                attempt_id=attempt_id,
-                generation=generation,
-                reason=reason,
-                **extra,
-            )
-        except Exception:  # a broken receiver never breaks the fenced path
-            logger.exception("fence %s: a %s receiver failed key=%s", action, signal.name, key)
-
-
 __all__ = [
-    "ACTIONS",
-    "emit",
     "job_completed",
     "job_dead",
     "job_replayed",

@@ -24,7 +24,8 @@ from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
 from . import settle as s
-from . import signals, transitions
+from . import transitions
+from .actions import Action
 from .config import FenceConfig
 from .errors import (
     ConfigurationError,
@@ -265,7 +266,7 @@ class FencedTask(Task):
                 on_renewed=on_renewed,
             )
             renewer.add(a.lease)
-            self._emit_for(signals.lease_claimed, a)
+            self._emit_for(Action.CLAIMED, a)
             if request_json is None:
                 request_json = (
                     request_text(
@@ -341,7 +342,7 @@ class FencedTask(Task):
 
     # -- Celery's side ---------------------------------------------------------------------------
 
-    def _act(self, action: s.Action) -> Any:
+    def _act(self, action: s.CeleryAction) -> Any:
         """The one adapter from a settled action to Celery's terms (Celery then acks late)."""
         if isinstance(action, s.Return):
             if action.deliver is not None:
@@ -395,10 +396,17 @@ class FencedTask(Task):
     # -- transitions -----------------------------------------------------------------------------
 
     def _emit_for(
-        self, signal: Any, attempt: s.Attempt, reason: str | None = None, **extra: Any
+        self, action: Action, attempt: s.Attempt, reason: str | None = None, **extra: Any
     ) -> None:
-        transitions.emit(
-            self, signal, attempt.key, attempt.attempt_id, attempt.generation, reason, **extra
+        transitions.emit_transition(
+            action,
+            self,
+            key=attempt.key,
+            attempt_id=attempt.attempt_id,
+            generation=attempt.generation,
+            reason=reason,
+            origin=(self.request.id, self.request.hostname),
+            **extra,
         )
 
 

@@ -1,6 +1,12 @@
-"""One transition, everywhere it is seen: a log line and a signal (:mod:`celery_fence.signals`),
-a Celery event for Flower (:mod:`celery_fence.events`), and, for the lease's own transitions
-noticed off the task's path (lost), a row in the transitions table.
+"""Transitions as data: one table says, for every :class:`~celery_fence.actions.Action`, which
+signal it sends, at which level and on which logger it is logged, which Celery event it becomes
+and whether the store writes it as a row of the transitions table; :func:`emit_transition` is
+the one way any path (the settle step, the task, the worker's request, the renewal thread, the
+recovery and the CLI) announces one.
+
+The action's value is the one word everywhere: the log line's ``action`` field and the table's
+row say ``retry_scheduled`` alike. The public names stay as they were: the signal is
+``job_retry_scheduled`` and the Flower event ``task-fenceretry``.
 
 Never args, kwargs, results or payloads: a transition names the key, the attempt, the generation
 and a reason.
@@ -11,11 +17,16 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
+from celery.utils.dispatch import Signal
+
 from . import signals
-from .events import send_transition_event
+from .actions import Action
+from .events import event_type, send_transition_event
 from .lease import HeldLease
 from .renewer import RENEWER_THREAD_NAME
 
@@ -26,40 +37,134 @@ logger = logging.getLogger("celery_fence")
 Origin = tuple[str | None, str | None]
 
 
-def emit(
-    task: Any,
-    signal: Any,
-    key: str,
-    attempt_id: str | None,
-    generation: int | None,
-    reason: str | None = None,
+@dataclass(frozen=True)
+class ActionSpec:
+    """How one action is seen."""
+
+    #: Sent with ``key``, ``attempt_id``, ``generation``, ``reason`` (and the extras); None: none.
+    signal: Signal | None
+    level: int
+    logger: logging.Logger
+    #: The Celery event type a worker sends for it (with ``-E``); None: no event.
+    event: str | None
+    #: Whether the store writes it as a row of ``fence_transitions``.
+    recorded: bool
+
+
+def _t(
+    signal: Signal | None,
+    level: int,
+    event: str | None,
     *,
+    recorded: bool,
+    logger_name: str = "celery_fence",
+) -> ActionSpec:
+    return ActionSpec(signal, level, logging.getLogger(logger_name), event, recorded)
+
+
+_INFO, _WARNING, _ERROR = logging.INFO, logging.WARNING, logging.ERROR
+
+#: The one table. Operator and recovery actions send no event (no worker saw them); a re-send by
+#: the CLI or by recovery is a retry scheduled now, and sends that signal.
+TABLE: Mapping[Action, ActionSpec] = MappingProxyType(
+    {
+        Action.CLAIMED: _t(signals.lease_claimed, _INFO, event_type("claimed"), recorded=True),
+        Action.RENEWED: _t(
+            signals.lease_renewed,
+            logging.DEBUG,
+            event_type("renewed"),
+            recorded=False,
+            logger_name="celery_fence.renewer",
+        ),
+        Action.LOST: _t(signals.lease_lost, _WARNING, event_type("lost"), recorded=True),
+        Action.BUSY: _t(signals.lease_busy, _INFO, event_type("busy"), recorded=False),
+        Action.COMPLETED: _t(signals.job_completed, _INFO, event_type("completed"), recorded=True),
+        Action.REPLAYED: _t(signals.job_replayed, _INFO, event_type("replayed"), recorded=False),
+        Action.STALE: _t(signals.stale_rejected, _WARNING, event_type("stale"), recorded=True),
+        Action.RETRY_SCHEDULED: _t(
+            signals.job_retry_scheduled, _WARNING, event_type("retry"), recorded=True
+        ),
+        Action.DEAD: _t(signals.job_dead, _ERROR, event_type("dead"), recorded=True),
+        Action.TIME_LIMIT: _t(None, _WARNING, None, recorded=True),
+        Action.EXPIRED: _t(None, _WARNING, None, recorded=True),
+        Action.REVOKED: _t(None, _WARNING, None, recorded=True),
+        Action.REQUEUED: _t(signals.job_retry_scheduled, _WARNING, None, recorded=True),
+        Action.REQUEUE_REVERTED: _t(None, _WARNING, None, recorded=True),
+        Action.RECOVERED: _t(
+            signals.job_retry_scheduled,
+            _WARNING,
+            None,
+            recorded=True,
+            logger_name="celery_fence.recovery",
+        ),
+    }
+)
+
+
+def emit_transition(
+    action: Action,
+    sender: Any,
+    *,
+    key: str,
+    attempt_id: str | None = None,
+    generation: int | None = None,
+    reason: str | None = None,
     origin: Origin | None = None,
     **extra: Any,
 ) -> None:
-    """Log, signal and (with ``-E``) send a Celery event for one transition; never raises."""
-    signals.emit(
-        signal,
-        task,
-        key=key,
-        attempt_id=attempt_id,
-        generation=generation,
-        reason=reason,
-        **extra,
-    )
-    if task.fence_config().send_events:
-        task_id, hostname = origin or (task.request.id, task.request.hostname)
-        send_transition_event(
-            task,
-            signals.ACTIONS[signal][0],
-            task_id=task_id,
-            hostname=hostname,
-            fence_key=key,
-            attempt_id=attempt_id,
-            generation=generation,
-            reason=reason,
-            **extra,
+    """Log ``action``, send its signal and, for a worker's attempt (``origin`` given, ``-E``,
+    ``fence_send_events``), queue its Celery event; never raises.
+
+    ``sender`` is the task (or, from the CLI, its name); ``extra`` holds the signal's and the
+    event's additional fields (``remaining``, ``countdown``, ``attempts``), never payloads.
+    Recording the table row is the store's part of the same state change, not this function's.
+    """
+    t = TABLE[action]
+    if t.logger.isEnabledFor(t.level):
+        t.logger.log(
+            t.level,
+            "fence %s key=%s generation=%s attempt=%s%s",
+            action.value,
+            key,
+            generation,
+            attempt_id,
+            f" reason={reason}" if reason else "",
+            extra={
+                "action": action.value,
+                "fence_key": key,
+                "attempt_id": attempt_id,
+                "generation": generation,
+                "reason": reason,
+            },
         )
+    if t.signal is not None and t.signal.receivers:
+        try:  # Celery's send() already catches and logs each receiver's exception
+            t.signal.send(
+                sender,
+                key=key,
+                attempt_id=attempt_id,
+                generation=generation,
+                reason=reason,
+                **extra,
+            )
+        except Exception:  # a broken receiver never breaks the fenced path
+            logger.exception("fence %s: a %s receiver failed key=%s", action, t.signal.name, key)
+    if t.event is not None and origin is not None:
+        try:
+            if sender.fence_config().send_events:
+                send_transition_event(
+                    sender,
+                    t.event,
+                    task_id=origin[0],
+                    hostname=origin[1],
+                    fence_key=key,
+                    attempt_id=attempt_id,
+                    generation=generation,
+                    reason=reason,
+                    **extra,
+                )
+        except Exception:  # events are a view, never a reason to fail
+            logger.debug("could not queue the fence event of %s", action, exc_info=True)
 
 
 def lease_observers(
@@ -73,7 +178,15 @@ def lease_observers(
 
 
 def _on_lost(task: Any, origin: Origin, lease: HeldLease, reason: str) -> None:
-    emit(task, signals.lease_lost, lease.key, lease.token, lease.generation, reason, origin=origin)
+    emit_transition(
+        Action.LOST,
+        task,
+        key=lease.key,
+        attempt_id=lease.token,
+        generation=lease.generation,
+        reason=reason,
+        origin=origin,
+    )
     if threading.current_thread().name != RENEWER_THREAD_NAME:
         _record_lost(task, lease, reason)  # the task noticed: record before it goes on
         return
@@ -88,7 +201,7 @@ def _record_lost(task: Any, lease: HeldLease, reason: str) -> None:
     try:
         task._fence_backends()[1].record(
             lease.key,
-            action="lost",
+            action=Action.LOST,
             generation=lease.generation,
             attempt_id=lease.token,
             reason=reason,
@@ -103,4 +216,14 @@ def _record_lost(task: Any, lease: HeldLease, reason: str) -> None:
 
 
 def _on_renewed(task: Any, origin: Origin, lease: HeldLease) -> None:
-    emit(task, signals.lease_renewed, lease.key, lease.token, lease.generation, origin=origin)
+    emit_transition(
+        Action.RENEWED,
+        task,
+        key=lease.key,
+        attempt_id=lease.token,
+        generation=lease.generation,
+        origin=origin,
+    )
+
+
+__all__ = ["TABLE", "ActionSpec", "Origin", "emit_transition", "lease_observers"]

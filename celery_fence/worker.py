@@ -29,9 +29,11 @@ from billiard.exceptions import TimeLimitExceeded
 from celery.signals import worker_init, worker_process_shutdown
 from celery.worker.request import Request
 
+from .actions import Action
 from .errors import ConfigurationError
 from .records import encode_request
 from .renewer import shutdown as shutdown_renewers
+from .transitions import emit_transition
 
 logger = logging.getLogger("celery_fence")
 
@@ -68,10 +70,11 @@ class FencedRequest(Request):
             return
         self._fence_time_limit_settled = True
         task: Any = self.task
+        key = self.id
         try:
             store = task._fence_backends()[1]
             key = task.logical_key(self.args, self.kwargs, self.id)
-            store.record(key, action="time_limit", reason=f"hard time limit {timeout}s")
+            store.record(key, action=Action.TIME_LIMIT, reason=f"hard time limit {timeout}s")
         except Exception as exc:  # history only: the message goes back all the same
             logger.warning(
                 "fence could not record the hard time limit of task=%s id=%s: %s",
@@ -79,11 +82,12 @@ class FencedRequest(Request):
                 self.id,
                 type(exc).__name__,
             )
-        logger.warning(
-            "fence hard time limit task=%s id=%s: the message goes back to the broker",
-            self.task_name,
-            self.id,
-            extra={"action": "time_limit", "reason": f"hard time limit {timeout}s"},
+        emit_transition(
+            Action.TIME_LIMIT,
+            task,
+            key=key,
+            reason=f"hard time limit {timeout}s, task={self.task_name} id={self.id}: the "
+            "message goes back to the broker",
         )
         self.reject(requeue=True)  # Celery's own ack that follows is then a no-op
 
@@ -123,12 +127,11 @@ class FencedRequest(Request):
                 extra={"action": "store_error", "reason": why},
             )
             return False
-        logger.warning(
-            "fence %s task=%s id=%s: not run; the job is recorded",
-            why,
-            self.task_name,
-            self.id,
-            extra={"action": why, "reason": why},
+        emit_transition(
+            Action(why),
+            task,
+            key=key,
+            reason=f"task={self.task_name} id={self.id} not run; the job is recorded",
         )
         return True
 

@@ -103,7 +103,7 @@ def _attempt(store: FakeStore, **config: Any) -> s.Attempt:
         store=store,  # type: ignore[arg-type]
         config=cfg,
         policy=RetryPolicy(cfg, budget=NoBudget()),  # type: ignore[arg-type]
-        emit=lambda signal, a, reason=None, **extra: emitted.append(signal.name),
+        emit=lambda action, a, reason=None, **extra: emitted.append(str(action)),
         generation=7,
         attempts=1,
         registered=True,
