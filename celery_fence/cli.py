@@ -613,7 +613,7 @@ def purge(ctx: click.Context, before: str, include_dead: bool) -> None:
     statuses = (COMPLETED, DEAD) if include_dead else (COMPLETED,)
     store = _store(ctx)
     count = store.purge(finished_before=when, statuses=statuses)
-    delivered = store.outbox_purge(delivered_before=when)
+    delivered = store.outbox.purge(delivered_before=when)
     ctx.obj.echo(
         f"purged {count} {' and '.join(statuses)} job(s) finished and {delivered} outbox row(s) "
         f"delivered before {_when(when)}"
