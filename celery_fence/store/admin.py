@@ -48,13 +48,10 @@ def requeue(store: Store, key: str) -> JobRecord:
         raise StoreError(f"no job with key {key!r}")
     if before.status != DEAD:
         raise StoreError(f"job {key!r} is {before.status}, not dead: only dead jobs are requeued")
-    params = _as_read(store, before)
-    statement = sql.requeue_sql(store.dialect)
-    if (
-        store.writer.write(statement, params, actions=(Action.REQUEUED,), reason="by operator")
-        is None
-    ):
-        raise store._rejected(key, before.generation, before.attempt_id, "requeue")
+    statement = sql.cas_sql(store.dialect, sql.REQUEUE, sql.SAME)
+    store.fenced_write(
+        "requeue", statement, _as_read(store, before), Action.REQUEUED, reason="by operator"
+    )
     return before
 
 
@@ -71,10 +68,8 @@ def restore_dead(store: Store, before: JobRecord, *, reason: str) -> None:
         attempts=before.attempts,
         finished_at=store.db.stamp(before.finished_at),
     )
-    statement = sql.restore_dead_sql(store.dialect)
-    actions = (Action.REQUEUE_REVERTED,)
-    if store.writer.write(statement, params, actions=actions, reason=reason) is None:
-        raise store._rejected(before.key, before.generation, before.attempt_id, "restore")
+    statement = sql.cas_sql(store.dialect, sql.RESTORE_DEAD, sql.SAME)
+    store.fenced_write("restore", statement, params, Action.REQUEUE_REVERTED, reason=reason)
 
 
 def stranded(
@@ -107,7 +102,7 @@ def take_for_resend(store: Store, before: JobRecord, *, reason: str) -> JobRecor
     """
     if before.status not in UNFINISHED:
         raise StoreError(f"job {before.key!r} is {before.status}: only unfinished jobs")
-    statement = sql.take_for_resend_sql(store.dialect)
+    statement = sql.cas_sql(store.dialect, sql.TAKE_FOR_RESEND, sql.UNCHANGED)
     actions = (Action.RECOVERED,)
     now = utcnow()
     params = _as_read(store, before)

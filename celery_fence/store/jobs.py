@@ -28,7 +28,7 @@ from ..records import (
 from ..schema import COMPLETED, DEAD, PENDING, RETRYING, utcnow
 from . import admin, sql
 from .engine import Database
-from .fenced import FencedWriter
+from .fenced import FencedWriter, Row
 from .outbox import OutboxStore
 
 
@@ -174,8 +174,7 @@ class Store:
             "result": dumps_strict(result, "task's return value"),
         }
         statement = sql.complete_sql(self.dialect, fenced=not self.unfenced)
-        if self.writer.write(statement, params, actions=_COMPLETED, effects=effects) is None:
-            raise self._rejected(key, generation, attempt_id, "completion")
+        self.fenced_write("completion", statement, params, Action.COMPLETED, effects=effects)
 
     def complete_first(
         self,
@@ -201,11 +200,24 @@ class Store:
             "result": dumps_strict(result, "task's return value"),
         }
         statement = sql.complete_first_sql(self.dialect)
-        if (
-            self.writer.write(statement, params, actions=_CLAIMED_COMPLETED, effects=effects)
-            is None
-        ):
-            raise self._rejected(key, generation, attempt_id, "first completion")
+        actions = (Action.CLAIMED, Action.COMPLETED)
+        self.fenced_write("first completion", statement, params, *actions, effects=effects)
+
+    def fenced_write(
+        self,
+        what: str,
+        statement: str,
+        params: dict[str, Any],
+        *actions: Action,
+        reason: str | None = None,
+        effects: Sequence[Effect] = (),
+    ) -> Row:
+        """A fenced write that must change this attempt's row (``params``' key, generation and
+        attempt): :class:`StaleGeneration` (``what`` ... rejected) when it did not."""
+        row = self.writer.write(statement, params, actions=actions, reason=reason, effects=effects)
+        if row is None:
+            raise self._rejected(params["key"], params["generation"], params["attempt_id"], what)
+        return row
 
     def _error_fields(self, error: BaseException | None) -> dict[str, Any]:
         if error is None:
@@ -237,8 +249,7 @@ class Store:
             key, generation, attempt_id, retry_at=self.db.stamp(retry_at), **errors
         )
         statement = sql.retry_sql(self.dialect, fenced=not self.unfenced, errors=bool(errors))
-        if self.writer.write(statement, params, actions=_RETRY, reason=reason) is None:
-            raise self._rejected(key, generation, attempt_id, "retry")
+        self.fenced_write("retry", statement, params, Action.RETRY_SCHEDULED, reason=reason)
 
     def mark_dead(
         self,
@@ -263,8 +274,7 @@ class Store:
             errors=bool(errors),
             attempts=attempts is not None,
         )
-        if self.writer.write(statement, params, actions=_DEAD, reason=reason) is None:
-            raise self._rejected(key, generation, attempt_id, "dead-letter")
+        self.fenced_write("dead-letter", statement, params, Action.DEAD, reason=reason)
 
     def bury(
         self,
@@ -317,8 +327,7 @@ class Store:
             **self._error_fields(error),
         )
         statement = sql.bury_refused_sql(self.dialect)
-        if self.writer.write(statement, params, actions=_DEAD, reason=reason) is None:
-            raise self._rejected(key, generation, attempt_id, "dead-letter")
+        self.fenced_write("dead-letter", statement, params, Action.DEAD, reason=reason)
 
     def end_unrun(
         self,
@@ -395,36 +404,14 @@ class Store:
         with self.engine.connect() as conn:
             return [_record(r) for r in conn.execute(query).all()]
 
-    # -- operator verbs (celery_fence.store.admin) ---------------------------------------------
+    # -- the operator's and the recovery's verbs: functions of celery_fence.store.admin ------
 
-    def requeue(self, key: str) -> JobRecord:
-        return admin.requeue(self, key)
-
-    def restore_dead(self, before: JobRecord, *, reason: str) -> None:
-        admin.restore_dead(self, before, reason=reason)
-
-    def stranded(
-        self,
-        *,
-        older_than: float,
-        limit: int = 1000,
-        task_name: str | None = None,
-        now: dt.datetime | None = None,
-    ) -> Sequence[JobRecord]:
-        return admin.stranded(
-            self, older_than=older_than, limit=limit, task_name=task_name, now=now
-        )
-
-    def take_for_resend(self, before: JobRecord, *, reason: str) -> JobRecord | None:
-        return admin.take_for_resend(self, before, reason=reason)
-
-    def bury_stranded(self, before: JobRecord, *, error: BaseException, reason: str) -> bool:
-        return admin.bury_stranded(self, before, error=error, reason=reason)
-
-    def purge(
-        self, *, finished_before: dt.datetime, statuses: Sequence[str] = (COMPLETED, DEAD)
-    ) -> int:
-        return admin.purge(self, finished_before=finished_before, statuses=statuses)
+    requeue = admin.requeue
+    restore_dead = admin.restore_dead
+    stranded = admin.stranded
+    take_for_resend = admin.take_for_resend
+    bury_stranded = admin.bury_stranded
+    purge = admin.purge
 
 
 def _json(value: Mapping[str, Any] | None) -> str | None:
@@ -432,7 +419,4 @@ def _json(value: Mapping[str, Any] | None) -> str | None:
 
 
 _CLAIMED = (Action.CLAIMED,)
-_COMPLETED = (Action.COMPLETED,)
-_CLAIMED_COMPLETED = (Action.CLAIMED, Action.COMPLETED)
-_RETRY = (Action.RETRY_SCHEDULED,)
 _DEAD = (Action.DEAD,)

@@ -183,30 +183,23 @@ def mark_dead_sql(dialect: str, *, fenced: bool, errors: bool, attempts: bool) -
     return dead_sql(dialect, where=_owned(fenced), errors=errors, attempts=attempts)
 
 
-@cache
-def requeue_sql(dialect: str) -> str:
-    """A dead job back to ``pending`` with a fresh attempt budget."""
-    sets = (
-        f"status = '{Status.PENDING}', attempts = 0, updated_at = :now, finished_at = NULL, "
-        "retry_at = NULL"
-    )
-    return _update(dialect, sets, SAME)
+#: The operator's and the recovery's writes (:func:`cas_sql`): a dead job back to ``pending``
+#: with a fresh attempt budget; a requeued job back to ``dead`` as it was (its message could not
+#: be sent); a stranded job to ``pending`` for a re-send.
+REQUEUE = (
+    f"status = '{Status.PENDING}', attempts = 0, updated_at = :now, finished_at = NULL, "
+    "retry_at = NULL"
+)
+RESTORE_DEAD = (
+    f"status = '{Status.DEAD}', attempts = :attempts, finished_at = :finished_at, updated_at = :now"
+)
+TAKE_FOR_RESEND = f"status = '{Status.PENDING}', updated_at = :now, retry_at = NULL"
 
 
 @cache
-def restore_dead_sql(dialect: str) -> str:
-    """A requeued job back to ``dead`` as it was (its message could not be sent)."""
-    sets = (
-        f"status = '{Status.DEAD}', attempts = :attempts, finished_at = :finished_at, "
-        "updated_at = :now"
-    )
-    return _update(dialect, sets, SAME)
-
-
-@cache
-def take_for_resend_sql(dialect: str) -> str:
-    sets = f"status = '{Status.PENDING}', updated_at = :now, retry_at = NULL"
-    return _update(dialect, sets, UNCHANGED)
+def cas_sql(dialect: str, sets: str, where: str) -> str:
+    """A compare-and-set of ``sets`` on the row as it was read (:data:`SAME`, :data:`UNCHANGED`)."""
+    return _update(dialect, sets, where)
 
 
 @cache
