@@ -1,4 +1,6 @@
-"""The fenced result store, and the one place that runs SQL on celery-fence's tables.
+"""The fenced result store: the one place that runs SQL on celery-fence's tables (their DDL is
+:mod:`celery_fence.schema`'s and the migrations'; :mod:`celery_fence.transaction` sends the block
+statements of :mod:`.sql` on the user's own connection).
 
 - :mod:`.sql`: every statement, per dialect;
 - :mod:`.engine`: the engine, its bounds on every wait, the raw path and driver-error redaction;

@@ -1,5 +1,6 @@
 """Every statement celery-fence runs against its own tables, per dialect: the one place to read
-(or change) its SQL. The store's modules run them; nothing else builds SQL on these tables.
+(or change) its SQL. The store's modules run them (and :mod:`celery_fence.transaction` the block
+statements, on the user's connection); nothing else builds SQL on these tables.
 
 Two kinds, by how often they run:
 
