@@ -1,7 +1,7 @@
 """The fenced result store: the job verbs of the task's path (register, complete, retry, dead,
-bury), the reads, and the operator verbs (delegated to :mod:`.admin`). Its SQL is in
-:mod:`.sql`, its connection in :mod:`.engine`, its one fenced write in :mod:`.fenced`, its outbox
-in :mod:`.outbox`."""
+bury), the reads, and the operator's verbs (functions of :mod:`.admin`, bound as methods). Its
+SQL is in :mod:`.sql`, its connection in :mod:`.engine`, its one fenced write in :mod:`.fenced`,
+its outbox in :mod:`.outbox`."""
 
 from __future__ import annotations
 

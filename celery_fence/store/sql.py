@@ -222,23 +222,15 @@ def bury_sql(dialect: str) -> str:
 @cache
 def bury_refused_sql(dialect: str) -> str:
     """A registration the database refused, ``dead`` at once, fenced like a registration."""
-    taken = (
-        "task_name",
-        "status",
-        "generation",
-        "attempt_id",
-        "request",
-        "updated_at",
-        "finished_at",
-        "error_type",
-        "error_message",
-    )
+    taken = "task_name status generation attempt_id request updated_at finished_at error_type"
+    updates = ", ".join(f"{c} = excluded.{c}" for c in taken.split())
     return render(
         dialect,
         f"INSERT INTO {JOBS} ({_JOB_COLUMNS}, finished_at, error_type, error_message) "
         f"VALUES (:key, :task_name, '{Status.DEAD}', :generation, :attempt_id, 1, "
         f":request{_json(dialect)}, :now, :now, :now, :error_type, :error_message) "
-        f"ON CONFLICT (key) DO UPDATE SET {', '.join(f'{c} = excluded.{c}' for c in taken)}, "
+        f"ON CONFLICT (key) DO UPDATE SET {updates}, "
+        "error_message = excluded.error_message, "
         f"attempts = {JOBS}.attempts + 1 "
         f"WHERE {JOBS}.status NOT IN ('{Status.COMPLETED}', '{Status.DEAD}') "
         f"AND {JOBS}.generation < excluded.generation {RETURNING}",
