@@ -20,8 +20,9 @@ import sqlalchemy as sa
 
 from bench.harness import Services
 from bench.report import table
-from celery_fence import statements
+from celery_fence.actions import Action
 from celery_fence.store import Store
+from celery_fence.store import sql as statements
 
 
 def _bulk(conn: sa.Connection, start: int, stop: int) -> None:
@@ -85,11 +86,14 @@ def run(svc: Services, *, sizes: list[int], samples: int, out: Any) -> dict[str,
     }
     plans = {
         "register": statements.pg_with_records(
-            statements.register_sql("postgresql"), action="claimed", transitions=True, effects=False
+            statements.register_sql("postgresql"),
+            actions=(Action.CLAIMED,),
+            transitions=True,
+            effects=False,
         ),
         "complete": statements.pg_with_records(
             statements.complete_sql("postgresql"),
-            action="completed",
+            actions=(Action.COMPLETED,),
             transitions=True,
             effects=False,
         ),

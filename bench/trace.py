@@ -97,17 +97,17 @@ def install(lease_redis_port: int, out_dir: str) -> None:
     # The two critical-path statements skip SQLAlchemy's cursor events (they run as prepared
     # statements on a raw DB-API cursor): count each EXECUTE here; the one-off PREPARE per
     # connection is counted apart.
-    from celery_fence import statements
+    from celery_fence.store import engine as store_engine
 
-    original_execute = statements.execute_prepared
+    original_execute = store_engine.execute_prepared
 
-    def execute_prepared(raw: Any, cursor: Any, sql: str, params: Any) -> Any:
+    def execute_prepared(raw: Any, cursor: Any, statement: str, params: dict[str, Any]) -> Any:
         _add("postgresql")
-        if sql not in raw.info.get("fence_prepared", {}):
+        if statement not in raw.info.get("fence_prepared", {}):
             _add("postgresql-prepare")
-        return original_execute(raw, cursor, sql, params)
+        return original_execute(raw, cursor, statement, params)
 
-    statements.execute_prepared = execute_prepared
+    store_engine.execute_prepared = execute_prepared
 
     target = Path(out_dir) / f"trace-{os.getpid()}.json"
 

@@ -221,7 +221,7 @@ class Outbox:
         """
         store = self.store
         report = DeliveryReport()
-        for row in store.outbox_bury_exhausted(max_attempts=self.max_attempts, key=key):
+        for row in store.outbox.bury_exhausted(max_attempts=self.max_attempts, key=key):
             report.dead += 1  # its handler never returned (a killed or hung sender)
             logger.error(
                 "outbox dead key=%s effect=%s id=%s after %s claims that never finished",
@@ -234,7 +234,7 @@ class Outbox:
         cursor = 0
         for _ in range(limit or self.batch):
             claimer = _claim_token()
-            rows = store.outbox_claim(
+            rows = store.outbox.claim(
                 claimer=claimer, claim_ttl=self.claim_ttl, key=key, after_id=cursor
             )
             if not rows:
@@ -259,7 +259,7 @@ class Outbox:
             self._failed(store, row, claimer, exc, report)
             return
         elapsed = time.monotonic() - started
-        if store.outbox_mark_delivered(row.id, claimer=claimer):
+        if store.outbox.mark_delivered(row.id, claimer=claimer):
             report.delivered += 1
             logger.info(
                 "outbox delivered key=%s effect=%s id=%s attempt=%s",
@@ -301,7 +301,7 @@ class Outbox:
             report.retry_in = (
                 retry_in if report.retry_in is None else min(report.retry_in, retry_in)
             )
-        if not store.outbox_fail(row.id, claimer=claimer, error=exc, retry_in=retry_in):
+        if not store.outbox.fail(row.id, claimer=claimer, error=exc, retry_in=retry_in):
             report.lost_claims += 1
             return
         if give_up:

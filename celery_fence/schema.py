@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import random
 import time
+from enum import Enum
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
@@ -30,10 +31,36 @@ Timestamp = sa.DateTime(timezone=True)
 
 KEY_LENGTH = 512
 
-#: Job statuses. ``completed`` and ``dead`` are terminal; ``pending`` is a requeued dead job.
-RUNNING, RETRYING, COMPLETED, DEAD, PENDING = "running", "retrying", "completed", "dead", "pending"
-STATUSES = (RUNNING, RETRYING, COMPLETED, DEAD, PENDING)
-FINISHED_PREDICATE = "status IN ('completed', 'dead')"
+
+class Status(str, Enum):
+    """A job's status. ``completed`` and ``dead`` are terminal; ``pending`` is a job waiting for
+    a message that an operator or a recovery (re-)sent."""
+
+    RUNNING = "running"
+    RETRYING = "retrying"
+    COMPLETED = "completed"
+    DEAD = "dead"
+    PENDING = "pending"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class OutboxStatus(str, Enum):
+    """An outbox row's status: ``dead`` rows wait for an operator (``fence outbox requeue``)."""
+
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    DEAD = "dead"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: The statuses as plain strings (what the driver binds and what rows read back hold).
+RUNNING, RETRYING, COMPLETED, DEAD, PENDING = (s.value for s in Status)
+STATUSES = tuple(s.value for s in Status)
+FINISHED_PREDICATE = f"status IN ('{COMPLETED}', '{DEAD}')"
 
 jobs = sa.Table(
     "fence_jobs",

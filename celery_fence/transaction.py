@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from .errors import ConfigurationError, FenceError, LeaseLost
+from .store import sql
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -171,13 +172,10 @@ def _on_begin(fence: Fence, store: Store, conn: sa.Connection) -> None:
     """Every transaction the block's connection begins (the block's, and one after a commit
     inside it)."""
     if conn.dialect.name == "sqlite":
-        conn.exec_driver_sql("BEGIN" if store.unfenced else "BEGIN IMMEDIATE")
+        conn.exec_driver_sql(sql.begin("sqlite", immediate=not store.unfenced))
     elif not store.unfenced:
         ttl_ms = math.ceil(fence._lease.ttl * 1000)
-        conn.exec_driver_sql(
-            f"SELECT set_config('idle_in_transaction_session_timeout', '{ttl_ms}', true), "
-            f"set_config('lock_timeout', '{math.ceil(ttl_ms * LOCK_TIMEOUT_TTLS)}', true)"
-        )
+        conn.exec_driver_sql(sql.pg_block_bounds(ttl_ms, math.ceil(ttl_ms * LOCK_TIMEOUT_TTLS)))
 
 
 def _on_commit(fence: Fence, store: Store, block: Block, conn: sa.Connection) -> None:

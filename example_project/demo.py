@@ -294,7 +294,7 @@ class Demo:
                 )
         deliveries = []
         for key in keys.values():
-            for row in store.outbox_rows(key=key):
+            for row in store.outbox.rows(key=key):
                 at_provider = stats["by_key"].get(row.idempotency_key, {})
                 deliveries.append(
                     {
@@ -347,7 +347,7 @@ def _completed(store: Any, key: str) -> Any:
 
 
 def _delivered(store: Any, key: str) -> bool:
-    rows = store.outbox_rows(key=key)
+    rows = store.outbox.rows(key=key)
     return bool(rows) and all(r.status == "delivered" for r in rows)
 
 

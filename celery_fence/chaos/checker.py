@@ -137,7 +137,7 @@ def check(
                 + (f" generations claimed={job.claims}" if job.claims is not None else "")
             )
         elif record.status == "completed" and any(
-            row.status != "delivered" for row in store.outbox_rows(key=job.key)
+            row.status != "delivered" for row in store.outbox.rows(key=job.key)
         ):
             result.lost_jobs += 1
             result.violations.append(f"lost: {job.key} has a committed effect never delivered")
@@ -264,7 +264,7 @@ def _duplicate_effects(
     for e in events:
         if e["ev"] == "call" and e.get("idem"):
             idems[str(e["effect"])].add(str(e["idem"]))
-    rows = store.outbox_rows(key=key)
+    rows = store.outbox.rows(key=key)
     names = [row.name for row in rows]
     count = 0
     for name in set(names):

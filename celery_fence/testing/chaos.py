@@ -239,7 +239,7 @@ class FenceChaos:
         return problems
 
     def _outbox_problems(self, inj: Injection, key: str, attempt_id: str) -> list[str]:
-        rows = self.env.store.outbox_rows(key=key)
+        rows = self.env.store.outbox.rows(key=key)
         names = Counter(r.name for r in rows)
         problems = [
             f"outbox effect {name!r} recorded {count} times" for name, count in names.items()

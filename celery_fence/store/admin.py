@@ -1,0 +1,135 @@
+"""The operator's and the recovery's verbs on jobs: requeue a dead job (and undo it when its
+message cannot be sent), find stranded jobs and take them for a re-send or bury them, purge
+finished jobs. Each write is a compare-and-set on the row as it was read, through the one fenced
+write (:mod:`.fenced`); :class:`~celery_fence.store.Store` exposes them as its methods."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..actions import Action
+from ..errors import StoreError
+from ..records import JobRecord, _record
+from ..schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
+from . import sql
+
+if TYPE_CHECKING:
+    from .jobs import Store
+
+#: Statuses of a job that is not finished: each needs a live lease, a pending retry time or a
+#: message on its way, or it is stranded (:func:`stranded`).
+UNFINISHED = (RUNNING, RETRYING, PENDING)
+
+
+def _as_read(store: Store, before: JobRecord, **values: Any) -> dict[str, Any]:
+    """Parameters of a compare-and-set on ``before`` (``sql.SAME`` / ``sql.UNCHANGED``)."""
+    return {
+        "key": before.key,
+        "generation": before.generation,
+        "attempt_id": before.attempt_id,
+        "was_status": before.status,
+        "was_updated_at": store.db.stamp(before.updated_at),
+        **values,
+    }
+
+
+def requeue(store: Store, key: str) -> JobRecord:
+    """Move a dead job to ``pending`` with a fresh attempt budget; refuse any other status.
+
+    Returns the job as it was (``dead``; its stored request is what to re-send). The write is
+    conditional on the row still being that dead record (generation and attempt), so two
+    operators cannot both requeue it and a requeue never touches a job someone else changed.
+    """
+    before = store.get(key)
+    if before is None:
+        raise StoreError(f"no job with key {key!r}")
+    if before.status != DEAD:
+        raise StoreError(f"job {key!r} is {before.status}, not dead: only dead jobs are requeued")
+    statement = sql.cas_sql(store.dialect, sql.REQUEUE, sql.SAME)
+    store.fenced_write(
+        "requeue", statement, _as_read(store, before), Action.REQUEUED, reason="by operator"
+    )
+    return before
+
+
+def restore_dead(store: Store, before: JobRecord, *, reason: str) -> None:
+    """Undo :func:`requeue` when the message could not be sent: back to ``dead`` as it was.
+
+    Fenced on the requeued row (``pending``, same generation and attempt): if an attempt
+    claimed the job meanwhile, nothing changes and :class:`StaleGeneration` says so.
+    """
+    params = _as_read(
+        store,
+        before,
+        was_status=PENDING,
+        attempts=before.attempts,
+        finished_at=store.db.stamp(before.finished_at),
+    )
+    statement = sql.cas_sql(store.dialect, sql.RESTORE_DEAD, sql.SAME)
+    store.fenced_write("restore", statement, params, Action.REQUEUE_REVERTED, reason=reason)
+
+
+def stranded(
+    store: Store,
+    *,
+    older_than: float,
+    limit: int = 1000,
+    task_name: str | None = None,
+    now: dt.datetime | None = None,
+) -> Sequence[JobRecord]:
+    """Unfinished jobs (``running``, ``retrying``, ``pending``) that have not moved for
+    ``older_than`` seconds, oldest first: ``updated_at`` before the cutoff and, for a
+    ``retrying`` job, its ``retry_at`` too. Whether a live lease still holds one is for the
+    caller to ask Redis (:func:`celery_fence.recovery.stranded_jobs`)."""
+    cutoff = (now or utcnow()) - dt.timedelta(seconds=older_than)
+    query = sql.stranded(unfinished=UNFINISHED, cutoff=cutoff, limit=limit, task_name=task_name)
+    with store.engine.connect() as conn:
+        return [_record(r) for r in conn.execute(query).all()]
+
+
+def take_for_resend(store: Store, before: JobRecord, *, reason: str) -> JobRecord | None:
+    """Move an unfinished job that is about to be re-sent to ``pending`` — only if it is
+    still exactly ``before`` (status, generation, attempt and ``updated_at``): of two
+    recoveries racing for it, one gets the row and the other None, so one of them sends.
+
+    The attempt count is kept (a job that keeps stranding still ends ``dead``); the owner
+    attempt, if it is alive after all, can no longer write: its fenced writes need
+    ``running``. If the send that follows never happens, the row is ``pending`` with a
+    fresh ``updated_at``, and the next recovery past the threshold takes it again.
+    """
+    if before.status not in UNFINISHED:
+        raise StoreError(f"job {before.key!r} is {before.status}: only unfinished jobs")
+    statement = sql.cas_sql(store.dialect, sql.TAKE_FOR_RESEND, sql.UNCHANGED)
+    actions = (Action.RECOVERED,)
+    now = utcnow()
+    params = _as_read(store, before)
+    if store.writer.write(statement, params, actions=actions, reason=reason, now=now) is None:
+        return None
+    return dataclasses.replace(before, status=PENDING, updated_at=now, retry_at=None)
+
+
+def bury_stranded(store: Store, before: JobRecord, *, error: BaseException, reason: str) -> bool:
+    """Move an unfinished job that cannot be re-sent (no stored request) to ``dead``, with
+    the same compare-and-set as :func:`take_for_resend`; False when it moved meanwhile."""
+    params = _as_read(store, before, **store._error_fields(error))
+    statement = sql.dead_sql(store.dialect, where=sql.UNCHANGED, errors=True)
+    return store.writer.write(statement, params, actions=(Action.DEAD,), reason=reason) is not None
+
+
+def purge(
+    store: Store, *, finished_before: dt.datetime, statuses: Sequence[str] = (COMPLETED, DEAD)
+) -> int:
+    """Delete finished jobs of ``statuses`` (and their history) finished before the date.
+
+    Outbox rows are left to the outbox's own lifecycle. Returns the number of jobs deleted.
+    """
+    unfinished = set(statuses) - {COMPLETED, DEAD}
+    if unfinished:
+        raise StoreError(f"only finished jobs are purged, not {sorted(unfinished)}")
+    history, finished = sql.purge(statuses, finished_before)
+    with store.db.tx(unbounded=True) as conn:
+        conn.execute(history)
+        return int(conn.execute(finished).rowcount or 0)

@@ -1,0 +1,298 @@
+"""The store's connection to its database: the SQLAlchemy engine (created lazily, re-created
+after fork), the bounds on every wait (libpq timeouts, the watchdog, ``lock_timeout``), short
+transactions, the raw DB-API path of the fenced writes with its server-side prepared statements,
+and driver errors reduced to what may be logged."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+
+from .. import _process, schema
+from ..config import DEFAULT_DATABASE_TIMEOUT
+from ..errors import ConfigurationError
+from ..watchdog import watchdog
+from . import sql
+
+#: SQLAlchemy's text form of a timestamp on SQLite (what its ``DateTime`` writes and compares).
+SQLITE_TIMESTAMP = "%Y-%m-%d %H:%M:%S.%f"
+
+
+class Database:
+    """One database URL's engine and execution paths. Safe to share between threads."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        lock_timeout: float = 5.0,
+        engine_options: Mapping[str, Any] | None = None,
+        database_timeout: float = DEFAULT_DATABASE_TIMEOUT,
+    ) -> None:
+        self.url = url
+        self.database_timeout = database_timeout
+        self.lock_timeout = lock_timeout
+        self._engine_options = dict(engine_options or {})
+        self._lock = threading.Lock()
+        self._engine: sa.Engine | None = None
+        self._pid = _process.pid
+        try:
+            self.dialect = sa.engine.make_url(url).get_backend_name()
+        except Exception as exc:
+            raise ConfigurationError(
+                f"fence_database_url={url!r} is not a valid URL: {exc}"
+            ) from None
+        if self.dialect not in ("postgresql", "sqlite"):
+            raise ConfigurationError(
+                f"fence_database_url uses {self.dialect!r}; celery-fence supports postgresql and "
+                "sqlite."
+            )
+
+    @property
+    def engine(self) -> sa.Engine:
+        if self._engine is not None and self._pid == _process.pid:
+            return self._engine
+        with self._lock:
+            if self._engine is not None and self._pid != _process.pid:
+                self._engine.dispose(close=False)  # the parent's sockets are not ours
+                self._engine = None
+            if self._engine is None:
+                self._engine = self._create_engine()
+                self._pid = _process.pid
+            return self._engine
+
+    def dispose(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+
+    def _create_engine(self) -> sa.Engine:
+        # hide_parameters: a database error must never print a result or payload into a log.
+        options: dict[str, Any] = {
+            "isolation_level": "AUTOCOMMIT",
+            "pool_pre_ping": False,
+            "hide_parameters": True,
+        }
+        if self.dialect == "sqlite":
+            options["connect_args"] = {"timeout": 30, "check_same_thread": False}
+        else:
+            options.update(pool_size=5, max_overflow=10, pool_recycle=1800)
+            options["connect_args"] = self._pg_connect_args()
+        options.update(self._engine_options)
+        engine = sa.create_engine(self.url, **options)
+        if self.dialect == "sqlite":
+
+            @sa.event.listens_for(engine, "connect")
+            def _sqlite_pragmas(dbapi_conn: Any, _: Any) -> None:
+                cur = dbapi_conn.cursor()
+                for pragma in sql.SQLITE_PRAGMAS:
+                    cur.execute(pragma)
+                cur.close()
+
+            # The embedded default needs no set-up step: create the tables once per process.
+            schema.create_schema(engine)
+            return engine
+        self._bound_calls(engine)
+        lock_timeout = sql.pg_lock_timeout(max(1, round(self.lock_timeout * 1000)))
+
+        @sa.event.listens_for(engine, "connect")
+        def _pg_session(dbapi_conn: Any, _: Any) -> None:
+            # A store statement never waits for a row lock for ever (e.g. a registration
+            # behind a paused fence.transaction() holder): it fails, and the message is
+            # re-sent with backoff (task.py's registration and completion error paths).
+            autocommit = dbapi_conn.autocommit
+            dbapi_conn.autocommit = True
+            cur = dbapi_conn.cursor()
+            cur.execute(lock_timeout)
+            cur.close()
+            dbapi_conn.autocommit = autocommit
+
+        return engine
+
+    def _pg_connect_args(self) -> dict[str, Any]:
+        """libpq options that bound every wait on a PostgreSQL connection by
+        ``fence_database_timeout`` (t): connecting (``connect_timeout``), unacknowledged data
+        (``tcp_user_timeout``), a silent peer while waiting for an answer (keepalives: idle t/2,
+        then 3 probes t/6 apart) and a slow statement (``statement_timeout``). Options given in
+        the URL's query win; an ``options`` there is kept and extended."""
+        t = self.database_timeout
+        query = sa.engine.make_url(self.url).query
+        args: dict[str, Any] = {
+            "connect_timeout": max(2, math.ceil(t)),  # libpq: whole seconds, at least 2
+            "keepalives": 1,
+            "keepalives_idle": max(1, round(t / 2)),
+            "keepalives_interval": max(1, round(t / 6)),
+            "keepalives_count": 3,
+            "tcp_user_timeout": max(1, round(t * 1000)),
+        }
+        args = {name: value for name, value in args.items() if name not in query}
+        statement_timeout = f"-c statement_timeout={max(1, round(t * 1000))}"
+        user_options = query.get("options")
+        if isinstance(user_options, tuple):
+            user_options = " ".join(user_options)
+        if user_options is None:
+            args["options"] = statement_timeout
+        elif "statement_timeout" not in user_options:
+            args["options"] = f"{user_options} {statement_timeout}"
+        return args
+
+    def _bound_calls(self, engine: sa.Engine) -> None:
+        """Arm :mod:`celery_fence.watchdog` for every statement SQLAlchemy runs on ``engine``
+        (the raw path arms it itself, in :meth:`pg_execute`). A connection with the execution
+        option ``fence_unbounded`` is not watched (purge)."""
+        timeout = self.database_timeout
+
+        @sa.event.listens_for(engine, "before_cursor_execute")
+        def _arm(conn: Any, cursor: Any, *_: Any) -> None:
+            if not conn.get_execution_options().get("fence_unbounded"):
+                conn.info["fence_watch"] = watchdog.arm(cursor.connection.fileno(), timeout)
+
+        @sa.event.listens_for(engine, "after_cursor_execute")
+        def _disarm(conn: Any, *_: Any) -> None:
+            watchdog.disarm(conn.info.pop("fence_watch", None))
+
+        @sa.event.listens_for(engine, "handle_error")
+        def _disarm_on_error(context: Any) -> None:
+            if context.connection is not None:
+                watchdog.disarm(context.connection.info.pop("fence_watch", None))
+
+    @contextmanager
+    def tx(self, *, unbounded: bool = False) -> Iterator[sa.Connection]:
+        """A short explicit transaction on the AUTOCOMMIT engine (BEGIN IMMEDIATE on SQLite).
+
+        ``unbounded``: a long operator statement (purge) — no statement timeout, no watchdog.
+        """
+        with self.engine.connect() as conn:
+            if unbounded:
+                conn = conn.execution_options(fence_unbounded=True)
+            conn.exec_driver_sql(sql.begin(self.dialect))
+            if unbounded and self.dialect == "postgresql":
+                conn.exec_driver_sql(sql.NO_STATEMENT_TIMEOUT)
+            try:
+                yield conn
+            except BaseException:
+                conn.exec_driver_sql(sql.ROLLBACK)
+                raise
+            conn.exec_driver_sql(sql.COMMIT)
+
+    def stamp(self, value: Any) -> Any:
+        """A timestamp parameter for the raw path: as is on PostgreSQL, SQLAlchemy's text on
+        SQLite (so rows written either way compare equal)."""
+        if self.dialect == "sqlite" and value is not None:
+            return value.strftime(SQLITE_TIMESTAMP)
+        return value
+
+    @contextmanager
+    def raw(self) -> Iterator[Any]:
+        """A pooled DB-API cursor (SQLite's raw path), skipping SQLAlchemy's connection and
+        result wrappers; driver errors come out as SQLAlchemy's (with parameters hidden), and a
+        broken connection is invalidated."""
+        engine = self.engine
+        raw = engine.raw_connection()
+        try:
+            cursor = raw.cursor()
+            try:
+                yield cursor
+            finally:
+                cursor.close()
+        except engine.dialect.loaded_dbapi.Error as exc:
+            raise _driver_error(engine, raw, exc) from None
+        finally:
+            raw.close()  # back to the pool
+
+    def pg_execute(self, statement: str, params: dict[str, Any]) -> Any:
+        """Run ``statement`` as a server-side prepared statement (:func:`execute_prepared`) on a
+        pooled connection's own cursor, the watchdog armed; no context manager is built per
+        call. Returns the first row or None."""
+        engine = self.engine
+        raw = engine.raw_connection()
+        try:
+            cursor = raw.info.get("fence_cursor")
+            if cursor is None or cursor.closed or cursor.connection is not raw.dbapi_connection:
+                cursor = raw.info["fence_cursor"] = raw.cursor()
+            token = watchdog.arm(cursor.connection.fileno(), self.database_timeout)
+            try:
+                return execute_prepared(raw, cursor, statement, params)
+            finally:
+                watchdog.disarm(token)
+        except engine.dialect.loaded_dbapi.Error as exc:
+            raw.info.pop("fence_cursor", None)
+            raise _driver_error(engine, raw, exc) from None
+        finally:
+            raw.close()  # back to the pool
+
+
+def _positional(statement: str) -> tuple[str, tuple[str, ...]]:
+    """``%(name)s`` placeholders to ``$1, $2, ...`` (first appearance order) for ``PREPARE``."""
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    return re.sub(r"%\((\w+)\)s", number, statement), tuple(names)
+
+
+def execute_prepared(raw: Any, cursor: Any, statement: str, params: dict[str, Any]) -> Any:
+    """Run ``statement`` on PostgreSQL as a server-side prepared statement: ``PREPARE`` once per
+    connection, then ``EXECUTE`` — the server parses and plans it once, not on every task.
+    Returns the first row or None. A connection that lost its prepared statements (a pooler
+    that swapped the server connection, ``DISCARD ALL``) prepares again, once."""
+    prepared: dict[str, tuple[str, tuple[str, ...]]] = raw.info.setdefault("fence_prepared", {})
+    for attempt in (1, 2):
+        entry = prepared.get(statement)
+        if entry is None:
+            text, names = _positional(statement)
+            name = f"fence_hot_{len(prepared)}_{os.getpid()}"
+            cursor.execute(f"PREPARE {name} AS {text}")
+            entry = prepared[statement] = (name, names)
+        name, names = entry
+        try:
+            cursor.execute(
+                f"EXECUTE {name} ({', '.join(['%s'] * len(names))})", [params[n] for n in names]
+            )
+        except Exception as exc:
+            if attempt == 1 and getattr(exc, "pgcode", None) == "26000":  # no such statement
+                prepared.clear()
+                continue
+            raise
+        return cursor.fetchone()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _RedactedDriverError(Exception):
+    """A driver error reduced to its class and first line: never a value from the statement."""
+
+    def __init__(self, orig: BaseException) -> None:
+        first_line = (str(orig).splitlines() or [""])[0]
+        super().__init__(f"{type(orig).__name__}: {first_line}")
+        self.pgcode = getattr(orig, "pgcode", None)
+        self.driver_error = type(orig)
+
+
+def _driver_error(engine: sa.Engine, raw: Any, exc: Any) -> sa.exc.StatementError:
+    """A driver error as SQLAlchemy's, parameters hidden and the driver's text cut to its first
+    line; the connection is invalidated when the error says it is broken."""
+    if engine.dialect.is_disconnect(exc, raw.dbapi_connection, None):
+        raw.invalidate(exc)
+    wrapped = sa.exc.DBAPIError.instance(
+        None,
+        None,
+        exc,
+        engine.dialect.loaded_dbapi.Error,
+        hide_parameters=True,
+        dialect=engine.dialect,
+    )
+    # PostgreSQL echoes the failing statement (``LINE 1: EXECUTE ...('<the result>'``) and
+    # quotes values in its CONTEXT lines, and psycopg2 sends parameters inline: keep only the
+    # first line, and do not chain the driver's exception into tracebacks.
+    wrapped.orig = _RedactedDriverError(exc)
+    return wrapped

@@ -1,0 +1,154 @@
+"""The one fenced write: a conditional statement, its transition row(s) and its staged outbox
+rows, atomically.
+
+Every write on a fenced path (register, complete, retry, dead, bury, requeue, recover, ...) is one
+statement from :mod:`.sql` whose condition names the key, the generation and the attempt (or the
+state just read). On PostgreSQL the transition rows and outbox rows ride in the same statement as
+data-modifying CTEs: one round trip, one prepared statement, on an AUTOCOMMIT connection. On
+SQLite they share one ``BEGIN IMMEDIATE`` transaction. "No row returned" comes back as None, for
+the caller to turn into a domain error; it is never followed by an unconditional write.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from ..actions import Action
+from ..records import Effect
+from ..schema import utcnow
+from . import sql
+from .engine import Database
+
+
+class Row(NamedTuple):
+    """What a fenced write returns."""
+
+    key: str
+    generation: int
+    attempt_id: str
+    attempts: int
+
+
+class FencedWriter:
+    """Runs fenced writes and transition records on ``db``; ``record_transitions`` off writes
+    no transition rows (the state changes stay fenced)."""
+
+    def __init__(self, db: Database, *, record_transitions: bool) -> None:
+        self.db = db
+        self.record_transitions = record_transitions
+
+    def write(
+        self,
+        statement: str,
+        params: dict[str, Any],
+        *,
+        actions: tuple[Action, ...],
+        reason: str | None = None,
+        effects: Sequence[Effect] = (),
+        now: dt.datetime | None = None,
+    ) -> Row | None:
+        """Run ``statement`` (with ``params``, and ``now``: the time it writes, by default this
+        moment) and, only when it changed a row, a transition row per action and the staged
+        ``effects``. Returns the changed row, or None when the condition did not match."""
+        now = now or utcnow()
+        record = self.record_transitions
+        reason = _reason(reason)
+        if self.db.dialect == "postgresql":
+            params["now"] = now
+            if record or effects:
+                statement = sql.pg_with_records(
+                    statement,
+                    actions=actions,
+                    transitions=record,
+                    effects=bool(effects),
+                    reason=reason is not None,
+                )
+                params["reason"] = reason
+            if effects:
+                params["effects"] = json.dumps(
+                    [
+                        {"name": e.name, "idempotency_key": e.idempotency_key, "payload": e.payload}
+                        for e in effects
+                    ],
+                    separators=(",", ":"),
+                )
+            row = self.db.pg_execute(statement, params)
+            return None if row is None else Row(*row)
+        params["now"] = stamp = self.db.stamp(now)
+        with self.db.raw() as cursor:
+            if not record and not effects:
+                cursor.execute(statement, params)
+                row = cursor.fetchone()
+                return None if row is None else Row(*row)
+            cursor.execute(sql.BEGIN_IMMEDIATE)
+            try:
+                cursor.execute(statement, params)
+                row = cursor.fetchone()
+                if row is not None:
+                    for action in actions if record else ():
+                        cursor.execute(
+                            sql.transition_sql("sqlite"),
+                            _transition(row[0], row[1], row[2], action, reason, stamp),
+                        )
+                    for e in effects:
+                        cursor.execute(
+                            sql.SQLITE_OUTBOX_SQL,
+                            {
+                                "key": row[0],
+                                "name": e.name,
+                                "idempotency_key": e.idempotency_key,
+                                "payload": json.dumps(e.payload, separators=(",", ":")),
+                                "now": stamp,
+                            },
+                        )
+            except BaseException:
+                cursor.execute(sql.ROLLBACK)
+                raise
+            cursor.execute(sql.COMMIT)
+            return None if row is None else Row(*row)
+
+    def record(
+        self,
+        key: str,
+        generation: int | None,
+        attempt_id: str | None,
+        action: Action | str,
+        reason: str | None,
+    ) -> None:
+        """A transition row that is not a state change of the job (lease lost, stale, busy)."""
+        if not self.record_transitions:
+            return
+        params = _transition(key, generation, attempt_id, action, _reason(reason), None)
+        if self.db.dialect == "postgresql":
+            params["now"] = utcnow()
+            self.db.pg_execute(sql.transition_sql("postgresql"), params)
+            return
+        params["now"] = self.db.stamp(utcnow())
+        with self.db.raw() as cursor:
+            cursor.execute(sql.transition_sql("sqlite"), params)
+
+
+def _reason(reason: str | None) -> str | None:
+    """The transitions table keeps 255 characters of a reason, and no empty one."""
+    return (reason or "")[:255] or None
+
+
+def _transition(
+    key: str,
+    generation: int | None,
+    attempt_id: str | None,
+    action: Action | str,
+    reason: str | None,
+    now: Any,
+) -> dict[str, Any]:
+    return {
+        "key": key,
+        "generation": generation,
+        "attempt_id": attempt_id,
+        "action": str(action),
+        "reason": reason,
+        "now": now,
+    }

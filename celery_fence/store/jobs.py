@@ -1,0 +1,422 @@
+"""The fenced result store: the job verbs of the task's path (register, complete, retry, dead,
+bury), the reads, and the operator's verbs (functions of :mod:`.admin`, bound as methods). Its
+SQL is in :mod:`.sql`, its connection in :mod:`.engine`, its one fenced write in :mod:`.fenced`,
+its outbox in :mod:`.outbox`."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+
+from .. import schema
+from ..actions import Action
+from ..config import DEFAULT_DATABASE_TIMEOUT
+from ..errors import StaleGeneration, StoreError
+from ..records import (
+    ENCODED_REQUEST,
+    Effect,
+    JobRecord,
+    Registration,
+    Transition,
+    _record,
+    dumps_strict,
+)
+from ..schema import COMPLETED, DEAD, PENDING, RETRYING, utcnow
+from . import admin, sql
+from .engine import Database
+from .fenced import FencedWriter, Row
+from .outbox import OutboxStore
+
+
+class Store:
+    """The SQL repository of jobs, their transitions and their outbox rows. Safe to share between
+    threads; re-creates its pool after fork."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        record_transitions: bool = True,
+        unfenced: bool = False,
+        defer_first_registration: bool = False,
+        error_message_length: int = 500,
+        lock_timeout: float = 5.0,
+        engine_options: Mapping[str, Any] | None = None,
+        database_timeout: float = DEFAULT_DATABASE_TIMEOUT,
+    ) -> None:
+        self.db = Database(
+            url,
+            lock_timeout=lock_timeout,
+            engine_options=engine_options,
+            database_timeout=database_timeout,
+        )
+        self.url = url
+        self.dialect = self.db.dialect
+        self.database_timeout = database_timeout
+        self.lock_timeout = lock_timeout
+        self.record_transitions = record_transitions
+        self.unfenced = unfenced
+        self.defer_first_registration = defer_first_registration
+        self.error_message_length = error_message_length
+        self.writer = FencedWriter(self.db, record_transitions=record_transitions)
+        self.outbox = OutboxStore(self)
+
+    @property
+    def engine(self) -> sa.Engine:
+        return self.db.engine
+
+    def dispose(self) -> None:
+        self.db.dispose()
+
+    def create_schema(self) -> None:
+        schema.create_schema(self.engine)
+
+    # -- the fenced path ------------------------------------------------------------------------
+
+    def register(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        task_name: str,
+        request: Mapping[str, Any] | None = None,
+        request_json: str | None = None,
+    ) -> Registration:
+        """Register generation ``generation`` as the owner of ``key`` before the body runs.
+
+        One statement: the row takes (generation, attempt, running) and counts one attempt only
+        if ``generation`` is strictly greater than the stored one and the job is neither completed
+        nor dead. Otherwise nothing changes and the stored state says why.
+        """
+        params = {
+            "key": key,
+            "task_name": task_name,
+            "generation": generation,
+            "attempt_id": attempt_id,
+            "request": request_json
+            if request is None
+            else json.dumps(request, separators=(",", ":")),
+        }
+        statement = sql.register_sql(
+            self.dialect,
+            fenced=not self.unfenced,
+            deferred_first=self.defer_first_registration,
+        )
+        row = self.writer.write(statement, params, actions=_CLAIMED)
+        if row is not None:
+            return Registration("registered", row.attempts, row.generation)
+        record = self.get(key)
+        if record is None:  # deleted between the two statements (purge): let the caller retry
+            raise StoreError(f"job {key!r} vanished during registration; retry")
+        if record.status == COMPLETED:
+            return Registration("completed", record.attempts, record.generation, record)
+        if record.status == DEAD:
+            return Registration("dead", record.attempts, record.generation, record)
+        return Registration("stale", record.attempts, record.generation, record)
+
+    def commit_check(
+        self, conn: sa.Connection, key: str, *, generation: int, attempt_id: str
+    ) -> bool:
+        """The ownership check of a fenced commit (:mod:`celery_fence.transaction`): run on
+        ``conn`` inside its open transaction, just before that transaction commits.
+
+        One fenced ``UPDATE ... RETURNING`` of the job row (it touches ``updated_at``). On
+        PostgreSQL under Read Committed it either finds a newer registration already committed
+        (no row), waits for one in flight and re-checks it (no row), or locks the row, so that no
+        registration commits before this transaction does. True when this attempt still owns the
+        key.
+        """
+        stmt = sql.commit_check(key, generation, attempt_id, fenced=not self.unfenced, now=utcnow())
+        return conn.execute(stmt).first() is not None
+
+    def _rejected(self, key: str, generation: int, attempt_id: str, what: str) -> StaleGeneration:
+        record = self.get(key)
+        if record is None:
+            detail = "no job row"
+        else:
+            detail = (
+                f"stored generation {record.generation} (attempt {record.attempt_id}), "
+                f"status {record.status}"
+            )
+        return StaleGeneration(
+            f"{what} for {key!r} from generation {generation} (attempt {attempt_id}) rejected: "
+            f"{detail}",
+            key=key,
+            generation=generation,
+            attempt_id=attempt_id,
+            stored_generation=None if record is None else record.generation,
+            stored_status=None if record is None else record.status,
+        )
+
+    def complete(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        result: Any,
+        effects: Sequence[Effect] = (),
+    ) -> None:
+        """Store the result and ``completed`` where this attempt still owns the row.
+
+        Staged effects are written in the same statement/transaction. Raises
+        :class:`StaleGeneration` when the row is not this attempt's (nothing is stored).
+        """
+        params = {
+            "key": key,
+            "generation": generation,
+            "attempt_id": attempt_id,
+            "result": dumps_strict(result, "task's return value"),
+        }
+        statement = sql.complete_sql(self.dialect, fenced=not self.unfenced)
+        self.fenced_write("completion", statement, params, Action.COMPLETED, effects=effects)
+
+    def complete_first(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        task_name: str,
+        request_json: str | None,
+        result: Any,
+        effects: Sequence[Effect] = (),
+    ) -> None:
+        """The completion of a first claim whose registration was deferred: one statement
+        inserts the row as completed with its ``claimed`` and ``completed`` transitions and staged
+        effects, only where no row exists. Raises :class:`StaleGeneration` otherwise (a newer
+        generation registered meanwhile, or Redis handed out generation 1 again)."""
+        params = {
+            "key": key,
+            "task_name": task_name,
+            "generation": generation,
+            "attempt_id": attempt_id,
+            "request": request_json,
+            "result": dumps_strict(result, "task's return value"),
+        }
+        statement = sql.complete_first_sql(self.dialect)
+        actions = (Action.CLAIMED, Action.COMPLETED)
+        self.fenced_write("first completion", statement, params, *actions, effects=effects)
+
+    def fenced_write(
+        self,
+        what: str,
+        statement: str,
+        params: dict[str, Any],
+        *actions: Action,
+        reason: str | None = None,
+        effects: Sequence[Effect] = (),
+    ) -> Row:
+        """A fenced write that must change this attempt's row (``params``' key, generation and
+        attempt): :class:`StaleGeneration` (``what`` ... rejected) when it did not."""
+        row = self.writer.write(statement, params, actions=actions, reason=reason, effects=effects)
+        if row is None:
+            raise self._rejected(params["key"], params["generation"], params["attempt_id"], what)
+        return row
+
+    def _error_fields(self, error: BaseException | None) -> dict[str, Any]:
+        if error is None:
+            return {}
+        message = str(error)
+        if len(message) > self.error_message_length:
+            message = message[: self.error_message_length - 1] + "…"
+        return {
+            "error_type": f"{type(error).__module__}.{type(error).__qualname__}",
+            "error_message": message,
+        }
+
+    def _owner(self, key: str, generation: int, attempt_id: str, **values: Any) -> dict[str, Any]:
+        return {"key": key, "generation": generation, "attempt_id": attempt_id, **values}
+
+    def schedule_retry(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        error: BaseException | None,
+        retry_at: dt.datetime,
+        reason: str,
+    ) -> None:
+        """Record that this attempt failed and a retry is scheduled (fenced)."""
+        errors = self._error_fields(error)
+        params = self._owner(
+            key, generation, attempt_id, retry_at=self.db.stamp(retry_at), **errors
+        )
+        statement = sql.retry_sql(self.dialect, fenced=not self.unfenced, errors=bool(errors))
+        self.fenced_write("retry", statement, params, Action.RETRY_SCHEDULED, reason=reason)
+
+    def mark_dead(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        error: BaseException | None,
+        reason: str,
+        attempts: int | None = None,
+    ) -> None:
+        """Move the job to the terminal ``dead`` state (fenced on this attempt).
+
+        ``attempts``, when given, is the number of executions to keep (a delivery that only found
+        the budget spent was counted by its registration but ran nothing).
+        """
+        errors = self._error_fields(error)
+        params = self._owner(key, generation, attempt_id, attempts=attempts, **errors)
+        statement = sql.mark_dead_sql(
+            self.dialect,
+            fenced=not self.unfenced,
+            errors=bool(errors),
+            attempts=attempts is not None,
+        )
+        self.fenced_write("dead-letter", statement, params, Action.DEAD, reason=reason)
+
+    def bury(
+        self,
+        key: str,
+        *,
+        task_name: str,
+        request: Mapping[str, Any] | None,
+        error: BaseException,
+        reason: str,
+    ) -> bool:
+        """Keep a message that cannot even be registered (e.g. its ``fence_key`` failed) as a
+        ``dead`` job, so nothing is lost: an operator sees it and can requeue it after the fix.
+
+        Inserts; an existing row is touched only when it is ``pending`` (an operator re-sent
+        this message and its key failed again: back to ``dead``, instead of ``pending`` with no
+        message). Returns True when the row was written.
+        """
+        params = {
+            "key": key,
+            "task_name": task_name,
+            "request": _json(request),
+            **self._error_fields(error),
+        }
+        statement = sql.bury_sql(self.dialect)
+        return self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None
+
+    def bury_refused(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        task_name: str,
+        request_json: str | None,
+        error: BaseException,
+        reason: str,
+    ) -> None:
+        """A registration the database refused (its request holds a value the column cannot
+        store): the job goes ``dead`` at once, fenced like a registration (only over a row with
+        an older generation that is neither completed nor dead), with the request kept as JSON
+        text inside a JSON string (``{"encoded": "..."}``), which every database accepts, so
+        ``fence show`` and ``fence requeue`` still work."""
+        request = None if request_json is None else {ENCODED_REQUEST: request_json}
+        params = self._owner(
+            key,
+            generation,
+            attempt_id,
+            task_name=task_name,
+            request=_json(request),
+            **self._error_fields(error),
+        )
+        statement = sql.bury_refused_sql(self.dialect)
+        self.fenced_write("dead-letter", statement, params, Action.DEAD, reason=reason)
+
+    def end_unrun(
+        self,
+        key: str,
+        *,
+        task_name: str,
+        request: Mapping[str, Any] | None,
+        reason: str,
+        only_insert: bool = False,
+    ) -> None:
+        """Settle the job of a message Celery acks without running it (expired, revoked).
+
+        No row yet: the job is recorded ``dead`` with its request. A row that waits for this
+        message (``retrying`` or ``pending``) goes ``dead`` by compare-and-set on the state just
+        read, unless ``only_insert`` (other messages may share the key). Any other row keeps its
+        state; the transition is recorded.
+        """
+        from ..errors import JobDead
+
+        error = JobDead(f"the message was {reason} before it ran; requeue the job to run it")
+        if self.bury(key, task_name=task_name, request=request, error=error, reason=reason):
+            return
+        before = None if only_insert else self.get(key)
+        if before is not None and before.status in (RETRYING, PENDING):
+            params = self._owner(
+                key,
+                before.generation,
+                before.attempt_id,
+                was_status=before.status,
+                **self._error_fields(error),
+            )
+            statement = sql.dead_sql(self.dialect, where=sql.SAME, errors=True)
+            if self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None:
+                return
+        self.record(key, action=reason, reason="message not run")
+
+    def last_exit(self, key: str) -> str | None:
+        """How the key's latest attempt before this one ended, as far as the history says: the
+        action of its newest transition row that is not a claim or a lease loss (None without
+        one)."""
+        with self.engine.connect() as conn:
+            return conn.execute(sql.last_exit(key)).scalar()
+
+    def record(
+        self,
+        key: str,
+        *,
+        action: Action | str,
+        generation: int | None = None,
+        attempt_id: str | None = None,
+        reason: str | None = None,
+    ) -> None:
+        """Record a transition that is not itself a SQL state change (lease lost, stale, busy)."""
+        self.writer.record(key, generation, attempt_id, action, reason)
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def get(self, key: str) -> JobRecord | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sql.get_job(key)).first()
+        return None if row is None else _record(row)
+
+    def history(self, key: str) -> list[Transition]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(sql.history(key)).all()
+        return [
+            Transition(r.key, r.generation, r.attempt_id, r.action, r.reason, r.at) for r in rows
+        ]
+
+    def list(
+        self, *, status: str | None = None, task_name: str | None = None, limit: int = 50
+    ) -> list[JobRecord]:
+        query = sql.list_jobs(status=status, task_name=task_name, limit=limit)
+        with self.engine.connect() as conn:
+            return [_record(r) for r in conn.execute(query).all()]
+
+    # -- the operator's and the recovery's verbs: functions of celery_fence.store.admin ------
+
+    requeue = admin.requeue
+    restore_dead = admin.restore_dead
+    stranded = admin.stranded
+    take_for_resend = admin.take_for_resend
+    bury_stranded = admin.bury_stranded
+    purge = admin.purge
+
+
+def _json(value: Mapping[str, Any] | None) -> str | None:
+    return None if value is None else json.dumps(value, separators=(",", ":"))
+
+
+_CLAIMED = (Action.CLAIMED,)
+_DEAD = (Action.DEAD,)

@@ -1,0 +1,166 @@
+"""The outbox's rows: claim, mark, fail, requeue and purge rows of ``fence_outbox`` (the
+statements are in :mod:`.sql`). Composed into the job store as ``store.outbox``; rows are written
+only by the fenced completion (:mod:`.fenced`), with the result.
+
+A sender claims a row for ``claim_ttl`` seconds under a claim token of its own; marking and
+failing are conditional on that token, so a sender whose claim expired and was taken over
+cannot change the row. Claim expiry and due times are compared on the database's clock
+(PostgreSQL ``now()``), so senders on hosts with skewed clocks agree on when a claim has expired;
+SQLite is one host.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from ..schema import OutboxStatus, utcnow
+from . import sql
+
+if TYPE_CHECKING:
+    from .jobs import Store
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    """One row of ``fence_outbox``: a committed effect and its delivery state."""
+
+    id: int
+    key: str
+    name: str
+    idempotency_key: str
+    payload: Any
+    status: str  # an OutboxStatus value
+    attempts: int  # claims so far (a claim that crashed counts too)
+    available_at: dt.datetime
+    claimed_by: str | None
+    claimed_until: dt.datetime | None
+    last_error: str | None
+    created_at: dt.datetime
+    delivered_at: dt.datetime | None
+
+
+class OutboxStore:
+    """The outbox half of a :class:`~celery_fence.store.Store` (its engine and error fields)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def _now(self) -> Any:
+        """The current time as the database sees it (PostgreSQL), or this process's (SQLite)."""
+        return sa.func.now() if self._store.dialect == "postgresql" else utcnow()
+
+    def _later(self, seconds: float) -> Any:
+        if self._store.dialect == "postgresql":
+            return sa.func.now() + sa.literal(dt.timedelta(seconds=seconds), sa.Interval)
+        return utcnow() + dt.timedelta(seconds=seconds)
+
+    def _all(self, stmt: Any) -> list[OutboxRow]:
+        with self._store.engine.connect() as conn:
+            return [_outbox_row(r) for r in conn.execute(stmt).all()]
+
+    def _changed(self, stmt: Any) -> bool:
+        with self._store.engine.connect() as conn:
+            return conn.execute(stmt).first() is not None
+
+    def bury_exhausted(self, *, max_attempts: int, key: str | None = None) -> Sequence[OutboxRow]:
+        """Move due ``pending`` rows already claimed ``max_attempts`` times to ``dead``.
+
+        Each claim counts an attempt when it is made, so a row whose handler kills its worker
+        (the sender never reaches its failure path) still runs out of attempts: once its last
+        claim expired unmarked, it goes ``dead`` here instead of being claimed again.
+        """
+        return self._all(
+            sql.outbox_bury_exhausted(now=self._now(), max_attempts=max_attempts, key=key)
+        )
+
+    def claim(
+        self,
+        *,
+        claimer: str,
+        claim_ttl: float,
+        limit: int = 1,
+        key: str | None = None,
+        after_id: int = 0,
+    ) -> Sequence[OutboxRow]:
+        """Claim up to ``limit`` due ``pending`` rows (oldest first) for ``claim_ttl`` seconds.
+
+        A row is due when ``available_at`` has passed and no live claim holds it; only rows with
+        an id above ``after_id`` are considered (a sender's cursor). Each claim counts one attempt.
+        PostgreSQL: ``FOR UPDATE SKIP LOCKED`` in one statement; SQLite: the same conditional
+        ``UPDATE`` under ``BEGIN IMMEDIATE`` (writers are serialized).
+        """
+        stmt = sql.outbox_claim(
+            self._store.dialect,
+            now=self._now(),
+            until=self._later(claim_ttl),
+            claimer=claimer,
+            limit=limit,
+            key=key,
+            after_id=after_id,
+        )
+        if self._store.dialect == "postgresql":
+            rows = self._all(stmt)
+        else:
+            with self._store.db.tx() as conn:
+                rows = [_outbox_row(r) for r in conn.execute(stmt).all()]
+        return sorted(rows, key=lambda r: r.id)
+
+    def mark_delivered(self, row_id: int, *, claimer: str) -> bool:
+        """Mark a claimed row delivered; False when the claim is no longer this sender's."""
+        values = {
+            "status": OutboxStatus.DELIVERED.value,
+            "delivered_at": utcnow(),
+            "claimed_until": None,
+            "last_error": None,
+        }
+        return self._changed(sql.outbox_update_claimed(row_id, claimer, values))
+
+    def fail(
+        self,
+        row_id: int,
+        *,
+        claimer: str,
+        error: BaseException,
+        retry_at: dt.datetime | None = None,
+        retry_in: float | None = None,
+    ) -> bool:
+        """Record a failed delivery: due again ``retry_in`` seconds from now on the database's
+        clock (or at ``retry_at``), or ``dead`` when neither is given.
+
+        False when the claim is no longer this sender's (nothing changes).
+        """
+        fields = self._store._error_fields(error)
+        last_error = f"{fields['error_type']}: {fields['error_message']}"[:2000]
+        values: dict[str, Any] = {"claimed_until": None, "last_error": last_error}
+        if retry_in is not None:
+            values["available_at"] = self._later(retry_in)
+        elif retry_at is not None:
+            values["available_at"] = retry_at
+        else:
+            values["status"] = OutboxStatus.DEAD.value
+        return self._changed(sql.outbox_update_claimed(row_id, claimer, values))
+
+    def requeue(self, row_id: int) -> bool:
+        """Move a ``dead`` outbox row back to ``pending`` with a fresh attempt count."""
+        return self._changed(sql.outbox_requeue(row_id, utcnow()))
+
+    def purge(self, *, delivered_before: dt.datetime) -> int:
+        """Delete rows delivered before the date (``dead`` rows stay until requeued or fixed)."""
+        with self._store.engine.connect() as conn:
+            return int(conn.execute(sql.outbox_purge(delivered_before)).rowcount or 0)
+
+    def rows(
+        self, *, key: str | None = None, status: str | None = None, limit: int = 1000
+    ) -> Sequence[OutboxRow]:
+        """Outbox rows, oldest first (operators, tests, the demo)."""
+        return self._all(sql.outbox_rows(key=key, status=status, limit=limit))
+
+
+def _outbox_row(row: Any) -> OutboxRow:
+    m = row._mapping
+    return OutboxRow(**{name: m[name] for name in OutboxRow.__dataclass_fields__})

@@ -1,0 +1,465 @@
+"""Every statement celery-fence runs against its own tables, per dialect: the one place to read
+(or change) its SQL. The store's modules run them (and :mod:`celery_fence.transaction` the block
+statements, on the user's connection); nothing else builds SQL on these tables.
+
+Two kinds, by how often they run:
+
+- The fenced writes (register, complete, retry, dead, bury, requeue, recover, ...) are text,
+  written once here as templates with ``:name`` parameters and rendered per dialect
+  (psycopg2's ``%(name)s`` on PostgreSQL), cached per (dialect, options): they skip SQLAlchemy's
+  statement building and compilation, which costs more CPU than the round trip on the two that
+  every task runs. Each returns ``(key, generation, attempt_id, attempts)`` of the row it
+  changed, or no row when its condition did not match. :func:`pg_with_records` wraps one in
+  data-modifying CTEs so its transition rows and staged outbox rows share its statement.
+- Reads, operator statements and the outbox's are SQLAlchemy Core, built here per call.
+
+Statuses come from :class:`~celery_fence.schema.Status` and
+:class:`~celery_fence.schema.OutboxStatus`, action names from
+:class:`~celery_fence.actions.Action`.
+
+The outbox inserts ignore an existing idempotency key: with the fence on, a job completes once, so
+this never fires; in the ``fence_unfenced`` demonstration mode a second (stale) completion then
+overwrites the result, as a plain write would, without failing on the outbox.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+import sqlalchemy as sa
+
+from ..actions import Action
+from ..schema import OutboxStatus, Status, jobs, outbox, transitions
+
+JOBS, TRANSITIONS, OUTBOX = jobs.name, transitions.name, outbox.name
+RETURNING = "RETURNING key, generation, attempt_id, attempts"
+TRANSITION_COLUMNS = "key, generation, attempt_id, action, reason, at"
+OUTBOX_COLUMNS = "key, name, idempotency_key, payload, status, attempts, available_at, created_at"
+_JOB_COLUMNS = (
+    "key, task_name, status, generation, attempt_id, attempts, request, created_at, updated_at"
+)
+_ERRORS = ", error_type = :error_type, error_message = :error_message"
+_DEAD = f"status = '{Status.DEAD}', updated_at = :now, finished_at = :now, retry_at = NULL"
+
+
+def render(dialect: str, template: str) -> str:
+    """A ``:name`` template in the dialect's parameter style (``::type`` casts are kept)."""
+    if dialect == "sqlite":
+        return template
+    return re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", template)
+
+
+def _json(dialect: str) -> str:
+    return "::jsonb" if dialect == "postgresql" else ""
+
+
+# -- session and transaction statements -----------------------------------------------------------
+
+SQLITE_PRAGMAS = (
+    "PRAGMA journal_mode=WAL",
+    "PRAGMA synchronous=NORMAL",
+    "PRAGMA busy_timeout=30000",
+)
+BEGIN_IMMEDIATE, COMMIT, ROLLBACK = "BEGIN IMMEDIATE", "COMMIT", "ROLLBACK"
+NO_STATEMENT_TIMEOUT = "SET LOCAL statement_timeout = 0"
+
+
+def begin(dialect: str, *, immediate: bool = True) -> str:
+    """A transaction's start; on SQLite ``BEGIN IMMEDIATE`` takes the write lock up front."""
+    return BEGIN_IMMEDIATE if dialect == "sqlite" and immediate else "BEGIN"
+
+
+def pg_lock_timeout(ms: int) -> str:
+    return f"SET lock_timeout = {int(ms)}"
+
+
+def pg_block_bounds(idle_ms: int, lock_ms: int) -> str:
+    """A fenced block's limits on PostgreSQL, for its transaction only."""
+    return (
+        f"SELECT set_config('idle_in_transaction_session_timeout', '{int(idle_ms)}', true), "
+        f"set_config('lock_timeout', '{int(lock_ms)}', true)"
+    )
+
+
+# -- the fenced writes ----------------------------------------------------------------------------
+
+
+def _owned(fenced: bool) -> str:
+    """This attempt still owns a running row (``fenced``), or just the key (demonstration mode)."""
+    if not fenced:
+        return "key = :key"
+    return (
+        "key = :key AND generation = :generation AND attempt_id = :attempt_id "
+        f"AND status = '{Status.RUNNING}'"
+    )
+
+
+#: The row is still what was read (status, generation, attempt): operators' compare-and-set.
+SAME = (
+    "key = :key AND status = :was_status AND generation = :generation AND attempt_id = :attempt_id"
+)
+#: ... and has not moved since (recovery's compare-and-set).
+UNCHANGED = f"{SAME} AND updated_at = :was_updated_at"
+
+
+def _update(dialect: str, sets: str, where: str) -> str:
+    return render(dialect, f"UPDATE {JOBS} SET {sets} WHERE {where} {RETURNING}")
+
+
+@cache
+def register_sql(dialect: str, *, fenced: bool = True, deferred_first: bool = False) -> str:
+    """Upsert that takes the row only for a strictly greater generation of a live job.
+
+    ``deferred_first``: generation 1 is never registered up front (its row is written by its
+    completion), so a new row at a generation above 1 also counts that first execution.
+    """
+    first_attempts = "1"
+    if deferred_first:  # the cast: a prepared statement must deduce one type per parameter
+        first_attempts = "CASE WHEN CAST(:generation AS BIGINT) > 1 THEN 2 ELSE 1 END"
+    condition = f"{JOBS}.status NOT IN ('{Status.COMPLETED}', '{Status.DEAD}')"
+    if fenced:
+        condition += f" AND {JOBS}.generation < excluded.generation"
+    return render(
+        dialect,
+        f"INSERT INTO {JOBS} ({_JOB_COLUMNS}) "
+        f"VALUES (:key, :task_name, '{Status.RUNNING}', :generation, :attempt_id, "
+        f"{first_attempts}, :request{_json(dialect)}, :now, :now) "
+        "ON CONFLICT (key) DO UPDATE SET generation = excluded.generation, "
+        f"attempt_id = excluded.attempt_id, status = '{Status.RUNNING}', "
+        f"attempts = {JOBS}.attempts + 1, updated_at = excluded.updated_at, retry_at = NULL "
+        f"WHERE {condition} {RETURNING}",
+    )
+
+
+@cache
+def complete_sql(dialect: str, *, fenced: bool = True) -> str:
+    """Result + completed, only where this attempt still owns a running row."""
+    sets = ""
+    if not fenced:  # demonstration mode: last writer wins
+        sets = ", generation = :generation, attempt_id = :attempt_id"
+    return _update(
+        dialect,
+        f"status = '{Status.COMPLETED}', result = :result{_json(dialect)}, updated_at = :now, "
+        f"finished_at = :now, error_type = NULL, error_message = NULL{sets}",
+        _owned(fenced),
+    )
+
+
+@cache
+def complete_first_sql(dialect: str) -> str:
+    """A deferred first claim's completion: the row inserted as completed, in one statement,
+    only where no row exists. Any row means a newer generation registered (or Redis lost its
+    counter and handed out 1 again): nothing is written, and the caller treats it as stale."""
+    json = _json(dialect)
+    return render(
+        dialect,
+        f"INSERT INTO {JOBS} (key, task_name, status, generation, attempt_id, attempts, "
+        "request, result, created_at, updated_at, finished_at) "
+        f"VALUES (:key, :task_name, '{Status.COMPLETED}', :generation, "
+        f":attempt_id, 1, :request{json}, :result{json}, :now, "
+        f":now, :now) ON CONFLICT (key) DO NOTHING {RETURNING}",
+    )
+
+
+@cache
+def retry_sql(dialect: str, *, fenced: bool, errors: bool) -> str:
+    """``retrying`` until ``:retry_at``, where this attempt owns the row."""
+    sets = f"status = '{Status.RETRYING}', updated_at = :now, retry_at = :retry_at"
+    return _update(dialect, sets + (_ERRORS if errors else ""), _owned(fenced))
+
+
+@cache
+def dead_sql(dialect: str, *, where: str, errors: bool, attempts: bool = False) -> str:
+    """``dead`` where ``where`` (:func:`_owned`, :data:`SAME` or :data:`UNCHANGED`) holds;
+    ``attempts``: the count set to ``:attempts``."""
+    sets = _DEAD + (", attempts = :attempts" if attempts else "") + (_ERRORS if errors else "")
+    return _update(dialect, sets, where)
+
+
+def mark_dead_sql(dialect: str, *, fenced: bool, errors: bool, attempts: bool) -> str:
+    return dead_sql(dialect, where=_owned(fenced), errors=errors, attempts=attempts)
+
+
+#: The operator's and the recovery's writes (:func:`cas_sql`): a dead job back to ``pending``
+#: with a fresh attempt budget; a requeued job back to ``dead`` as it was (its message could not
+#: be sent); a stranded job to ``pending`` for a re-send.
+REQUEUE = (
+    f"status = '{Status.PENDING}', attempts = 0, updated_at = :now, finished_at = NULL, "
+    "retry_at = NULL"
+)
+RESTORE_DEAD = (
+    f"status = '{Status.DEAD}', attempts = :attempts, finished_at = :finished_at, updated_at = :now"
+)
+TAKE_FOR_RESEND = f"status = '{Status.PENDING}', updated_at = :now, retry_at = NULL"
+
+
+@cache
+def cas_sql(dialect: str, sets: str, where: str) -> str:
+    """A compare-and-set of ``sets`` on the row as it was read (:data:`SAME`, :data:`UNCHANGED`)."""
+    return _update(dialect, sets, where)
+
+
+@cache
+def bury_sql(dialect: str) -> str:
+    """A message that cannot be registered kept as a ``dead`` job; an existing row only when it
+    is ``pending`` (its re-sent message failed again)."""
+    return render(
+        dialect,
+        f"INSERT INTO {JOBS} ({_JOB_COLUMNS}, finished_at, error_type, error_message) "
+        f"VALUES (:key, :task_name, '{Status.DEAD}', 0, '-', 0, :request{_json(dialect)}, "
+        ":now, :now, :now, :error_type, :error_message) "
+        f"ON CONFLICT (key) DO UPDATE SET status = '{Status.DEAD}', "
+        "updated_at = excluded.updated_at, finished_at = excluded.finished_at, "
+        "error_type = excluded.error_type, error_message = excluded.error_message "
+        f"WHERE {JOBS}.status = '{Status.PENDING}' {RETURNING}",
+    )
+
+
+@cache
+def bury_refused_sql(dialect: str) -> str:
+    """A registration the database refused, ``dead`` at once, fenced like a registration."""
+    taken = "task_name status generation attempt_id request updated_at finished_at error_type"
+    updates = ", ".join(f"{c} = excluded.{c}" for c in taken.split())
+    return render(
+        dialect,
+        f"INSERT INTO {JOBS} ({_JOB_COLUMNS}, finished_at, error_type, error_message) "
+        f"VALUES (:key, :task_name, '{Status.DEAD}', :generation, :attempt_id, 1, "
+        f":request{_json(dialect)}, :now, :now, :now, :error_type, :error_message) "
+        f"ON CONFLICT (key) DO UPDATE SET {updates}, "
+        "error_message = excluded.error_message, "
+        f"attempts = {JOBS}.attempts + 1 "
+        f"WHERE {JOBS}.status NOT IN ('{Status.COMPLETED}', '{Status.DEAD}') "
+        f"AND {JOBS}.generation < excluded.generation {RETURNING}",
+    )
+
+
+# -- transition rows and staged outbox rows -------------------------------------------------------
+
+
+@cache
+def transition_sql(dialect: str) -> str:
+    """One transition row (``:action``, ``:reason``); on PostgreSQL it returns its id (the raw
+    path fetches a row)."""
+    returning = " RETURNING id" if dialect == "postgresql" else ""
+    return render(
+        dialect,
+        f"INSERT INTO {TRANSITIONS} ({TRANSITION_COLUMNS}) "
+        f"VALUES (:key, :generation, :attempt_id, :action, :reason, :now){returning}",
+    )
+
+
+SQLITE_OUTBOX_SQL = (
+    f"INSERT INTO {OUTBOX} ({OUTBOX_COLUMNS}) "
+    f"VALUES (:key, :name, :idempotency_key, :payload, '{OutboxStatus.PENDING}', 0, :now, :now) "
+    "ON CONFLICT (idempotency_key) DO NOTHING"
+)
+
+
+@cache
+def pg_with_records(
+    write_sql: str,
+    *,
+    actions: tuple[Action, ...],
+    transitions: bool,
+    effects: bool,
+    reason: bool = False,
+) -> str:
+    """Wrap a fenced write in data-modifying CTEs so its transition rows (one per action, in
+    order; ``reason``: with ``%(reason)s``) and outbox rows (``%(effects)s``, a JSON array of
+    ``{"name", "idempotency_key", "payload"}``) share its statement: one round trip, one commit."""
+    parts = [f"WITH fenced AS ({write_sql})"]
+    why = "CAST(%(reason)s AS VARCHAR)" if reason else "NULL"
+    if transitions and len(actions) == 1:
+        parts.append(
+            f", transition AS (INSERT INTO {TRANSITIONS} ({TRANSITION_COLUMNS}) "
+            f"SELECT key, generation, attempt_id, '{actions[0]}', {why}, %(now)s FROM fenced)"
+        )
+    elif transitions:  # one INSERT, rows in the actions' order (their ids keep it)
+        rows = ", ".join(f"({i}, '{name}')" for i, name in enumerate(actions))
+        parts.append(
+            f", transition AS (INSERT INTO {TRANSITIONS} ({TRANSITION_COLUMNS}) "
+            f"SELECT f.key, f.generation, f.attempt_id, a.action, {why}, %(now)s FROM fenced f "
+            f"CROSS JOIN (VALUES {rows}) AS a(n, action) ORDER BY a.n)"
+        )
+    if effects:
+        parts.append(
+            f", effects AS (INSERT INTO {OUTBOX} ({OUTBOX_COLUMNS}) "
+            f"SELECT f.key, e.name, e.idempotency_key, e.payload, '{OutboxStatus.PENDING}', 0, "
+            "%(now)s, %(now)s FROM fenced f CROSS JOIN jsonb_to_recordset(%(effects)s::jsonb) "
+            "AS e(name text, idempotency_key text, payload jsonb) "
+            "ON CONFLICT (idempotency_key) DO NOTHING)"
+        )
+    parts.append(" SELECT key, generation, attempt_id, attempts FROM fenced")
+    return "".join(parts)
+
+
+# -- reads and operator statements (SQLAlchemy Core) ----------------------------------------------
+
+
+def get_job(key: str) -> sa.Select[Any]:
+    return sa.select(jobs).where(jobs.c.key == key)
+
+
+def history(key: str) -> sa.Select[Any]:
+    return sa.select(transitions).where(transitions.c.key == key).order_by(transitions.c.id)
+
+
+def last_exit(key: str) -> sa.Select[Any]:
+    """The action of the key's newest transition that is not a claim or a lease loss (a loss is
+    a symptom, not an exit)."""
+    return (
+        sa.select(transitions.c.action)
+        .where(
+            (transitions.c.key == key)
+            & transitions.c.action.not_in((Action.CLAIMED.value, Action.LOST.value))
+        )
+        .order_by(transitions.c.id.desc())
+        .limit(1)
+    )
+
+
+def list_jobs(*, status: str | None, task_name: str | None, limit: int) -> sa.Select[Any]:
+    query = sa.select(jobs).order_by(jobs.c.updated_at.desc()).limit(limit)
+    if status is not None:
+        query = query.where(jobs.c.status == status)
+    if task_name is not None:
+        query = query.where(jobs.c.task_name == task_name)
+    return query
+
+
+def commit_check(
+    key: str, generation: int, attempt_id: str, *, fenced: bool, now: dt.datetime
+) -> Any:
+    """A fenced block's ownership check: touch the row where this attempt still owns it."""
+    where = jobs.c.key == key
+    if fenced:
+        where = (
+            where
+            & (jobs.c.generation == generation)
+            & (jobs.c.attempt_id == attempt_id)
+            & (jobs.c.status == Status.RUNNING.value)
+        )
+    return jobs.update().where(where).values(updated_at=now).returning(jobs.c.generation)
+
+
+def stranded(
+    *, unfinished: Sequence[str], cutoff: dt.datetime, limit: int, task_name: str | None
+) -> sa.Select[Any]:
+    """Unfinished jobs unchanged since ``cutoff`` (a ``retrying`` one: due since then too)."""
+    still = jobs.c.status.in_(tuple(unfinished)) & (jobs.c.updated_at < cutoff)
+    retry_due = jobs.c.retry_at.is_(None) | (jobs.c.retry_at < cutoff)
+    query = (
+        sa.select(jobs)
+        .where(still & ((jobs.c.status != Status.RETRYING.value) | retry_due))
+        .order_by(jobs.c.updated_at)
+        .limit(limit)
+    )
+    if task_name is not None:
+        query = query.where(jobs.c.task_name == task_name)
+    return query
+
+
+def purge(statuses: Sequence[str], finished_before: dt.datetime) -> tuple[Any, Any]:
+    """Delete finished jobs' history, then the jobs."""
+    done = jobs.c.status.in_(tuple(statuses)) & (jobs.c.finished_at < finished_before)
+    keys = sa.select(jobs.c.key).where(done)
+    return transitions.delete().where(transitions.c.key.in_(keys)), jobs.delete().where(done)
+
+
+# -- the outbox (SQLAlchemy Core; ``now`` is the database's clock or this process's) -------------
+
+
+def _due(now: Any) -> Any:
+    return (
+        (outbox.c.status == OutboxStatus.PENDING.value)
+        & (outbox.c.available_at <= now)
+        & (outbox.c.claimed_until.is_(None) | (outbox.c.claimed_until < now))
+    )
+
+
+def outbox_bury_exhausted(*, now: Any, max_attempts: int, key: str | None) -> Any:
+    exhausted = _due(now) & (outbox.c.attempts >= max_attempts)
+    if key is not None:
+        exhausted = exhausted & (outbox.c.key == key)
+    return (
+        outbox.update()
+        .where(exhausted)
+        .values(
+            status=OutboxStatus.DEAD.value,
+            claimed_until=None,
+            last_error=(
+                f"claimed {max_attempts} time(s) without being marked delivered or failed "
+                "(did the handler kill or hang its worker?)"
+            ),
+        )
+        .returning(*outbox.c)
+    )
+
+
+def outbox_claim(
+    dialect: str,
+    *,
+    now: Any,
+    until: Any,
+    claimer: str,
+    limit: int,
+    key: str | None,
+    after_id: int,
+) -> Any:
+    """Claim due rows: ``FOR UPDATE SKIP LOCKED`` in one statement on PostgreSQL (a CTE runs
+    once: ``id IN (SELECT ... SKIP LOCKED LIMIT n)`` may be re-run per row); the same
+    conditional ``UPDATE`` on SQLite, whose caller holds ``BEGIN IMMEDIATE``."""
+    due = _due(now) & (outbox.c.id > after_id)
+    if key is not None:
+        due = due & (outbox.c.key == key)
+    ids = sa.select(outbox.c.id).where(due).order_by(outbox.c.id).limit(limit)
+    claim = outbox.update().values(
+        claimed_by=claimer[:64], claimed_until=until, attempts=outbox.c.attempts + 1
+    )
+    if dialect == "postgresql":
+        picked = ids.with_for_update(skip_locked=True).cte("picked")
+        return claim.where(outbox.c.id == picked.c.id).returning(*outbox.c)
+    return claim.where(outbox.c.id.in_(ids.scalar_subquery()) & due).returning(*outbox.c)
+
+
+def outbox_update_claimed(row_id: int, claimer: str, values: dict[str, Any]) -> Any:
+    """Set ``values`` on a pending row only while ``claimer`` holds its claim."""
+    return (
+        outbox.update()
+        .where(
+            (outbox.c.id == row_id)
+            & (outbox.c.claimed_by == claimer[:64])
+            & (outbox.c.status == OutboxStatus.PENDING.value)
+        )
+        .values(**values)
+        .returning(outbox.c.id)
+    )
+
+
+def outbox_requeue(row_id: int, now: dt.datetime) -> Any:
+    return (
+        outbox.update()
+        .where((outbox.c.id == row_id) & (outbox.c.status == OutboxStatus.DEAD.value))
+        .values(status=OutboxStatus.PENDING.value, attempts=0, available_at=now, claimed_by=None)
+        .returning(outbox.c.id)
+    )
+
+
+def outbox_purge(delivered_before: dt.datetime) -> Any:
+    return outbox.delete().where(
+        (outbox.c.status == OutboxStatus.DELIVERED.value)
+        & (outbox.c.delivered_at < delivered_before)
+    )
+
+
+def outbox_rows(*, key: str | None, status: str | None, limit: int) -> sa.Select[Any]:
+    query = sa.select(outbox).order_by(outbox.c.id).limit(limit)
+    if key is not None:
+        query = query.where(outbox.c.key == key)
+    if status is not None:
+        query = query.where(outbox.c.status == status)
+    return query
