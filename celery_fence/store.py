@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from . import _process, schema, statements
-from .config import DEFAULT_DATABASE_TIMEOUT
+from . import schema, statements
+from .config import DEFAULT_DATABASE_TIMEOUT, FenceConfig
 from .errors import ConfigurationError, StaleGeneration, StoreError
 from .outbox_store import OutboxRow, OutboxStore
 from .records import (
@@ -38,6 +38,7 @@ from .records import (
     dumps_strict,
     encode_request,
 )
+from .runtime import runtime
 from .schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, jobs, outbox, transitions, utcnow
 from .watchdog import watchdog
 
@@ -92,7 +93,7 @@ class Store(OutboxStore):
         self._engine_options = dict(engine_options or {})
         self._lock = threading.Lock()
         self._engine: sa.Engine | None = None
-        self._pid = _process.pid
+        self._process = runtime()
         try:
             self.dialect = sa.engine.make_url(url).get_backend_name()
         except Exception as exc:
@@ -109,15 +110,15 @@ class Store(OutboxStore):
 
     @property
     def engine(self) -> sa.Engine:
-        if self._engine is not None and self._pid == _process.pid:
+        if self._engine is not None and not self._process.forked:
             return self._engine
         with self._lock:
-            if self._engine is not None and self._pid != _process.pid:
+            if self._engine is not None and self._process.forked:
                 self._engine.dispose(close=False)  # the parent's sockets are not ours
                 self._engine = None
             if self._engine is None:
                 self._engine = self._create_engine()
-                self._pid = _process.pid
+                self._process = runtime()
             return self._engine
 
     def _create_engine(self) -> sa.Engine:
@@ -1015,34 +1016,14 @@ def _driver_error(engine: sa.Engine, raw: Any, exc: Any) -> sa.exc.StatementErro
     return wrapped
 
 
-_stores: dict[tuple[Any, ...], Store] = {}
-_stores_lock = threading.Lock()
-
-
 def store_for(config: Any) -> Store:
-    """The process-wide store for a :class:`~celery_fence.config.FenceConfig`."""
-    ident = (
-        config.database_url,
-        config.record_transitions,
-        config.unfenced,
-        config.defer_first_registration,
-        config.error_message_length,
-        config.database_timeout,
-        config.lock_timeout,
-    )
-    with _stores_lock:
-        store = _stores.get(ident)
-        if store is None:
-            store = _stores[ident] = Store(
-                config.database_url,
-                record_transitions=config.record_transitions,
-                unfenced=config.unfenced,
-                defer_first_registration=config.defer_first_registration,
-                error_message_length=config.error_message_length,
-                database_timeout=config.database_timeout,
-                lock_timeout=config.lock_timeout,
-            )
-        return store
+    """This process's store for a :class:`~celery_fence.config.FenceConfig`."""
+    return runtime().store(config)
+
+
+def get_store(app: Any) -> Store:
+    """The store an app's fenced tasks write to: ``get_store(app).get(key)``."""
+    return store_for(FenceConfig.from_app(app))
 
 
 __all__ = [
@@ -1060,5 +1041,6 @@ __all__ = [
     "decode_request",
     "dumps_strict",
     "encode_request",
+    "get_store",
     "store_for",
 ]
