@@ -96,8 +96,6 @@ class Runtime:
 
     def store(self, config: FenceConfig) -> Store:
         """The SQL store for ``config``'s database and store settings."""
-        from .store import Store
-
         ident = (
             config.database_url,
             config.record_transitions,
@@ -107,26 +105,12 @@ class Runtime:
             config.database_timeout,
             config.lock_timeout,
         )
-        return self._get(
-            self._stores,
-            ident,
-            lambda: Store(
-                config.database_url,
-                record_transitions=config.record_transitions,
-                unfenced=config.unfenced,
-                defer_first_registration=config.defer_first_registration,
-                error_message_length=config.error_message_length,
-                database_timeout=config.database_timeout,
-                lock_timeout=config.lock_timeout,
-            ),
-        )
+        return self._get(self._stores, ident, lambda: _make_store(config))
 
     def redis_client(self, config: FenceConfig) -> Any:
         """The Redis client for ``config``'s lease Redis (URL, client factory, TLS, transport,
         cluster: :func:`client_identity`); leases and the retry budget share it."""
-        from .redis_client import make_client
-
-        return self._get(self._clients, client_identity(config), lambda: make_client(config))
+        return self._get(self._clients, client_identity(config), lambda: _make_client(config))
 
     def lease_store(self, config: FenceConfig) -> LeaseStore:
         """The lease store for ``config``'s Redis, key prefix and counter lifetime."""
@@ -137,10 +121,10 @@ class Runtime:
         return self._lease_pair(config)[1]
 
     def _lease_pair(self, config: FenceConfig) -> tuple[LeaseStore, Renewer]:
-        from .lease import LeaseStore
-        from .renewer import Renewer
-
         def make() -> tuple[LeaseStore, Renewer]:
+            from .lease import LeaseStore
+            from .renewer import Renewer
+
             leases = LeaseStore(
                 self.redis_client(config),
                 prefix=config.key_prefix,
@@ -153,7 +137,11 @@ class Runtime:
 
     def retry_budget(self, config: FenceConfig) -> RetryBudget:
         """The retry budgets (per task name) for ``config``'s Redis, prefix and budget settings."""
-        from .retry import RetryBudget
+
+        def make() -> RetryBudget:
+            from .retry import RetryBudget
+
+            return RetryBudget(config, redis_client=self.redis_client(config))
 
         ident = (
             client_identity(config),
@@ -162,11 +150,7 @@ class Runtime:
             config.retry_budget_floor,
             config.retry_budget_window,
         )
-        return self._get(
-            self._budgets,
-            ident,
-            lambda: RetryBudget(config, redis_client=self.redis_client(config)),
-        )
+        return self._get(self._budgets, ident, make)
 
     def backends(self, config: FenceConfig) -> Backends:
         """Everything a fenced task with settings ``config`` uses in this process."""
@@ -183,9 +167,13 @@ class Runtime:
 
     def event_sender(self, app: Any, hostname: str) -> EventSender:
         """The Celery event sender of ``app`` as worker ``hostname``."""
-        from .events import EventSender
 
-        return self._get(self._senders, (id(app), hostname), lambda: EventSender(app, hostname))
+        def make() -> EventSender:
+            from .events import EventSender
+
+            return EventSender(app, hostname)
+
+        return self._get(self._senders, (id(app), hostname), make)
 
     def stores(self) -> list[Store]:
         """The SQL stores made so far (tests and fixtures dispose their connections)."""
@@ -216,6 +204,26 @@ class Runtime:
         with _current_lock:
             if _current is self:
                 _current = Runtime()
+
+
+def _make_store(config: FenceConfig) -> Store:
+    from .store import Store  # the store asks the runtime for itself: imported when first needed
+
+    return Store(
+        config.database_url,
+        record_transitions=config.record_transitions,
+        unfenced=config.unfenced,
+        defer_first_registration=config.defer_first_registration,
+        error_message_length=config.error_message_length,
+        database_timeout=config.database_timeout,
+        lock_timeout=config.lock_timeout,
+    )
+
+
+def _make_client(config: FenceConfig) -> Any:
+    from .redis_client import make_client
+
+    return make_client(config)
 
 
 class BackgroundWriter:
