@@ -44,6 +44,17 @@ MAX_PENDING_WRITES = 1_000
 
 WRITER_THREAD_NAME = "celery-fence-writer"
 
+#: The settings a :class:`~celery_fence.store.Store` is made with, besides the database URL:
+#: configurations equal in these share one store.
+STORE_SETTINGS = (
+    "record_transitions",
+    "unfenced",
+    "defer_first_registration",
+    "error_message_length",
+    "database_timeout",
+    "lock_timeout",
+)
+
 _T = TypeVar("_T")
 
 
@@ -96,15 +107,7 @@ class Runtime:
 
     def store(self, config: FenceConfig) -> Store:
         """The SQL store for ``config``'s database and store settings."""
-        ident = (
-            config.database_url,
-            config.record_transitions,
-            config.unfenced,
-            config.defer_first_registration,
-            config.error_message_length,
-            config.database_timeout,
-            config.lock_timeout,
-        )
+        ident = (config.database_url, *(getattr(config, name) for name in STORE_SETTINGS))
         return self._get(self._stores, ident, lambda: _make_store(config))
 
     def redis_client(self, config: FenceConfig) -> Any:
@@ -209,15 +212,7 @@ class Runtime:
 def _make_store(config: FenceConfig) -> Store:
     from .store import Store  # the store asks the runtime for itself: imported when first needed
 
-    return Store(
-        config.database_url,
-        record_transitions=config.record_transitions,
-        unfenced=config.unfenced,
-        defer_first_registration=config.defer_first_registration,
-        error_message_length=config.error_message_length,
-        database_timeout=config.database_timeout,
-        lock_timeout=config.lock_timeout,
-    )
+    return Store(config.database_url, **{name: getattr(config, name) for name in STORE_SETTINGS})
 
 
 def _make_client(config: FenceConfig) -> Any:
