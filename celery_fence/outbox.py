@@ -1,9 +1,10 @@
 """External effects: staged by a task body, written with its fenced completion, then delivered.
 
-Staging. ``self.fence.outbox.add("email", {"to": ...})`` stages an effect; nothing is written until
-the completion commits, and then in the same statement/transaction, so a stale attempt's effects
-are never recorded and a completed job's are recorded exactly once. Each row's idempotency key is
-derived from the logical key and the effect's name — the same across every retry and redelivery.
+Staging (:mod:`celery_fence.effects`). ``self.fence.outbox.add("email", {"to": ...})`` stages an
+effect; nothing is written until the completion commits, and then in the same
+statement/transaction, so a stale attempt's effects are never recorded and a completed job's are
+recorded exactly once. Each row's idempotency key is derived from the logical key and the
+effect's name — the same across every retry and redelivery.
 
 Delivery. ``outbox = Outbox(app)`` registers two tasks on the app, :data:`DELIVER_TASK` (sent
 right after a completion that committed effects) and :data:`SWEEP_TASK` (put it in beat: it
