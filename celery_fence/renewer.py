@@ -7,8 +7,8 @@ unconfirmed, the lease is lost, ``check()`` raises, and the owner is told throug
 a failing renewal is never silent (python-redis-lock's issue #85 is the counter-example).
 
 The thread starts lazily in the process that holds leases (prefork children included). The
-process's renewers belong to its :class:`~celery_fence.runtime.Runtime`: a forked child gets
-new ones.
+process's renewers belong to its :class:`~celery_fence.runtime.Runtime`; a renewer used in a
+forked child (whose parent's thread and lock are not there) starts over, empty.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import threading
 import time
 
 from .lease import HeldLease, LeaseStore
+from .runtime import runtime
 
 logger = logging.getLogger("celery_fence.renewer")
 
@@ -40,6 +41,10 @@ class Renewer:
 
     def __init__(self, leases: LeaseStore) -> None:
         self.leases = leases
+        self._reset()
+
+    def _reset(self) -> None:
+        self._process = runtime()
         self._cond = threading.Condition(threading.Lock())
         self._held: dict[str, HeldLease] = {}
         self._releases: list[tuple[str, str]] = []
@@ -50,7 +55,12 @@ class Renewer:
         self._stopping = False
         self.ticks = 0  # round trips sent (for tests and the benchmark)
 
+    def _ensure_process(self) -> None:
+        if self._process.forked:  # the parent's thread and lock are not ours
+            self._reset()
+
     def add(self, lease: HeldLease) -> None:
+        self._ensure_process()
         with self._cond:
             self._held[lease.value] = lease
             if not self._start_locked() and (
@@ -72,6 +82,7 @@ class Renewer:
     def discard(self, lease: HeldLease, *, release: bool = True) -> None:
         """Stop renewing ``lease``; queue its compare-and-delete (sent with the next claim, or by
         the thread within ``RELEASE_DELAY``)."""
+        self._ensure_process()
         with self._cond:
             self._held.pop(lease.value, None)
             if release:
@@ -83,6 +94,7 @@ class Renewer:
 
     def take_releases(self) -> list[tuple[str, str]]:
         """Hand queued releases to the caller, which sends them with its next claim."""
+        self._ensure_process()
         with self._cond:
             releases, self._releases = self._releases, []
             return releases
@@ -90,6 +102,7 @@ class Renewer:
     @property
     def pending_releases(self) -> list[tuple[str, str]]:
         """The releases waiting to be sent (a copy)."""
+        self._ensure_process()
         with self._cond:
             return list(self._releases)
 
@@ -100,6 +113,7 @@ class Renewer:
         claim, or from the thread after ``delay`` seconds. At most ``MAX_PENDING_RELEASES`` are
         kept (the oldest go first: an unreleased lease still ends at its TTL)."""
         if releases:
+            self._ensure_process()
             with self._cond:
                 if not self._releases:
                     self._release_due = time.monotonic() + delay
