@@ -372,9 +372,9 @@ def services(
         try:
             yield svc
         finally:
-            from celery_fence.store import _stores
+            from celery_fence.runtime import runtime
 
-            for store in list(_stores.values()):
+            for store in runtime().stores():
                 store.dispose()
             if pg is None:
                 with contextlib.suppress(Exception), admin.connect() as conn:

@@ -21,8 +21,8 @@ from .fence import Fence
 from .outbox import Outbox, idempotency_key, register_handler, storage_key
 from .recovery import recover
 from .schema import metadata
-from .store import JobRecord, Store
-from .task import FencedTask, get_store
+from .store import JobRecord, Store, get_store
+from .task import FencedTask
 
 try:  # one version, in setup.cfg: the installed distribution's metadata
     from importlib.metadata import PackageNotFoundError

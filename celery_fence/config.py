@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import ConfigurationError
 from .redis_client import parse_redis_settings
+from .runtime import app_state
 
 #: Redis that holds leases and generation counters.
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -289,11 +290,11 @@ class FenceConfig:
 
     @classmethod
     def from_app(cls, app: Any) -> FenceConfig:
-        cached = getattr(app, "_fence_config", None)
-        if cached is None:
-            cached = cls.from_mapping(app.conf)
-            app._fence_config = cached
-        return cached
+        """The app's settings, read once (forget them with ``app_state(app).config = None``)."""
+        state = app_state(app)
+        if state.config is None:
+            state.config = cls.from_mapping(app.conf)
+        return state.config
 
 
 _FLOATS = {

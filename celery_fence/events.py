@@ -27,7 +27,6 @@ is on (the default).
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -35,6 +34,8 @@ import weakref
 from typing import Any
 
 from celery import signals as celery_signals
+
+from .runtime import runtime
 
 logger = logging.getLogger("celery_fence.events")
 
@@ -70,7 +71,7 @@ def task_events_enabled(app: Any) -> bool:
     return enabled
 
 
-class _Sender:
+class EventSender:
     """One dispatcher, one connection and one daemon thread per (process, app, worker name)."""
 
     def __init__(self, app: Any, hostname: str) -> None:
@@ -131,27 +132,6 @@ class _Sender:
                 logger.debug("closing the fence event dispatcher failed", exc_info=True)
 
 
-_senders: dict[tuple[int, str], _Sender] = {}
-_senders_lock = threading.Lock()
-_senders_pid = os.getpid()
-
-
-def _sender_for(app: Any, hostname: str) -> _Sender:
-    global _senders_pid, _senders_lock
-    if _senders_pid != os.getpid():  # forked: the parent's threads and sockets are not ours
-        _senders.clear()
-        _senders_lock = threading.Lock()
-        _senders_pid = os.getpid()
-    ident = (id(app), hostname)
-    sender = _senders.get(ident)
-    if sender is None:
-        with _senders_lock:
-            sender = _senders.get(ident)
-            if sender is None:
-                sender = _senders[ident] = _Sender(app, hostname)
-    return sender
-
-
 def send_transition_event(
     task: Any,
     type_: str,
@@ -173,21 +153,16 @@ def send_transition_event(
         app = task.app
         if not task_events_enabled(app):
             return
-        _sender_for(app, hostname).submit(type_, {"uuid": task_id, **fields})
+        runtime().event_sender(app, hostname).submit(type_, {"uuid": task_id, **fields})
     except Exception:  # events are a view, never a reason to fail
         logger.debug("could not queue fence event %s", type_, exc_info=True)
 
 
 def flush(timeout: float = 2.0) -> None:
     """Wait (bounded) until this process's queued fence events were published (or dropped)."""
-    if _senders_pid != os.getpid():
-        return
-    end = time.monotonic() + timeout
-    for sender in list(_senders.values()):
-        sender.flush(max(0.0, end - time.monotonic()))
+    runtime().flush_events(timeout)
 
 
-@celery_signals.worker_process_shutdown.connect(weak=False)
 @celery_signals.worker_shutdown.connect(weak=False)
 def _flush_at_shutdown(**_: Any) -> None:
     flush(timeout=1.0)
@@ -195,6 +170,7 @@ def _flush_at_shutdown(**_: Any) -> None:
 
 __all__ = [
     "EVENT_PREFIX",
+    "EventSender",
     "event_type",
     "flush",
     "send_transition_event",

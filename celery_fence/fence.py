@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
 
+from .effects import StagedEffects
 from .lease import HeldLease
-from .outbox import StagedEffects
 from .transaction import session as _session
 from .transaction import transaction as _transaction
 from .transaction import unrecorded_loss

@@ -30,7 +30,7 @@ from redis.exceptions import NoScriptError
 
 from .config import DEFAULT_GENERATION_TTL, FenceConfig
 from .errors import LeaseBusy, LeaseLost
-from .redis_client import client_identity, make_client
+from .redis_client import make_client
 
 logger = logging.getLogger(__name__)
 
@@ -342,19 +342,3 @@ class LeaseStore:
             return None, None
         generation = int(value.rsplit(b":", 1)[1]) if isinstance(value, bytes) else None
         return pttl / 1000, generation
-
-
-_lease_stores: dict[tuple[Any, ...], LeaseStore] = {}
-
-
-def lease_store_for(config: FenceConfig) -> LeaseStore:
-    """The process-wide :class:`LeaseStore` for a configuration's Redis and key prefix."""
-    ident = (client_identity(config), config.key_prefix, config.generation_ttl)
-    store = _lease_stores.get(ident)
-    if store is None:
-        store = _lease_stores[ident] = LeaseStore(
-            make_redis_client(config),
-            prefix=config.key_prefix,
-            generation_ttl=config.generation_ttl,
-        )
-    return store

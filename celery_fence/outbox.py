@@ -1,9 +1,10 @@
 """External effects: staged by a task body, written with its fenced completion, then delivered.
 
-Staging. ``self.fence.outbox.add("email", {"to": ...})`` stages an effect; nothing is written until
-the completion commits, and then in the same statement/transaction, so a stale attempt's effects
-are never recorded and a completed job's are recorded exactly once. Each row's idempotency key is
-derived from the logical key and the effect's name — the same across every retry and redelivery.
+Staging (:mod:`celery_fence.effects`). ``self.fence.outbox.add("email", {"to": ...})`` stages an
+effect; nothing is written until the completion commits, and then in the same
+statement/transaction, so a stale attempt's effects are never recorded and a completed job's are
+recorded exactly once. Each row's idempotency key is derived from the logical key and the
+effect's name — the same across every retry and redelivery.
 
 Delivery. ``outbox = Outbox(app)`` registers two tasks on the app, :data:`DELIVER_TASK` (sent
 right after a completion that committed effects) and :data:`SWEEP_TASK` (put it in beat: it
@@ -30,7 +31,6 @@ Logs name the key, the effect, the row id and the error type — never payloads.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import socket
@@ -41,9 +41,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import FenceConfig
+from .effects import StagedEffects, idempotency_key, storage_key
 from .errors import FenceError
 from .retry import backoff, classify
-from .store import Effect, OutboxRow, Store, dumps_strict, store_for
+from .runtime import app_state
+from .store import OutboxRow, Store, store_for
 
 logger = logging.getLogger("celery_fence.outbox")
 
@@ -58,50 +60,6 @@ DEFAULT_BATCH = 100
 
 #: ``fn(payload, *, idempotency_key=...)``; its return value is ignored, raising means "failed".
 Handler = Callable[..., Any]
-
-
-def idempotency_key(key: str, name: str) -> str:
-    """A stable key for effect ``name`` of logical job ``key`` (never attempt-specific)."""
-    digest = hashlib.sha256(f"{key}\x00{name}".encode()).hexdigest()
-    return f"fence-{digest[:48]}"
-
-
-def storage_key(key: str, version: str | int, *, prefix: str = "exports", suffix: str = "") -> str:
-    """A deterministic object key for an export-style job: same input version, same object.
-
-    Re-runs of one (key, version) replace the same object; a new input version writes a new one.
-    """
-    digest = hashlib.sha256(f"{key}\x00{version}".encode()).hexdigest()[:32]
-    return f"{prefix}/{digest}{suffix}"
-
-
-class StagedEffects:
-    """The effects one attempt stages; written only by a successful fenced completion."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-        self._effects: dict[str, Effect] = {}
-
-    def add(self, name: str, payload: Any = None) -> str:
-        """Stage effect ``name`` with a JSON payload; return its idempotency key."""
-        if not isinstance(name, str) or not name or len(name) > 255:
-            raise FenceError(f"outbox effect name {name!r} must be a non-empty str of <= 255 chars")
-        if name in self._effects:
-            raise FenceError(
-                f"outbox effect {name!r} is already staged for {self.key!r}: names are unique per "
-                "job (they make the idempotency key); use e.g. 'email:alice' and 'email:bob'"
-            )
-        dumps_strict(payload, f"payload of outbox effect {name!r}")
-        effect = Effect(name=name, payload=payload, idempotency_key=idempotency_key(self.key, name))
-        self._effects[name] = effect
-        return effect.idempotency_key
-
-    @property
-    def staged(self) -> tuple[Effect, ...]:
-        return tuple(self._effects.values())
-
-    def __len__(self) -> int:
-        return len(self._effects)
 
 
 # -- delivery ------------------------------------------------------------------------------------
@@ -146,14 +104,15 @@ class Outbox:
             raise FenceError(f"Outbox(batch={batch}) must be at least 1")
         if max_attempts is not None and max_attempts < 1:
             raise FenceError(f"Outbox(max_attempts={max_attempts}) must be at least 1")
-        existing = getattr(app, "_fence_outbox", None)
+        state = app_state(app)
+        existing = state.outbox
         self.app = app
         self.claim_ttl = float(claim_ttl)
         self.batch = batch
         self.queue = queue
         self._max_attempts = max_attempts
         self.handlers: dict[str, Handler] = dict(existing.handlers) if existing else {}
-        app._fence_outbox = self
+        state.outbox = self
         self._register_tasks()
 
     # -- handlers --------------------------------------------------------------------------------
@@ -347,8 +306,7 @@ class Outbox:
 
 def outbox_for(app: Any) -> Outbox:
     """The app's :class:`Outbox` (created with default options when there is none yet)."""
-    existing = getattr(app, "_fence_outbox", None)
-    return existing if isinstance(existing, Outbox) else Outbox(app)
+    return app_state(app).outbox or Outbox(app)
 
 
 def register_handler(app: Any, name: str, fn: Handler) -> None:
@@ -363,8 +321,8 @@ def sweep(app: Any) -> DeliveryReport:
 
 def trigger_delivery(app: Any, key: str) -> None:
     """Called after a completion committed effects: send the deliver task. Never raises."""
-    outbox = getattr(app, "_fence_outbox", None)
-    if not isinstance(outbox, Outbox):
+    outbox = app_state(app).outbox
+    if outbox is None:
         logger.warning(
             "outbox rows committed for key=%s but the app has no Outbox: create "
             "celery_fence.outbox.Outbox(app) where the app is defined; the rows stay pending",

@@ -388,29 +388,9 @@ def make_client(config: FenceConfig) -> Any:
     return build_client(target_for(config), lease_ttl=config.lease_ttl)
 
 
-def client_identity(config: FenceConfig) -> tuple[Any, ...]:
-    """A hashable identity of the Redis settings (to share one client between equal configs)."""
-    return (
-        config.redis_url,
-        config.redis_client,
-        config.redis_cluster,
-        repr(sorted((config.redis_ssl or {}).items())),
-        repr(sorted((config.redis_transport_options or {}).items())),
-    )
-
-
-def is_cluster(client: Any) -> bool:
-    """True for a redis-py Redis Cluster client (its pipelines route each command by slot)."""
-    from redis.cluster import RedisCluster
-
-    return isinstance(client, RedisCluster)
-
-
 __all__ = [
     "RedisTarget",
     "build_client",
-    "client_identity",
-    "is_cluster",
     "make_client",
     "parse_redis_settings",
 ]

@@ -6,20 +6,20 @@ send time of its last confirmed renewal plus the TTL minus a safety margin. Once
 unconfirmed, the lease is lost, ``check()`` raises, and the owner is told through ``on_lost`` —
 a failing renewal is never silent (python-redis-lock's issue #85 is the counter-example).
 
-The thread starts lazily in the process that holds leases (prefork children included) and is
-re-created after a fork.
+The thread starts lazily in the process that holds leases (prefork children included). The
+process's renewers belong to its :class:`~celery_fence.runtime.Runtime`; a renewer used in a
+forked child (whose parent's thread and lock are not there) starts over, empty.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 
-from . import _process
 from .lease import HeldLease, LeaseStore
+from .runtime import runtime
 
 logger = logging.getLogger("celery_fence.renewer")
 
@@ -41,11 +41,10 @@ class Renewer:
 
     def __init__(self, leases: LeaseStore) -> None:
         self.leases = leases
-        self._pid = -1
         self._reset()
 
     def _reset(self) -> None:
-        self._pid = os.getpid()
+        self._process = runtime()
         self._cond = threading.Condition(threading.Lock())
         self._held: dict[str, HeldLease] = {}
         self._releases: list[tuple[str, str]] = []
@@ -57,7 +56,7 @@ class Renewer:
         self.ticks = 0  # round trips sent (for tests and the benchmark)
 
     def _ensure_process(self) -> None:
-        if self._pid != _process.pid:  # forked: the parent's thread and lock are not ours
+        if self._process.forked:  # the parent's thread and lock are not ours
             self._reset()
 
     def add(self, lease: HeldLease) -> None:
@@ -99,6 +98,13 @@ class Renewer:
         with self._cond:
             releases, self._releases = self._releases, []
             return releases
+
+    @property
+    def pending_releases(self) -> list[tuple[str, str]]:
+        """The releases waiting to be sent (a copy)."""
+        self._ensure_process()
+        with self._cond:
+            return list(self._releases)
 
     def return_releases(
         self, releases: list[tuple[str, str]], *, delay: float = RELEASE_DELAY
@@ -230,36 +236,4 @@ class Renewer:
                 lease.mark_lost("lease expired or taken over in Redis")
 
 
-_renewers: dict[int, Renewer] = {}
-_renewers_lock = threading.Lock()
-
-
-def renewer_for(leases: LeaseStore) -> Renewer:
-    """The process-wide renewer for one lease store."""
-    with _renewers_lock:
-        renewer = _renewers.get(id(leases))
-        if renewer is None:
-            renewer = _renewers[id(leases)] = Renewer(leases)
-        return renewer
-
-
-def shutdown(timeout: float = 2.0) -> None:
-    """Send queued releases and stop every renewer of this process (worker shutdown)."""
-    for renewer in list(_renewers.values()):
-        if renewer._pid == os.getpid():
-            renewer.flush(timeout)
-            renewer.stop()
-
-
-def _after_fork_in_child() -> None:
-    global _renewers_lock
-    _renewers_lock = threading.Lock()
-    for renewer in _renewers.values():
-        renewer._reset()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-__all__ = ["HeldLease", "Renewer", "renewer_for"]
+__all__ = ["HeldLease", "Renewer"]

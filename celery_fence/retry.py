@@ -54,7 +54,8 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from .config import FenceConfig
 from .errors import LeaseBusy, PermanentError, ResultNotSerializable
-from .lease import _Script, make_redis_client
+from .lease import _Script
+from .runtime import runtime
 
 
 def _dbapi_transient() -> tuple[type[BaseException], ...]:
@@ -168,19 +169,6 @@ RETRY_BUDGET = _Script("retry_budget")
 #: Seconds the per-process budget stands in after the shared bucket could not be reached.
 SHARED_COOLDOWN = 10.0
 
-_clients: dict[tuple[Any, ...], Any] = {}
-_clients_lock = threading.Lock()
-
-
-def _shared_client(config: FenceConfig) -> Any:
-    """One Redis client per lease Redis and process, created on the first failure only."""
-    ident = (config.redis_url, config.redis_client, config.redis_cluster)
-    with _clients_lock:
-        client = _clients.get(ident)
-        if client is None:
-            client = _clients[ident] = make_redis_client(config)
-        return client
-
 
 class RetryBudget:
     """Retry budgets per task name, shared through Redis (see the module docstring).
@@ -245,7 +233,9 @@ class RetryBudget:
         if not self.shared or time.monotonic() < self._shared_down_until:
             return local_wait
         try:
-            client = self._client if self._client is not None else _shared_client(self.config)
+            client = self._client
+            if client is None:  # the process's client for the lease Redis
+                client = runtime().redis_client(self.config)
             granted, wait_ms = RETRY_BUDGET(
                 client,
                 [self.key(name)],

@@ -37,12 +37,10 @@ from .errors import (
     StaleGeneration,
 )
 from .fence import Fence
-from .lease import HeldLease, LeaseStore, lease_store_for
+from .lease import HeldLease, LeaseStore
 from .records import request_text
-from .renewer import renewer_for
-from .retry import RetryBudget, RetryPolicy
+from .runtime import Backends, app_state, runtime
 from .schema import KEY_LENGTH
-from .store import Store, store_for
 from .worker import FENCED_REQUEST
 
 logger = logging.getLogger("celery_fence")
@@ -73,21 +71,16 @@ class FencedTask(Task):
     renew_interval: float | None = None
     max_attempts: int | None = None
 
-    _fence_cache: tuple[FenceConfig, Store, LeaseStore, RetryPolicy] | None = None
-
     # -- configuration ---------------------------------------------------------------------------
 
     def fence_config(self) -> FenceConfig:
-        return self._fence_backends()[0]
+        return self._fence_backends().config
 
-    def _fence_backends(self) -> tuple[FenceConfig, Store, LeaseStore, RetryPolicy]:
-        cache = self.__dict__.get("_fence_cache")
-        if cache is None:
-            config = FenceConfig.for_task(self)
-            leases = lease_store_for(config)
-            budget = RetryBudget(config, redis_client=leases.client)  # shares the lease pool
-            cache = (config, store_for(config), leases, RetryPolicy(config, budget=budget))
-            self.__dict__["_fence_cache"] = cache
+    def _fence_backends(self) -> Backends:
+        """This task's settings and this process's backends for them (made again after a fork)."""
+        cache: Backends | None = self.__dict__.get("_fence_cache")
+        if cache is None or cache.runtime.forked:
+            cache = self.__dict__["_fence_cache"] = runtime().backends(FenceConfig.for_task(self))
         return cache
 
     def logical_key(self, args: Any, kwargs: Any, task_id: str | None) -> str:
@@ -153,7 +146,7 @@ class FencedTask(Task):
                 stacklevel=3,
             )
         try:
-            config, store, leases, policy = self._fence_backends()
+            config, store, leases, policy, renewer, _ = self._fence_backends()
         except ConfigurationError as exc:  # checked at worker start; still, lose nothing
             logger.critical("fence settings invalid for task %s: %s", self.name, exc)
             if self.app.conf.get("fence_unsettled"):  # chaos demonstration: acked as a failure
@@ -169,7 +162,6 @@ class FencedTask(Task):
             emit=self._emit_for,
             retries=self.request.retries or 0,
         )
-        renewer = renewer_for(leases)
         try:
             outcome = self._execute(attempt, leases, args, kwargs)
         except Exception as exc:  # anything raised in the fenced path settles too
@@ -231,7 +223,7 @@ class FencedTask(Task):
         self, a: s.Attempt, leases: LeaseStore, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> s.Outcome | None:
         """Claim a generation and register it; None when the body may run, else the outcome."""
-        config, renewer = a.config, renewer_for(leases)
+        config, renewer = a.config, self._fence_backends().renewer
         on_lost, on_renewed = transitions.lease_observers(
             self, (self.request.id, self.request.hostname)
         )
@@ -346,11 +338,9 @@ class FencedTask(Task):
         """The one adapter from a settled action to Celery's terms (Celery then acks late)."""
         if isinstance(action, s.Return):
             if action.deliver is not None:
-                from .outbox import Outbox, trigger_delivery  # the outbox imports this module
+                from .outbox import trigger_delivery  # the outbox imports this module
 
-                if not action.replay or isinstance(
-                    getattr(self.app, "_fence_outbox", None), Outbox
-                ):
+                if not action.replay or app_state(self.app).outbox is not None:
                     trigger_delivery(self.app, action.deliver)
             return action.result
         if isinstance(action, (s.Fail, s.Reraise)):
@@ -372,7 +362,7 @@ class FencedTask(Task):
             extra={"action": "reschedule", "reason": action.reason},
         )
         try:
-            options = {} if self._fence_backends()[0].unsettled else {"expires": None}
+            options = {} if self.fence_config().unsettled else {"expires": None}
             retry = self.retry(
                 exc=Rescheduled(action.reason),
                 countdown=countdown,
@@ -408,8 +398,3 @@ class FencedTask(Task):
             origin=(self.request.id, self.request.hostname),
             **extra,
         )
-
-
-def get_store(app: Any) -> Store:
-    """The store an app's fenced tasks write to: ``get_store(app).get(key)``."""
-    return store_for(FenceConfig.from_app(app))

@@ -29,6 +29,7 @@ from .actions import Action
 from .events import event_type, send_transition_event
 from .lease import HeldLease
 from .renewer import RENEWER_THREAD_NAME
+from .runtime import runtime
 
 logger = logging.getLogger("celery_fence")
 
@@ -192,9 +193,7 @@ def _on_lost(task: Any, origin: Origin, lease: HeldLease, reason: str) -> None:
         return
     # The renewal thread noticed: write the history row off that thread, so a slow database
     # never delays the renewal of the process's other leases.
-    threading.Thread(
-        target=_record_lost, args=(task, lease, reason), name="celery-fence-record", daemon=True
-    ).start()
+    runtime().writer.submit(_record_lost, task, lease, reason)
 
 
 def _record_lost(task: Any, lease: HeldLease, reason: str) -> None:

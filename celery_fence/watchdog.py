@@ -24,8 +24,6 @@ import socket
 import threading
 import time
 
-from . import _process
-
 logger = logging.getLogger(__name__)
 
 #: Seconds between the thread's looks at the armed calls (a deadline is kept within this).
@@ -42,13 +40,12 @@ class Watchdog:
         self._tokens = itertools.count(1)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._pid = _process.pid
         self.cuts = 0
 
     def arm(self, fd: int, timeout: float) -> int:
         """Watch the call about to run on socket ``fd`` for ``timeout`` seconds; return a token
         for :meth:`disarm`."""
-        if self._pid != _process.pid or self._thread is None:
+        if self._thread is None:
             self._start()
         token = next(self._tokens)
         self._calls[token] = (time.monotonic() + timeout, fd)
@@ -61,15 +58,17 @@ class Watchdog:
 
     def _start(self) -> None:
         with self._lock:
-            if self._pid != _process.pid:  # forked: the parent's thread and calls are not ours
-                self._calls = {}
-                self._thread = None
-                self._pid = _process.pid
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name=WATCHDOG_THREAD_NAME, daemon=True
                 )
                 self._thread.start()
+
+    def reset(self) -> None:
+        """Forget the parent's thread, calls and lock (the runtime's fork hook, in the child)."""
+        self._calls = {}
+        self._thread = None
+        self._lock = threading.Lock()
 
     def _run(self) -> None:
         while True:

@@ -32,7 +32,7 @@ from celery.worker.request import Request
 from .actions import Action
 from .errors import ConfigurationError
 from .records import encode_request
-from .renewer import shutdown as shutdown_renewers
+from .runtime import runtime
 from .transitions import emit_transition
 
 logger = logging.getLogger("celery_fence")
@@ -138,8 +138,9 @@ class FencedRequest(Request):
 
 @worker_process_shutdown.connect(weak=False)
 def _release_on_shutdown(**_: Any) -> None:
-    """A pool process (or a solo worker) that exits sends its queued releases first."""
-    shutdown_renewers()
+    """A pool process (or a solo worker) that exits finishes its background writes and sends its
+    queued lease releases and events first."""
+    runtime().shutdown()
 
 
 @worker_init.connect(weak=False)

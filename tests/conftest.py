@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_fence.lease import LeaseStore
+from celery_fence.runtime import runtime
 from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues
 from tests.support.env import BROKER_URL, PG_ADMIN_URL, REDIS_URL
@@ -50,9 +51,7 @@ def pg_url() -> Iterator[str]:
     url = sa.engine.make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
     Store(url).create_schema()
     yield url
-    from celery_fence.store import _stores
-
-    for store in list(_stores.values()):
+    for store in runtime().stores():
         store.dispose()
     with admin.connect() as conn:
         conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -9,11 +9,13 @@ import re
 import click
 from celery.bin.base import CeleryOption
 
-from .. import migrate, recovery, signals
+from .. import migrate, recovery
+from ..actions import Action
 from ..config import FenceConfig
 from ..errors import StaleGeneration
 from ..schema import COMPLETED, DEAD
 from ..store import JobRecord, Store, store_for
+from ..transitions import emit_transition
 from .common import (
     EX_USAGE,
     FenceCLIError,
@@ -91,7 +93,7 @@ def requeue(ctx: click.Context, key: str, force: bool) -> None:
         raise FenceCLIError(
             f"could not send {key!r} ({describe(exc)}); it is dead again, retry the requeue"
         ) from None
-    _requeued(ctx, before, task_id, "requeued by operator")
+    _requeued(ctx, before, task_id, Action.REQUEUED, "requeued by operator")
 
 
 def _force_requeue(
@@ -115,14 +117,18 @@ def _force_requeue(
         ) from None
     if task_id is None:
         raise FenceCLIError(f"job {record.key!r} changed while it was requeued: look again")
-    _requeued(ctx, record, task_id, "forced requeue by operator")
+    _requeued(ctx, record, task_id, Action.RECOVERED, "forced requeue by operator")
 
 
-def _requeued(ctx: click.Context, record: JobRecord, task_id: str, reason: str) -> None:
+def _requeued(
+    ctx: click.Context, record: JobRecord, task_id: str, action: Action, reason: str
+) -> None:
+    """Announce the re-send as the transition the store recorded (``requeued``, or ``recovered``
+    for a forced requeue)."""
     app = ctx.obj.app
     task_name = str((record.request or {}).get("task") or record.task_name)
-    signals.emit(
-        signals.job_retry_scheduled,
+    emit_transition(
+        action,
         app.tasks.get(task_name, task_name),
         key=record.key,
         attempt_id=None,
@@ -270,7 +276,7 @@ def purge(ctx: click.Context, before: str, include_dead: bool) -> None:
     statuses = (COMPLETED, DEAD) if include_dead else (COMPLETED,)
     store = store_of(ctx)
     count = store.purge(finished_before=when, statuses=statuses)
-    delivered = store.outbox_purge(delivered_before=when)
+    delivered = store.outbox.purge(delivered_before=when)
     ctx.obj.echo(
         f"purged {count} {' and '.join(statuses)} job(s) finished and {delivered} outbox row(s) "
         f"delivered before {utc_text(when)}"

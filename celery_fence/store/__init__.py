@@ -14,9 +14,9 @@ Its values (records, requests, effects) live in :mod:`celery_fence.records`.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
+from ..config import FenceConfig
 from ..records import (
     Effect,
     JobRecord,
@@ -26,39 +26,21 @@ from ..records import (
     dumps_strict,
     encode_request,
 )
+from ..runtime import runtime
 from ..schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
 from .admin import UNFINISHED
 from .jobs import Store
 from .outbox import OutboxRow, OutboxStore
 
-_stores: dict[tuple[Any, ...], Store] = {}
-_stores_lock = threading.Lock()
-
 
 def store_for(config: Any) -> Store:
-    """The process-wide store for a :class:`~celery_fence.config.FenceConfig`."""
-    ident = (
-        config.database_url,
-        config.record_transitions,
-        config.unfenced,
-        config.defer_first_registration,
-        config.error_message_length,
-        config.database_timeout,
-        config.lock_timeout,
-    )
-    with _stores_lock:
-        store = _stores.get(ident)
-        if store is None:
-            store = _stores[ident] = Store(
-                config.database_url,
-                record_transitions=config.record_transitions,
-                unfenced=config.unfenced,
-                defer_first_registration=config.defer_first_registration,
-                error_message_length=config.error_message_length,
-                database_timeout=config.database_timeout,
-                lock_timeout=config.lock_timeout,
-            )
-        return store
+    """This process's store for a :class:`~celery_fence.config.FenceConfig`."""
+    return runtime().store(config)
+
+
+def get_store(app: Any) -> Store:
+    """The store an app's fenced tasks write to: ``get_store(app).get(key)``."""
+    return store_for(FenceConfig.from_app(app))
 
 
 __all__ = [
@@ -78,6 +60,7 @@ __all__ = [
     "decode_request",
     "dumps_strict",
     "encode_request",
+    "get_store",
     "store_for",
     "utcnow",
 ]

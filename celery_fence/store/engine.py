@@ -15,9 +15,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from .. import _process, schema
+from .. import schema
 from ..config import DEFAULT_DATABASE_TIMEOUT
 from ..errors import ConfigurationError
+from ..runtime import runtime
 from ..watchdog import watchdog
 from . import sql
 
@@ -42,7 +43,7 @@ class Database:
         self._engine_options = dict(engine_options or {})
         self._lock = threading.Lock()
         self._engine: sa.Engine | None = None
-        self._pid = _process.pid
+        self._process = runtime()
         try:
             self.dialect = sa.engine.make_url(url).get_backend_name()
         except Exception as exc:
@@ -57,15 +58,15 @@ class Database:
 
     @property
     def engine(self) -> sa.Engine:
-        if self._engine is not None and self._pid == _process.pid:
+        if self._engine is not None and not self._process.forked:
             return self._engine
         with self._lock:
-            if self._engine is not None and self._pid != _process.pid:
+            if self._engine is not None and self._process.forked:
                 self._engine.dispose(close=False)  # the parent's sockets are not ours
                 self._engine = None
             if self._engine is None:
                 self._engine = self._create_engine()
-                self._pid = _process.pid
+                self._process = runtime()
             return self._engine
 
     def dispose(self) -> None:

@@ -20,6 +20,7 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
+from celery_fence.runtime import app_state, runtime
 from celery_fence.store import Store
 
 from . import processes
@@ -112,11 +113,9 @@ class FenceSession:
         return self.redis_server.url_for(db), self.redis_server
 
     def close(self) -> None:
-        from celery_fence.store import _stores
-
         if self._pg is not None:
             schema, url = self._pg
-            for store in list(_stores.values()):  # this process's connections to the schema
+            for store in runtime().stores():  # this process's connections to the schema
                 if store.url == url:
                     store.dispose()
             engine = sa.create_engine(self.database_url or url, isolation_level="AUTOCOMMIT")
@@ -261,7 +260,7 @@ class FenceEnv:
             self.app.close()
         with contextlib.suppress(AttributeError):
             del self.app._local.backend
-        self.app.__dict__.pop("_fence_config", None)
+        app_state(self.app).config = None
         for task in list(self.app.tasks.values()):
             task.__dict__.pop("_fence_cache", None)
 
@@ -316,8 +315,6 @@ class FenceEnv:
         queues = sorted({self.queue, *(q for w in self.workers for q in w.queues)})
         self._delete_queues(queues)
         self.redis.clear()
-        from celery_fence.store import _stores
-
-        for store in list(_stores.values()):  # get_store(app) in this process
+        for store in runtime().stores():  # get_store(app) in this process
             if store.url == self.store.url:
                 store.dispose()

@@ -33,6 +33,7 @@ from celery.app.utils import find_app
 from celery.signals import task_postrun, task_success, worker_init
 
 from celery_fence import signals as fence_signals
+from celery_fence.runtime import app_state
 
 ENV = "CELERY_FENCE_TESTING"  # environment.WORKER_ENV
 SKIP_PREFIXES = ("celery.", "celery_fence.")
@@ -114,7 +115,7 @@ def load(spec: dict[str, Any]) -> Celery:
     """The user's app, configured for the test, with the fault points installed."""
     app: Celery = find_app(spec["app"])
     app.conf.update(spec["conf"])
-    app.__dict__.pop("_fence_config", None)  # FenceConfig.from_app's cache: read the new settings
+    app_state(app).config = None  # FenceConfig.from_app's cache: read the new settings
     hooks = Hooks(app, spec["ledger_url"], spec["ledger_base"])
     worker_init.connect(hooks.wrap_tasks, weak=False)
     fence_signals.job_completed.connect(hooks.after_commit, weak=False)

@@ -160,12 +160,12 @@ def test_releases_whose_round_trip_failed_are_kept_and_sent_later(
         renewer.return_releases([(lease_key, f"tok:{g}")], delay=0.0)
         # When its round trip fails, the release is kept, not dropped,
         wait_until(lambda: renewer.ticks >= 1, 5, what="a failed release round trip")
-        assert renewer._releases == [(lease_key, f"tok:{g}")]
+        assert renewer.pending_releases == [(lease_key, f"tok:{g}")]
         assert redis_client.get(lease_key) == f"tok:{g}".encode()
         # and once Redis answers again, it is sent (within the retry delay).
         renewer.leases = leases
         wait_until(lambda: redis_client.get(lease_key) is None, 5, what="the kept release sent")
-        assert renewer._releases == []
+        assert renewer.pending_releases == []
     finally:
         renewer.stop()
 

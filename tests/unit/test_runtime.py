@@ -1,0 +1,193 @@
+"""The per-process runtime: one object per identity, fresh after a fork, drained at shutdown.
+
+Nothing here makes a connection: stores, clients and lease stores are built lazily, so identity
+and fork behaviour are checked on the objects themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from celery_fence import FencedTask
+from celery_fence.config import FenceConfig
+from celery_fence.runtime import BackgroundWriter, Runtime, app_state, client_identity, runtime
+
+
+@pytest.fixture
+def rt() -> Iterator[Runtime]:
+    """A fresh runtime for the test, stopped and replaced after it."""
+    runtime().reset()
+    current = runtime()
+    yield current
+    current.reset()
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> FenceConfig:
+    return FenceConfig(
+        database_url=f"sqlite:///{tmp_path / 'fence.sqlite3'}", redis_url="redis://127.0.0.1:1/0"
+    )
+
+
+def test_the_same_identity_gets_the_same_objects(rt: Runtime, config: FenceConfig) -> None:
+    # Given two equal configurations (different objects)
+    twin = FenceConfig(database_url=config.database_url, redis_url=config.redis_url)
+
+    # Then every process-wide object is made once
+    assert rt.store(config) is rt.store(twin)
+    assert rt.redis_client(config) is rt.redis_client(twin)
+    assert rt.lease_store(config) is rt.lease_store(twin)
+    assert rt.renewer(config) is rt.renewer(twin)
+    assert rt.renewer(config).leases is rt.lease_store(config)
+    assert rt.retry_budget(config) is rt.retry_budget(twin)
+    assert rt.stores() == [rt.store(config)]
+
+
+def test_leases_and_the_retry_budget_share_one_client(rt: Runtime, config: FenceConfig) -> None:
+    client = rt.redis_client(config)
+    assert rt.lease_store(config).client is client
+    backends = rt.backends(config)
+    assert backends.leases.client is client
+    assert backends.policy.budget is rt.retry_budget(config)
+    assert backends.runtime is rt
+
+
+def test_different_tls_settings_get_different_clients(rt: Runtime) -> None:
+    # Given two configurations for the same URL that differ only in their TLS settings
+    url = "rediss://127.0.0.1:1/0"
+    verified = FenceConfig(redis_url=url, redis_ssl={"ssl_cert_reqs": "required"})
+    unverified = FenceConfig(redis_url=url, redis_ssl={"ssl_cert_reqs": "none"})
+
+    # Then they share neither the client, nor the lease store, nor the retry budget
+    assert client_identity(verified) != client_identity(unverified)
+    assert rt.redis_client(verified) is not rt.redis_client(unverified)
+    assert rt.lease_store(verified) is not rt.lease_store(unverified)
+    assert rt.retry_budget(verified) is not rt.retry_budget(unverified)
+    transport = FenceConfig(redis_url=url, redis_transport_options={"socket_keepalive": True})
+    assert rt.redis_client(transport) is not rt.redis_client(FenceConfig(redis_url=url))
+
+
+def test_creation_is_thread_safe(rt: Runtime, config: FenceConfig) -> None:
+    barrier = threading.Barrier(8)
+    seen: list[object] = []
+
+    def get() -> None:
+        barrier.wait()
+        seen.append(rt.lease_store(config))
+
+    threads = [threading.Thread(target=get) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5)
+    assert len(seen) == 8 and all(item is seen[0] for item in seen)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork() with threads running
+def test_a_forked_child_gets_a_fresh_runtime_and_the_parent_keeps_its_own(
+    rt: Runtime, config: FenceConfig
+) -> None:
+    # Given a parent whose runtime made a store, a lease store and a renewer, and a fenced task
+    # that resolved its backends
+    store, leases, renewer = rt.store(config), rt.lease_store(config), rt.renewer(config)
+    app = Celery("runtime-fork", set_as_current=False)
+    app.conf.update(fence_database_url=config.database_url, fence_redis_url=config.redis_url)
+
+    @app.task(base=FencedTask, shared=False)
+    def noop() -> None:
+        pass
+
+    assert noop._fence_backends().store is store
+    read, write = os.pipe()
+
+    # When the process forks
+    pid = os.fork()
+    if pid == 0:  # the child: report what it sees, then leave without running pytest's teardown
+        try:
+            child = runtime()
+            facts = [
+                child is not rt,
+                rt.forked,
+                not child.forked,
+                child.store(config) is not store,
+                child.lease_store(config) is not leases,
+                child.renewer(config) is not renewer,
+                store.engine is not None,  # the parent's store makes its own engine here
+                noop._fence_backends().runtime is child,
+                noop._fence_backends().store is child.store(config),
+            ]
+            os.write(write, ("ok" if all(facts) else f"bad {facts}").encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        report = pipe.read()
+    os.waitpid(pid, 0)
+
+    # Then the child had a fresh runtime, and the parent's is untouched
+    assert report == "ok"
+    assert runtime() is rt and not rt.forked
+    assert rt.store(config) is store and rt.lease_store(config) is leases
+    assert rt.renewer(config) is renewer
+    assert noop._fence_backends().store is store
+
+
+def test_shutdown_drains_the_background_writer(rt: Runtime) -> None:
+    done: list[int] = []
+
+    def slow_write(n: int) -> None:
+        time.sleep(0.02)
+        done.append(n)
+
+    for n in range(5):
+        assert rt.writer.submit(slow_write, n)
+    rt.shutdown(timeout=5)
+    assert done == [0, 1, 2, 3, 4]
+    assert rt.writer.submit(done.append, 5)  # usable again: the thread starts on demand
+    rt.writer.drain(5)
+    assert done[-1] == 5
+
+
+def test_the_writer_drops_instead_of_blocking_when_full() -> None:
+    writer = BackgroundWriter(maxsize=1)
+    release = threading.Event()
+    started = threading.Event()
+
+    def blocker() -> None:
+        started.set()
+        release.wait(5)
+
+    assert writer.submit(blocker)
+    assert started.wait(5)
+    assert writer.submit(lambda: None)  # queued behind the blocker
+    began = time.monotonic()
+    assert not writer.submit(lambda: None)  # full: dropped at once, never waits
+    assert time.monotonic() - began < 0.5 and writer.dropped == 1
+    release.set()
+    assert writer.drain(5)
+
+
+def test_a_failing_write_does_not_stop_the_writer() -> None:
+    writer = BackgroundWriter()
+    done: list[str] = []
+    writer.submit(lambda: 1 / 0)
+    writer.submit(done.append, "after")
+    assert writer.drain(5)
+    assert done == ["after"]
+
+
+def test_app_state_holds_the_settings_until_forgotten() -> None:
+    app = Celery("runtime-test", set_as_current=False)
+    app.conf.fence_lease_ttl = 12
+    first = FenceConfig.from_app(app)
+    assert app_state(app).config is first and FenceConfig.from_app(app) is first
+    app.conf.fence_lease_ttl = 13
+    app_state(app).config = None
+    assert FenceConfig.from_app(app).lease_ttl == 13
