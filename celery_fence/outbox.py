@@ -43,7 +43,7 @@ from typing import Any
 from .config import FenceConfig
 from .effects import StagedEffects, idempotency_key, storage_key
 from .errors import FenceError
-from .retry import backoff, classify
+from .retry import backoff, give_up
 from .runtime import app_state
 from .store import OutboxRow, Store, store_for
 
@@ -250,12 +250,15 @@ class Outbox:
         report: DeliveryReport,
     ) -> None:
         config = self.config
-        kind = classify(exc, config)
-        give_up = kind == "permanent" or row.attempts >= self.max_attempts
-        if kind == "unknown" and not config.retry_unknown_errors and not isinstance(exc, NoHandler):
-            give_up = True
+        _, dead = give_up(
+            exc,
+            config,
+            attempts=row.attempts,
+            max_attempts=self.max_attempts,
+            retry_unknown=config.retry_unknown_errors or isinstance(exc, NoHandler),
+        )
         retry_in = None
-        if not give_up:
+        if dead is None:
             retry_in = backoff(row.attempts, config)
             report.retry_in = (
                 retry_in if report.retry_in is None else min(report.retry_in, retry_in)
@@ -263,7 +266,7 @@ class Outbox:
         if not store.outbox.fail(row.id, claimer=claimer, error=exc, retry_in=retry_in):
             report.lost_claims += 1
             return
-        if give_up:
+        if dead is not None:
             report.dead += 1
             logger.error(
                 "outbox dead key=%s effect=%s id=%s after %s attempts: %s",

@@ -106,6 +106,37 @@ def classify(exc: BaseException, config: FenceConfig) -> Kind:
     return "unknown"
 
 
+def expected_outage(exc: BaseException) -> bool:
+    """Whether an error of celery-fence's own calls (its store, its Redis, the broker) is one
+    that passes on its own. The task body's errors are never judged by this: :func:`classify`
+    judges them, with the task's settings."""
+    return isinstance(exc, DEFAULT_TRANSIENT)
+
+
+def give_up(
+    exc: BaseException,
+    config: FenceConfig,
+    *,
+    attempts: int,
+    max_attempts: int,
+    retry_unknown: bool | None = None,
+) -> tuple[Kind, str | None]:
+    """The one give-up rule, for tasks and outbox effects alike: ``exc``'s kind, and why it ends
+    the job after ``attempts`` of ``max_attempts`` (None: retry it). ``retry_unknown``
+    overrides ``fence_retry_unknown_errors``."""
+    kind = classify(exc, config)
+    name = type(exc).__name__
+    if kind == "permanent":
+        return kind, f"permanent error {name}"
+    if kind == "unknown" and not (
+        config.retry_unknown_errors if retry_unknown is None else retry_unknown
+    ):
+        return kind, f"unclassified error {name} (retry_unknown_errors off)"
+    if attempts >= max_attempts:
+        return kind, f"{kind} error {name} after {attempts} of {max_attempts} attempts"
+    return kind, None
+
+
 def ceiling(attempt: int, config: FenceConfig) -> float:
     """The largest delay, in seconds, before retry number ``attempt`` (1-based): the capped
     exponential ``min(fence_retry_backoff_max, fence_retry_backoff * 2 ** (attempt - 1))``."""
@@ -288,20 +319,11 @@ class RetryPolicy:
 
     def decide(self, exc: BaseException, *, attempts: int, task_name: str) -> Decision:
         """What to do after attempt number ``attempts`` (counted by the store) raised ``exc``."""
-        kind = classify(exc, self.config)
-        name = type(exc).__name__
         max_attempts = self.config.max_attempts
-        if kind == "permanent":
-            return Decision("dead", 0.0, f"permanent error {name}", kind)
-        if kind == "unknown" and not self.config.retry_unknown_errors:
-            return Decision("dead", 0.0, f"unclassified error {name} (retry_unknown_errors off)")
-        if attempts >= max_attempts:
-            return Decision(
-                "dead",
-                0.0,
-                f"{kind} error {name} after {attempts} of {max_attempts} attempts",
-                kind,
-            )
+        kind, dead = give_up(exc, self.config, attempts=attempts, max_attempts=max_attempts)
+        if dead is not None:
+            return Decision("dead", 0.0, dead, kind)
+        name = type(exc).__name__
         countdown = backoff(attempts, self.config, self.rng)
         wait = self.budget.spend(task_name)
         what = f"{kind} error {name}, attempt {attempts} of {max_attempts}"

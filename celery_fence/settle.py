@@ -44,7 +44,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
 from .actions import Action
-from .deferred import register_deferred, register_late
+from .deferred import register_late
 from .errors import JobDead, Rescheduled, ResultNotSerializable, StaleGeneration
 from .outcomes import (
     AlreadyDead,
@@ -68,7 +68,7 @@ from .outcomes import (
     Unexpected,
     Unkeyed,
 )
-from .retry import DEFAULT_TRANSIENT, Decision, backoff
+from .retry import Decision, backoff, expected_outage
 
 logger = logging.getLogger("celery_fence")
 
@@ -201,7 +201,7 @@ def _busy(a: Attempt, o: Busy) -> CeleryAction:
 
 
 def _unavailable(a: Attempt, o: Unavailable) -> CeleryAction:
-    if not isinstance(o.error, DEFAULT_TRANSIENT):
+    if not expected_outage(o.error):
         logger.error(
             "fence %s key=%s: %s; the message is re-sent with backoff",
             o.reason,
@@ -355,7 +355,7 @@ def _dead(
 
 def _unrecorded(a: Attempt, exc: Exception, *, what: str) -> CeleryAction:
     """The store could not record what happened: re-send; the next delivery decides again."""
-    if not isinstance(exc, DEFAULT_TRANSIENT):
+    if not expected_outage(exc):
         logger.error(
             "fence could not record %s key=%s generation=%s: %s; the message is re-sent",
             what,
@@ -382,28 +382,4 @@ def refused(exc: BaseException, what: str) -> ResultNotSerializable:
     return error
 
 
-__all__ = [
-    "AlreadyDead",
-    "Attempt",
-    "Busy",
-    "CeleryAction",
-    "Completed",
-    "Control",
-    "Exhausted",
-    "Fail",
-    "Failed",
-    "Lost",
-    "Outcome",
-    "Refused",
-    "Replayed",
-    "Reraise",
-    "Resend",
-    "Return",
-    "Stale",
-    "Unavailable",
-    "Unexpected",
-    "Unkeyed",
-    "refused",
-    "register_deferred",
-    "settle",
-]
+__all__ = ["refused", "settle"]

@@ -1,4 +1,5 @@
-"""Transition signals and the structured log line that goes with each.
+"""The transition signals a Celery user connects to (which action sends which: the table in
+:mod:`celery_fence.transitions`).
 
 Every signal is a Celery :class:`~celery.utils.dispatch.Signal` whose sender is the task, sent
 with keyword arguments ``key``, ``attempt_id``, ``generation`` and ``reason`` (plus a few more

@@ -23,10 +23,12 @@ from celery.app.task import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
+from . import outcomes as o
 from . import settle as s
 from . import transitions
 from .actions import Action
 from .config import FenceConfig
+from .deferred import register_deferred
 from .errors import (
     ConfigurationError,
     FenceEagerWarning,
@@ -38,6 +40,7 @@ from .errors import (
 )
 from .fence import Fence
 from .lease import HeldLease, LeaseStore
+from .outbox import trigger_delivery
 from .records import request_text
 from .runtime import Backends, app_state, runtime
 from .schema import KEY_LENGTH
@@ -151,8 +154,8 @@ class FencedTask(Task):
             logger.critical("fence settings invalid for task %s: %s", self.name, exc)
             if self.app.conf.get("fence_unsettled"):  # chaos demonstration: acked as a failure
                 raise
-            return self._act(s.Resend(CONFIG_ERROR_COUNTDOWN, "invalid fence settings", exc))
-        attempt = s.Attempt(
+            return self._act(o.Resend(CONFIG_ERROR_COUNTDOWN, "invalid fence settings", exc))
+        attempt = o.Attempt(
             task_name=self.name,
             key="",
             attempt_id=uuid.uuid4().hex,
@@ -165,7 +168,7 @@ class FencedTask(Task):
         try:
             outcome = self._execute(attempt, leases, args, kwargs)
         except Exception as exc:  # anything raised in the fenced path settles too
-            outcome = s.Unexpected(exc)
+            outcome = o.Unexpected(exc)
         try:
             action = s.settle(attempt, outcome)
         finally:
@@ -174,8 +177,8 @@ class FencedTask(Task):
         return self._act(action)
 
     def _execute(
-        self, attempt: s.Attempt, leases: LeaseStore, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> s.Outcome:
+        self, attempt: o.Attempt, leases: LeaseStore, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> o.Outcome:
         """Key -> claim -> register -> body, as far as it gets: the outcome, never an exit."""
         try:
             # A recovery or requeue re-sends with the job's key in a header: keep that key.
@@ -189,7 +192,7 @@ class FencedTask(Task):
                 raise
             attempt.key = f"unkeyed:{self.name}:{self.request.id}"
             request = self._stored_request(args, kwargs)
-            return s.Unkeyed(exc, self.request.id, None if request is None else json.loads(request))
+            return o.Unkeyed(exc, self.request.id, None if request is None else json.loads(request))
         attempt.policy.budget.record_call(self.name)
         stop = self._claim_and_register(attempt, leases, args, kwargs)
         if stop is not None:
@@ -202,26 +205,26 @@ class FencedTask(Task):
             attempts=attempt.attempts,
             lease=attempt.lease,
             store=attempt.store,
-            before_block=functools.partial(s.register_deferred, attempt),
+            before_block=functools.partial(register_deferred, attempt),
         )
         self.request.fence = fence
         try:
             result = self.run(*args, **kwargs)
         except (Retry, Ignore, Reject) as exc:
-            return s.Control(exc)
+            return o.Control(exc)
         except LeaseLost as exc:
-            return s.Lost(exc)
+            return o.Lost(exc)
         except StaleGeneration as exc:
-            return s.Stale(exc)
+            return o.Stale(exc)
         except Exception as exc:
-            return s.Failed(exc)
+            return o.Failed(exc)
         finally:
             self.request.fence = None
-        return s.Completed(result, fence.outbox.staged)
+        return o.Completed(result, fence.outbox.staged)
 
     def _claim_and_register(
-        self, a: s.Attempt, leases: LeaseStore, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> s.Outcome | None:
+        self, a: o.Attempt, leases: LeaseStore, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> o.Outcome | None:
         """Claim a generation and register it; None when the body may run, else the outcome."""
         config, renewer = a.config, self._fence_backends().renewer
         on_lost, on_renewed = transitions.lease_observers(
@@ -236,14 +239,14 @@ class FencedTask(Task):
                     a.key, a.attempt_id, config.lease_ttl_ms, releases=releases
                 )
             except LeaseBusy as busy:
-                return s.Busy(busy.remaining)
+                return o.Busy(busy.remaining)
             except Exception as exc:  # Redis unreachable or refusing: re-send, never drop
                 # The claim may have run with its reply lost (a timeout, a dropped connection):
                 # release this attempt's lease by its token, whatever its generation, so the
                 # re-sent message does not find it busy for a whole TTL.
                 lost_claim = (leases.keys_for(a.key).lease, f"{a.attempt_id}:")
                 renewer.return_releases([*releases, lost_claim])
-                return s.Unavailable(exc, f"lease store unavailable ({type(exc).__name__})")
+                return o.Unavailable(exc, f"lease store unavailable ({type(exc).__name__})")
             a.lease = HeldLease(
                 key=a.key,
                 lease_key=leases.keys_for(a.key).lease,
@@ -281,22 +284,22 @@ class FencedTask(Task):
                 )
             except sa_exc.DataError as exc:  # the database refuses the request: every time
                 if config.unsettled:
-                    return s.Unavailable(exc, "store refused registration")
-                return s.Refused(exc, request_json or None)
+                    return o.Unavailable(exc, "store refused registration")
+                return o.Refused(exc, request_json or None)
             except sa_exc.ProgrammingError as exc:  # e.g. the tables do not exist
                 reason = "store refused registration; is the schema created? celery fence init-db"
-                return s.Unavailable(exc, reason, max(5.0, config.retry_backoff_max / 10))
+                return o.Unavailable(exc, reason, max(5.0, config.retry_backoff_max / 10))
             except Exception as exc:  # nothing was registered: re-send, never drop
-                return s.Unavailable(exc, f"store unavailable ({type(exc).__name__})")
+                return o.Unavailable(exc, f"store unavailable ({type(exc).__name__})")
             a.attempts = registration.attempts
             if registration.outcome == "registered":
                 a.registered = True
-                return s.Exhausted() if a.attempts > config.max_attempts else None
+                return o.Exhausted() if a.attempts > config.max_attempts else None
             if registration.outcome == "completed":
                 assert registration.record is not None
-                return s.Replayed(registration.record)
+                return o.Replayed(registration.record)
             if registration.outcome == "dead":
-                return s.AlreadyDead(registration.record)
+                return o.AlreadyDead(registration.record)
             # Redis handed out a generation the store already saw (its counter was lost): raise
             # the counter above the store's and claim again. The store stays the authority.
             renewer.discard(a.lease, release=False)
@@ -316,7 +319,7 @@ class FencedTask(Task):
                 },
             )
             leases.raise_generation(a.key, registration.stored_generation)
-        return s.Unavailable(
+        return o.Unavailable(
             FenceError(f"could not claim a generation above the store's for {a.key!r}"),
             "generation regressed on every claim round",
         )
@@ -334,20 +337,18 @@ class FencedTask(Task):
 
     # -- Celery's side ---------------------------------------------------------------------------
 
-    def _act(self, action: s.CeleryAction) -> Any:
+    def _act(self, action: o.CeleryAction) -> Any:
         """The one adapter from a settled action to Celery's terms (Celery then acks late)."""
-        if isinstance(action, s.Return):
-            if action.deliver is not None:
-                from .outbox import trigger_delivery  # the outbox imports this module
-
-                if not action.replay or app_state(self.app).outbox is not None:
-                    trigger_delivery(self.app, action.deliver)
+        if isinstance(action, o.Return):
+            replay_only = action.replay and app_state(self.app).outbox is None
+            if action.deliver is not None and not replay_only:
+                trigger_delivery(self.app, action.deliver)
             return action.result
-        if isinstance(action, (s.Fail, s.Reraise)):
+        if isinstance(action, (o.Fail, o.Reraise)):
             raise action.error
         return self._resend(action)
 
-    def _resend(self, action: s.Resend) -> Any:
+    def _resend(self, action: o.Resend) -> Any:
         """Re-send this message (same task id) after the countdown; never drop it. ``expires``
         is not carried over: a message the fence re-sends must arrive."""
         if self.request.called_directly:  # a direct call raises instead of re-sending
@@ -386,7 +387,7 @@ class FencedTask(Task):
     # -- transitions -----------------------------------------------------------------------------
 
     def _emit_for(
-        self, action: Action, attempt: s.Attempt, reason: str | None = None, **extra: Any
+        self, action: Action, attempt: o.Attempt, reason: str | None = None, **extra: Any
     ) -> None:
         transitions.emit_transition(
             action,

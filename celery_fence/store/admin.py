@@ -119,6 +119,15 @@ def bury_stranded(store: Store, before: JobRecord, *, error: BaseException, reas
     return store.writer.write(statement, params, actions=(Action.DEAD,), reason=reason) is not None
 
 
+def delete_all_rows(store: Store) -> None:
+    """Delete every job, transition and outbox row: the testing plugin's reset between tests that
+    share a PostgreSQL schema. Not a :class:`~celery_fence.store.Store` method, and no CLI verb
+    calls it."""
+    with store.db.tx(unbounded=True) as conn:
+        for statement in sql.delete_all():
+            conn.execute(statement)
+
+
 def purge(
     store: Store, *, finished_before: dt.datetime, statuses: Sequence[str] = (COMPLETED, DEAD)
 ) -> int:

@@ -370,6 +370,11 @@ def purge(statuses: Sequence[str], finished_before: dt.datetime) -> tuple[Any, A
     return transitions.delete().where(transitions.c.key.in_(keys)), jobs.delete().where(done)
 
 
+def delete_all() -> tuple[Any, ...]:
+    """Every row of the three tables, children first (the testing plugin's reset)."""
+    return outbox.delete(), transitions.delete(), jobs.delete()
+
+
 # -- the outbox (SQLAlchemy Core; ``now`` is the database's clock or this process's) -------------
 
 

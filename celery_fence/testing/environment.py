@@ -166,11 +166,9 @@ class FenceRedis:
 
 def clear_rows(store: Store) -> None:
     """Delete every job, transition and outbox row (a PostgreSQL schema shared by the session)."""
-    from celery_fence.schema import jobs, outbox, transitions
+    from celery_fence.store.admin import delete_all_rows
 
-    with store.engine.connect() as conn:
-        for table in (outbox, transitions, jobs):
-            conn.execute(table.delete())
+    delete_all_rows(store)
 
 
 class FenceEnv:

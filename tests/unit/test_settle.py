@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy.exc as sa_exc
 from celery.exceptions import Ignore, Reject, Retry
 
+from celery_fence import outcomes as o
 from celery_fence import settle as s
 from celery_fence.config import FenceConfig
 from celery_fence.errors import (
@@ -93,10 +94,10 @@ class NoBudget:
         return 0.0
 
 
-def _attempt(store: FakeStore, **config: Any) -> s.Attempt:
+def _attempt(store: FakeStore, **config: Any) -> o.Attempt:
     cfg = FenceConfig(lease_ttl=2.0, renew_interval=0.5, max_attempts=3, **config)
     emitted: list[str] = []
-    attempt = s.Attempt(
+    attempt = o.Attempt(
         task_name="t",
         key="k",
         attempt_id="mine",
@@ -122,109 +123,109 @@ def _data_error() -> sa_exc.DataError:
 
 CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, str | None]] = [
     # (name, outcome, failing store methods, stored record, action type, store write)
-    ("completed", s.Completed({"ok": 1}), {}, None, s.Return, "complete"),
+    ("completed", o.Completed({"ok": 1}), {}, None, o.Return, "complete"),
     (
         "completed, stale, newer done",
-        s.Completed(1),
+        o.Completed(1),
         {"complete": STALE},
         _record("completed", 2),
-        s.Return,
+        o.Return,
         "record",
     ),
     (
         "completed, stale, newer running",
-        s.Completed(1),
+        o.Completed(1),
         {"complete": STALE},
         _record("running"),
-        s.Resend,
+        o.Resend,
         "record",
     ),
     (
         "completed, not JSON",
-        s.Completed(1),
+        o.Completed(1),
         {"complete": ResultNotSerializable("x")},
         None,
-        s.Fail,
+        o.Fail,
         "mark_dead",
     ),
     (
         "completed, refused value",
-        s.Completed(1),
+        o.Completed(1),
         {"complete": _data_error()},
         None,
-        s.Fail,
+        o.Fail,
         "mark_dead",
     ),
-    ("completed, store down", s.Completed(1), {"complete": DOWN}, None, s.Resend, None),
-    ("replayed", s.Replayed(_record("completed", 5)), {}, None, s.Return, None),
-    ("already dead", s.AlreadyDead(_record("dead")), {}, None, s.Fail, None),
-    ("exhausted", s.Exhausted(), {}, None, s.Fail, "mark_dead"),
-    ("failed, transient", s.Failed(ConnectionError("x")), {}, None, s.Resend, "schedule_retry"),
-    ("failed, permanent", s.Failed(PermanentError("x")), {}, None, s.Fail, "mark_dead"),
+    ("completed, store down", o.Completed(1), {"complete": DOWN}, None, o.Resend, None),
+    ("replayed", o.Replayed(_record("completed", 5)), {}, None, o.Return, None),
+    ("already dead", o.AlreadyDead(_record("dead")), {}, None, o.Fail, None),
+    ("exhausted", o.Exhausted(), {}, None, o.Fail, "mark_dead"),
+    ("failed, transient", o.Failed(ConnectionError("x")), {}, None, o.Resend, "schedule_retry"),
+    ("failed, permanent", o.Failed(PermanentError("x")), {}, None, o.Fail, "mark_dead"),
     (
         "failed, store down",
-        s.Failed(ConnectionError("x")),
+        o.Failed(ConnectionError("x")),
         {"schedule_retry": DOWN},
         None,
-        s.Resend,
+        o.Resend,
         None,
     ),
     (
         "failed, dead not recorded",
-        s.Failed(PermanentError("x")),
+        o.Failed(PermanentError("x")),
         {"mark_dead": DOWN},
         None,
-        s.Resend,
+        o.Resend,
         None,
     ),
-    ("lost", s.Lost(LeaseLost("x")), {}, None, s.Resend, "schedule_retry"),
+    ("lost", o.Lost(LeaseLost("x")), {}, None, o.Resend, "schedule_retry"),
     (
         "lost, stale",
-        s.Lost(LeaseLost("x")),
+        o.Lost(LeaseLost("x")),
         {"schedule_retry": STALE},
         _record("running"),
-        s.Resend,
+        o.Resend,
         "record",
     ),
-    ("stale, get fails", s.Stale(STALE), {"get": DOWN}, None, s.Resend, "record"),
-    ("busy", s.Busy(1.5), {}, None, s.Resend, None),
-    ("unavailable", s.Unavailable(DOWN, "store unavailable"), {}, None, s.Resend, None),
+    ("stale, get fails", o.Stale(STALE), {"get": DOWN}, None, o.Resend, "record"),
+    ("busy", o.Busy(1.5), {}, None, o.Resend, None),
+    ("unavailable", o.Unavailable(DOWN, "store unavailable"), {}, None, o.Resend, None),
     (
         "refused arguments",
-        s.Refused(_data_error(), '{"args":[]}'),
+        o.Refused(_data_error(), '{"args":[]}'),
         {},
         None,
-        s.Fail,
+        o.Fail,
         "bury_refused",
     ),
     (
         "refused, store down",
-        s.Refused(_data_error(), None),
+        o.Refused(_data_error(), None),
         {"bury_refused": DOWN},
         None,
-        s.Resend,
+        o.Resend,
         None,
     ),
-    ("unkeyed", s.Unkeyed(ConfigurationError("bad key"), "id", None), {}, None, s.Fail, "bury"),
-    ("control: retry", s.Control(Retry(when=0.5)), {}, None, s.Reraise, "schedule_retry"),
+    ("unkeyed", o.Unkeyed(ConfigurationError("bad key"), "id", None), {}, None, o.Fail, "bury"),
+    ("control: retry", o.Control(Retry(when=0.5)), {}, None, o.Reraise, "schedule_retry"),
     (
         "control: requeue",
-        s.Control(Reject("x", requeue=True)),
+        o.Control(Reject("x", requeue=True)),
         {},
         None,
-        s.Reraise,
+        o.Reraise,
         "schedule_retry",
     ),
-    ("control: reject", s.Control(Reject("x", requeue=False)), {}, None, s.Reraise, "mark_dead"),
-    ("control: ignore", s.Control(Ignore()), {}, None, s.Reraise, "mark_dead"),
-    ("control: stale", s.Control(Ignore()), {"mark_dead": STALE}, None, s.Reraise, None),
-    ("control: store down", s.Control(Ignore()), {"mark_dead": DOWN}, None, s.Resend, None),
+    ("control: reject", o.Control(Reject("x", requeue=False)), {}, None, o.Reraise, "mark_dead"),
+    ("control: ignore", o.Control(Ignore()), {}, None, o.Reraise, "mark_dead"),
+    ("control: stale", o.Control(Ignore()), {"mark_dead": STALE}, None, o.Reraise, None),
+    ("control: store down", o.Control(Ignore()), {"mark_dead": DOWN}, None, o.Resend, None),
     (
         "unexpected, registered",
-        s.Unexpected(RuntimeError("x")),
+        o.Unexpected(RuntimeError("x")),
         {},
         None,
-        s.Resend,
+        o.Resend,
         "schedule_retry",
     ),
 ]
@@ -252,22 +253,22 @@ def test_exhausted_keeps_the_executions_and_names_the_time_limit() -> None:
     store = FakeStore(last="time_limit")
     attempt = _attempt(store)
     attempt.attempts = 4  # the fourth delivery found three executions spent
-    action = s.settle(attempt, s.Exhausted())
-    assert isinstance(action, s.Fail) and isinstance(action.error, JobDead)
+    action = s.settle(attempt, o.Exhausted())
+    assert isinstance(action, o.Fail) and isinstance(action.error, JobDead)
     [(name, kw)] = store.writes
     assert (name, kw["attempts"], kw["reason"]) == ("mark_dead", 3, "time limit")
 
 
 def test_a_replay_returns_the_stored_result_and_a_stale_completion_converges_on_it() -> None:
-    replay = s.settle(_attempt(FakeStore()), s.Replayed(_record("completed", [1])))
-    assert replay == s.Return([1], deliver="k", replay=True)  # undelivered outbox rows go again
+    replay = s.settle(_attempt(FakeStore()), o.Replayed(_record("completed", [1])))
+    assert replay == o.Return([1], deliver="k", replay=True)  # undelivered outbox rows go again
     store = FakeStore(fail={"complete": STALE}, current=_record("completed", {"by": "newer"}))
-    assert s.settle(_attempt(store), s.Completed({"by": "me"})) == s.Return({"by": "newer"})
+    assert s.settle(_attempt(store), o.Completed({"by": "me"})) == o.Return({"by": "newer"})
 
 
 def test_a_completion_with_effects_asks_for_their_delivery() -> None:
-    action = s.settle(_attempt(FakeStore()), s.Completed(1, effects=("e",)))  # type: ignore[arg-type]
-    assert action == s.Return(1, deliver="k")
+    action = s.settle(_attempt(FakeStore()), o.Completed(1, effects=("e",)))  # type: ignore[arg-type]
+    assert action == o.Return(1, deliver="k")
 
 
 def test_a_retry_budget_that_cannot_be_reached_still_retries() -> None:
@@ -278,14 +279,14 @@ def test_a_retry_budget_that_cannot_be_reached_still_retries() -> None:
     store = FakeStore()
     attempt = _attempt(store)
     attempt.policy = RetryPolicy(attempt.config, budget=Broken())  # type: ignore[arg-type]
-    action = s.settle(attempt, s.Failed(ConnectionError("x")))
-    assert isinstance(action, s.Resend) and "retry budget unavailable" in action.reason
+    action = s.settle(attempt, o.Failed(ConnectionError("x")))
+    assert isinstance(action, o.Resend) and "retry budget unavailable" in action.reason
     assert [name for name, _ in store.writes] == ["schedule_retry"]
 
 
 def test_a_refused_value_error_names_the_cause_and_the_fix_without_the_value() -> None:
-    action = s.settle(_attempt(FakeStore()), s.Refused(_data_error(), None))
-    assert isinstance(action, s.Fail)
+    action = s.settle(_attempt(FakeStore()), o.Refused(_data_error(), None))
+    assert isinstance(action, o.Fail)
     message = str(action.error)
     assert "unsupported Unicode escape sequence" in message and "\\u0000" in message
     assert "LINE" not in message  # only the driver's first line: its context can quote values
@@ -295,6 +296,6 @@ def test_unregistered_unexpected_errors_resend_without_a_write() -> None:
     store = FakeStore()
     attempt = _attempt(store)
     attempt.registered, attempt.attempts, attempt.generation = False, 0, None
-    action = s.settle(attempt, s.Unexpected(RuntimeError("boom"), where="claim"))
-    assert isinstance(action, s.Resend) and "claim" in action.reason
+    action = s.settle(attempt, o.Unexpected(RuntimeError("boom"), where="claim"))
+    assert isinstance(action, o.Resend) and "claim" in action.reason
     assert store.writes == []
