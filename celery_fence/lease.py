@@ -21,86 +21,25 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
-import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from .config import DEFAULT_GENERATION_TTL, FenceConfig
 from .errors import LeaseBusy, LeaseLost
 from .redis_client import make_client
+from .scripts import LuaScript
 
 logger = logging.getLogger(__name__)
 
 CLAIMED, BUSY = 1, 0
 
 
-def _script_source(name: str) -> str:
-    return resources.files("celery_fence").joinpath(f"lua/{name}.lua").read_text("utf-8")
-
-
-class _Script:
-    """A Lua script called by SHA, re-loaded once on ``NOSCRIPT`` (restart, failover, new node)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.source = _script_source(name)
-        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
-
-    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            self.load(client)
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-
-    def load(self, client: Any) -> None:
-        """``SCRIPT LOAD`` where ``client`` runs scripts (on a Redis Cluster: every primary)."""
-        client.script_load(self.source)
-
-    def call_once(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """Like calling the script, but one send on one pooled connection, never re-sent.
-
-        redis-py re-sends a command after a timeout or connection error (its ``Retry``). For a
-        claim that is wrong: the lost reply may have been a granted lease, which the re-sent
-        claim then meets and reports as busy — another INCR, and a task that believes some
-        other attempt holds its key. Here the error is raised as what it is, and the caller
-        re-sends the message with backoff. It also skips redis-py's per-command machinery,
-        which costs more CPU than the round trip. Used for single Redis / Sentinel /
-        unix-socket clients; a Redis Cluster client, a single-connection client or any other
-        client takes the ordinary path.
-        """
-        pool = getattr(client, "connection_pool", None)
-        if (
-            not isinstance(client, redis.Redis)
-            or getattr(client, "connection", None) is not None
-            or pool is None
-        ):
-            return self(client, keys, args)
-        try:
-            conn = pool.get_connection()
-        except TypeError:  # redis-py < 5.3 wants the command name
-            conn = pool.get_connection("EVALSHA")
-        try:
-            conn.send_command("EVALSHA", self.sha, len(keys), *keys, *args)
-            return conn.read_response()
-        except NoScriptError:
-            pass  # a complete reply: the connection is fine; load the script below
-        except BaseException:
-            conn.disconnect()  # a reply may still be in flight: never reuse this connection
-            raise
-        finally:
-            pool.release(conn)
-        self.load(client)
-        return self(client, keys, args)
-
-
-CLAIM = _Script("claim")
-RENEW = _Script("renew")
-RELEASE = _Script("release")
-RAISE_GENERATION = _Script("raise_generation")
+CLAIM = LuaScript("claim")
+RENEW = LuaScript("renew")
+RELEASE = LuaScript("release")
+RAISE_GENERATION = LuaScript("raise_generation")
 
 
 def make_redis_client(config: FenceConfig) -> Any:
@@ -259,7 +198,7 @@ class LeaseStore:
     def _claim_with_releases(
         self, keys: LeaseKeys, token: str, ttl_ms: int, releases: Sequence[tuple[str, str]]
     ) -> Any:
-        calls: list[tuple[_Script, tuple[Any, ...]]] = [
+        calls: list[tuple[LuaScript, tuple[Any, ...]]] = [
             (RELEASE, (1, lease_key, value)) for lease_key, value in releases
         ]
         calls.append(
@@ -270,7 +209,7 @@ class LeaseStore:
             raise result
         return result
 
-    def _pipelined(self, calls: Sequence[tuple[_Script, tuple[Any, ...]]]) -> list[Any]:
+    def _pipelined(self, calls: Sequence[tuple[LuaScript, tuple[Any, ...]]]) -> list[Any]:
         """Run (script, (numkeys, *keys, *args)) calls in one pipelined round trip (per node).
 
         A raw EVALSHA, not ``pipe.evalsha()``: a redis-py cluster pipeline refuses evalsha() but
@@ -321,7 +260,7 @@ class LeaseStore:
         """
         if not renewals and not releases:
             return [], []
-        calls: list[tuple[_Script, tuple[Any, ...]]] = [
+        calls: list[tuple[LuaScript, tuple[Any, ...]]] = [
             (RENEW, (1, lease_key, value, ttl_ms)) for lease_key, value, ttl_ms in renewals
         ] + [(RELEASE, (1, lease_key, value)) for lease_key, value in releases]
         results = self._pipelined(calls)

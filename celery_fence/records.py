@@ -124,7 +124,7 @@ def encode_request(
     return None if text is None else dict(json.loads(text))
 
 
-def _record(row: Any) -> JobRecord:
+def job_record(row: Any) -> JobRecord:
     m = row._mapping
     fields = {name: m[name] for name in JobRecord.__dataclass_fields__}
     fields["request"] = decode_request(fields["request"])  # as sent, also when stored encoded

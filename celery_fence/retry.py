@@ -54,8 +54,8 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from .config import FenceConfig
 from .errors import LeaseBusy, PermanentError, ResultNotSerializable
-from .lease import _Script
 from .runtime import runtime
+from .scripts import LuaScript
 
 
 def _dbapi_transient() -> tuple[type[BaseException], ...]:
@@ -195,7 +195,7 @@ class TokenBucket:
         return self.window
 
 
-RETRY_BUDGET = _Script("retry_budget")
+RETRY_BUDGET = LuaScript("retry_budget")
 
 #: Seconds the per-process budget stands in after the shared bucket could not be reached.
 SHARED_COOLDOWN = 10.0

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..actions import Action
 from ..errors import StoreError
-from ..records import JobRecord, _record
+from ..records import JobRecord, job_record
 from ..schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
 from . import sql
 
@@ -87,7 +87,7 @@ def stranded(
     cutoff = (now or utcnow()) - dt.timedelta(seconds=older_than)
     query = sql.stranded(unfinished=UNFINISHED, cutoff=cutoff, limit=limit, task_name=task_name)
     with store.engine.connect() as conn:
-        return [_record(r) for r in conn.execute(query).all()]
+        return [job_record(r) for r in conn.execute(query).all()]
 
 
 def take_for_resend(store: Store, before: JobRecord, *, reason: str) -> JobRecord | None:

@@ -22,8 +22,8 @@ from ..records import (
     JobRecord,
     Registration,
     Transition,
-    _record,
     dumps_strict,
+    job_record,
 )
 from ..schema import COMPLETED, DEAD, PENDING, RETRYING, utcnow
 from . import admin, sql
@@ -388,7 +388,7 @@ class Store:
     def get(self, key: str) -> JobRecord | None:
         with self.engine.connect() as conn:
             row = conn.execute(sql.get_job(key)).first()
-        return None if row is None else _record(row)
+        return None if row is None else job_record(row)
 
     def history(self, key: str) -> list[Transition]:
         with self.engine.connect() as conn:
@@ -402,7 +402,7 @@ class Store:
     ) -> list[JobRecord]:
         query = sql.list_jobs(status=status, task_name=task_name, limit=limit)
         with self.engine.connect() as conn:
-            return [_record(r) for r in conn.execute(query).all()]
+            return [job_record(r) for r in conn.execute(query).all()]
 
     # -- the operator's and the recovery's verbs: functions of celery_fence.store.admin ------
 
