@@ -30,12 +30,11 @@ import logging
 import queue
 import threading
 import time
-import weakref
 from typing import Any
 
 from celery import signals as celery_signals
 
-from .runtime import runtime
+from .runtime import app_state, runtime
 
 logger = logging.getLogger("celery_fence.events")
 
@@ -43,8 +42,6 @@ logger = logging.getLogger("celery_fence.events")
 EVENT_PREFIX = "task-fence"
 #: Events waiting for the sender thread; beyond this they are dropped (the broker lags behind).
 MAX_PENDING = 10_000
-
-_task_events: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def event_type(subject: str) -> str:
@@ -60,12 +57,12 @@ def _remember_task_events(sender: Any = None, **_: Any) -> None:
     """
     app = getattr(sender, "app", None)
     if app is not None:
-        _task_events[app] = bool(getattr(sender, "task_events", False))
+        app_state(app).task_events = bool(getattr(sender, "task_events", False))
 
 
 def task_events_enabled(app: Any) -> bool:
     """Whether this process's worker sends task events (``-E`` or ``worker_send_task_events``)."""
-    enabled = _task_events.get(app)
+    enabled = app_state(app).task_events
     if enabled is None:
         return bool(app.conf.worker_send_task_events)
     return enabled

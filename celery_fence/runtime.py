@@ -292,6 +292,9 @@ class AppState:
     config: FenceConfig | None = None
     #: The app's :class:`~celery_fence.outbox.Outbox` (its handler registry), if one was made.
     outbox: Outbox | None = None
+    #: Whether the worker sends task events (``-E`` sets the worker's flag, not ``app.conf``);
+    #: None until ``worker_init`` says (see :func:`celery_fence.events.task_events_enabled`).
+    task_events: bool | None = None
 
 
 _STATE_ATTRIBUTE = "_fence_state"
