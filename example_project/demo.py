@@ -417,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
     print("celery-fence demo: a paused worker, a stale attempt, and effects delivered twice\n")
     redis_url: str | None = None
     try:

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 
 from celery_fence.outbox import idempotency_key, storage_key
 from celery_fence.store import Store
-from tests.support.leftovers import kill_groups, processes_mentioning
+from tests.support.leftovers import ctrl_c_default, kill_groups, processes_mentioning
 from tests.support.worker import ROOT, wait_until
 
 pytestmark = pytest.mark.acceptance
@@ -41,6 +41,7 @@ def _demo(*args: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=ctrl_c_default,
     )
 
 

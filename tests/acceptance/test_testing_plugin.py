@@ -29,6 +29,7 @@ from celery_fence import FencedTask
 from celery_fence.errors import FenceEagerWarning
 from celery_fence.testing.processes import group_alive
 from tests.support.env import BROKER_URL, REDIS_URL
+from tests.support.leftovers import ctrl_c_default
 from tests.support.worker import wait_until
 
 pytestmark = pytest.mark.acceptance
@@ -252,6 +253,7 @@ def test_ctrl_c_stops_the_worker_and_clears_its_keys(tmp_path: Path) -> None:
         env={**_env(root), "FENCE_PIDFILE": str(pidfile)},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=ctrl_c_default,
     )
     try:
         wait_until(pidfile.exists, 90, interval=0.1, what="the worker to start")

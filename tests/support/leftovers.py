@@ -53,3 +53,10 @@ def kill_groups(pids: Iterable[int], timeout: float = 10.0) -> None:
             os.killpg(group, signal.SIGCONT)  # a stopped process does not die until continued
             os.killpg(group, signal.SIGKILL)
     poll_until(lambda: not any(group_alive(g) for g in groups), timeout)
+
+
+def ctrl_c_default() -> None:
+    """``preexec_fn`` for a program a test will Ctrl-C: SIGINT back to its default, so Python
+    raises KeyboardInterrupt there even when this test run inherited SIGINT ignored (a shell's
+    background job without job control starts that way, and its children keep it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
