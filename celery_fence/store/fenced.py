@@ -20,7 +20,9 @@ from ..actions import Action
 from ..records import Effect
 from ..schema import utcnow
 from . import sql
-from .engine import Database
+from .engine import SQLITE_TIMESTAMP, Database
+
+SQLITE_TRANSITION_SQL = sql.transition_sql("sqlite")
 
 
 class Row(NamedTuple):
@@ -55,7 +57,7 @@ class FencedWriter:
         ``effects``. Returns the changed row, or None when the condition did not match."""
         now = now or utcnow()
         record = self.record_transitions
-        reason = _reason(reason)
+        reason = (reason or "")[:255] or None  # the table keeps 255 characters, no empty one
         if self.db.dialect == "postgresql":
             params["now"] = now
             if record or effects:
@@ -77,7 +79,7 @@ class FencedWriter:
                 )
             row = self.db.pg_execute(statement, params)
             return None if row is None else Row(*row)
-        params["now"] = stamp = self.db.stamp(now)
+        params["now"] = stamp = now.strftime(SQLITE_TIMESTAMP)
         with self.db.raw() as cursor:
             if not record and not effects:
                 cursor.execute(statement, params)
@@ -90,8 +92,15 @@ class FencedWriter:
                 if row is not None:
                     for action in actions if record else ():
                         cursor.execute(
-                            sql.transition_sql("sqlite"),
-                            _transition(row[0], row[1], row[2], action, reason, stamp),
+                            SQLITE_TRANSITION_SQL,
+                            {
+                                "key": row[0],
+                                "generation": row[1],
+                                "attempt_id": row[2],
+                                "action": action.value,
+                                "reason": reason,
+                                "now": stamp,
+                            },
                         )
                     for e in effects:
                         cursor.execute(
