@@ -16,6 +16,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 
 _children: list[subprocess.Popen[bytes]] = []
@@ -35,6 +36,14 @@ def register_closer(fn: Callable[[], None]) -> None:
     """Run ``fn`` (e.g. stop a proxy or drop a database) in :func:`cleanup`."""
     with _lock:
         _closers.append(fn)
+
+
+def read_log(path: Path) -> str:
+    """What a child wrote to its log file so far ("" before the file exists)."""
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 def kill_group(pid: int, sig: int) -> None:

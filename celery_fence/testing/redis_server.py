@@ -10,7 +10,7 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .groups import kill_group, register
+from .groups import kill_group, read_log, register
 from .waiting import free_port, wait_until
 
 
@@ -94,10 +94,7 @@ class RedisServer:
         return redis_answers(self.url)
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return read_log(self.log_path)
 
     @property
     def alive(self) -> bool:

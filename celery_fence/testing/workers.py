@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from .groups import kill_group, register
+from .groups import kill_group, read_log, register
 from .waiting import WaitTimeout, poll_until
 
 
@@ -104,10 +104,7 @@ class Worker:
         return self.launch().wait_ready(timeout)
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return read_log(self.log_path)
 
     @property
     def logs(self) -> str:
