@@ -248,6 +248,22 @@ def test_show_prints_state_lease_and_history(
     assert "none (not held)" in ok(fence_cli(worker_env, "show", key))
 
 
+def test_show_prints_the_stored_result_of_a_completed_job(
+    fence_store: Store, worker_env: dict[str, str], task_name: str, leases: LeaseStore
+) -> None:
+    key = f"job:{uuid.uuid4().hex[:10]}"
+    token = uuid.uuid4().hex
+    generation = leases.claim(key, token, 30_000)
+    fence_store.register(key, generation=generation, attempt_id=token, task_name=task_name)
+    assert ok(fence_cli(worker_env, "show", key)).count("result:") == 1  # "-" until completed
+    fence_store.complete(key, generation=generation, attempt_id=token, result={"rows": [1, 2]})
+
+    text = ok(fence_cli(worker_env, "show", key))
+    assert 'result:        {"rows": [1, 2]}' in text.splitlines()
+    doc = json.loads(ok(fence_cli(worker_env, "show", key, "--json")))
+    assert doc["status"] == "completed" and doc["result"] == {"rows": [1, 2]}
+
+
 # -- requeue --------------------------------------------------------------------------------------
 
 
