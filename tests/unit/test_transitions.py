@@ -15,7 +15,7 @@ from celery_fence import signals, transitions
 from celery_fence.actions import Action
 from celery_fence.transitions import TABLE, emit_transition
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "operating.md"
 ROW = re.compile(r"^\| `(\w+)` \| (.+?) \| (\w+) \| `([\w.]+)` \| (.+?) \| (yes|no) \|$")
 
 
@@ -79,8 +79,8 @@ def test_every_action_has_one_row_in_the_table() -> None:
     assert set(TABLE) == set(Action)
 
 
-def test_the_readme_table_is_the_code_table() -> None:
-    # Given the README's table of transitions and the code's
+def test_the_documented_table_is_the_code_table() -> None:
+    # Given the operating guide's table of transitions and the code's
     code = {
         action.value: (
             None if spec.signal is None else spec.signal.name,
@@ -91,7 +91,7 @@ def test_the_readme_table_is_the_code_table() -> None:
         )
         for action, spec in TABLE.items()
     }
-    # Then they say the same, row for row, and the README's list of table rows is the code's
+    # Then they say the same, row for row, and the guide's list of table rows is the code's
     assert _readme_table() == code
     recorded = {a.value for a in Action if TABLE[a].recorded}
     readme = README.read_text()
