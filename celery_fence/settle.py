@@ -312,7 +312,14 @@ def _write_retry(a: Attempt, error: BaseException, countdown: float, reason: str
         retry_at=dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=countdown),
         reason=reason,
     )
-    a.emit(Action.RETRY_SCHEDULED, a, reason=reason, countdown=countdown, attempts=a.attempts)
+    a.emit(
+        Action.RETRY_SCHEDULED,
+        a,
+        reason=reason,
+        countdown=countdown,
+        attempts=a.attempts,
+        error=error,
+    )
 
 
 def _write_dead(
@@ -332,6 +339,7 @@ def _write_dead(
         a,
         reason=reason,
         attempts=a.attempts if attempts is None else attempts,
+        error=error,
     )
 
 
