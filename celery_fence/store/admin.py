@@ -36,27 +36,33 @@ def _as_read(store: Store, before: JobRecord, **values: Any) -> dict[str, Any]:
     }
 
 
-def requeue(store: Store, key: str) -> JobRecord:
+def requeue(store: Store, key: str, *, completed: bool = False) -> JobRecord:
     """Move a dead job to ``pending`` with a fresh attempt budget; refuse any other status.
 
-    Returns the job as it was (``dead``; its stored request is what to re-send). The write is
-    conditional on the row still being that dead record (generation and attempt), so two
-    operators cannot both requeue it and a requeue never touches a job someone else changed.
+    ``completed=True`` does the same to a completed job instead (an operator runs its key again
+    on purpose): its stored result stays until the new attempt's completion replaces it, and the
+    history records the re-run. Returns the job as it was (its stored request is what to
+    re-send). The write is conditional on the row still being that record (status, generation
+    and attempt), so two operators cannot both requeue it and a requeue never touches a job
+    someone else changed.
     """
     before = store.get(key)
     if before is None:
         raise StoreError(f"no job with key {key!r}")
-    if before.status != DEAD:
-        raise StoreError(f"job {key!r} is {before.status}, not dead: only dead jobs are requeued")
+    wanted = COMPLETED if completed else DEAD
+    if before.status != wanted:
+        raise StoreError(f"job {key!r} is {before.status}, not {wanted}: not requeued")
     statement = sql.cas_sql(store.dialect, sql.REQUEUE, sql.SAME)
+    reason = "completed job re-run by operator" if completed else "by operator"
     store.fenced_write(
-        "requeue", statement, _as_read(store, before), Action.REQUEUED, reason="by operator"
+        "requeue", statement, _as_read(store, before), Action.REQUEUED, reason=reason
     )
     return before
 
 
-def restore_dead(store: Store, before: JobRecord, *, reason: str) -> None:
-    """Undo :func:`requeue` when the message could not be sent: back to ``dead`` as it was.
+def restore_finished(store: Store, before: JobRecord, *, reason: str) -> None:
+    """Undo :func:`requeue` when the message could not be sent: back to ``dead`` (or
+    ``completed``) as it was.
 
     Fenced on the requeued row (``pending``, same generation and attempt): if an attempt
     claimed the job meanwhile, nothing changes and :class:`StaleGeneration` says so.
@@ -65,10 +71,11 @@ def restore_dead(store: Store, before: JobRecord, *, reason: str) -> None:
         store,
         before,
         was_status=PENDING,
+        status=before.status,
         attempts=before.attempts,
         finished_at=store.db.stamp(before.finished_at),
     )
-    statement = sql.cas_sql(store.dialect, sql.RESTORE_DEAD, sql.SAME)
+    statement = sql.cas_sql(store.dialect, sql.RESTORE_FINISHED, sql.SAME)
     store.fenced_write("restore", statement, params, Action.REQUEUE_REVERTED, reason=reason)
 
 

@@ -407,7 +407,7 @@ class Store:
     # -- the operator's and the recovery's verbs: functions of celery_fence.store.admin ------
 
     requeue = admin.requeue
-    restore_dead = admin.restore_dead
+    restore_finished = admin.restore_finished
     stranded = admin.stranded
     take_for_resend = admin.take_for_resend
     bury_stranded = admin.bury_stranded

@@ -184,15 +184,16 @@ def mark_dead_sql(dialect: str, *, fenced: bool, errors: bool, attempts: bool) -
     return dead_sql(dialect, where=_owned(fenced), errors=errors, attempts=attempts)
 
 
-#: The operator's and the recovery's writes (:func:`cas_sql`): a dead job back to ``pending``
-#: with a fresh attempt budget; a requeued job back to ``dead`` as it was (its message could not
-#: be sent); a stranded job to ``pending`` for a re-send.
+#: The operator's and the recovery's writes (:func:`cas_sql`): a dead (or, on purpose, a
+#: completed) job back to ``pending`` with a fresh attempt budget, its stored result kept until a
+#: new completion replaces it; a requeued job back to ``dead``/``completed`` as it was (its message
+#: could not be sent); a stranded job to ``pending`` for a re-send.
 REQUEUE = (
     f"status = '{Status.PENDING}', attempts = 0, updated_at = :now, finished_at = NULL, "
     "retry_at = NULL"
 )
-RESTORE_DEAD = (
-    f"status = '{Status.DEAD}', attempts = :attempts, finished_at = :finished_at, updated_at = :now"
+RESTORE_FINISHED = (
+    "status = :status, attempts = :attempts, finished_at = :finished_at, updated_at = :now"
 )
 TAKE_FOR_RESEND = f"status = '{Status.PENDING}', updated_at = :now, retry_at = NULL"
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_fence.errors import ResultNotSerializable, StaleGeneration
+from celery_fence.errors import ResultNotSerializable, StaleGeneration, StoreError
 from celery_fence.lease import LeaseStore
 from celery_fence.schema import create_schema
 from celery_fence.store import Store
@@ -62,6 +62,33 @@ def test_a_completed_job_replays(store: Store) -> None:
     record = store.get(key)
     assert record is not None
     assert (record.generation, record.attempt_id, record.attempts) == (1, "A", 1)  # untouched
+
+
+def test_an_operators_rerun_of_a_completed_job_keeps_its_result_until_the_new_one(
+    store: Store,
+) -> None:
+    # Given a completed job
+    key = _key()
+    store.register(key, generation=1, attempt_id="A", task_name="t", request_json='{"a": 1}')
+    store.complete(key, generation=1, attempt_id="A", result={"v": 1})
+    # When an operator requeues it on purpose: pending, the old result still stored ...
+    before = store.requeue(key, completed=True)
+    pending = store.get(key)
+    assert pending is not None and (pending.status, pending.result) == ("pending", {"v": 1})
+    # ... and its send failed: back to completed as it was
+    store.restore_finished(before, reason="send failed")
+    restored = store.get(key)
+    assert restored is not None and (restored.status, restored.result) == ("completed", {"v": 1})
+    assert restored.attempts == before.attempts and restored.finished_at is not None
+    # Sent this time: the next attempt registers and its completion replaces the result
+    store.requeue(key, completed=True)
+    store.register(key, generation=2, attempt_id="B", task_name="t")
+    store.complete(key, generation=2, attempt_id="B", result={"v": 2})
+    record = store.get(key)
+    assert record is not None and (record.status, record.result) == ("completed", {"v": 2})
+    # A plain requeue of a completed job, or a re-run of a dead one, is refused
+    with pytest.raises(StoreError):
+        store.requeue(key)
 
 
 def test_register_counts_attempts_durably(store: Store) -> None:
