@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import time
 
 import click
 from celery.bin.base import CeleryOption
@@ -15,6 +16,7 @@ from ..config import FenceConfig
 from ..errors import StaleGeneration
 from ..schema import COMPLETED, DEAD
 from ..store import JobRecord, Store, store_for
+from ..store.admin import PURGE_BATCH
 from ..transitions import emit_transition
 from .common import (
     EX_USAGE,
@@ -268,6 +270,10 @@ def parse_before(value: str, now: dt.datetime | None = None) -> dt.datetime:
     return when.astimezone(dt.timezone.utc)  # stored times are UTC (SQLite compares text)
 
 
+#: Seconds between two progress lines of a long purge.
+PROGRESS_EVERY = 2.0
+
+
 @command("purge")
 @click.option(
     "--completed-before",
@@ -284,17 +290,39 @@ def parse_before(value: str, now: dt.datetime | None = None) -> dt.datetime:
     help_group="Purge Options",
     help="Also delete dead jobs finished before the date (kept by default for inspection).",
 )
+@click.option(
+    "--batch-size",
+    cls=CeleryOption,
+    type=click.IntRange(min=1),
+    default=PURGE_BATCH,
+    show_default=True,
+    help_group="Purge Options",
+    help="Jobs deleted (with their history) in one transaction.",
+)
 @click.pass_context
-def purge(ctx: click.Context, before: str, include_dead: bool) -> None:
+def purge(ctx: click.Context, before: str, include_dead: bool, batch_size: int) -> None:
     """Delete finished jobs and their history, and outbox rows delivered before the date.
 
-    Outbox rows are written when a job completes, so a row delivered before the date belongs to
-    a job completed before it; rows not delivered yet (pending, dead) are kept whatever their age.
+    Oldest first, in batches of one short transaction each: safe to stop (Ctrl-C) and run
+    again, it goes on where it was; progress goes to stderr every few seconds. Outbox rows are
+    written when a job completes, so a row delivered before the date belongs to a job completed
+    before it; rows not delivered yet (pending, dead) are kept whatever their age.
     """
     when = parse_before(before)
     statuses = (COMPLETED, DEAD) if include_dead else (COMPLETED,)
     store = store_of(ctx)
-    count = store.purge(finished_before=when, statuses=statuses)
+    started = shown = time.monotonic()
+
+    def progress(total: int) -> None:
+        nonlocal shown
+        if time.monotonic() - shown >= PROGRESS_EVERY:
+            shown = time.monotonic()
+            rate = total / max(shown - started, 1e-9)
+            click.echo(f"purge: {total} job(s) deleted so far ({rate:.0f}/s)", err=True)
+
+    count = store.purge(
+        finished_before=when, statuses=statuses, batch_size=batch_size, progress=progress
+    )
     delivered = store.outbox.purge(delivered_before=when)
     ctx.obj.echo(
         f"purged {count} {' and '.join(statuses)} job(s) finished and {delivered} outbox row(s) "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..actions import Action
@@ -135,17 +135,41 @@ def delete_all_rows(store: Store) -> None:
             conn.execute(statement)
 
 
-def purge(
-    store: Store, *, finished_before: dt.datetime, statuses: Sequence[str] = (COMPLETED, DEAD)
-) -> int:
-    """Delete finished jobs of ``statuses`` (and their history) finished before the date.
+#: Jobs deleted (with their history) in one purge transaction.
+PURGE_BATCH = 1000
 
-    Outbox rows are left to the outbox's own lifecycle. Returns the number of jobs deleted.
+
+def purge(
+    store: Store,
+    *,
+    finished_before: dt.datetime,
+    statuses: Sequence[str] = (COMPLETED, DEAD),
+    batch_size: int = PURGE_BATCH,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Delete finished jobs of ``statuses`` (and their history) finished before the date, oldest
+    first, ``batch_size`` jobs a transaction: no transaction holds locks for long, and a purge
+    that is stopped keeps what it deleted and goes on where it was when run again.
+
+    ``progress(total)`` is called after each batch. Outbox rows are left to the outbox's own
+    lifecycle. Returns the number of jobs deleted.
     """
     unfinished = set(statuses) - {COMPLETED, DEAD}
     if unfinished:
         raise StoreError(f"only finished jobs are purged, not {sorted(unfinished)}")
-    history, finished = sql.purge(statuses, finished_before)
-    with store.db.tx(unbounded=True) as conn:
-        conn.execute(history)
-        return int(conn.execute(finished).rowcount or 0)
+    if batch_size < 1:
+        raise StoreError(f"purge batch size must be at least 1, not {batch_size}")
+    select, delete_jobs, delete_history = sql.purge_batch(statuses, finished_before, batch_size)
+    total = 0
+    while True:
+        with store.db.tx() as conn:  # bounded like every store call: one short batch
+            keys = [row[0] for row in conn.execute(select)]
+            if keys:
+                deleted = [row[0] for row in conn.execute(delete_jobs(keys))]
+                if deleted:
+                    conn.execute(delete_history(deleted))
+                total += len(deleted)
+        if keys and progress is not None:
+            progress(total)
+        if len(keys) < batch_size:
+            return total

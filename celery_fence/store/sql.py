@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
@@ -364,11 +364,23 @@ def stranded(
     return query
 
 
-def purge(statuses: Sequence[str], finished_before: dt.datetime) -> tuple[Any, Any]:
-    """Delete finished jobs' history, then the jobs."""
+def purge_batch(
+    statuses: Sequence[str], finished_before: dt.datetime, limit: int
+) -> tuple[Any, Callable[[Sequence[str]], Any], Callable[[Sequence[str]], Any]]:
+    """Purge in batches: the next ``limit`` keys of finished jobs (oldest first, on the partial
+    ``finished_at`` index); given those keys, the delete of the jobs still finished (a job
+    requeued meanwhile stays), returning the keys deleted; given those, the delete of their
+    history."""
     done = jobs.c.status.in_(tuple(statuses)) & (jobs.c.finished_at < finished_before)
-    keys = sa.select(jobs.c.key).where(done)
-    return transitions.delete().where(transitions.c.key.in_(keys)), jobs.delete().where(done)
+    select = sa.select(jobs.c.key).where(done).order_by(jobs.c.finished_at).limit(limit)
+
+    def delete_jobs(keys: Sequence[str]) -> Any:
+        return jobs.delete().where(jobs.c.key.in_(list(keys)) & done).returning(jobs.c.key)
+
+    def delete_history(keys: Sequence[str]) -> Any:
+        return transitions.delete().where(transitions.c.key.in_(list(keys)))
+
+    return select, delete_jobs, delete_history
 
 
 def delete_all() -> tuple[Any, ...]:

@@ -3,6 +3,7 @@ concurrent completions."""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import threading
 import uuid
@@ -89,6 +90,45 @@ def test_an_operators_rerun_of_a_completed_job_keeps_its_result_until_the_new_on
     # A plain requeue of a completed job, or a re-run of a dead one, is refused
     with pytest.raises(StoreError):
         store.requeue(key)
+
+
+def test_purge_goes_in_batches_oldest_first_and_resumes_where_it_stopped(store: Store) -> None:
+    import datetime as dt
+
+    # Given (older finished jobs of the shared database purged first) 6 completed jobs with
+    # history, and one requeued (pending) job of the same age
+    store.purge(finished_before=dt.datetime.now(dt.timezone.utc))
+    keys = []
+    for i in range(7):
+        key = _key()
+        store.register(key, generation=1, attempt_id="A", task_name=f"purge-{i}")
+        store.complete(key, generation=1, attempt_id="A", result=i)
+        keys.append(key)
+    rerun = keys.pop()
+    store.requeue(rerun, completed=True)
+    cutoff = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=1)
+    ours = set(keys)
+    # When a purge of batches of 2 is stopped after its first batch (its callback raises)
+    seen: list[int] = []
+
+    def stop_after_one(total: int) -> None:
+        seen.append(total)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        store.purge(finished_before=cutoff, batch_size=2, progress=stop_after_one)
+    left = {k for k in ours if store.get(k) is not None}
+    # Then that batch is gone for good (history too), the rest untouched
+    assert seen == [2] and len(ours - left) == 2
+    assert all(store.history(k) == [] for k in ours - left)
+    # And run again it goes on, batch by batch, and keeps the unfinished job
+    totals: list[int] = []
+    store.purge(finished_before=cutoff, batch_size=2, progress=totals.append)
+    assert all(store.get(k) is None for k in ours)
+    steps = [b - a for a, b in itertools.pairwise([0, *totals])]
+    assert totals and all(0 < step <= 2 for step in steps)
+    pending = store.get(rerun)
+    assert pending is not None and pending.status == "pending" and store.history(rerun) != []
 
 
 def test_register_counts_attempts_durably(store: Store) -> None:
