@@ -132,7 +132,7 @@ def badly_keyed(self: Any, n: int) -> int:
     return n
 
 
-# -- transition records (issue 4): payload-leak task, log redaction, signal recorder ----------
+# -- transition records: payload-leak task, log redaction, signal recorder ----------
 app.conf.fence_redact_celery_logs = E.get("FENCE_T_REDACT", "0") == "1"
 
 
@@ -155,7 +155,7 @@ def nul_result(self: Any, key: str) -> dict[str, str]:
     return {"text": "before\x00after"}  # valid JSON; PostgreSQL's jsonb refuses \u0000
 
 
-# -- the settle step (issue 12): Celery's own exits ---------------------------------------------
+# -- the settle step: Celery's own exits ---------------------------------------------
 @app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
 def overrun(self: Any, key: str, *, sleep: float, runs_overrunning: int = 1) -> dict[str, Any]:
     """Sleeps ``sleep`` seconds on its first ``runs_overrunning`` runs (time-limit tests)."""
@@ -210,7 +210,7 @@ if E.get("FENCE_T_FAIL_RAISE") == "1":
         return _raise_generation(self, key, floor)
 
     LeaseStore.raise_generation = _failing_raise  # type: ignore[method-assign]
-# -- fenced app writes (issue 13): the app's own tables, written through self.fence ------------
+# -- fenced app writes: the app's own tables, written through self.fence ------------
 import sqlalchemy as sa  # noqa: E402
 from sqlalchemy.dialects import postgresql as _pg  # noqa: E402
 from sqlalchemy.dialects import sqlite as _sqlite  # noqa: E402
