@@ -20,6 +20,7 @@ from .errors import (
 from .fence import Fence
 from .outbox import Outbox, idempotency_key, register_handler, storage_key
 from .recovery import recover
+from .retention import purge_expired
 from .schema import metadata
 from .store import JobRecord, Store, get_store
 from .task import FencedTask
@@ -52,6 +53,7 @@ __all__ = [
     "get_store",
     "idempotency_key",
     "metadata",
+    "purge_expired",
     "recover",
     "register_handler",
     "storage_key",

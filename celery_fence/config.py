@@ -55,6 +55,8 @@ DEFAULT_GENERATION_TTL = 600.0
 #: ``fence recover`` / the recover task: a non-terminal job whose lease is gone counts as
 #: stranded once it has not moved for this many lease TTLs (unless ``fence_recover_after`` is set).
 RECOVER_AFTER_TTLS = 10
+#: ``fence_retention``'s floor, seconds: a completed job's row must outlive any late redelivery.
+MIN_RETENTION = 3600.0
 #: PostgreSQL: seconds a store statement (a registration, a completion) waits for a row lock,
 #: e.g. behind a paused ``fence.transaction()`` holder, before it fails and the message is re-sent.
 DEFAULT_LOCK_TIMEOUT = 5.0
@@ -160,6 +162,7 @@ class FenceConfig:
     generation_ttl: float = DEFAULT_GENERATION_TTL
     recover_after: float | None = None  # None: RECOVER_AFTER_TTLS x lease_ttl
     max_runtime: float | None = None  # None: the task's hard time limit, if it has one
+    retention: float | None = None  # None: finished jobs are kept until purged by hand
 
     def __post_init__(self) -> None:
         self.validate()
@@ -238,6 +241,13 @@ class FenceConfig:
             raise ConfigurationError(
                 f"fence_max_runtime={self.max_runtime} must be a positive number of seconds, or "
                 "None (the task's hard time limit, if any)."
+            )
+        if self.retention is not None and not self.retention >= MIN_RETENTION:
+            raise ConfigurationError(
+                f"fence_retention={self.retention} must be at least {MIN_RETENTION:g} seconds: a "
+                "completed job's row is what makes a late redelivery replay its result instead of "
+                "running the body again, so keep it longer than any message can be delayed, e.g. "
+                "fence_retention=7 * 86400 (a week), or unset it to keep everything."
             )
         if self.lock_timeout <= 0:
             raise ConfigurationError(
@@ -325,7 +335,7 @@ _FLOATS = {
     "generation_ttl",
     "lock_timeout",
 }
-_OPTIONAL_FLOATS = {"recover_after", "max_runtime"}
+_OPTIONAL_FLOATS = {"recover_after", "max_runtime", "retention"}
 _INTS = {"max_attempts", "retry_budget_floor", "error_message_length"}
 _BOOLS = {
     "retry_unknown_errors",
