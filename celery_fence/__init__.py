@@ -5,6 +5,7 @@ store fenced on that generation decides whose result counts.
 """
 
 from .config import FenceConfig
+from .durable import Enqueued, enqueue
 from .errors import (
     ConfigurationError,
     FenceError,
@@ -35,6 +36,7 @@ except PackageNotFoundError:  # pragma: no cover - run from a source tree that i
 
 __all__ = [
     "ConfigurationError",
+    "Enqueued",
     "Fence",
     "FenceConfig",
     "FenceError",
@@ -50,6 +52,7 @@ __all__ = [
     "StaleGeneration",
     "Store",
     "StoreError",
+    "enqueue",
     "get_store",
     "idempotency_key",
     "metadata",

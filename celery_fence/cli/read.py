@@ -238,7 +238,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         ("key", record.key),
         ("task", record.task_name),
         ("queue", queue or "-"),
-        ("status", record.status),
+        ("status", record.status + (" (never claimed)" if record.generation == 0 else "")),
         ("generation", str(record.generation)),
         ("owner attempt", record.attempt_id),
         ("attempts", str(record.attempts)),

@@ -31,6 +31,7 @@ from functools import cache
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 
 from ..actions import Action
 from ..schema import OutboxStatus, Status, jobs, outbox, transitions
@@ -299,6 +300,34 @@ def pg_with_records(
 
 
 # -- reads and operator statements (SQLAlchemy Core) ----------------------------------------------
+
+
+def insert_pending(
+    dialect: str, *, key: str, task_name: str, request: Any, now: dt.datetime
+) -> Any:
+    """A job enqueued with the caller's data: a ``pending`` row never claimed (generation 0,
+    attempt ``-``), unless the key already has a job (then nothing; RETURNING says which)."""
+    insert = postgresql.insert(jobs) if dialect == "postgresql" else sqlite.insert(jobs)
+    return (
+        insert.values(
+            key=key,
+            task_name=task_name,
+            status=Status.PENDING.value,
+            generation=0,
+            attempt_id=NEVER_CLAIMED,
+            attempts=0,
+            request=request,
+            created_at=now,
+            updated_at=now,
+        )
+        .on_conflict_do_nothing(index_elements=[jobs.c.key])
+        .returning(jobs.c.key)
+    )
+
+
+#: The attempt id of a job row no attempt has claimed yet (enqueued, or kept from a refused
+#: message).
+NEVER_CLAIMED = "-"
 
 
 def get_job(key: str) -> sa.Select[Any]:
