@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 from typing import Any
 
@@ -162,3 +163,25 @@ def test_an_orm_session_sends_after_its_commit_and_nothing_after_a_rollback(
         session.commit()
     assert _queued(queue) == 1 and _status(fence_store, kept) == "pending"
     assert job.created and _status(fence_store, dropped) is None
+
+
+def test_an_enqueued_job_whose_message_expires_unrun_ends_dead_not_recovered(
+    spawn_worker: Any,
+    client_app: Any,
+    db_url: str,
+    fence_store: Store,
+) -> None:
+    # Given a job enqueued with expires, whose message expires before any worker takes it
+    key = f"expires:{uuid.uuid4().hex[:8]}"
+    with sa.create_engine(db_url).begin() as conn:
+        enqueue(conn, client_app.work, args=(key,), expires=0.5)
+    time.sleep(1.0)  # past its expiry: expiry is a clock, there is no event to wait on
+    # When a worker receives it
+    spawn_worker("w")
+    # Then Celery does not run it, and the job is dead with reason expired, where you see it
+    wait_until(lambda: _status(fence_store, key) == "dead", 30, what="dead")
+    record = fence_store.get(key)
+    assert record is not None and record.error_message is not None
+    assert "expired" in record.error_message
+    # and recovery leaves it alone
+    assert key not in recover(client_app.app, older_than=0).sent
