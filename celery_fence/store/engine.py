@@ -220,9 +220,14 @@ class Database:
                 cursor = raw.info["fence_cursor"] = raw.cursor()
             token = watchdog.arm(cursor.connection.fileno(), self.database_timeout)
             try:
-                return execute_prepared(raw, cursor, statement, params)
-            finally:
+                row = execute_prepared(raw, cursor, statement, params)
+            except BaseException:
                 watchdog.disarm(token)
+                raise
+            if watchdog.disarm(token):  # cut at its deadline as it ended: answered, not reusable
+                raw.info.pop("fence_cursor", None)
+                raw.invalidate()
+            return row
         except engine.dialect.loaded_dbapi.Error as exc:
             raw.info.pop("fence_cursor", None)
             raise _driver_error(engine, raw, exc) from None
