@@ -344,3 +344,11 @@ def interrupted(self: Any, key: str, *, kind: str, sleep: float = 0.0) -> dict[s
             raise SystemExit(3)
         _sleep(sleep)
     return {"key": key, "runs": runs}
+
+
+if E.get("FENCE_T_RELEASE_DELAY"):
+    # Widen the window in which a finished attempt's lease release waits in the worker (for the
+    # next claim to carry it): a worker stopped in it must still send it.
+    import celery_fence.renewer
+
+    celery_fence.renewer.RELEASE_DELAY = float(E["FENCE_T_RELEASE_DELAY"])
