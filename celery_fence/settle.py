@@ -43,6 +43,7 @@ import datetime as dt
 import logging
 import random
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -309,11 +310,13 @@ def _interrupted(a: Attempt, o: Interrupted) -> CeleryAction:
 
 def propagates(error: BaseException) -> bool:
     """Whether Celery needs ``error`` raised on after the settle step: the process is exiting
-    (``SystemExit``, ``KeyboardInterrupt``), or gevent is cutting the greenlet (its ``Timeout``:
-    the gevent pool's hard time limit; ``GreenletExit``: ``revoke(terminate=True)``). Any other
-    ``BaseException`` (``asyncio.CancelledError``, ...) means nothing to Celery: re-sent."""
+    (``SystemExit``, ``KeyboardInterrupt`` on the main thread: the solo pool, a direct call), or
+    gevent is cutting the greenlet (its ``Timeout``: the gevent pool's hard time limit;
+    ``GreenletExit``: ``revoke(terminate=True)``). Anything else is re-sent: a ``SystemExit`` in
+    a threads-pool thread or a gevent-pool greenlet exits nothing (Celery 5 fails on it and
+    leaves the message unacked), and ``asyncio.CancelledError`` means nothing to Celery."""
     if isinstance(error, (SystemExit, KeyboardInterrupt)):
-        return True
+        return threading.current_thread() is threading.main_thread()
     greenlet = sys.modules.get("greenlet")  # only when loaded: never imported here
     if greenlet is not None and isinstance(error, greenlet.GreenletExit):
         return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -376,3 +377,18 @@ def test_an_interruption_before_registration_writes_nothing_and_keeps_its_exit(
         assert action == o.Reraise(error)  # the process is exiting: Celery gives the message back
     else:
         assert isinstance(action, o.Resend) and "CancelledError" in action.reason
+
+
+def test_an_exit_in_a_pool_thread_is_re_sent_not_raised() -> None:
+    # Given SystemExit raised in a thread (the threads pool): nothing exits with it
+    store = FakeStore()
+    actions: list[o.CeleryAction] = []
+    thread = threading.Thread(
+        target=lambda: actions.append(s.settle(_attempt(store), o.Interrupted(SystemExit(3))))
+    )
+    thread.start()
+    thread.join(5)
+    # Then the job is retrying and the message re-sent (the same exit on the main thread is
+    # raised on: see the table)
+    assert [type(action) for action in actions] == [o.Resend]
+    assert [name for name, _ in store.writes] == ["schedule_retry"]
