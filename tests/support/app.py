@@ -327,3 +327,28 @@ def _upsert(bind: Any, key: str, gen: int, attempt: str) -> Any:
 
 
 app.conf.fence_lock_timeout = float(E.get("FENCE_T_LOCK_TIMEOUT", "5"))
+
+
+# -- exits that are not Exceptions: SystemExit, CancelledError, the gevent pool's time limit ------
+@app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
+def interrupted(self: Any, key: str, *, kind: str, sleep: float = 0.0) -> dict[str, Any]:
+    """Ends its first run with a BaseException that is not an Exception: ``cancelled``
+    (asyncio.CancelledError), ``exit`` (SystemExit), or ``sleep`` seconds for the pool to cut."""
+    import asyncio
+
+    runs = ledger.rpush(f"{PREFIX}:runs:{key}", f"{self.fence.generation}:{self.fence.attempt_id}")
+    if runs == 1:
+        if kind == "cancelled":
+            raise asyncio.CancelledError()
+        if kind == "exit":
+            raise SystemExit(3)
+        _sleep(sleep)
+    return {"key": key, "runs": runs}
+
+
+if E.get("FENCE_T_RELEASE_DELAY"):
+    # Widen the window in which a finished attempt's lease release waits in the worker (for the
+    # next claim to carry it): a worker stopped in it must still send it.
+    import celery_fence.renewer
+
+    celery_fence.renewer.RELEASE_DELAY = float(E["FENCE_T_RELEASE_DELAY"])
