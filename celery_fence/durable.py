@@ -19,7 +19,8 @@ removes. :func:`enqueue` closes both windows::
   waits for ``fence requeue``).
 
 ``conn`` is an SQLAlchemy ``Connection`` in a transaction (``engine.begin()``), or an ORM
-``Session``; either on the store's database, which is what makes the row part of your
+``Session`` (a ``scoped_session`` such as Flask-SQLAlchemy's ``db.session`` too); either on the
+store's database, which is what makes the row part of your
 transaction (anything else is refused with :class:`ConfigurationError`).
 """
 
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, scoped_session
 
 from .errors import ConfigurationError, FenceError
 from .records import encode_request
@@ -73,7 +74,7 @@ class _Send:
 
 
 def enqueue(
-    conn: sa.Connection | Session,
+    conn: sa.Connection | Session | scoped_session[Any],
     task: Any,
     args: Iterable[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
@@ -88,6 +89,8 @@ def enqueue(
             f"{getattr(task, 'name', type(task).__name__)!r}: only a fenced job has a row to "
             "write"
         )
+    if isinstance(conn, scoped_session):  # Flask-SQLAlchemy's db.session: this thread's Session
+        conn = conn()
     args, kwargs = tuple(args), dict(kwargs or {})
     task_id = str(options.pop("task_id", None) or uuid.uuid4())
     key = task.logical_key(args, kwargs, task_id)

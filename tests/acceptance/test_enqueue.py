@@ -149,18 +149,18 @@ def test_a_connection_on_another_database_or_outside_a_transaction_is_refused(
 def test_an_orm_session_sends_after_its_commit_and_nothing_after_a_rollback(
     client_app: Any, db_url: str, fence_store: Store, worker_env: dict[str, str]
 ) -> None:
-    from sqlalchemy.orm import sessionmaker
+    from sqlalchemy.orm import scoped_session, sessionmaker
 
     queue = worker_env["FENCE_T_QUEUE"]
-    Session = sessionmaker(bind=sa.create_engine(db_url))
+    scoped = scoped_session(sessionmaker(bind=sa.create_engine(db_url)))  # db.session's kind
     kept, dropped = (f"orm:{uuid.uuid4().hex[:8]}" for _ in range(2))
-    with Session() as session:
-        enqueue(session, client_app.work, args=(dropped,))
-        session.rollback()
-        assert _queued(queue) == 0 and _status(fence_store, dropped) is None
-        job = enqueue(session, client_app.work, args=(kept,), countdown=0)
-        assert _queued(queue) == 0
-        session.commit()
+    enqueue(scoped, client_app.work, args=(dropped,))
+    scoped.rollback()
+    assert _queued(queue) == 0 and _status(fence_store, dropped) is None
+    job = enqueue(scoped, client_app.work, args=(kept,), countdown=0)
+    assert _queued(queue) == 0
+    scoped.commit()
+    scoped.remove()
     assert _queued(queue) == 1 and _status(fence_store, kept) == "pending"
     assert job.created and _status(fence_store, dropped) is None
 
