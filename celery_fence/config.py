@@ -132,6 +132,9 @@ class FenceConfig:
     redis_ssl: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
     redis_transport_options: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
     database_url: str = DEFAULT_DATABASE_URL
+    #: A Django ``DATABASES`` alias: the store is built from its settings (when no
+    #: ``fence_database_url`` is given). See :mod:`celery_fence.contrib.django`.
+    database: str | None = None
     lease_ttl: float = DEFAULT_LEASE_TTL
     renew_interval: float = DEFAULT_RENEW_INTERVAL
     lease_margin: float = DEFAULT_LEASE_MARGIN
@@ -266,6 +269,8 @@ class FenceConfig:
                 values[f.name] = _parse(f.name, raw)
         for name, raw in overrides.items():
             values[name] = _parse(name, raw)
+        if values.get("database") is not None and "database_url" not in values:
+            values["database_url"] = django_database_url(values["database"])
         return cls(**values)
 
     @classmethod
@@ -322,7 +327,7 @@ _BOOLS = {
     "redis_cluster",
 }
 _DICTS = {"redis_ssl", "redis_transport_options"}
-_STRS = {"redis_url", "database_url", "key_prefix"}
+_STRS = {"redis_url", "database_url", "key_prefix", "database"}
 FIELD_NAMES = frozenset(
     f.name for f in dataclasses.fields(FenceConfig) if not f.name.startswith("_")
 )
@@ -364,6 +369,20 @@ def _parse(name: str, raw: Any) -> Any:
     if name == "permanent_exceptions":
         return _as_types(setting, raw)
     return raw
+
+
+def django_database_url(alias: str) -> str:
+    """The store URL of Django's ``DATABASES[alias]`` (``fence_database``), or a clear
+    :class:`ConfigurationError`: Django missing or not configured, unknown alias, an engine the
+    store does not run on."""
+    try:
+        from .contrib.django.database import url_for_alias
+    except ImportError as exc:  # Django is not installed
+        raise ConfigurationError(
+            f"fence_database={alias!r} names a Django DATABASES alias, but Django cannot be "
+            f"imported ({exc}): install celery-fence[django], or set fence_database_url instead."
+        ) from None
+    return url_for_alias(alias)
 
 
 def _lookup(conf: Mapping[str, Any], name: str) -> tuple[bool, Any]:

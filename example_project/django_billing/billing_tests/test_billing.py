@@ -1,0 +1,64 @@
+"""The billing example under pytest-django, with celery-fence's plugin: real workers on the test
+database, a worker paused before and inside ``self.fence.atomic()``, and the unsafe plain
+``transaction.atomic()`` caught by the test's own check of the invoice row."""
+
+import pytest
+from billing.models import Invoice
+from billing.tasks import bill_invoice, bill_invoice_unsafe
+from django.db import connection
+
+from celery_fence.testing.chaos import ConvergenceError
+
+# the workers commit on their own connections: the test must not hold them in a transaction
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def billed_by_the_converged_attempt(invoice_id):
+    """The user's check: the invoice row holds the write of the attempt the fence kept."""
+
+    def invoice_row(job):
+        inv = Invoice.objects.get(pk=invoice_id)
+        assert (inv.billed_generation, inv.billed_attempt) == (job.generation, job.attempt_id), (
+            f"invoice {invoice_id} was billed by generation {inv.billed_generation}, "
+            f"the fence kept generation {job.generation}"
+        )
+        return inv.total_cents == 1749
+
+    return invoice_row
+
+
+def test_a_worker_bills_on_the_test_database(fenced_worker, fence_store):
+    inv = Invoice.objects.create(customer="acme")
+    fenced_worker.start()
+
+    result = bill_invoice.delay(inv.pk).get(timeout=30)
+
+    inv.refresh_from_db()
+    job = fence_store.get(f"invoice:{inv.pk}")
+    assert result["database"] == connection.settings_dict["NAME"]  # the test database
+    assert (job.status, job.generation) == ("completed", inv.billed_generation)
+    assert inv.total_cents == 1749
+
+
+@pytest.mark.parametrize("window", ["pause", "pause-inside-block"])
+def test_a_stale_worker_never_lands_its_invoice_write(fence_chaos, fence_store, window):
+    inv = Invoice.objects.create(customer="acme")
+    key = f"invoice:{inv.pk}"
+
+    injection = fence_chaos.inject(window, bill_invoice.s(inv.pk))
+
+    fence_chaos.assert_converged(key, check=billed_by_the_converged_attempt(inv.pk))
+    completed = [t for t in fence_store.history(key) if t.action == "completed"]
+    took = completed[0].at.timestamp() - injection.started
+    assert took < 8 * fence_chaos.env.lease_ttl, f"the newer attempt completed after {took:.1f}s"
+
+
+def test_a_plain_transaction_atomic_lets_the_stale_write_land(fence_chaos):
+    inv = Invoice.objects.create(customer="acme")
+
+    fence_chaos.inject("pause", bill_invoice_unsafe.s(inv.pk))
+
+    with pytest.raises(ConvergenceError, match="invoice_row failed"):
+        fence_chaos.assert_converged(
+            f"invoice-unsafe:{inv.pk}", check=billed_by_the_converged_attempt(inv.pk)
+        )
