@@ -2,6 +2,12 @@
 database, a worker paused before and inside ``self.fence.atomic()``, and the unsafe plain
 ``transaction.atomic()`` caught by the test's own check of the invoice row."""
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 from billing.models import Invoice
 from billing.tasks import bill_invoice, bill_invoice_unsafe
@@ -62,3 +68,54 @@ def test_a_plain_transaction_atomic_lets_the_stale_write_land(fence_chaos):
         fence_chaos.assert_converged(
             f"invoice-unsafe:{inv.pk}", check=billed_by_the_converged_attempt(inv.pk)
         )
+
+
+def messages(response):
+    return [str(m) for m in response.context["messages"]]
+
+
+def wait_for(predicate, seconds, what):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {seconds}s waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_the_admin_shows_a_dead_job_and_requeues_it(fenced_worker, fence_store, admin_client):
+    # Given an invoice billed before it existed: the job ran out of attempts and is dead,
+    fenced_worker.start()
+    missing = 10_000 + Invoice.objects.count()
+    key = f"invoice:{missing}"
+    bill_invoice.delay(missing).get(timeout=30, propagate=False)
+    assert fence_store.get(key).status == "dead"
+    listed = admin_client.get("/admin/celery_fence/job/?status__exact=dead").content.decode()
+    assert key in listed
+    history = admin_client.get(f"/admin/celery_fence/job/{key}/change/").content.decode()
+    assert "retry_scheduled" in history and "DoesNotExist" in history
+    # when the invoice exists and the operator requeues the job from the admin,
+    Invoice.objects.create(pk=missing, customer="globex")
+    changelist = "/admin/celery_fence/job/"
+    selected = {"_selected_action": [key]}
+    requeued = admin_client.post(changelist, {"action": "requeue_dead", **selected}, follow=True)
+    assert messages(requeued)[0].startswith(f"{key}: requeued as")
+    # then the worker bills it under the same key, and nothing is left stranded.
+    wait_for(lambda: fence_store.get(key).status == "completed", 30, "the requeued job")
+    assert Invoice.objects.get(pk=missing).total_cents == 30000
+    recover = {"action": "recover_stranded", **selected}
+    recovered = admin_client.post(changelist, recover, follow=True)
+    assert messages(recovered) == ["0 stranded job(s), 0 re-sent"]
+
+
+def test_migrate_alone_makes_celery_fence_check_pass(settings):
+    # Given the test database, made by manage.py migrate and nothing else,
+    env = {**os.environ, "BILLING_DB_NAME": settings.DATABASES["default"]["NAME"]}
+    here = Path(__file__).resolve().parent.parent
+
+    def fence(*args):
+        command = [sys.executable, "-m", "celery", "-A", "billing_project", "fence", *args]
+        return subprocess.run(command, env=env, cwd=here, capture_output=True, text=True)
+
+    # then celery fence check passes on it: the schema at the version init-db would make.
+    check = fence("check")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "schema current" in check.stdout
