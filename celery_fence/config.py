@@ -327,7 +327,7 @@ _BOOLS = {
     "redis_cluster",
 }
 _DICTS = {"redis_ssl", "redis_transport_options"}
-_STRS = {"redis_url", "database_url", "key_prefix", "database"}
+_STRS = {"redis_url", "database_url", "key_prefix"}
 FIELD_NAMES = frozenset(
     f.name for f in dataclasses.fields(FenceConfig) if not f.name.startswith("_")
 )
@@ -345,6 +345,12 @@ def _parse(name: str, raw: Any) -> Any:
         return _as_int(setting, raw)
     if name in _BOOLS:
         return _as_bool(setting, raw)
+    if name == "database":  # a Django DATABASES alias, or None
+        if raw is not None and not isinstance(raw, str):
+            raise ConfigurationError(
+                f"{setting}={raw!r} must be a DATABASES alias, e.g. 'default'."
+            )
+        return raw
     if name in _STRS:
         if not isinstance(raw, str):
             raise ConfigurationError(f"{setting}={raw!r} must be a string.")

@@ -1,12 +1,13 @@
 """``fence_chaos``: the seeds' failure windows, injected into the user's own task, and the check.
 
 Two real workers of the user's app, A and B (each also on the test's queue, for the outbox's
-deliver task), and four windows, each given a Celery signature of the user's task:
+deliver task), and the windows, each given a Celery signature of the user's task:
 
 - ``pause``: A's body starts (claim and registration done), A is SIGSTOPped — the whole worker,
   so its lease stops renewing — a duplicate is sent to B, which takes over once the lease expires
   and finishes; A is resumed after at least 1.5 TTL and finishes its attempt.
-- ``pause-inside-block``: as ``pause``, but A is stopped inside its ``fence.atomic()`` block,
+- ``pause-inside-block`` (:data:`BLOCK_WINDOWS`: for a task that writes in ``fence.atomic()``):
+  as ``pause``, but A is stopped inside its fenced block,
   after its writes and before its fenced commit (on SQLite, whose write lock A then holds, A is
   resumed after 1.5 TTL without waiting for B).
 - ``kill``: A's pool process is SIGKILLed after the completion committed and before the ack;
@@ -38,7 +39,10 @@ from celery.canvas import Signature
 from . import processes
 from .environment import FenceEnv
 
-WINDOWS = ("pause", "pause-inside-block", "kill", "duplicate", "redis-loss")
+WINDOWS = ("pause", "kill", "duplicate", "redis-loss")
+#: Windows for a task with a fenced block (``fence.atomic()``): not in :data:`WINDOWS`, whose
+#: windows fit every task.
+BLOCK_WINDOWS = ("pause-inside-block",)
 FINAL_STATES = ("SUCCESS", "FAILURE")
 
 
@@ -63,6 +67,7 @@ class FenceChaos:
     """
 
     windows = WINDOWS
+    block_windows = BLOCK_WINDOWS
 
     def __init__(self, env: FenceEnv, *, timeout: float = 60.0) -> None:
         self.env = env
@@ -97,7 +102,8 @@ class FenceChaos:
             "redis-loss": self.redis_loss,
         }
         if window not in runs:
-            raise ValueError(f"unknown window {window!r}: choose from {', '.join(WINDOWS)}")
+            known = ", ".join(WINDOWS + BLOCK_WINDOWS)
+            raise ValueError(f"unknown window {window!r}: choose from {known}")
         return runs[window](signature)
 
     def pause(self, signature: Signature) -> Injection:
@@ -123,7 +129,15 @@ class FenceChaos:
         a, b = self.workers
         inj = self._begin("pause-inside-block", signature)
         first = self._send(inj, signature, a, fault=("block", "hold"))
-        self._wait_event(inj, "block", first, "the body to reach its fenced commit on worker A")
+        self._wait(
+            lambda: self._seen("block", first) or self._finished(first) >= 1,
+            "the body to reach its fenced commit on worker A (window 'pause-inside-block')",
+        )
+        if not self._seen("block", first):
+            raise ConvergenceError(
+                f"fence_chaos: task {inj.task} finished without a fenced block to pause inside: "
+                "the pause-inside-block window needs a body that writes in self.fence.atomic()"
+            )
         a.pause()
         paused_at = time.monotonic()
         holds_the_database = self.env.store.dialect == "sqlite"
@@ -386,11 +400,11 @@ class FenceChaos:
                 f"fence_chaos: timed out after {self.timeout:g}s waiting for {what}"
             )
 
+    def _seen(self, ev: str, tid: str) -> bool:
+        return any(e["ev"] == ev and e.get("tid") == tid for e in self._all_events())
+
     def _wait_event(self, inj: Injection, ev: str, tid: str, what: str) -> None:
-        self._wait(
-            lambda: any(e["ev"] == ev and e.get("tid") == tid for e in self._all_events()),
-            f"{what} (window {inj.window!r})",
-        )
+        self._wait(lambda: self._seen(ev, tid), f"{what} (window {inj.window!r})")
 
 
 def _user_check(check: Callable[[Any], Any], record: Any) -> list[str]:
