@@ -62,18 +62,22 @@ class JobAdmin(ReadOnly, admin.ModelAdmin):
     def get_queryset(self, request: Any) -> Any:
         return super().get_queryset(request).using(fence_alias() or "default")
 
-    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
+    def has_operate_permission(self, request: Any) -> bool:
+        """The actions re-send messages: superusers only (viewing follows Django's permissions)."""
+        return bool(request.user.is_active and request.user.is_superuser)
 
-    def has_view_permission(self, request: Any, obj: Any = None) -> bool:
-        return bool(request.user.is_active and request.user.is_staff)
-
-    @admin.action(description="Requeue the selected dead jobs (celery fence requeue)")
+    @admin.action(
+        description="Requeue the selected dead jobs (celery fence requeue)",
+        permissions=["operate"],
+    )
     def requeue_dead(self, request: Any, queryset: Any) -> None:
         app = current_celery_app()
         for key in queryset.values_list("key", flat=True):
             self.message_user(request, requeue_dead(app, key), messages.INFO)
 
-    @admin.action(description="Recover stranded jobs (celery fence recover; ignores the selection)")
+    @admin.action(
+        description="Recover stranded jobs (celery fence recover; ignores the selection)",
+        permissions=["operate"],
+    )
     def recover_stranded(self, request: Any, queryset: Any) -> None:
         self.message_user(request, recover_stranded(current_celery_app()), messages.INFO)
