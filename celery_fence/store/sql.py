@@ -370,7 +370,7 @@ def format_style(statement: Any, dialect: str) -> tuple[str, list[Any]]:
     params = []
     for name in compiled.positiontup or ():
         value = values[name]
-        process = compiled.binds[name].type.bind_processor(target)
+        process = compiled.binds[name].type.dialect_impl(target).bind_processor(target)
         params.append(value if process is None else process(value))
     return str(compiled), params
 

@@ -134,6 +134,8 @@ def test_the_block_commits_while_the_attempt_owns_its_key(store: Store, alias: s
         assert ran == []  # not before the fenced commit
     assert _writers(alias, fence.key) == [fence.attempt_id] * 2
     assert ran == ["on_commit"]
+    record = store.get(fence.key)  # the check touched the job row, in the store's own format
+    assert record is not None and record.updated_at > record.created_at
 
 
 def test_a_newer_registration_rolls_back_everything_and_raises_stale(
