@@ -31,6 +31,7 @@ def django_setup(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     pg = sa.engine.make_url(pg_url)
     elsewhere = tmp_path_factory.mktemp("django") / "elsewhere.sqlite3"
+    spare = elsewhere.with_name("spare.sqlite3")
     if not settings.configured:
         settings.configure(
             INSTALLED_APPS=[
@@ -48,6 +49,7 @@ def django_setup(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
                 },
                 "lite": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(elsewhere)},
                 "elsewhere": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(elsewhere)},
+                "spare": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(spare)},
             },
             USE_TZ=True,
             DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
@@ -370,3 +372,47 @@ def test_manage_py_check_reports_bad_fence_settings(django_setup: Any) -> None:
     with override_settings(CELERY_FENCE_DATABASE="default"):
         assert check_settings() == []
     assert [w.id for w in check_settings()] == ["celery_fence.W001"]  # the embedded SQLite file
+
+
+# -- manage.py migrate ----------------------------------------------------------------------------
+
+
+class NoFence:
+    """A database router that keeps the celery_fence app out of every database."""
+
+    def allow_migrate(self, db: str, app_label: str, **hints: Any) -> bool | None:
+        return False if app_label == "celery_fence" else None
+
+
+def test_migrate_makes_the_fence_tables_only_in_the_fence_alias(django_setup: Any) -> None:
+    import sqlalchemy as sa
+    from django.core.management import call_command
+    from django.db import connections
+    from django.test import override_settings
+
+    from celery_fence import migrate
+    from celery_fence.contrib.django.database import url_for_alias
+
+    def fence_tables(alias: str) -> set[str]:
+        engine = sa.create_engine(url_for_alias(alias))
+        try:
+            return set(sa.inspect(engine).get_table_names()) & migrate.TABLES
+        finally:
+            engine.dispose()
+
+    # Given CELERY_FENCE_DATABASE naming 'elsewhere', and a router keeping the app out at first,
+    with override_settings(CELERY_FENCE_DATABASE="elsewhere"):
+        with override_settings(DATABASE_ROUTERS=[NoFence()]):
+            call_command("migrate", "celery_fence", "zero", database="elsewhere", verbosity=0)
+            call_command("migrate", "celery_fence", database="elsewhere", verbosity=0)
+        assert fence_tables("elsewhere") == set()  # the router said no
+        call_command("migrate", "celery_fence", "zero", database="elsewhere", verbosity=0)
+        # when migrate runs on every alias,
+        call_command("migrate", "celery_fence", database="elsewhere", verbosity=0)
+        call_command("migrate", "celery_fence", database="spare", verbosity=0)
+    # then only the fence alias has the tables, at the version init-db makes.
+    assert fence_tables("elsewhere") == set(migrate.TABLES)
+    assert migrate.current(url_for_alias("elsewhere")) == (migrate.head(),)
+    assert fence_tables("spare") == set()
+    for alias in ("elsewhere", "spare"):
+        connections[alias].close()
