@@ -20,7 +20,12 @@ Fixtures (each test gets its own store, Redis key prefix and queue; nothing is l
   ``--fence-lease-ttl``), undone after the test; ``fence_env.worker(name)`` makes more workers.
 - ``fenced_worker`` — a real ``celery worker`` of your app on the test's queue: ``start()``,
   ``pause()``, ``resume()``, ``kill()``, ``logs``; its process group is killed after the test.
-- ``fence_chaos`` — the failure windows against your own task and ``assert_converged(key)``.
+- ``fence_chaos`` — the failure windows against your own task and ``assert_converged(key)``
+  (``check=`` checks your own rows too).
+
+Under pytest-django the workers use the test databases (set up before a worker starts), and with
+``CELERY_FENCE_DATABASE`` the store is that alias's test database: see
+:mod:`celery_fence.testing.django_db`.
 """
 
 from __future__ import annotations
