@@ -44,6 +44,12 @@ def test_a_stale_worker_never_lands_its_invoice_write(fence_chaos, fence_store, 
     completed = [t for t in fence_store.history(key) if t.action == "completed"]
     took = completed[0].at.timestamp() - injection.started
     assert took < 8 * fence_chaos.env.lease_ttl, f"the newer attempt completed after {took:.1f}s"
+    # and the stale worker's next task runs on a usable connection (the server may have ended
+    # the one it held while paused).
+    a, _ = fence_chaos.workers
+    following = Invoice.objects.create(customer="globex")
+    billed = bill_invoice.apply_async((following.pk,), queue=a.queue).get(timeout=30)
+    assert billed["total_cents"] == 30000
 
 
 def test_a_plain_transaction_atomic_lets_the_stale_write_land(fence_chaos):
