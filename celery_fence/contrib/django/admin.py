@@ -37,7 +37,15 @@ class TransitionInline(ReadOnly, admin.TabularInline):
 
 @admin.register(Job)
 class JobAdmin(ReadOnly, admin.ModelAdmin):
-    list_display = ("key", "status", "task_name", "generation", "attempts", "updated_at")
+    list_display = (
+        "key",
+        "status",
+        "task_name",
+        "generation",
+        "attempts",
+        "updated_at",
+        "error_type",
+    )
     list_filter = ("status", "task_name")
     search_fields = ("key",)
     readonly_fields = (
