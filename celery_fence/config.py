@@ -136,6 +136,9 @@ class FenceConfig:
     redis_ssl: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
     redis_transport_options: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
     database_url: str = DEFAULT_DATABASE_URL
+    #: A Django ``DATABASES`` alias: the store is built from its settings (when no
+    #: ``fence_database_url`` is given). See :mod:`celery_fence.contrib.django`.
+    database: str | None = None
     lease_ttl: float = DEFAULT_LEASE_TTL
     renew_interval: float = DEFAULT_RENEW_INTERVAL
     lease_margin: float = DEFAULT_LEASE_MARGIN
@@ -285,6 +288,8 @@ class FenceConfig:
                 values[f.name] = _parse(f.name, raw, as_written)
         for name, raw in overrides.items():
             values[name] = _parse(name, raw)
+        if values.get("database") is not None and "database_url" not in values:
+            values["database_url"] = django_database_url(values["database"])
         try:
             return cls(**values)
         except ConfigurationError as exc:
@@ -366,6 +371,12 @@ def _parse(name: str, raw: Any, setting: str | None = None) -> Any:
         return _as_int(setting, raw)
     if name in _BOOLS:
         return _as_bool(setting, raw)
+    if name == "database":  # a Django DATABASES alias, or None
+        if raw is not None and not isinstance(raw, str):
+            raise ConfigurationError(
+                f"{setting}={raw!r} must be a DATABASES alias, e.g. 'default'."
+            )
+        return raw
     if name in _STRS:
         if not isinstance(raw, str):
             raise ConfigurationError(f"{setting}={raw!r} must be a string.")
@@ -402,6 +413,20 @@ def _task_fence_options(task: Any) -> list[str]:
             break
         names.extend(n for n in vars(klass) if n.startswith("fence_") and n != "fence_key")
     return names
+
+
+def django_database_url(alias: str) -> str:
+    """The store URL of Django's ``DATABASES[alias]`` (``fence_database``), or a clear
+    :class:`ConfigurationError`: Django missing or not configured, unknown alias, an engine the
+    store does not run on."""
+    try:
+        from .contrib.django.database import url_for_alias
+    except ImportError as exc:  # Django is not installed
+        raise ConfigurationError(
+            f"fence_database={alias!r} names a Django DATABASES alias, but Django cannot be "
+            f"imported ({exc}): install celery-fence[django], or set fence_database_url instead."
+        ) from None
+    return url_for_alias(alias)
 
 
 def _lookup(conf: Mapping[str, Any], name: str) -> tuple[bool, Any, str]:

@@ -32,6 +32,7 @@ class Fence:
     """
 
     __slots__ = (
+        "_atomic",
         "_before_block",
         "_block",
         "_lease",
@@ -66,11 +67,12 @@ class Fence:
         #: and the block's ownership check is a statement on that row).
         self._before_block = before_block
         self._block: Block | None = None  # the open fence.transaction()/session() block
+        self._atomic: set[str] = set()  # Django aliases with an open fence.atomic() block
         self._refused: FenceError | None = None  # a fenced commit found a newer generation
 
     def check(self) -> None:
         """Raise ``LeaseLost`` if this attempt no longer holds its lease (decided locally)."""
-        if self._block is not None and self._lease.lost:
+        if (self._block is not None or self._atomic) and self._lease.lost:
             # Inside an open fence block the loss is recorded once the block has rolled back: on
             # SQLite the block holds the database's write lock, which the record would wait for.
             raise unrecorded_loss(self)
@@ -103,6 +105,16 @@ class Fence:
         fenced connection: every ``session.commit()`` is fenced like ``transaction()``'s, and the
         block commits what is left at its end. ``bind`` defaults to the factory's own engine."""
         return _session(self, factory, bind)
+
+    def atomic(self, using: str | None = None) -> AbstractContextManager[None]:
+        """``with self.fence.atomic():`` — Django's ``transaction.atomic(using=using)`` whose
+        commit is fenced: just before it, on the same connection and in the same transaction,
+        the ownership check ``transaction()`` makes runs; stale, everything inside rolls back and
+        :class:`~celery_fence.StaleGeneration` is raised. Needs the store in that alias's
+        database (``CELERY_FENCE_DATABASE``). See :mod:`celery_fence.contrib.django.atomic`."""
+        from .contrib.django.atomic import atomic  # Django is optional: imported when used
+
+        return atomic(self, using)
 
     @property
     def remaining(self) -> float:

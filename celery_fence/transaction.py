@@ -124,6 +124,12 @@ def session(
 @contextlib.contextmanager
 def _outermost(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
     store = _store_of(fence)
+    if fence._atomic:
+        raise FenceError(
+            "fence.transaction()/session() inside an open fence.atomic() block: the two are "
+            "separate connections, and a fenced commit covers one. Write through Django's ORM "
+            "inside fence.atomic(), or run the blocks one after another."
+        )
     if fence._refused is not None:
         raise _again(fence._refused)
     fence.check()  # guard() semantics: a lost lease stops the work before the block
@@ -260,6 +266,13 @@ def _factory_engine(factory: Callable[..., Any]) -> sa.Engine | None:
 def checked_bind(store: Store, bind: Any) -> sa.Engine:
     """``bind`` if it is an ``Engine`` on the store's database, else a clear
     :class:`ConfigurationError` (never a silently unfenced write)."""
+    if type(bind).__module__.startswith("django."):
+        raise ConfigurationError(
+            "fence.transaction(bind=...) got a Django database connection: Django's ORM writes on "
+            "its own connection, which an SQLAlchemy block cannot fence. Use "
+            "`with self.fence.atomic():` (Django's transaction.atomic with a fenced commit) "
+            "instead, with CELERY_FENCE_DATABASE set to that connection's alias."
+        )
     if not isinstance(bind, sa.Engine):
         raise ConfigurationError(
             f"fence.transaction(bind=...) takes an SQLAlchemy Engine, not {type(bind).__name__}"

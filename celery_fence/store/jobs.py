@@ -134,6 +134,16 @@ class Store:
         stmt = sql.commit_check(key, generation, attempt_id, fenced=not self.unfenced, now=utcnow())
         return conn.execute(stmt).first() is not None
 
+    def commit_check_cursor(
+        self, cursor: Any, key: str, *, generation: int, attempt_id: str
+    ) -> bool:
+        """:meth:`commit_check` on a DB-API cursor that is not SQLAlchemy's (a Django cursor on
+        the store's database, inside its open transaction): the same statement, ``%s`` style."""
+        stmt = sql.commit_check(key, generation, attempt_id, fenced=not self.unfenced, now=utcnow())
+        text, params = sql.format_style(stmt, self.dialect)
+        cursor.execute(text, params)
+        return cursor.fetchone() is not None
+
     def _rejected(self, key: str, generation: int, attempt_id: str, what: str) -> StaleGeneration:
         record = self.get(key)
         if record is None:

@@ -31,7 +31,8 @@ from functools import cache
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from ..actions import Action
 from ..schema import OutboxStatus, Status, jobs, outbox, transitions
@@ -84,6 +85,11 @@ def pg_block_bounds(idle_ms: int, lock_ms: int) -> str:
         f"SELECT set_config('idle_in_transaction_session_timeout', '{int(idle_ms)}', true), "
         f"set_config('lock_timeout', '{int(lock_ms)}', true)"
     )
+
+
+def pg_statement_timeout(ms: int) -> str:
+    """A statement timeout for the rest of the current transaction only."""
+    return f"SELECT set_config('statement_timeout', '{int(ms)}', true)"
 
 
 # -- the fenced writes ----------------------------------------------------------------------------
@@ -307,7 +313,7 @@ def insert_pending(
 ) -> Any:
     """A job enqueued with the caller's data: a ``pending`` row never claimed (generation 0,
     attempt ``-``), unless the key already has a job (then nothing; RETURNING says which)."""
-    insert = postgresql.insert(jobs) if dialect == "postgresql" else sqlite.insert(jobs)
+    insert = pg_dialect.insert(jobs) if dialect == "postgresql" else sqlite_dialect.insert(jobs)
     return (
         insert.values(
             key=key,
@@ -374,6 +380,28 @@ def commit_check(
             & (jobs.c.status == Status.RUNNING.value)
         )
     return jobs.update().where(where).values(updated_at=now).returning(jobs.c.generation)
+
+
+@cache
+def _format_dialect(dialect: str) -> sa.Dialect:
+    if dialect == "postgresql":
+        return pg_dialect.psycopg2.dialect(paramstyle="format")
+    return sqlite_dialect.pysqlite.dialect(paramstyle="format")
+
+
+def format_style(statement: Any, dialect: str) -> tuple[str, list[Any]]:
+    """A Core statement as text with ``%s`` placeholders and its parameters, converted as
+    SQLAlchemy binds them: for a DB-API cursor that is not SQLAlchemy's (Django's, whose cursors
+    take ``%s`` on every backend and hand the values to the driver unchanged)."""
+    target = _format_dialect(dialect)
+    compiled = statement.compile(dialect=target)
+    values = compiled.construct_params()
+    params = []
+    for name in compiled.positiontup or ():
+        value = values[name]
+        process = compiled.binds[name].type.dialect_impl(target).bind_processor(target)
+        params.append(value if process is None else process(value))
+    return str(compiled), params
 
 
 def stranded(

@@ -1,11 +1,15 @@
 """``fence_chaos``: the seeds' failure windows, injected into the user's own task, and the check.
 
 Two real workers of the user's app, A and B (each also on the test's queue, for the outbox's
-deliver task), and four windows, each given a Celery signature of the user's task:
+deliver task), and the windows, each given a Celery signature of the user's task:
 
 - ``pause``: A's body starts (claim and registration done), A is SIGSTOPped — the whole worker,
   so its lease stops renewing — a duplicate is sent to B, which takes over once the lease expires
   and finishes; A is resumed after at least 1.5 TTL and finishes its attempt.
+- ``pause-inside-block`` (:data:`BLOCK_WINDOWS`: for a task that writes in ``fence.atomic()``):
+  as ``pause``, but A is stopped inside its fenced block,
+  after its writes and before its fenced commit (on SQLite, whose write lock A then holds, A is
+  resumed after 1.5 TTL without waiting for B).
 - ``kill``: A's pool process is SIGKILLed after the completion committed and before the ack;
   Celery gives the message back and A runs it again.
 - ``duplicate``: one message (one task id) delivered to A and B at once.
@@ -36,6 +40,9 @@ from . import processes
 from .environment import FenceEnv
 
 WINDOWS = ("pause", "kill", "duplicate", "redis-loss")
+#: Windows for a task with a fenced block (``fence.atomic()``): not in :data:`WINDOWS`, whose
+#: windows fit every task.
+BLOCK_WINDOWS = ("pause-inside-block",)
 FINAL_STATES = ("SUCCESS", "FAILURE")
 
 
@@ -60,6 +67,7 @@ class FenceChaos:
     """
 
     windows = WINDOWS
+    block_windows = BLOCK_WINDOWS
 
     def __init__(self, env: FenceEnv, *, timeout: float = 60.0) -> None:
         self.env = env
@@ -88,12 +96,14 @@ class FenceChaos:
         """Run one window (see :data:`WINDOWS`) against ``signature``."""
         runs: dict[str, Callable[[Signature], Injection]] = {
             "pause": self.pause,
+            "pause-inside-block": self.pause_inside_block,
             "kill": self.kill,
             "duplicate": self.duplicate,
             "redis-loss": self.redis_loss,
         }
         if window not in runs:
-            raise ValueError(f"unknown window {window!r}: choose from {', '.join(WINDOWS)}")
+            known = ", ".join(WINDOWS + BLOCK_WINDOWS)
+            raise ValueError(f"unknown window {window!r}: choose from {known}")
         return runs[window](signature)
 
     def pause(self, signature: Signature) -> Injection:
@@ -107,6 +117,36 @@ class FenceChaos:
         try:
             self._release(first)  # A goes on from here once it is resumed
             second = self._send(inj, signature, b)
+            self._wait(lambda: self._finished(second) >= 1, "the duplicate to finish on worker B")
+            time.sleep(max(0.0, self.env.lease_ttl * 1.5 - (time.monotonic() - paused_at)))
+        finally:
+            a.resume()
+        return inj
+
+    def pause_inside_block(self, signature: Signature) -> Injection:
+        """Pause A inside its fenced block (writes made, commit not) for longer than the TTL
+        while a duplicate runs on B."""
+        a, b = self.workers
+        inj = self._begin("pause-inside-block", signature)
+        first = self._send(inj, signature, a, fault=("block", "hold"))
+        self._wait(
+            lambda: self._seen("block", first) or self._finished(first) >= 1,
+            "the body to reach its fenced commit on worker A (window 'pause-inside-block')",
+        )
+        if not self._seen("block", first):
+            raise ConvergenceError(
+                f"fence_chaos: task {inj.task} finished without a fenced block to pause inside: "
+                "the pause-inside-block window needs a body that writes in self.fence.atomic()"
+            )
+        a.pause()
+        paused_at = time.monotonic()
+        holds_the_database = self.env.store.dialect == "sqlite"
+        try:
+            self._release(first)  # A goes on to its commit once it is resumed
+            second = self._send(inj, signature, b)
+            if holds_the_database:  # nothing ends a stopped SQLite writer's transaction
+                time.sleep(max(0.0, self.env.lease_ttl * 1.5 - (time.monotonic() - paused_at)))
+                a.resume()
             self._wait(lambda: self._finished(second) >= 1, "the duplicate to finish on worker B")
             time.sleep(max(0.0, self.env.lease_ttl * 1.5 - (time.monotonic() - paused_at)))
         finally:
@@ -145,13 +185,23 @@ class FenceChaos:
 
     # -- the check -------------------------------------------------------------------------------
 
-    def assert_converged(self, key: str, *, timeout: float | None = None) -> None:
+    def assert_converged(
+        self,
+        key: str,
+        *,
+        timeout: float | None = None,
+        check: Callable[[Any], Any] | None = None,
+    ) -> None:
         """Check every window injected since the last call against logical key ``key``.
 
         Waits (at most ``timeout`` seconds) until every delivery finished and the job is
         terminal, then requires: exactly one completion, none of them from a generation older
         than one that had claimed the key, every caller's result equal to the stored one, and
         each outbox effect recorded once (the effects the completing attempt staged).
+
+        ``check``: your own rows too — called with the stored job (a
+        :class:`~celery_fence.store.JobRecord`: ``generation``, ``attempt_id``, ``result``) once
+        the job converged; a falsy return or an ``AssertionError`` fails the assertion.
         """
         pending = self.injections[self._checked :]
         self._checked = len(self.injections)
@@ -159,6 +209,8 @@ class FenceChaos:
             raise ConvergenceError("fence_chaos.assert_converged: inject a window first")
         for inj in pending:
             problems = self._problems(inj, key, self.timeout if timeout is None else timeout)
+            if not problems and check is not None:
+                problems = _user_check(check, self.env.store.get(key))
             if problems:
                 raise ConvergenceError(self._report(inj, key, problems))
 
@@ -348,11 +400,25 @@ class FenceChaos:
                 f"fence_chaos: timed out after {self.timeout:g}s waiting for {what}"
             )
 
+    def _seen(self, ev: str, tid: str) -> bool:
+        return any(e["ev"] == ev and e.get("tid") == tid for e in self._all_events())
+
     def _wait_event(self, inj: Injection, ev: str, tid: str, what: str) -> None:
-        self._wait(
-            lambda: any(e["ev"] == ev and e.get("tid") == tid for e in self._all_events()),
-            f"{what} (window {inj.window!r})",
-        )
+        self._wait(lambda: self._seen(ev, tid), f"{what} (window {inj.window!r})")
+
+
+def _user_check(check: Callable[[Any], Any], record: Any) -> list[str]:
+    name = getattr(check, "__name__", repr(check))
+    try:
+        ok = check(record)
+    except AssertionError as exc:
+        return [f"your check {name} failed on the converged job: {exc or 'AssertionError'}"]
+    if not ok:
+        return [
+            f"your check {name} returned {ok!r} on the converged job (generation "
+            f"{record.generation}, attempt {record.attempt_id})"
+        ]
+    return []
 
 
 def _canonical(value: Any) -> str:

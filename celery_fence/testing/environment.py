@@ -188,8 +188,11 @@ class FenceEnv:
         workdir: Path,
         broker_url: str | None,
         lease_ttl: float,
+        django_databases: dict[str, str] | None = None,
     ) -> None:
         self.app, self.app_path = resolve_app(app_value)
+        #: pytest-django's test database names by alias, for the workers' settings.DATABASES
+        self.django_databases = django_databases
         self.store = store
         self.redis = fence_redis
         self.workdir = workdir
@@ -285,6 +288,7 @@ class FenceEnv:
                 "conf": self.settings,
                 "ledger_url": self.redis.url,
                 "ledger_base": self.ledger_base,
+                "django_databases": self.django_databases,
             }
         )
 

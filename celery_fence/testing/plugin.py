@@ -20,7 +20,12 @@ Fixtures (each test gets its own store, Redis key prefix and queue; nothing is l
   ``--fence-lease-ttl``), undone after the test; ``fence_env.worker(name)`` makes more workers.
 - ``fenced_worker`` — a real ``celery worker`` of your app on the test's queue: ``start()``,
   ``pause()``, ``resume()``, ``kill()``, ``logs``; its process group is killed after the test.
-- ``fence_chaos`` — the failure windows against your own task and ``assert_converged(key)``.
+- ``fence_chaos`` — the failure windows against your own task and ``assert_converged(key)``
+  (``check=`` checks your own rows too).
+
+Under pytest-django the workers use the test databases (set up before a worker starts), and with
+``CELERY_FENCE_DATABASE`` the store is that alias's test database: see
+:mod:`celery_fence.testing.django_db`.
 """
 
 from __future__ import annotations
@@ -112,18 +117,30 @@ def fence_app(pytestconfig: pytest.Config) -> Any:
 
 
 @pytest.fixture
-def fence_store(_fence_session: Any, tmp_path: Any) -> Iterator[Any]:
-    """The test's store (SQLite file, or the session's PostgreSQL schema with rows cleared)."""
+def _fence_django(request: pytest.FixtureRequest) -> Any:
+    """Under pytest-django: the test databases (set up now), else None."""
+    from .django_db import test_databases
+
+    return test_databases(request)
+
+
+@pytest.fixture
+def fence_store(_fence_session: Any, _fence_django: Any, tmp_path: Any) -> Iterator[Any]:
+    """The test's store (SQLite file, or the session's PostgreSQL schema with rows cleared; under
+    pytest-django with ``CELERY_FENCE_DATABASE``, that alias's test database)."""
     from celery_fence.store import Store
 
     from .environment import clear_rows
 
+    own = f"sqlite:///{tmp_path / 'fence.sqlite3'}"
     url = _fence_session.database_url
-    if url is None:
-        url = f"sqlite:///{tmp_path / 'fence.sqlite3'}"
+    if _fence_django is not None and _fence_django.store_url is not None:
+        url = _fence_django.store_url
+    elif url is None:
+        url = own
     elif url.startswith("postgresql"):
         url = _fence_session.pg_url()
-    shared = _fence_session.database_url is not None  # one database for the whole session
+    shared = url != own  # one database for the whole session
     store = Store(url)
     store.create_schema()
     if shared:
@@ -155,13 +172,16 @@ def fence_env(
     fence_app: Any,
     fence_store: Any,
     fence_redis: Any,
+    _fence_django: Any,
     tmp_path: Any,
 ) -> Iterator[Any]:
-    """Your app pointed at the test's store, Redis prefix, queue and short lease TTL."""
+    """Your app pointed at the test's store, Redis prefix, queue and short lease TTL (and,
+    under pytest-django, its workers at the test databases)."""
     from .environment import FenceEnv
 
     env = FenceEnv(
         fence_app,
+        django_databases=None if _fence_django is None else _fence_django.names,
         store=fence_store,
         fence_redis=fence_redis,
         workdir=tmp_path / "celery-fence-workers",

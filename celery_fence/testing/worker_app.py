@@ -10,6 +10,8 @@ Celery task id and consumed once (GET and DEL in one transaction):
 
 - ``start`` — at the start of the task body (for a fenced task: after the claim and the
   registration, with ``self.fence`` set): ``hold`` blocks the body until the test releases it.
+- ``block`` — inside an open ``fence.atomic()`` block, after its writes and before its fenced
+  commit (the ``block_committing`` signal): ``hold`` blocks there until the test releases it.
 - ``commit`` — after the completion committed and before the message is acked (the fence's
   ``job_completed`` signal; Celery's ``task_success`` for a task that is not fenced): ``kill``
   SIGKILLs the pool process, so Celery gives the message back and it is delivered again.
@@ -99,6 +101,18 @@ class Hooks:
 
         return body
 
+    def inside_block(self, sender: Any = None, **_: Any) -> None:
+        from celery import current_task
+
+        request = getattr(current_task, "request", None)
+        task_id = getattr(request, "id", None)
+        if self.take("block", task_id) == "hold":
+            fence = getattr(request, "fence", None)
+            attempt = {"tid": task_id, "gen": getattr(fence, "generation", None)}
+            self.record(ev="block", **attempt)
+            self.ledger.blpop([f"{self.base}:release:{task_id}"], timeout=HOLD_SECONDS)
+            self.record(ev="released", **attempt)
+
     def after_commit(self, sender: Any = None, **_: Any) -> None:
         task_id = getattr(getattr(sender, "request", None), "id", None)
         if self.take("commit", task_id) == "kill":
@@ -114,11 +128,17 @@ class Hooks:
 def load(spec: dict[str, Any]) -> Celery:
     """The user's app, configured for the test, with the fault points installed."""
     app: Celery = find_app(spec["app"])
+    if spec.get("django_databases"):  # pytest-django's test databases, not the project's own
+        from django.conf import settings
+
+        for alias, name in spec["django_databases"].items():
+            settings.DATABASES[alias]["NAME"] = name
     app.conf.update(spec["conf"])
     app_state(app).config = None  # FenceConfig.from_app's cache: read the new settings
     hooks = Hooks(app, spec["ledger_url"], spec["ledger_base"])
     worker_init.connect(hooks.wrap_tasks, weak=False)
     fence_signals.job_completed.connect(hooks.after_commit, weak=False)
+    fence_signals.block_committing.connect(hooks.inside_block, weak=False)
     task_success.connect(hooks.after_commit, weak=False)
     task_postrun.connect(hooks.finished, weak=False)
     return app

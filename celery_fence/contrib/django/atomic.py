@@ -1,0 +1,144 @@
+"""``self.fence.atomic(using=None)``: Django's ``transaction.atomic`` whose commit is fenced.
+
+The block is ``transaction.atomic(using=alias)`` on Django's own connection, so every write the
+ORM makes inside it — ``save()``, ``select_for_update()``, ``bulk_create``, signal handlers, raw
+``connection.cursor()`` — is in its transaction. Just before that transaction commits, on the
+same connection and in the same transaction, the fence checks that this attempt still owns its
+key: first the lease, locally (``fence.check()``), then the store's fenced ``UPDATE fence_jobs
+... WHERE key, generation, attempt, status = 'running' RETURNING`` (the statement
+``fence.transaction()`` runs, :meth:`Store.commit_check_cursor`). No row: everything in the block
+is rolled back and :class:`~celery_fence.StaleGeneration` is raised out of it (the attempt then
+settles as stale). Hence the store must live in the alias's database (``CELERY_FENCE_DATABASE``):
+any other alias is refused with a :class:`~celery_fence.ConfigurationError`.
+
+Why the check is enough: on PostgreSQL under Read Committed the ``UPDATE`` either finds a newer
+registration already committed (no row), or waits for one in flight and re-checks (no row), or
+locks the job row until this transaction ends, so no newer generation registers between the check
+and the commit. On SQLite the ``UPDATE`` takes the database's write lock, held until the commit.
+
+Nesting: ``fence.atomic()`` or ``transaction.atomic()`` inside the block is a savepoint; the
+check runs once, at the end of the outermost fenced block. ``transaction.on_commit`` callbacks
+registered inside run only after the fenced commit (Django discards them on a rollback).
+
+Inside a plain ``transaction.atomic()`` of your own (or ``ATOMIC_REQUESTS``), ``fence.atomic()``
+is a savepoint of your transaction, and the check runs at the end of the fenced block, in it. That
+is still a fence: the check's ``UPDATE`` keeps the job row locked (PostgreSQL; on SQLite the
+database's write lock) until your outer transaction ends, so no newer generation can register
+before the fenced writes commit with it; if the outer transaction rolls back, they go with it.
+Your writes outside the fenced block are not checked, as anywhere else.
+
+On PostgreSQL the block is bounded as ``fence.transaction()`` is, for its transaction only:
+``idle_in_transaction_session_timeout`` is the lease TTL (the server ends the session of a worker
+paused inside the block, which frees its row locks) and ``lock_timeout`` two TTLs (a newer attempt
+waits that long at most for rows a paused holder locked); the check itself has a statement
+timeout of ``fence_database_timeout``. A session ended that way is closed by Django when its
+rollback fails, and Celery's Django fix-up gives the next task a new connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import transaction as django_transaction
+
+from ... import signals
+from ...errors import ConfigurationError, FenceError
+from ...store import sql
+from ...transaction import LOCK_TIMEOUT_TTLS, _again, _record_loss
+from .database import same_database_problem
+
+if TYPE_CHECKING:
+    from ...fence import Fence
+    from ...store import Store
+
+
+class _Refused(Exception):
+    """The ownership check found no row: raised inside Django's atomic so it rolls back."""
+
+
+@contextlib.contextmanager
+def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
+    """``with self.fence.atomic():`` — see the module docstring."""
+    alias = using or DEFAULT_DB_ALIAS
+    store = _store_of(fence)
+    if fence._block is not None:
+        raise FenceError(
+            "fence.atomic() inside an open fence.transaction()/session() block: the two are "
+            "separate connections, and a fenced commit covers one. Use fence.atomic() alone for "
+            "Django ORM writes, or run the blocks one after another."
+        )
+    if alias in fence._atomic:  # a savepoint of the open fenced block; it checks at its end
+        fence.check()
+        with django_transaction.atomic(using=alias):
+            yield
+        return
+    if fence._refused is not None:
+        raise _again(fence._refused)
+    connection = connections[alias]
+    problem = same_database_problem(store.url, alias, connection.settings_dict)
+    if problem is not None:
+        raise ConfigurationError(
+            f"fence.atomic(using={alias!r}): Django's {alias!r} database is not the fence store's "
+            f"({problem}). The fenced commit checks ownership in the same transaction as your "
+            f"writes, so both live in one database: set CELERY_FENCE_DATABASE = {alias!r} (and "
+            "run manage.py migrate), or pass using= an alias on the store's database."
+        )
+    fence.check()  # guard() semantics: a lost lease stops the work before the block
+    if fence._before_block is not None:
+        fence._before_block()
+    fence._atomic.add(alias)
+    try:
+        with django_transaction.atomic(using=alias):
+            _bound(fence, store, connection)
+            yield
+            if not connection.needs_rollback:  # else Django rolls back: nothing to check
+                _check(fence, store, connection)
+    except _Refused:
+        fence._atomic.discard(alias)
+        refused = store._rejected(fence.key, fence.generation, fence.attempt_id, "fenced commit")
+        fence._refused = refused
+        raise refused from None
+    except BaseException:
+        fence._atomic.discard(alias)
+        _record_loss(fence)  # a loss seen inside, recorded now that the block holds no locks
+        raise
+    finally:
+        fence._atomic.discard(alias)
+
+
+def _bound(fence: Fence, store: Store, connection: Any) -> None:
+    if connection.vendor != "postgresql" or store.unfenced:
+        return
+    ttl_ms = math.ceil(fence._lease.ttl * 1000)
+    with connection.cursor() as cursor:
+        cursor.execute(sql.pg_block_bounds(ttl_ms, math.ceil(ttl_ms * LOCK_TIMEOUT_TTLS)))
+
+
+def _check(fence: Fence, store: Store, connection: Any) -> None:
+    if store.unfenced:
+        return  # the chaos control arm: a plain commit
+    signals.block_committing.send(
+        sender=None, key=fence.key, attempt_id=fence.attempt_id, generation=fence.generation
+    )
+    fence.check()  # LeaseLost: paused past the lease inside the block
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(sql.pg_statement_timeout(math.ceil(store.database_timeout * 1000)))
+        owner = store.commit_check_cursor(
+            cursor, fence.key, generation=fence.generation, attempt_id=fence.attempt_id
+        )
+    if not owner:
+        raise _Refused
+
+
+def _store_of(fence: Fence) -> Store:
+    if fence._store is None:
+        raise FenceError(
+            f"fence.atomic() for {fence.key!r} has no store: it is only available inside a "
+            "fenced task's body (self.fence, with @shared_task(base=FencedTask, bind=True))"
+        )
+    return fence._store

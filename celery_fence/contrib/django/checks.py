@@ -1,0 +1,50 @@
+"""``manage.py check``: the fence settings, validated as a worker validates them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core import checks
+from django.db import connections
+
+from ...config import DEFAULT_DATABASE_URL
+from ...errors import ConfigurationError
+from .database import same_database_problem
+from .settings import fence_alias, fence_config
+
+
+@checks.register(checks.Tags.database, "celery_fence")
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    try:
+        config = fence_config()
+    except ConfigurationError as exc:
+        return [
+            checks.Error(
+                str(exc),
+                hint="Fix the CELERY_FENCE_* setting named above (see docs/django.md).",
+                id="celery_fence.E001",
+            )
+        ]
+    alias = fence_alias()
+    if alias is None:
+        if config.database_url == DEFAULT_DATABASE_URL:
+            return [
+                checks.Warning(
+                    "celery-fence's store is the embedded SQLite file celery_fence.sqlite3, not "
+                    "one of your DATABASES: self.fence.atomic() refuses to run there.",
+                    hint='Set CELERY_FENCE_DATABASE = "default" (the alias your models use).',
+                    id="celery_fence.W001",
+                )
+            ]
+        return []
+    problem = same_database_problem(config.database_url, alias, connections[alias].settings_dict)
+    if problem is not None:
+        return [
+            checks.Warning(
+                f"CELERY_FENCE_DATABASE_URL is not DATABASES[{alias!r}] ({problem}): the URL wins, "
+                f"so self.fence.atomic(using={alias!r}) will refuse to run.",
+                hint="Remove CELERY_FENCE_DATABASE_URL, or point it at that database.",
+                id="celery_fence.W002",
+            )
+        ]
+    return []

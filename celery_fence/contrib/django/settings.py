@@ -1,0 +1,32 @@
+"""The fence settings as Django's ``settings`` holds them (``CELERY_FENCE_*``, or ``FENCE_*``),
+read with :mod:`celery_fence.config`'s validation: for the system checks and the migration, which
+run without a Celery app."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+
+from ...config import FenceConfig
+
+PREFIXES = ("CELERY_FENCE_", "FENCE_")
+
+
+def fence_settings() -> dict[str, Any]:
+    """Every ``CELERY_FENCE_*`` / ``FENCE_*`` setting of the project."""
+    return {name: getattr(settings, name) for name in dir(settings) if name.startswith(PREFIXES)}
+
+
+def fence_alias() -> str | None:
+    """``CELERY_FENCE_DATABASE`` (or ``FENCE_DATABASE``), if set."""
+    found = fence_settings()
+    for name in ("CELERY_FENCE_DATABASE", "FENCE_DATABASE"):
+        if found.get(name) is not None:
+            return str(found[name])
+    return None
+
+
+def fence_config() -> FenceConfig:
+    """The validated settings (raises :class:`~celery_fence.ConfigurationError`)."""
+    return FenceConfig.from_mapping(fence_settings())

@@ -1,0 +1,119 @@
+"""The billing example under pytest-django, with celery-fence's plugin: real workers on the test
+database, a worker paused before and inside ``self.fence.atomic()``, and the unsafe plain
+``transaction.atomic()`` caught by the test's own check of the invoice row."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from billing.models import Invoice
+from billing.tasks import bill_invoice, bill_invoice_unsafe
+from django.db import connection
+
+from celery_fence.testing.chaos import ConvergenceError
+
+# the workers commit on their own connections: the test must not hold them in a transaction
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def billed_by_the_converged_attempt(invoice_id):
+    """The user's check: the invoice row holds the write of the attempt the fence kept."""
+
+    def invoice_row(job):
+        inv = Invoice.objects.get(pk=invoice_id)
+        assert (inv.billed_generation, inv.billed_attempt) == (job.generation, job.attempt_id), (
+            f"invoice {invoice_id} was billed by generation {inv.billed_generation}, "
+            f"the fence kept generation {job.generation}"
+        )
+        return inv.total_cents == 1749
+
+    return invoice_row
+
+
+@pytest.mark.parametrize("window", ["pause", "pause-inside-block"])
+def test_a_stale_worker_never_lands_its_invoice_write(fence_chaos, fence_store, window):
+    inv = Invoice.objects.create(customer="acme")
+    key = f"invoice:{inv.pk}"
+
+    injection = fence_chaos.inject(window, bill_invoice.s(inv.pk))
+
+    fence_chaos.assert_converged(key, check=billed_by_the_converged_attempt(inv.pk))
+    completed = [t for t in fence_store.history(key) if t.action == "completed"]
+    took = completed[0].at.timestamp() - injection.started
+    assert took < 8 * fence_chaos.env.lease_ttl, f"the newer attempt completed after {took:.1f}s"
+    # and the stale worker's next task runs on a usable connection (the server may have ended
+    # the one it held while paused).
+    a, _ = fence_chaos.workers
+    following = Invoice.objects.create(customer="globex")
+    billed = bill_invoice.apply_async((following.pk,), queue=a.queue).get(timeout=30)
+    assert billed["total_cents"] == 30000
+
+
+def test_a_plain_transaction_atomic_lets_the_stale_write_land(fence_chaos):
+    inv = Invoice.objects.create(customer="acme")
+
+    fence_chaos.inject("pause", bill_invoice_unsafe.s(inv.pk))
+
+    with pytest.raises(ConvergenceError, match="invoice_row failed"):
+        fence_chaos.assert_converged(
+            f"invoice-unsafe:{inv.pk}", check=billed_by_the_converged_attempt(inv.pk)
+        )
+
+
+def messages(response):
+    return [str(m) for m in response.context["messages"]]
+
+
+def wait_for(predicate, seconds, what):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {seconds}s waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_the_admin_shows_a_dead_job_and_requeues_it(fenced_worker, fence_store, admin_client):
+    """The admin, and the plugin's worker on pytest-django's test database."""
+    # Given an invoice billed before it existed: the job ran out of attempts and is dead,
+    fenced_worker.start()
+    missing = 10_000 + Invoice.objects.count()
+    key = f"invoice:{missing}"
+    bill_invoice.delay(missing).get(timeout=30, propagate=False)
+    assert fence_store.get(key).status == "dead"
+    listed = admin_client.get("/admin/celery_fence/job/?status__exact=dead").content.decode()
+    assert key in listed and "DoesNotExist" in listed  # its last error
+    history = admin_client.get(f"/admin/celery_fence/job/{key}/change/").content.decode()
+    assert "retry_scheduled" in history and "DoesNotExist" in history
+    # when the invoice exists and the operator requeues the job from the admin,
+    Invoice.objects.create(pk=missing, customer="globex")
+    changelist = "/admin/celery_fence/job/"
+    selected = {"_selected_action": [key]}
+    requeued = admin_client.post(changelist, {"action": "requeue_dead", **selected}, follow=True)
+    assert messages(requeued)[0].startswith(f"{key}: requeued as")
+    # then the worker bills it under the same key, in the test database (the development
+    # database is never touched), and nothing is left stranded.
+    wait_for(lambda: fence_store.get(key).status == "completed", 30, "the requeued job")
+    job = fence_store.get(key)
+    assert job.result["database"] == connection.settings_dict["NAME"]
+    inv = Invoice.objects.get(pk=missing)
+    assert (inv.total_cents, inv.billed_generation) == (30000, job.generation)
+    recover = {"action": "recover_stranded", **selected}
+    recovered = admin_client.post(changelist, recover, follow=True)
+    assert messages(recovered) == ["0 stranded job(s), 0 re-sent"]
+
+
+def test_migrate_alone_makes_celery_fence_check_pass(settings):
+    # Given the test database, made by manage.py migrate and nothing else,
+    env = {**os.environ, "BILLING_DB_NAME": settings.DATABASES["default"]["NAME"]}
+    here = Path(__file__).resolve().parent.parent
+
+    def fence(*args):
+        command = [sys.executable, "-m", "celery", "-A", "billing_project", "fence", *args]
+        return subprocess.run(command, env=env, cwd=here, capture_output=True, text=True)
+
+    # then celery fence check passes on it: the schema at the version init-db would make.
+    check = fence("check")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "schema current" in check.stdout
