@@ -509,7 +509,7 @@ def _described(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     if mapper is not None:
         return f"mapper {mapper}"
     clause = kwargs.get("clause")
-    return "a statement" if clause is None else f"a {type(clause).__name__} statement"
+    return "a statement" if clause is None else f"a statement ({type(clause).__name__})"
 
 
 def _refuse_other_connections(
