@@ -5,6 +5,7 @@ never answers); SQLite waiting for a write lock another connection holds."""
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 import threading
 import time
@@ -94,7 +95,7 @@ def test_postgresql_a_block_on_your_engine_ends_each_wait_within_the_timeout(
         ("rollback", ValueError),  # the body's own error, not the rollback's
     ):
         fence = _attempt(store)
-        error = _ends_within_the_bound(lambda fence=fence, stall=stall: block(fence, stall=stall))
+        error = _ends_within_the_bound(functools.partial(block, fence, stall=stall))
         assert isinstance(error, expected), (stall, error)
         proxy.unstall()
         # and the attempt still owns its key (a cut commit's outcome is unknown; the check
