@@ -254,8 +254,9 @@ def test_a_session_routed_by_its_own_binds_never_lands_a_paused_attempts_rows(
     wait_until(lambda: "inside:1" in _at(redis_client, prefix, key), 20, what="A in its block")
     # when A pauses past its lease, B takes the job over and commits its rows,
     a.pause()
-    time.sleep(TTL + 0.6)
+    paused_at = time.monotonic()
     spawn_worker("b")
+    time.sleep(max(0.0, paused_at + TTL + 0.6 - time.monotonic()))
     second = client_app.write_app.delay(key, via=via)
     newer = second.get(timeout=30)
     assert newer["generation"] == 2
