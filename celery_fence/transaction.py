@@ -127,15 +127,14 @@ class OpenBlocks:
         records a loss seen meanwhile — once, whatever the threads did."""
         with self._lock:
             self._open.pop(block.thread, None)
-            record = not self._open and (self._loss_seen or lease.lost)
-            if record:
-                self._loss_seen = False
-        if record:
-            try:
-                lease.check()  # records the loss (HeldLease.mark_lost: once)
-            except LeaseLost:
+            if self._open:
                 return
-            # A loss was raised inside the block, then a late renewal moved the deadline on:
+            seen, self._loss_seen = self._loss_seen, False
+        try:
+            lease.check()  # records a loss (HeldLease.mark_lost: once)
+        except LeaseLost:
+            return
+        if seen:  # raised inside the block, then a late renewal moved the deadline on:
             # what was raised stands.
             lease.mark_lost("deadline passed without a confirmed renewal")
 
@@ -229,6 +228,8 @@ def _outermost(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
             if busy_timeout is not None and not conn.invalidated:
                 with contextlib.suppress(Exception):
                     _raw(conn, sql.sqlite_busy_timeout(busy_timeout))
+            if not conn.invalidated:  # (an invalidated connection would reconnect here)
+                _disarm_statement(conn)  # a statement that ended without either event
             conn.close()
         finally:
             fence._blocks.remove(block, fence._lease)  # records a loss seen inside the block
@@ -361,9 +362,9 @@ def _end_driver_transaction(
         return
     dbapi_conn: Any = conn.connection.dbapi_connection
     token = None
-    if conn.dialect.name == "postgresql":
-        token = watchdog.arm(dbapi_conn.fileno(), store.database_timeout)
     try:
+        if conn.dialect.name == "postgresql":
+            token = watchdog.arm(dbapi_conn.fileno(), store.database_timeout)
         getattr(dbapi_conn, verb)()
     except conn.dialect.loaded_dbapi.Error as exc:
         conn.invalidate()
