@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from .effects import StagedEffects
 from .lease import HeldLease
+from .orm import session as _session
 from .transaction import OpenBlocks, unrecorded_loss
-from .transaction import session as _session
 from .transaction import transaction as _transaction
 
 if TYPE_CHECKING:

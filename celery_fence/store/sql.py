@@ -77,12 +77,16 @@ def pg_lock_timeout(ms: int) -> str:
     return f"SET lock_timeout = {int(ms)}"
 
 
-def pg_block_bounds(idle_ms: int, lock_ms: int, statement_ms: int) -> str:
+def pg_block_bounds(idle_ms: int, lock_ms: int, statement_ms: int | None = None) -> str:
     """A fenced block's limits on PostgreSQL, for its transaction only."""
+    statement = (
+        ""
+        if statement_ms is None
+        else (f", set_config('statement_timeout', '{int(statement_ms)}', true)")
+    )
     return (
         f"SELECT set_config('idle_in_transaction_session_timeout', '{int(idle_ms)}', true), "
-        f"set_config('lock_timeout', '{int(lock_ms)}', true), "
-        f"set_config('statement_timeout', '{int(statement_ms)}', true)"
+        f"set_config('lock_timeout', '{int(lock_ms)}', true){statement}"
     )
 
 
