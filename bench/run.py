@@ -13,6 +13,8 @@ Modes (default: throughput):
   sampled as it goes;
 - ``python -m bench --scale`` — register+complete latency with 10^3 .. 10^6 rows in fence_jobs,
   EXPLAIN of both statements, and purge keeping the table bounded;
+- ``python -m bench --enqueue`` — what a durable ``enqueue()`` costs the caller per job, beside
+  ``delay()`` and commit-then-``delay()``;
 - ``python -m bench --experiment`` — the default mode plus ``fenced-pg-exp``: candidate hot-path
   changes (:mod:`bench.experiments`, monkeypatched in a second worker only), same run.
 
@@ -37,6 +39,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument("--renewal", action="store_true", help="renewal traffic mode")
     mode.add_argument("--memory", action="store_true", help="worker RSS over many tasks")
     mode.add_argument("--scale", action="store_true", help="store latency at 10^3..10^6 rows")
+    mode.add_argument("--enqueue", action="store_true", help="caller cost of a durable enqueue")
+    p.add_argument("--enqueue-jobs", type=int, default=500, help="--enqueue: jobs a round (500)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of every variant (default 5)")
     p.add_argument("--tasks", type=int, default=3000, help="no-op tasks per run (default 3000)")
     p.add_argument("--sleep-tasks", type=int, default=400, help="50 ms tasks per run (default 400)")
@@ -116,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             result = memory.run(
                 svc, tasks=args.memory_tasks, loglevel=args.loglevel, out=sys.stdout
             )
+        elif args.enqueue:
+            from bench import enqueue
+
+            result = enqueue.run(svc, jobs=args.enqueue_jobs, rounds=args.rounds, out=sys.stdout)
         elif args.scale:
             from bench import scale
 

@@ -5,6 +5,7 @@ store fenced on that generation decides whose result counts.
 """
 
 from .config import FenceConfig
+from .durable import Enqueued, enqueue
 from .errors import (
     ConfigurationError,
     FenceError,
@@ -20,6 +21,7 @@ from .errors import (
 from .fence import Fence
 from .outbox import Outbox, idempotency_key, register_handler, storage_key
 from .recovery import recover
+from .retention import purge_expired
 from .schema import metadata
 from .store import JobRecord, Store, get_store
 from .task import FencedTask
@@ -34,6 +36,7 @@ except PackageNotFoundError:  # pragma: no cover - run from a source tree that i
 
 __all__ = [
     "ConfigurationError",
+    "Enqueued",
     "Fence",
     "FenceConfig",
     "FenceError",
@@ -49,9 +52,11 @@ __all__ = [
     "StaleGeneration",
     "Store",
     "StoreError",
+    "enqueue",
     "get_store",
     "idempotency_key",
     "metadata",
+    "purge_expired",
     "recover",
     "register_handler",
     "storage_key",

@@ -8,6 +8,8 @@ namespace) are read too. Nothing falls back to ``broker_url``: the lease store i
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -53,6 +55,8 @@ DEFAULT_GENERATION_TTL = 600.0
 #: ``fence recover`` / the recover task: a non-terminal job whose lease is gone counts as
 #: stranded once it has not moved for this many lease TTLs (unless ``fence_recover_after`` is set).
 RECOVER_AFTER_TTLS = 10
+#: ``fence_retention``'s floor, seconds: a completed job's row must outlive any late redelivery.
+MIN_RETENTION = 3600.0
 #: PostgreSQL: seconds a store statement (a registration, a completion) waits for a row lock,
 #: e.g. behind a paused ``fence.transaction()`` holder, before it fails and the message is re-sent.
 DEFAULT_LOCK_TIMEOUT = 5.0
@@ -158,6 +162,7 @@ class FenceConfig:
     generation_ttl: float = DEFAULT_GENERATION_TTL
     recover_after: float | None = None  # None: RECOVER_AFTER_TTLS x lease_ttl
     max_runtime: float | None = None  # None: the task's hard time limit, if it has one
+    retention: float | None = None  # None: finished jobs are kept until purged by hand
 
     def __post_init__(self) -> None:
         self.validate()
@@ -237,6 +242,13 @@ class FenceConfig:
                 f"fence_max_runtime={self.max_runtime} must be a positive number of seconds, or "
                 "None (the task's hard time limit, if any)."
             )
+        if self.retention is not None and not self.retention >= MIN_RETENTION:
+            raise ConfigurationError(
+                f"fence_retention={self.retention} must be at least {MIN_RETENTION:g} seconds: a "
+                "completed job's row is what makes a late redelivery replay its result instead of "
+                "running the body again, so keep it longer than any message can be delayed, e.g. "
+                "fence_retention=7 * 86400 (a week), or unset it to keep everything."
+            )
         if self.lock_timeout <= 0:
             raise ConfigurationError(
                 f"fence_lock_timeout={self.lock_timeout} must be a positive number of seconds "
@@ -258,21 +270,35 @@ class FenceConfig:
 
     @classmethod
     def from_mapping(cls, conf: Mapping[str, Any], **overrides: Any) -> FenceConfig:
-        """Read ``fence_*`` settings from a Celery ``app.conf`` (or any mapping)."""
+        """Read ``fence_*`` settings from a Celery ``app.conf`` (or any mapping).
+
+        A name with a celery-fence prefix that is no setting (a typo such as
+        ``CELERY_FENCE_LEASE_TIL``) is an error, with the closest real name; errors name a
+        setting the way it was written."""
+        check_names(conf)
         values: dict[str, Any] = {}
+        written: dict[str, str] = {}
         for f in dataclasses.fields(cls):
-            found, raw = _lookup(conf, f"fence_{f.name}")
+            found, raw, as_written = _lookup(conf, f"fence_{f.name}")
             if found:
-                values[f.name] = _parse(f.name, raw)
+                written[f.name] = as_written
+                values[f.name] = _parse(f.name, raw, as_written)
         for name, raw in overrides.items():
             values[name] = _parse(name, raw)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ConfigurationError as exc:
+            raise ConfigurationError(_as_written(str(exc), written)) from None
 
     @classmethod
     def for_task(cls, task: Any) -> FenceConfig:
         """The app's settings with the task's own options applied: ``lease_ttl``,
         ``renew_interval``, ``max_attempts`` and any ``fence_<setting>`` given to ``@app.task``."""
         base = cls.from_app(task.app)
+        for attr in _task_fence_options(task):
+            if attr[len("fence_") :] not in FIELD_NAMES:
+                message = unknown_setting_message(attr, "fence_", attr[len("fence_") :])
+                raise ConfigurationError(f"task {task.name}: {message}")
         overrides: dict[str, Any] = {}
         for name in FIELD_NAMES:
             value = getattr(task, f"fence_{name}", None)
@@ -309,7 +335,7 @@ _FLOATS = {
     "generation_ttl",
     "lock_timeout",
 }
-_OPTIONAL_FLOATS = {"recover_after", "max_runtime"}
+_OPTIONAL_FLOATS = {"recover_after", "max_runtime", "retention"}
 _INTS = {"max_attempts", "retry_budget_floor", "error_message_length"}
 _BOOLS = {
     "retry_unknown_errors",
@@ -328,8 +354,8 @@ FIELD_NAMES = frozenset(
 )
 
 
-def _parse(name: str, raw: Any) -> Any:
-    setting = f"fence_{name}"
+def _parse(name: str, raw: Any, setting: str | None = None) -> Any:
+    setting = setting or f"fence_{name}"
     if name not in FIELD_NAMES:
         raise ConfigurationError(f"unknown celery-fence setting {setting!r}.")
     if name in _FLOATS:
@@ -366,22 +392,78 @@ def _parse(name: str, raw: Any) -> Any:
     return raw
 
 
-def _lookup(conf: Mapping[str, Any], name: str) -> tuple[bool, Any]:
+def _task_fence_options(task: Any) -> list[str]:
+    """The ``fence_*`` options given to ``@app.task(...)``: class attributes of the task's own
+    classes below the fenced base (whose ``fence_key``/``fence_config`` are its API)."""
+    names: list[str] = []
+    unwrap = getattr(task, "_get_current_object", None)  # a lazy task proxy
+    for klass in type(task if unwrap is None else unwrap()).__mro__:
+        if getattr(klass, "__module__", "").startswith(("celery_fence.", "celery.")):
+            break
+        names.extend(n for n in vars(klass) if n.startswith("fence_") and n != "fence_key")
+    return names
+
+
+def _lookup(conf: Mapping[str, Any], name: str) -> tuple[bool, Any, str]:
+    """Whether ``name`` is set (in any of its three spellings), its value, and the spelling."""
     for candidate in (name, name.upper(), "CELERY_" + name.upper()):
         try:
             value = conf[candidate]
         except KeyError:
             continue
         if value is not None:
-            return True, value
-    return False, None
+            return True, value, candidate
+    return False, None, name
 
 
 def read_setting(conf: Mapping[str, Any], name: str) -> Any:
     """One setting read and validated alone (None when unset), for what runs before any task
     validates them all (logging setup): ``read_setting(app.conf, "redact_celery_logs")``."""
-    found, raw = _lookup(conf, f"fence_{name}")
-    return _parse(name, raw) if found else None
+    found, raw, written = _lookup(conf, f"fence_{name}")
+    return _parse(name, raw, written) if found else None
+
+
+#: The three spellings of a setting's prefix: Celery's, upper case, and Django's namespace.
+_PREFIXES = ("fence_", "FENCE_", "CELERY_FENCE_")
+
+
+def check_names(conf: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigurationError` for a name that looks like a celery-fence setting and
+    is none, saying which real setting it probably meant."""
+    try:
+        names = list(conf.keys())
+    except Exception:  # a mapping that cannot list its keys: nothing to check
+        return
+    for written in names:
+        if not isinstance(written, str):
+            continue
+        prefix = next((p for p in reversed(_PREFIXES) if written.startswith(p)), None)
+        if prefix is None:
+            continue
+        name = written[len(prefix) :].lower()
+        if name in FIELD_NAMES:
+            continue
+        raise ConfigurationError(unknown_setting_message(written, prefix, name))
+
+
+def unknown_setting_message(written: str, prefix: str, name: str) -> str:
+    """``unknown celery-fence setting 'X': did you mean 'Y'?`` in the spelling used."""
+    close = difflib.get_close_matches(name, sorted(FIELD_NAMES), n=1, cutoff=0.6)
+    spell = (lambda n: prefix + n) if prefix == "fence_" else (lambda n: prefix + n.upper())
+    hint = (
+        f"did you mean {spell(close[0])!r}?"
+        if close
+        else "see the README's settings table for the names"
+    )
+    return f"unknown celery-fence setting {written!r}: {hint} (remove or rename it)"
+
+
+def _as_written(message: str, written: Mapping[str, str]) -> str:
+    """``message`` with each ``fence_<name>`` replaced by the spelling the user wrote."""
+    for name, as_written in written.items():
+        if as_written != f"fence_{name}":
+            message = re.sub(rf"\bfence_{name}\b", as_written, message)
+    return message
 
 
 #: Task options that override a setting for one task without the ``fence_`` prefix:

@@ -120,6 +120,15 @@ class Control:
 
 
 @dataclass(frozen=True)
+class Interrupted:
+    """A ``BaseException`` that is not an ``Exception`` ended the attempt: ``SystemExit``,
+    ``KeyboardInterrupt``, ``asyncio.CancelledError``, gevent's ``Timeout`` (the gevent pool's
+    time limit) or ``GreenletExit`` (``revoke(terminate=True)`` under gevent)."""
+
+    error: BaseException
+
+
+@dataclass(frozen=True)
 class Unexpected:
     error: BaseException
     where: str = "fenced path"
@@ -138,6 +147,7 @@ Outcome = (
     | Refused
     | Unkeyed
     | Control
+    | Interrupted
     | Unexpected
 )
 
@@ -193,6 +203,7 @@ __all__ = [
     "Exhausted",
     "Fail",
     "Failed",
+    "Interrupted",
     "Lost",
     "Outcome",
     "Refused",

@@ -2,8 +2,10 @@
 
 Classification (:func:`classify`):
 
-- ``PermanentError``, ``ResultNotSerializable`` and ``fence_permanent_exceptions`` are
-  *permanent*: the job goes straight to ``dead``, after one attempt.
+- ``PermanentError``, ``ResultNotSerializable``, ``ConfigurationError`` (a fence API used in a
+  way that can never work, e.g. a ``bind=`` on another database) and
+  ``fence_permanent_exceptions`` are *permanent*: the job goes straight to ``dead``, after one
+  attempt.
 - ``fence_transient_exceptions`` (default: :data:`DEFAULT_TRANSIENT`, the connection errors and
   timeouts of Redis, SQLAlchemy, the DB-API drivers, kombu and the standard library) are
   *transient*: retried until ``fence_max_attempts``.
@@ -53,7 +55,7 @@ import sqlalchemy.exc
 from celery.exceptions import SoftTimeLimitExceeded
 
 from .config import FenceConfig
-from .errors import LeaseBusy, PermanentError, ResultNotSerializable
+from .errors import ConfigurationError, LeaseBusy, PermanentError, ResultNotSerializable
 from .runtime import runtime
 from .scripts import LuaScript
 
@@ -89,7 +91,11 @@ DEFAULT_TRANSIENT: tuple[type[BaseException], ...] = (
 )
 
 #: Errors that need corrected input or code: never retried, whatever the settings say.
-ALWAYS_PERMANENT: tuple[type[BaseException], ...] = (PermanentError, ResultNotSerializable)
+ALWAYS_PERMANENT: tuple[type[BaseException], ...] = (
+    PermanentError,
+    ResultNotSerializable,
+    ConfigurationError,
+)
 
 Kind = Literal["transient", "permanent", "unknown"]
 

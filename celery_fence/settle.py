@@ -25,11 +25,16 @@ Unavailable          none (the store could not be asked)      Resend with backof
 Refused              ``dead``, the request kept encoded       Fail (ack)
 Unkeyed              ``dead`` under ``unkeyed:<task>:<id>``   Fail (ack)
 Control              ``retrying`` or ``dead``                 Reraise (Celery's own rule)
+Interrupted          ``retrying`` if registered               Reraise if Celery needs it
+                                                              (process exit, gevent time
+                                                              limit or kill), else Resend
 Unexpected           ``retrying`` if registered               Resend with backoff
 ===================  =======================================  =============================
 
 Any write that fails (other than a fenced rejection, which means a newer generation owns the
-job) turns into a re-send: never an ack without a durable state.
+job) turns into a re-send: never an ack without a durable state. An interruption Celery needs
+(:func:`propagates`) is re-raised whatever the store said: Celery then gives the message back to
+the broker (a lost worker, or the gevent pool's hard time limit), and the next delivery decides.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import random
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +63,7 @@ from .outcomes import (
     Exhausted,
     Fail,
     Failed,
+    Interrupted,
     Lost,
     Outcome,
     Refused,
@@ -85,9 +93,12 @@ def settle(attempt: Attempt, outcome: Outcome) -> CeleryAction:
     try:
         if attempt.deferred and not isinstance(outcome, _NO_ROW_NEEDED):
             outcome = register_late(attempt) or outcome
-        return _HANDLERS[type(outcome)](attempt, outcome)
+        action = _HANDLERS[type(outcome)](attempt, outcome)
     except Exception as exc:
-        return _unrecorded(attempt, exc, what=type(outcome).__name__.lower())
+        action = _unrecorded(attempt, exc, what=type(outcome).__name__.lower())
+    if isinstance(outcome, Interrupted) and propagates(outcome.error):
+        return Reraise(outcome.error)  # Celery gives the message back; the store said what it could
+    return action
 
 
 def _completed(a: Attempt, o: Completed) -> CeleryAction:
@@ -279,6 +290,40 @@ def _unexpected(a: Attempt, o: Unexpected) -> CeleryAction:
     return _retry(a, o.error, backoff(max(1, a.attempts), a.config), reason)
 
 
+def _interrupted(a: Attempt, o: Interrupted) -> CeleryAction:
+    """Not a failure of the job: the attempt was cut short. Retried with backoff (the store
+    still counts it against ``fence_max_attempts``); never left ``running``."""
+    name = type(o.error).__name__
+    logger.warning(
+        "fence attempt interrupted by %s key=%s generation=%s attempt=%s",
+        name,
+        a.key,
+        a.generation,
+        a.attempt_id,
+        extra={"action": "interrupted", "fence_key": a.key, "generation": a.generation},
+    )
+    reason = f"interrupted by {name}"
+    if not a.registered:
+        return _unavailable(a, Unavailable(o.error, reason))
+    return _retry(a, o.error, backoff(max(1, a.attempts), a.config), reason)
+
+
+def propagates(error: BaseException) -> bool:
+    """Whether Celery needs ``error`` raised on after the settle step: the process is exiting
+    (``SystemExit``, ``KeyboardInterrupt`` on the main thread: the solo pool, a direct call), or
+    gevent is cutting the greenlet (its ``Timeout``: the gevent pool's hard time limit;
+    ``GreenletExit``: ``revoke(terminate=True)``). Anything else is re-sent: a ``SystemExit`` in
+    a threads-pool thread or a gevent-pool greenlet exits nothing (Celery 5 fails on it and
+    leaves the message unacked), and ``asyncio.CancelledError`` means nothing to Celery."""
+    if isinstance(error, (SystemExit, KeyboardInterrupt)):
+        return threading.current_thread() is threading.main_thread()
+    greenlet = sys.modules.get("greenlet")  # only when loaded: never imported here
+    if greenlet is not None and isinstance(error, greenlet.GreenletExit):
+        return True
+    timeout = sys.modules.get("gevent.timeout")
+    return timeout is not None and isinstance(error, timeout.Timeout)
+
+
 #: Outcomes of a deferred first claim that write no row (the completion writes it itself).
 _NO_ROW_NEEDED = (Completed, Busy, Unavailable, Replayed, AlreadyDead, Unkeyed, Refused)
 
@@ -295,6 +340,7 @@ _HANDLERS: dict[type, Callable[[Attempt, Any], CeleryAction]] = {
     Refused: _refused,
     Unkeyed: _unkeyed,
     Control: _control,
+    Interrupted: _interrupted,
     Unexpected: _unexpected,
 }
 
@@ -312,7 +358,14 @@ def _write_retry(a: Attempt, error: BaseException, countdown: float, reason: str
         retry_at=dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=countdown),
         reason=reason,
     )
-    a.emit(Action.RETRY_SCHEDULED, a, reason=reason, countdown=countdown, attempts=a.attempts)
+    a.emit(
+        Action.RETRY_SCHEDULED,
+        a,
+        reason=reason,
+        countdown=countdown,
+        attempts=a.attempts,
+        error=error,
+    )
 
 
 def _write_dead(
@@ -332,6 +385,7 @@ def _write_dead(
         a,
         reason=reason,
         attempts=a.attempts if attempts is None else attempts,
+        error=error,
     )
 
 
@@ -382,4 +436,4 @@ def refused(exc: BaseException, what: str) -> ResultNotSerializable:
     return error
 
 
-__all__ = ["refused", "settle"]
+__all__ = ["propagates", "refused", "settle"]

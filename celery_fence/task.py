@@ -166,12 +166,14 @@ class FencedTask(Task):
             retries=self.request.retries or 0,
         )
         try:
-            outcome = self._execute(attempt, leases, args, kwargs)
-        except Exception as exc:  # anything raised in the fenced path settles too
-            outcome = o.Unexpected(exc)
-        try:
+            try:
+                outcome = self._execute(attempt, leases, args, kwargs)
+            except Exception as exc:  # anything raised in the fenced path settles too
+                outcome = o.Unexpected(exc)
+            except BaseException as exc:  # SystemExit, CancelledError, gevent's Timeout, ...
+                outcome = o.Interrupted(exc)
             action = s.settle(attempt, outcome)
-        finally:
+        finally:  # whatever ends the attempt, even an exit raised in the settle step itself
             if attempt.lease is not None:
                 renewer.discard(attempt.lease)  # compare-and-delete, batched by the renewer
         return self._act(action)
@@ -240,12 +242,15 @@ class FencedTask(Task):
                 )
             except LeaseBusy as busy:
                 return o.Busy(busy.remaining)
-            except Exception as exc:  # Redis unreachable or refusing: re-send, never drop
-                # The claim may have run with its reply lost (a timeout, a dropped connection):
-                # release this attempt's lease by its token, whatever its generation, so the
-                # re-sent message does not find it busy for a whole TTL.
+            except BaseException as exc:  # Redis unreachable or refusing: re-send, never drop
+                # The claim may have run with its reply lost (a timeout, a dropped connection,
+                # an exit raised while it waited): release this attempt's lease by its token,
+                # whatever its generation, so the next delivery does not find it busy for a
+                # whole TTL; the other attempts' releases it carried go back to the queue.
                 lost_claim = (leases.keys_for(a.key).lease, f"{a.attempt_id}:")
                 renewer.return_releases([*releases, lost_claim])
+                if not isinstance(exc, Exception):
+                    raise
                 return o.Unavailable(exc, f"lease store unavailable ({type(exc).__name__})")
             a.lease = HeldLease(
                 key=a.key,

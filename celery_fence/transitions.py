@@ -111,6 +111,7 @@ def emit_transition(
     generation: int | None = None,
     reason: str | None = None,
     origin: Origin | None = None,
+    error: BaseException | None = None,
     **extra: Any,
 ) -> None:
     """Log ``action``, send its signal and, for a worker's attempt (``origin`` given, ``-E``,
@@ -118,26 +119,39 @@ def emit_transition(
 
     ``sender`` is the task (or, from the CLI, its name); ``extra`` holds the signal's and the
     event's additional fields (``remaining``, ``countdown``, ``attempts``), never payloads.
-    Recording the table row is the store's part of the same state change, not this function's.
+    ``error``, the body's error behind a retry or a dead job, goes to the log line only: its type
+    and first line, and its traceback at DEBUG. Recording the table row is the store's part of
+    the same state change, not this function's.
     """
     t = TABLE[action]
     if t.logger.isEnabledFor(t.level):
         t.logger.log(
             t.level,
-            "fence %s key=%s generation=%s attempt=%s%s",
+            "fence %s key=%s generation=%s attempt=%s%s%s",
             action.value,
             key,
             generation,
             attempt_id,
             f" reason={reason}" if reason else "",
+            "" if error is None else f" error={error_line(error)}",
             extra={
                 "action": action.value,
                 "fence_key": key,
                 "attempt_id": attempt_id,
                 "generation": generation,
                 "reason": reason,
+                **({} if error is None else {"error": error_line(error)}),
             },
         )
+        if error is not None and t.logger.isEnabledFor(logging.DEBUG):
+            t.logger.debug(
+                "fence %s key=%s: traceback of %s",
+                action.value,
+                key,
+                type(error).__name__,
+                exc_info=(type(error), error, error.__traceback__),
+                extra={"action": action.value, "fence_key": key, "attempt_id": attempt_id},
+            )
     if t.signal is not None and t.signal.receivers:
         try:  # Celery's send() already catches and logs each receiver's exception
             t.signal.send(
@@ -166,6 +180,21 @@ def emit_transition(
                 )
         except Exception:  # events are a view, never a reason to fail
             logger.debug("could not queue the fence event of %s", action, exc_info=True)
+
+
+#: Characters of an error's first line a log line keeps.
+ERROR_LINE_LENGTH = 200
+
+
+def error_line(error: BaseException) -> str:
+    """``Type: first line of the message``, at most :data:`ERROR_LINE_LENGTH` characters. A
+    database error gives its driver's first line only (the lines after it can quote the
+    statement's parameters)."""
+    cause = getattr(error, "orig", None) or error
+    lines = str(cause).strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    text = f"{type(error).__name__}: {first}" if first else type(error).__name__
+    return text if len(text) <= ERROR_LINE_LENGTH else text[: ERROR_LINE_LENGTH - 1] + "…"
 
 
 def lease_observers(

@@ -9,9 +9,12 @@ shuts down the socket of a call still running past it. The driver then fails the
 connection (a transient error: the attempt takes the "store unavailable" path) and the pool drops
 the connection.
 
-Arming is two dict operations on the caller's thread (no lock, no wake-up); the thread looks
-every :data:`TICK` seconds. A call that ends in the instant between the thread's check and the
-cut loses a connection that was fine; its next user sees a broken connection, a transient error.
+Arming is a dict insert on the caller's thread (no wake-up); the thread looks every :data:`TICK`
+seconds. A call that ends exactly at its deadline races the thread: the thread's "cut" and the
+caller's "done" (:meth:`Watchdog.disarm`) take one lock, and whoever comes first wins. The caller
+that disarms first keeps a connection that is never cut; the caller that comes second learns from
+``disarm()`` that its connection was cut (its answer may have arrived; the socket did not
+survive), so it can drop the connection rather than give it back to the pool.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ class Watchdog:
     def __init__(self) -> None:
         self._calls: dict[int, tuple[float, int]] = {}
         self._tokens = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # starting the thread
+        self._cut_lock = threading.Lock()  # the thread's "cut" against the caller's "done"
         self._thread: threading.Thread | None = None
         self.cuts = 0
 
@@ -51,10 +55,14 @@ class Watchdog:
         self._calls[token] = (time.monotonic() + timeout, fd)
         return token
 
-    def disarm(self, token: int | None) -> None:
-        """The call ended (whatever its outcome): stop watching it."""
-        if token is not None:
-            self._calls.pop(token, None)
+    def disarm(self, token: int | None) -> bool:
+        """The call ended (whatever its outcome): stop watching it. True when the watchdog had
+        already cut its connection (the deadline came first); the connection must not be
+        reused."""
+        if token is None:
+            return False
+        with self._cut_lock:
+            return self._calls.pop(token, None) is None
 
     def _start(self) -> None:
         with self._lock:
@@ -65,18 +73,35 @@ class Watchdog:
                 self._thread.start()
 
     def reset(self) -> None:
-        """Forget the parent's thread, calls and lock (the runtime's fork hook, in the child)."""
+        """Forget the parent's thread, calls and locks (the runtime's fork hook, in the child)."""
         self._calls = {}
         self._thread = None
         self._lock = threading.Lock()
+        self._cut_lock = threading.Lock()
 
     def _run(self) -> None:
         while True:
             time.sleep(TICK)
-            now = time.monotonic()
-            for token, (deadline, fd) in list(self._calls.items()):
-                if now > deadline and self._calls.pop(token, None) is not None:
-                    self._cut(fd)
+            self.sweep()
+
+    def sweep(self, now: float | None = None) -> int:
+        """Cut the connection of every call past its deadline at ``now`` (default: the
+        monotonic clock) that its caller has not disarmed first; return how many were cut."""
+        now = time.monotonic() if now is None else now
+        cut = 0
+        for token, (deadline, fd) in list(self._calls.items()):
+            if now <= deadline:
+                continue
+            with self._cut_lock:  # the caller's disarm() waits for the cut, or wins before it
+                if self._calls.pop(token, None) is None:
+                    continue  # the call ended first: its connection is fine
+                self._cut(fd)
+            cut += 1
+            logger.warning(
+                "a database call outlived fence_database_timeout: its connection was cut",
+                extra={"action": "db_timeout", "reason": "fence_database_timeout"},
+            )
+        return cut
 
     def _cut(self, fd: int) -> None:
         """Shut the socket down under the driver (a duplicate descriptor: the driver keeps and
@@ -88,10 +113,6 @@ class Watchdog:
             return
         with contextlib.closing(socket.socket(fileno=dup)) as sock, contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
-        logger.warning(
-            "a database call outlived fence_database_timeout: its connection was cut",
-            extra={"action": "db_timeout", "reason": "fence_database_timeout"},
-        )
 
 
 #: The process's watchdog.

@@ -26,7 +26,7 @@ import logging
 from typing import Any
 
 from billiard.exceptions import TimeLimitExceeded
-from celery.signals import worker_init, worker_process_shutdown
+from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
 from celery.worker.request import Request
 
 from .actions import Action
@@ -137,9 +137,12 @@ class FencedRequest(Request):
 
 
 @worker_process_shutdown.connect(weak=False)
+@worker_shutdown.connect(weak=False)
 def _release_on_shutdown(**_: Any) -> None:
-    """A pool process (or a solo worker) that exits finishes its background writes and sends its
-    queued lease releases and events first."""
+    """A worker process that exits finishes its background writes and sends its queued lease
+    releases and events first: a prefork child (``worker_process_shutdown``), and the worker's
+    main process on every pool (``worker_shutdown``: solo, threads and gevent run their tasks
+    there). Safe to run twice: a second call finds nothing left to send."""
     runtime().shutdown()
 
 

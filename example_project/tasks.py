@@ -1,4 +1,4 @@
-"""The two jobs: a report (seed 000) and an export (seed 002), both fenced.
+"""The two jobs: a report and an export, both fenced.
 
 Both publish through the fenced completion — only the attempt that still owns the job stores its
 result — and both send their external effect through the outbox, which writes it in the same

@@ -77,6 +77,13 @@ def config_of(ctx: click.Context) -> FenceConfig:
     return FenceConfig.from_app(ctx.obj.app)
 
 
+def celery_command(ctx: click.Context) -> str:
+    """``celery -A <the app this command was given>`` for the hints a message prints."""
+    given = ctx.find_root().params.get("app")
+    name = given if isinstance(given, str) and given else getattr(ctx.obj.app, "main", None)
+    return f"celery -A {name or '<app>'}"
+
+
 def store_of(ctx: click.Context) -> Store:
     """The store those settings name."""
     return store_for(config_of(ctx))

@@ -13,10 +13,11 @@ from .. import migrate, recovery
 from ..config import FenceConfig
 from ..lease import LeaseStore, make_redis_client
 from ..schema import STATUSES
-from ..store import UNFINISHED, Transition, store_for
+from ..store import COMPLETED, UNFINISHED, JobRecord, Transition, store_for
 from .common import (
     EX_USAGE,
     FenceCLIError,
+    celery_command,
     command,
     config_of,
     record_json,
@@ -58,12 +59,12 @@ def check(ctx: click.Context) -> None:
     if missing:
         raise FenceCLIError(
             f"database {safe_url(url)}: tables missing ({', '.join(missing)}); run: "
-            "celery -A <app> fence init-db"
+            f"{celery_command(ctx)} fence init-db"
         )
     if stamped and migrate.head() not in stamped:
         raise FenceCLIError(
             f"database {safe_url(url)}: schema at {', '.join(stamped)}, not {migrate.head()}; "
-            "run: celery -A <app> fence init-db"
+            f"run: {celery_command(ctx)} fence init-db"
         )
     ctx.obj.echo(f"database: ok ({safe_url(url)}, schema current)")
 
@@ -183,6 +184,20 @@ def _transition_json(t: Transition) -> dict[str, Any]:
     }
 
 
+#: Characters of a stored result ``fence show`` prints as text (``--json`` prints it whole).
+RESULT_TEXT_LENGTH = 2000
+
+
+def _result_text(record: JobRecord) -> str:
+    """The stored result as JSON text, shortened; ``-`` until the job completed."""
+    if record.status != COMPLETED:
+        return "-"
+    text = json.dumps(record.result, default=repr)
+    if len(text) > RESULT_TEXT_LENGTH:
+        return f"{text[:RESULT_TEXT_LENGTH]}... ({len(text)} characters; --json prints it whole)"
+    return text
+
+
 @command("show")
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of text.")
@@ -208,6 +223,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
             routing_key=routing.get("routing_key"),
             lease_remaining=remaining,
             lease_generation=lease_generation,
+            result=record.result if record.status == COMPLETED else None,
             history=[_transition_json(t) for t in history],
         )
         ctx.obj.echo(json.dumps(doc))
@@ -222,7 +238,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         ("key", record.key),
         ("task", record.task_name),
         ("queue", queue or "-"),
-        ("status", record.status),
+        ("status", record.status + (" (never claimed)" if record.generation == 0 else "")),
         ("generation", str(record.generation)),
         ("owner attempt", record.attempt_id),
         ("attempts", str(record.attempts)),
@@ -232,6 +248,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         ("finished", utc_text(record.finished_at)),
         ("retry at", utc_text(record.retry_at)),
         ("lease", lease),
+        ("result", _result_text(record)),
     ]
     lines = [f"{name + ':':<15}{value}" for name, value in fields]
     if history:

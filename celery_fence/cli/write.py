@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import time
 
 import click
 from celery.bin.base import CeleryOption
@@ -15,6 +16,7 @@ from ..config import FenceConfig
 from ..errors import StaleGeneration
 from ..schema import COMPLETED, DEAD
 from ..store import JobRecord, Store, store_for
+from ..store.admin import PURGE_BATCH
 from ..transitions import emit_transition
 from .common import (
     EX_USAGE,
@@ -52,24 +54,41 @@ def init_db(ctx: click.Context) -> None:
     help="Also re-send a job that is not dead (running, retrying, pending) once no live lease "
     "holds it; its attempt count is kept.",
 )
+@click.option(
+    "--completed",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Requeue Options",
+    help="Run a completed job again, on purpose (its data was fixed): the stored result stays "
+    "until the new attempt's completion replaces it; the history records the re-run.",
+)
 @click.pass_context
-def requeue(ctx: click.Context, key: str, force: bool) -> None:
+def requeue(ctx: click.Context, key: str, force: bool, completed: bool) -> None:
     """Re-send a dead job (same key, fresh attempt budget) to its queue.
 
     With --force, also an unfinished job that no live lease holds (a stranded one, without
-    waiting for 'fence recover'). A completed job is never re-sent.
+    waiting for 'fence recover'). A completed job is re-sent only with --completed.
     """
+    if force and completed:
+        raise FenceCLIError("--force and --completed do not go together", exit_code=EX_USAGE)
     app = ctx.obj.app
     config = config_of(ctx)
     store = store_for(config)
     record = store.get(key)
     if record is None:
         raise FenceCLIError(f"no job with key {key!r}")
-    if record.status != DEAD:
-        if record.status == COMPLETED or not force:
+    wanted = COMPLETED if completed else DEAD
+    if record.status != wanted:
+        if record.status == COMPLETED:
             raise FenceCLIError(
-                f"job {key!r} is {record.status}, not dead: only dead jobs are requeued"
-                + ("" if record.status == COMPLETED else " (--force re-sends an unfinished one)")
+                f"job {key!r} is completed: its stored result is replayed to every delivery; to "
+                "run it again on purpose, add --completed (or give the new work a new key, e.g. "
+                "with a version in it)"
+            )
+        if completed or not force or record.status == DEAD:
+            raise FenceCLIError(
+                f"job {key!r} is {record.status}, not {wanted}: not requeued"
+                + ("" if record.status == DEAD else " (--force re-sends an unfinished one)")
             )
         _force_requeue(ctx, config, store, record)
         return
@@ -78,22 +97,24 @@ def requeue(ctx: click.Context, key: str, force: bool) -> None:
             f"job {key!r} has no stored request (its arguments were not JSON): re-send it from "
             "your code"
         )
-    before = store.requeue(key)  # durable first: the job is pending with a fresh budget
+    before = store.requeue(key, completed=completed)  # durable first: pending, fresh budget
     try:
         task_id = recovery.send_stored(app, before)
     except Exception as exc:
         reason = f"send failed ({type(exc).__name__})"
         try:
-            store.restore_dead(before, reason=reason)
+            store.restore_finished(before, reason=reason)
         except StaleGeneration:
             raise FenceCLIError(
                 f"could not confirm the send of {key!r} ({describe(exc)}), and an attempt has "
                 "claimed it since: left as it is"
             ) from None
         raise FenceCLIError(
-            f"could not send {key!r} ({describe(exc)}); it is dead again, retry the requeue"
+            f"could not send {key!r} ({describe(exc)}); it is {before.status} again, retry the "
+            "requeue"
         ) from None
-    _requeued(ctx, before, task_id, Action.REQUEUED, "requeued by operator")
+    reason = "completed job re-run by operator" if completed else "requeued by operator"
+    _requeued(ctx, before, task_id, Action.REQUEUED, reason)
 
 
 def _force_requeue(
@@ -135,7 +156,7 @@ def _requeued(
         generation=record.generation,
         reason=reason,
         countdown=0.0,
-        attempts=0 if record.status == DEAD else record.attempts,
+        attempts=0 if record.status in (DEAD, COMPLETED) else record.attempts,
     )
     routing = recovery.routing_for(record, app)
     where = (
@@ -249,6 +270,10 @@ def parse_before(value: str, now: dt.datetime | None = None) -> dt.datetime:
     return when.astimezone(dt.timezone.utc)  # stored times are UTC (SQLite compares text)
 
 
+#: Seconds between two progress lines of a long purge.
+PROGRESS_EVERY = 2.0
+
+
 @command("purge")
 @click.option(
     "--completed-before",
@@ -265,17 +290,39 @@ def parse_before(value: str, now: dt.datetime | None = None) -> dt.datetime:
     help_group="Purge Options",
     help="Also delete dead jobs finished before the date (kept by default for inspection).",
 )
+@click.option(
+    "--batch-size",
+    cls=CeleryOption,
+    type=click.IntRange(min=1),
+    default=PURGE_BATCH,
+    show_default=True,
+    help_group="Purge Options",
+    help="Jobs deleted (with their history) in one transaction.",
+)
 @click.pass_context
-def purge(ctx: click.Context, before: str, include_dead: bool) -> None:
+def purge(ctx: click.Context, before: str, include_dead: bool, batch_size: int) -> None:
     """Delete finished jobs and their history, and outbox rows delivered before the date.
 
-    Outbox rows are written when a job completes, so a row delivered before the date belongs to
-    a job completed before it; rows not delivered yet (pending, dead) are kept whatever their age.
+    Oldest first, in batches of one short transaction each: safe to stop (Ctrl-C) and run
+    again, it goes on where it was; progress goes to stderr every few seconds. Outbox rows are
+    written when a job completes, so a row delivered before the date belongs to a job completed
+    before it; rows not delivered yet (pending, dead) are kept whatever their age.
     """
     when = parse_before(before)
     statuses = (COMPLETED, DEAD) if include_dead else (COMPLETED,)
     store = store_of(ctx)
-    count = store.purge(finished_before=when, statuses=statuses)
+    started = shown = time.monotonic()
+
+    def progress(total: int) -> None:
+        nonlocal shown
+        if time.monotonic() - shown >= PROGRESS_EVERY:
+            shown = time.monotonic()
+            rate = total / max(shown - started, 1e-9)
+            click.echo(f"purge: {total} job(s) deleted so far ({rate:.0f}/s)", err=True)
+
+    count = store.purge(
+        finished_before=when, statuses=statuses, batch_size=batch_size, progress=progress
+    )
     delivered = store.outbox.purge(delivered_before=when)
     ctx.obj.echo(
         f"purged {count} {' and '.join(statuses)} job(s) finished and {delivered} outbox row(s) "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..actions import Action
@@ -36,27 +36,33 @@ def _as_read(store: Store, before: JobRecord, **values: Any) -> dict[str, Any]:
     }
 
 
-def requeue(store: Store, key: str) -> JobRecord:
+def requeue(store: Store, key: str, *, completed: bool = False) -> JobRecord:
     """Move a dead job to ``pending`` with a fresh attempt budget; refuse any other status.
 
-    Returns the job as it was (``dead``; its stored request is what to re-send). The write is
-    conditional on the row still being that dead record (generation and attempt), so two
-    operators cannot both requeue it and a requeue never touches a job someone else changed.
+    ``completed=True`` does the same to a completed job instead (an operator runs its key again
+    on purpose): its stored result stays until the new attempt's completion replaces it, and the
+    history records the re-run. Returns the job as it was (its stored request is what to
+    re-send). The write is conditional on the row still being that record (status, generation
+    and attempt), so two operators cannot both requeue it and a requeue never touches a job
+    someone else changed.
     """
     before = store.get(key)
     if before is None:
         raise StoreError(f"no job with key {key!r}")
-    if before.status != DEAD:
-        raise StoreError(f"job {key!r} is {before.status}, not dead: only dead jobs are requeued")
+    wanted = COMPLETED if completed else DEAD
+    if before.status != wanted:
+        raise StoreError(f"job {key!r} is {before.status}, not {wanted}: not requeued")
     statement = sql.cas_sql(store.dialect, sql.REQUEUE, sql.SAME)
+    reason = "completed job re-run by operator" if completed else "by operator"
     store.fenced_write(
-        "requeue", statement, _as_read(store, before), Action.REQUEUED, reason="by operator"
+        "requeue", statement, _as_read(store, before), Action.REQUEUED, reason=reason
     )
     return before
 
 
-def restore_dead(store: Store, before: JobRecord, *, reason: str) -> None:
-    """Undo :func:`requeue` when the message could not be sent: back to ``dead`` as it was.
+def restore_finished(store: Store, before: JobRecord, *, reason: str) -> None:
+    """Undo :func:`requeue` when the message could not be sent: back to ``dead`` (or
+    ``completed``) as it was.
 
     Fenced on the requeued row (``pending``, same generation and attempt): if an attempt
     claimed the job meanwhile, nothing changes and :class:`StaleGeneration` says so.
@@ -65,10 +71,11 @@ def restore_dead(store: Store, before: JobRecord, *, reason: str) -> None:
         store,
         before,
         was_status=PENDING,
+        status=before.status,
         attempts=before.attempts,
         finished_at=store.db.stamp(before.finished_at),
     )
-    statement = sql.cas_sql(store.dialect, sql.RESTORE_DEAD, sql.SAME)
+    statement = sql.cas_sql(store.dialect, sql.RESTORE_FINISHED, sql.SAME)
     store.fenced_write("restore", statement, params, Action.REQUEUE_REVERTED, reason=reason)
 
 
@@ -128,17 +135,41 @@ def delete_all_rows(store: Store) -> None:
             conn.execute(statement)
 
 
-def purge(
-    store: Store, *, finished_before: dt.datetime, statuses: Sequence[str] = (COMPLETED, DEAD)
-) -> int:
-    """Delete finished jobs of ``statuses`` (and their history) finished before the date.
+#: Jobs deleted (with their history) in one purge transaction.
+PURGE_BATCH = 1000
 
-    Outbox rows are left to the outbox's own lifecycle. Returns the number of jobs deleted.
+
+def purge(
+    store: Store,
+    *,
+    finished_before: dt.datetime,
+    statuses: Sequence[str] = (COMPLETED, DEAD),
+    batch_size: int = PURGE_BATCH,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Delete finished jobs of ``statuses`` (and their history) finished before the date, oldest
+    first, ``batch_size`` jobs a transaction: no transaction holds locks for long, and a purge
+    that is stopped keeps what it deleted and goes on where it was when run again.
+
+    ``progress(total)`` is called after each batch. Outbox rows are left to the outbox's own
+    lifecycle. Returns the number of jobs deleted.
     """
     unfinished = set(statuses) - {COMPLETED, DEAD}
     if unfinished:
         raise StoreError(f"only finished jobs are purged, not {sorted(unfinished)}")
-    history, finished = sql.purge(statuses, finished_before)
-    with store.db.tx(unbounded=True) as conn:
-        conn.execute(history)
-        return int(conn.execute(finished).rowcount or 0)
+    if batch_size < 1:
+        raise StoreError(f"purge batch size must be at least 1, not {batch_size}")
+    select, delete_jobs, delete_history = sql.purge_batch(statuses, finished_before, batch_size)
+    total = 0
+    while True:
+        with store.db.tx() as conn:  # bounded like every store call: one short batch
+            keys = [row[0] for row in conn.execute(select)]
+            if keys:
+                deleted = [row[0] for row in conn.execute(delete_jobs(keys))]
+                if deleted:
+                    conn.execute(delete_history(deleted))
+                total += len(deleted)
+        if keys and progress is not None:
+            progress(total)
+        if len(keys) < batch_size:
+            return total

@@ -20,7 +20,7 @@ from ..config import DEFAULT_DATABASE_TIMEOUT
 from ..errors import ConfigurationError
 from ..runtime import runtime
 from ..watchdog import watchdog
-from . import sql
+from . import green, sql
 
 #: SQLAlchemy's text form of a timestamp on SQLite (what its ``DateTime`` writes and compares).
 SQLITE_TIMESTAMP = "%Y-%m-%d %H:%M:%S.%f"
@@ -82,10 +82,12 @@ class Database:
             "hide_parameters": True,
         }
         if self.dialect == "sqlite":
-            options["connect_args"] = {"timeout": 30, "check_same_thread": False}
+            busy_timeout = green.sqlite_busy_timeout(30.0)
+            options["connect_args"] = {"timeout": busy_timeout, "check_same_thread": False}
         else:
             options.update(pool_size=5, max_overflow=10, pool_recycle=1800)
             options["connect_args"] = self._pg_connect_args()
+            green.cooperative_waits(sa.engine.make_url(self.url).get_driver_name())
         options.update(self._engine_options)
         engine = sa.create_engine(self.url, **options)
         if self.dialect == "sqlite":
@@ -95,6 +97,7 @@ class Database:
                 cur = dbapi_conn.cursor()
                 for pragma in sql.SQLITE_PRAGMAS:
                     cur.execute(pragma)
+                cur.execute(f"PRAGMA busy_timeout={round(busy_timeout * 1000)}")
                 cur.close()
 
             # The embedded default needs no set-up step: create the tables once per process.
@@ -220,9 +223,14 @@ class Database:
                 cursor = raw.info["fence_cursor"] = raw.cursor()
             token = watchdog.arm(cursor.connection.fileno(), self.database_timeout)
             try:
-                return execute_prepared(raw, cursor, statement, params)
-            finally:
+                row = execute_prepared(raw, cursor, statement, params)
+            except BaseException:
                 watchdog.disarm(token)
+                raise
+            if watchdog.disarm(token):  # cut at its deadline as it ended: answered, not reusable
+                raw.info.pop("fence_cursor", None)
+                raw.invalidate()
+            return row
         except engine.dialect.loaded_dbapi.Error as exc:
             raw.info.pop("fence_cursor", None)
             raise _driver_error(engine, raw, exc) from None

@@ -385,6 +385,20 @@ class Store:
 
     # -- reads --------------------------------------------------------------------------------
 
+    def insert_pending(
+        self, conn: sa.Connection, key: str, *, task_name: str, request: Mapping[str, Any]
+    ) -> tuple[bool, JobRecord | None]:
+        """Write an enqueued job as ``pending`` on the caller's ``conn``, in the caller's
+        transaction: ``(True, None)``; or, when the key already has a job, nothing and
+        ``(False, that job)`` as this transaction sees it."""
+        statement = sql.insert_pending(
+            self.dialect, key=key, task_name=task_name, request=dict(request), now=utcnow()
+        )
+        if conn.execute(statement).first() is not None:
+            return True, None
+        row = conn.execute(sql.get_job(key)).first()
+        return False, None if row is None else job_record(row)
+
     def get(self, key: str) -> JobRecord | None:
         with self.engine.connect() as conn:
             row = conn.execute(sql.get_job(key)).first()
@@ -407,7 +421,7 @@ class Store:
     # -- the operator's and the recovery's verbs: functions of celery_fence.store.admin ------
 
     requeue = admin.requeue
-    restore_dead = admin.restore_dead
+    restore_finished = admin.restore_finished
     stranded = admin.stranded
     take_for_resend = admin.take_for_resend
     bury_stranded = admin.bury_stranded

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 
 from ..actions import Action
 from ..schema import OutboxStatus, Status, jobs, outbox, transitions
@@ -194,15 +195,16 @@ def mark_dead_sql(dialect: str, *, fenced: bool, errors: bool, attempts: bool) -
     return dead_sql(dialect, where=_owned(fenced), errors=errors, attempts=attempts)
 
 
-#: The operator's and the recovery's writes (:func:`cas_sql`): a dead job back to ``pending``
-#: with a fresh attempt budget; a requeued job back to ``dead`` as it was (its message could not
-#: be sent); a stranded job to ``pending`` for a re-send.
+#: The operator's and the recovery's writes (:func:`cas_sql`): a dead (or, on purpose, a
+#: completed) job back to ``pending`` with a fresh attempt budget, its stored result kept until a
+#: new completion replaces it; a requeued job back to ``dead``/``completed`` as it was (its message
+#: could not be sent); a stranded job to ``pending`` for a re-send.
 REQUEUE = (
     f"status = '{Status.PENDING}', attempts = 0, updated_at = :now, finished_at = NULL, "
     "retry_at = NULL"
 )
-RESTORE_DEAD = (
-    f"status = '{Status.DEAD}', attempts = :attempts, finished_at = :finished_at, updated_at = :now"
+RESTORE_FINISHED = (
+    "status = :status, attempts = :attempts, finished_at = :finished_at, updated_at = :now"
 )
 TAKE_FOR_RESEND = f"status = '{Status.PENDING}', updated_at = :now, retry_at = NULL"
 
@@ -310,6 +312,34 @@ def pg_with_records(
 # -- reads and operator statements (SQLAlchemy Core) ----------------------------------------------
 
 
+def insert_pending(
+    dialect: str, *, key: str, task_name: str, request: Any, now: dt.datetime
+) -> Any:
+    """A job enqueued with the caller's data: a ``pending`` row never claimed (generation 0,
+    attempt ``-``), unless the key already has a job (then nothing; RETURNING says which)."""
+    insert = postgresql.insert(jobs) if dialect == "postgresql" else sqlite.insert(jobs)
+    return (
+        insert.values(
+            key=key,
+            task_name=task_name,
+            status=Status.PENDING.value,
+            generation=0,
+            attempt_id=NEVER_CLAIMED,
+            attempts=0,
+            request=request,
+            created_at=now,
+            updated_at=now,
+        )
+        .on_conflict_do_nothing(index_elements=[jobs.c.key])
+        .returning(jobs.c.key)
+    )
+
+
+#: The attempt id of a job row no attempt has claimed yet (enqueued, or kept from a refused
+#: message).
+NEVER_CLAIMED = "-"
+
+
 def get_job(key: str) -> sa.Select[Any]:
     return sa.select(jobs).where(jobs.c.key == key)
 
@@ -373,11 +403,23 @@ def stranded(
     return query
 
 
-def purge(statuses: Sequence[str], finished_before: dt.datetime) -> tuple[Any, Any]:
-    """Delete finished jobs' history, then the jobs."""
+def purge_batch(
+    statuses: Sequence[str], finished_before: dt.datetime, limit: int
+) -> tuple[Any, Callable[[Sequence[str]], Any], Callable[[Sequence[str]], Any]]:
+    """Purge in batches: the next ``limit`` keys of finished jobs (oldest first, on the partial
+    ``finished_at`` index); given those keys, the delete of the jobs still finished (a job
+    requeued meanwhile stays), returning the keys deleted; given those, the delete of their
+    history."""
     done = jobs.c.status.in_(tuple(statuses)) & (jobs.c.finished_at < finished_before)
-    keys = sa.select(jobs.c.key).where(done)
-    return transitions.delete().where(transitions.c.key.in_(keys)), jobs.delete().where(done)
+    select = sa.select(jobs.c.key).where(done).order_by(jobs.c.finished_at).limit(limit)
+
+    def delete_jobs(keys: Sequence[str]) -> Any:
+        return jobs.delete().where(jobs.c.key.in_(list(keys)) & done).returning(jobs.c.key)
+
+    def delete_history(keys: Sequence[str]) -> Any:
+        return transitions.delete().where(transitions.c.key.in_(list(keys)))
+
+    return select, delete_jobs, delete_history
 
 
 def delete_all() -> tuple[Any, ...]:

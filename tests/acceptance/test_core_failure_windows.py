@@ -1,4 +1,4 @@
-"""The seed's failure windows with real worker processes and real signals (issue: core).
+"""The core failure windows (pause and takeover, kill, duplicate) with real workers and signals.
 
 Every test asserts on stored state and on the ledger of what the workload really did.
 """

@@ -1,4 +1,4 @@
-"""The fence Redis stops while a task runs (issue 8), with real workers and a real redis-server.
+"""The fence Redis stops while a task runs, with real workers and a real redis-server.
 
 Each test starts its own loopback ``redis-server`` as the workers' fence Redis (the broker, the
 result backend and the workload's ledger stay on the suite's Redis), kills it mid-task, and

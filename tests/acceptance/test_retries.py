@@ -1,4 +1,4 @@
-"""Retries that end (issue 3), with real worker processes: backoff, dead, kill loops, the budget.
+"""Retries that end, with real worker processes: backoff, dead, kill loops, the budget.
 
 Assertions are on stored state (the job row and its transition history) and on the ledger of
 what the workload really ran (``<prefix>:runs:<key>``).

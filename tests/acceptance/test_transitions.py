@@ -1,4 +1,4 @@
-"""Transition records with real workers (issue 4): signals, logs, the transitions table, Flower.
+"""Transition records with real workers: signals, logs, the transitions table, Flower.
 
 Signals are recorded by receivers inside the workers (tests/support/signal_recorder.py) into the
 Redis ledger; logs are read from the worker's own log file and from a handler that captures every

@@ -248,6 +248,22 @@ def test_show_prints_state_lease_and_history(
     assert "none (not held)" in ok(fence_cli(worker_env, "show", key))
 
 
+def test_show_prints_the_stored_result_of_a_completed_job(
+    fence_store: Store, worker_env: dict[str, str], task_name: str, leases: LeaseStore
+) -> None:
+    key = f"job:{uuid.uuid4().hex[:10]}"
+    token = uuid.uuid4().hex
+    generation = leases.claim(key, token, 30_000)
+    fence_store.register(key, generation=generation, attempt_id=token, task_name=task_name)
+    assert ok(fence_cli(worker_env, "show", key)).count("result:") == 1  # "-" until completed
+    fence_store.complete(key, generation=generation, attempt_id=token, result={"rows": [1, 2]})
+
+    text = ok(fence_cli(worker_env, "show", key))
+    assert 'result:        {"rows": [1, 2]}' in text.splitlines()
+    doc = json.loads(ok(fence_cli(worker_env, "show", key, "--json")))
+    assert doc["status"] == "completed" and doc["result"] == {"rows": [1, 2]}
+
+
 # -- requeue --------------------------------------------------------------------------------------
 
 
@@ -279,12 +295,30 @@ def test_requeue_runs_a_dead_job_to_completion_with_a_fresh_budget(
     assert record.result["generation"] == record.generation
     actions = [t.action for t in fence_store.history(key)]
     assert actions[-3:] == ["requeued", "claimed", "completed"]
-    # A job that is not dead is refused.
-    assert_one_line_error(fence_cli(worker_env, "requeue", key), 1, "completed", "not dead")
+    # A completed job is refused without --completed: its result is replayed, not re-run ...
+    assert_one_line_error(fence_cli(worker_env, "requeue", key), 1, "completed", "--completed")
+    # ... and with it the operator runs the key again on purpose: a new attempt, a new result.
+    out = ok(fence_cli(worker_env, "requeue", "--completed", key))
+    assert out.startswith(f"requeued {key}:")
+    wait_until(
+        lambda: (
+            (fence_store.get(key) or _Nothing).generation == record.generation + 1
+            and (fence_store.get(key) or _Nothing).status == "completed"
+        ),
+        60,
+        what="the re-run completed",
+    )
+    rerun = fence_store.get(key)
+    assert rerun is not None and rerun.attempts == 1
+    assert rerun.result["generation"] == record.generation + 1  # the new attempt's own result
+    history = fence_store.history(key)
+    assert [t.action for t in history][-3:] == ["requeued", "claimed", "completed"]
+    assert history[-3].reason == "completed job re-run by operator"
 
 
 class _Nothing:
     status = None
+    generation = None
 
 
 def test_requeue_puts_the_job_back_to_dead_when_the_broker_is_unreachable(

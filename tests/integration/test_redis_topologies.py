@@ -1,4 +1,4 @@
-"""The lease store beyond one Redis (issue 8): TLS, unix socket + ACL, Redis Cluster, Sentinel.
+"""The lease store beyond one Redis: TLS, unix socket + ACL, Redis Cluster, Sentinel.
 
 Every test starts its own loopback ``redis-server`` processes on free ports (see
 tests/support/redis_servers.py) and stops them afterwards. The SQL store stays the fence: the

@@ -3,6 +3,7 @@ concurrent completions."""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import threading
 import uuid
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_fence.errors import ResultNotSerializable, StaleGeneration
+from celery_fence.errors import ResultNotSerializable, StaleGeneration, StoreError
 from celery_fence.lease import LeaseStore
 from celery_fence.schema import create_schema
 from celery_fence.store import Store
@@ -62,6 +63,72 @@ def test_a_completed_job_replays(store: Store) -> None:
     record = store.get(key)
     assert record is not None
     assert (record.generation, record.attempt_id, record.attempts) == (1, "A", 1)  # untouched
+
+
+def test_an_operators_rerun_of_a_completed_job_keeps_its_result_until_the_new_one(
+    store: Store,
+) -> None:
+    # Given a completed job
+    key = _key()
+    store.register(key, generation=1, attempt_id="A", task_name="t", request_json='{"a": 1}')
+    store.complete(key, generation=1, attempt_id="A", result={"v": 1})
+    # When an operator requeues it on purpose: pending, the old result still stored ...
+    before = store.requeue(key, completed=True)
+    pending = store.get(key)
+    assert pending is not None and (pending.status, pending.result) == ("pending", {"v": 1})
+    # ... and its send failed: back to completed as it was
+    store.restore_finished(before, reason="send failed")
+    restored = store.get(key)
+    assert restored is not None and (restored.status, restored.result) == ("completed", {"v": 1})
+    assert restored.attempts == before.attempts and restored.finished_at is not None
+    # Sent this time: the next attempt registers and its completion replaces the result
+    store.requeue(key, completed=True)
+    store.register(key, generation=2, attempt_id="B", task_name="t")
+    store.complete(key, generation=2, attempt_id="B", result={"v": 2})
+    record = store.get(key)
+    assert record is not None and (record.status, record.result) == ("completed", {"v": 2})
+    # A plain requeue of a completed job, or a re-run of a dead one, is refused
+    with pytest.raises(StoreError):
+        store.requeue(key)
+
+
+def test_purge_goes_in_batches_oldest_first_and_resumes_where_it_stopped(store: Store) -> None:
+    import datetime as dt
+
+    # Given (older finished jobs of the shared database purged first) 6 completed jobs with
+    # history, and one requeued (pending) job of the same age
+    store.purge(finished_before=dt.datetime.now(dt.timezone.utc))
+    keys = []
+    for i in range(7):
+        key = _key()
+        store.register(key, generation=1, attempt_id="A", task_name=f"purge-{i}")
+        store.complete(key, generation=1, attempt_id="A", result=i)
+        keys.append(key)
+    rerun = keys.pop()
+    store.requeue(rerun, completed=True)
+    cutoff = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=1)
+    ours = set(keys)
+    # When a purge of batches of 2 is stopped after its first batch (its callback raises)
+    seen: list[int] = []
+
+    def stop_after_one(total: int) -> None:
+        seen.append(total)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        store.purge(finished_before=cutoff, batch_size=2, progress=stop_after_one)
+    left = {k for k in ours if store.get(k) is not None}
+    # Then that batch is gone for good (history too), the rest untouched
+    assert seen == [2] and len(ours - left) == 2
+    assert all(store.history(k) == [] for k in ours - left)
+    # And run again it goes on, batch by batch, and keeps the unfinished job
+    totals: list[int] = []
+    store.purge(finished_before=cutoff, batch_size=2, progress=totals.append)
+    assert all(store.get(k) is None for k in ours)
+    steps = [b - a for a, b in itertools.pairwise([0, *totals])]
+    assert totals and all(0 < step <= 2 for step in steps)
+    pending = store.get(rerun)
+    assert pending is not None and pending.status == "pending" and store.history(rerun) != []
 
 
 def test_register_counts_attempts_durably(store: Store) -> None:

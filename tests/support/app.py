@@ -134,7 +134,7 @@ def badly_keyed(self: Any, n: int) -> int:
     return n
 
 
-# -- transition records (issue 4): payload-leak task, log redaction, signal recorder ----------
+# -- transition records: payload-leak task, log redaction, signal recorder ----------
 app.conf.fence_redact_celery_logs = E.get("FENCE_T_REDACT", "0") == "1"
 
 
@@ -157,7 +157,7 @@ def nul_result(self: Any, key: str) -> dict[str, str]:
     return {"text": "before\x00after"}  # valid JSON; PostgreSQL's jsonb refuses \u0000
 
 
-# -- the settle step (issue 12): Celery's own exits ---------------------------------------------
+# -- the settle step: Celery's own exits ---------------------------------------------
 @app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
 def overrun(self: Any, key: str, *, sleep: float, runs_overrunning: int = 1) -> dict[str, Any]:
     """Sleeps ``sleep`` seconds on its first ``runs_overrunning`` runs (time-limit tests)."""
@@ -212,7 +212,7 @@ if E.get("FENCE_T_FAIL_RAISE") == "1":
         return _raise_generation(self, key, floor)
 
     LeaseStore.raise_generation = _failing_raise  # type: ignore[method-assign]
-# -- fenced app writes (issue 13): the app's own tables, written through self.fence ------------
+# -- fenced app writes: the app's own tables, written through self.fence ------------
 import sqlalchemy as sa  # noqa: E402
 from sqlalchemy.dialects import postgresql as _pg  # noqa: E402
 from sqlalchemy.dialects import sqlite as _sqlite  # noqa: E402
@@ -374,3 +374,28 @@ def _upsert(bind: Any, key: str, gen: int, attempt: str) -> Any:
 
 app.conf.fence_lock_timeout = float(E.get("FENCE_T_LOCK_TIMEOUT", "5"))
 app.conf.fence_database_timeout = float(E.get("FENCE_T_DB_TIMEOUT", "10"))
+
+
+# -- exits that are not Exceptions: SystemExit, CancelledError, the gevent pool's time limit ------
+@app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
+def interrupted(self: Any, key: str, *, kind: str, sleep: float = 0.0) -> dict[str, Any]:
+    """Ends its first run with a BaseException that is not an Exception: ``cancelled``
+    (asyncio.CancelledError), ``exit`` (SystemExit), or ``sleep`` seconds for the pool to cut."""
+    import asyncio
+
+    runs = ledger.rpush(f"{PREFIX}:runs:{key}", f"{self.fence.generation}:{self.fence.attempt_id}")
+    if runs == 1:
+        if kind == "cancelled":
+            raise asyncio.CancelledError()
+        if kind == "exit":
+            raise SystemExit(3)
+        _sleep(sleep)
+    return {"key": key, "runs": runs}
+
+
+if E.get("FENCE_T_RELEASE_DELAY"):
+    # Widen the window in which a finished attempt's lease release waits in the worker (for the
+    # next claim to carry it): a worker stopped in it must still send it.
+    import celery_fence.renewer
+
+    celery_fence.renewer.RELEASE_DELAY = float(E["FENCE_T_RELEASE_DELAY"])

@@ -88,3 +88,44 @@ def test_database_and_generation_settings_are_validated() -> None:
         with pytest.raises(ConfigurationError, match=next(iter(bad))):
             FenceConfig.from_mapping(bad)
     assert FenceConfig.from_mapping({"fence_generation_ttl": 0}).generation_ttl_ms == 0
+
+
+@pytest.mark.parametrize(
+    ("written", "meant"),
+    [
+        ("CELERY_FENCE_LEASE_TIL", "CELERY_FENCE_LEASE_TTL"),
+        ("CELERY_FENCE_MAX_ATTEMPT", "CELERY_FENCE_MAX_ATTEMPTS"),
+        ("FENCE_RENEW_INTERVALL", "FENCE_RENEW_INTERVAL"),
+        ("fence_databse_url", "fence_database_url"),
+    ],
+)
+def test_a_misspelt_setting_is_an_error_that_names_the_real_one(written: str, meant: str) -> None:
+    with pytest.raises(ConfigurationError) as err:
+        FenceConfig.from_mapping({written: 60})
+    assert repr(written) in str(err.value)
+    assert f"did you mean {meant!r}" in str(err.value)
+
+
+def test_an_error_names_the_setting_as_the_user_wrote_it() -> None:
+    with pytest.raises(ConfigurationError) as err:
+        FenceConfig.from_mapping({"CELERY_FENCE_LEASE_TTL": 0})
+    assert "CELERY_FENCE_LEASE_TTL" in str(err.value)
+    with pytest.raises(ConfigurationError) as err:
+        FenceConfig.from_mapping({"FENCE_LEASE_TTL": "soon"})
+    assert "FENCE_LEASE_TTL" in str(err.value)
+    with pytest.raises(ConfigurationError) as err:  # the cross-field rule, in the user's names
+        FenceConfig.from_mapping({"CELERY_FENCE_LEASE_TTL": 3, "CELERY_FENCE_RENEW_INTERVAL": 5})
+    assert "CELERY_FENCE_RENEW_INTERVAL" in str(err.value)
+    assert "fence_renew_interval" not in str(err.value)
+
+
+def test_a_misspelt_task_option_is_an_error_naming_the_task() -> None:
+    app = Celery("typo", set_as_current=False)
+
+    @app.task(base=FencedTask, bind=True, shared=False, fence_lease_til=5)
+    def job(self: FencedTask) -> None: ...
+
+    with pytest.raises(ConfigurationError) as err:
+        FenceConfig.for_task(job)
+    assert job.name in str(err.value)
+    assert "did you mean 'fence_lease_ttl'" in str(err.value)

@@ -15,7 +15,7 @@ import pytest
 import redis
 import sqlalchemy.exc
 
-from celery_fence import LeaseBusy, PermanentError, ResultNotSerializable
+from celery_fence import ConfigurationError, LeaseBusy, PermanentError, ResultNotSerializable
 from celery_fence.config import FenceConfig
 from celery_fence.retry import (
     RetryBudget,
@@ -73,6 +73,8 @@ def test_permanent_errors_and_configured_types() -> None:
     config = _config(permanent_exceptions=[InvalidInput, "json.JSONDecodeError"])
     assert classify(PermanentError("bad input"), config) == "permanent"
     assert classify(ResultNotSerializable(), config) == "permanent"
+    # a fence API misused in the body (e.g. a bind= on another database) never starts working
+    assert classify(ConfigurationError("bind on another database"), config) == "permanent"
     assert classify(InvalidInput(), config) == "permanent"
     import json
 

@@ -3,10 +3,14 @@ themselves are tested with real workers in tests/acceptance)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import gevent
+import greenlet
 import pytest
 import sqlalchemy.exc as sa_exc
 from celery.exceptions import Ignore, Reject, Retry
@@ -221,6 +225,63 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
     ("control: stale", o.Control(Ignore()), {"mark_dead": STALE}, None, o.Reraise, None),
     ("control: store down", o.Control(Ignore()), {"mark_dead": DOWN}, None, o.Resend, None),
     (
+        "interrupted: cancelled",
+        o.Interrupted(asyncio.CancelledError()),
+        {},
+        None,
+        o.Resend,
+        "schedule_retry",
+    ),
+    ("interrupted: exit", o.Interrupted(SystemExit(1)), {}, None, o.Reraise, "schedule_retry"),
+    (
+        "interrupted: Ctrl-C",
+        o.Interrupted(KeyboardInterrupt()),
+        {},
+        None,
+        o.Reraise,
+        "schedule_retry",
+    ),
+    (
+        "interrupted: gevent time limit",
+        o.Interrupted(gevent.Timeout(1.0)),
+        {},
+        None,
+        o.Reraise,
+        "schedule_retry",
+    ),
+    (
+        "interrupted: greenlet killed",
+        o.Interrupted(greenlet.GreenletExit()),
+        {},
+        None,
+        o.Reraise,
+        "schedule_retry",
+    ),
+    (
+        "interrupted: cancelled, stale",
+        o.Interrupted(asyncio.CancelledError()),
+        {"schedule_retry": STALE},
+        _record("running"),
+        o.Resend,
+        "record",
+    ),
+    (
+        "interrupted: cancelled, store down",
+        o.Interrupted(asyncio.CancelledError()),
+        {"schedule_retry": DOWN},
+        None,
+        o.Resend,
+        None,
+    ),
+    (
+        "interrupted: exit, store down",
+        o.Interrupted(SystemExit(1)),
+        {"schedule_retry": DOWN},
+        None,
+        o.Reraise,
+        None,
+    ),
+    (
         "unexpected, registered",
         o.Unexpected(RuntimeError("x")),
         {},
@@ -299,3 +360,35 @@ def test_unregistered_unexpected_errors_resend_without_a_write() -> None:
     action = s.settle(attempt, o.Unexpected(RuntimeError("boom"), where="claim"))
     assert isinstance(action, o.Resend) and "claim" in action.reason
     assert store.writes == []
+
+
+@pytest.mark.parametrize(
+    "error", [asyncio.CancelledError(), SystemExit(0)], ids=["cancelled", "exit"]
+)
+def test_an_interruption_before_registration_writes_nothing_and_keeps_its_exit(
+    error: BaseException,
+) -> None:
+    store = FakeStore()
+    attempt = _attempt(store)
+    attempt.registered, attempt.attempts = False, 0
+    action = s.settle(attempt, o.Interrupted(error))
+    assert store.writes == []
+    if isinstance(error, SystemExit):
+        assert action == o.Reraise(error)  # the process is exiting: Celery gives the message back
+    else:
+        assert isinstance(action, o.Resend) and "CancelledError" in action.reason
+
+
+def test_an_exit_in_a_pool_thread_is_re_sent_not_raised() -> None:
+    # Given SystemExit raised in a thread (the threads pool): nothing exits with it
+    store = FakeStore()
+    actions: list[o.CeleryAction] = []
+    thread = threading.Thread(
+        target=lambda: actions.append(s.settle(_attempt(store), o.Interrupted(SystemExit(3))))
+    )
+    thread.start()
+    thread.join(5)
+    # Then the job is retrying and the message re-sent (the same exit on the main thread is
+    # raised on: see the table)
+    assert [type(action) for action in actions] == [o.Resend]
+    assert [name for name, _ in store.writes] == ["schedule_retry"]

@@ -15,7 +15,7 @@ from celery_fence import signals, transitions
 from celery_fence.actions import Action
 from celery_fence.transitions import TABLE, emit_transition
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "operating.md"
 ROW = re.compile(r"^\| `(\w+)` \| (.+?) \| (\w+) \| `([\w.]+)` \| (.+?) \| (yes|no) \|$")
 
 
@@ -79,8 +79,8 @@ def test_every_action_has_one_row_in_the_table() -> None:
     assert set(TABLE) == set(Action)
 
 
-def test_the_readme_table_is_the_code_table() -> None:
-    # Given the README's table of transitions and the code's
+def test_the_documented_table_is_the_code_table() -> None:
+    # Given the operating guide's table of transitions and the code's
     code = {
         action.value: (
             None if spec.signal is None else spec.signal.name,
@@ -91,7 +91,7 @@ def test_the_readme_table_is_the_code_table() -> None:
         )
         for action, spec in TABLE.items()
     }
-    # Then they say the same, row for row, and the README's list of table rows is the code's
+    # Then they say the same, row for row, and the guide's list of table rows is the code's
     assert _readme_table() == code
     recorded = {a.value for a in Action if TABLE[a].recorded}
     readme = README.read_text()
@@ -247,3 +247,35 @@ def test_a_disabled_level_formats_nothing(caplog: pytest.LogCaptureFixture) -> N
     with caplog.at_level(logging.INFO, logger="celery_fence.renewer"):
         emit_transition(Action.RENEWED, FakeTask(), key="k", generation=1)
     assert caplog.records == []
+
+
+def test_a_retry_logs_the_errors_first_line_and_its_traceback_at_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given a body error with a multi-line message (a driver's context lines can quote values)
+    try:
+        raise RuntimeError("lock not available\nDETAIL: row (secret-value) is locked")
+    except RuntimeError as exc:
+        error = exc
+    # When its retry is announced with the logger at DEBUG
+    with caplog.at_level(logging.DEBUG, logger="celery_fence"):
+        transitions.emit_transition(
+            Action.RETRY_SCHEDULED, "proj.task", key="k:1", generation=3, reason="r", error=error
+        )
+    # Then the line names the type and first line only, and the traceback follows at DEBUG
+    line = next(r for r in caplog.records if r.levelno == logging.WARNING)
+    assert line.getMessage().endswith("error=RuntimeError: lock not available")
+    assert "secret-value" not in line.getMessage()
+    assert getattr(line, "error", None) == "RuntimeError: lock not available"
+    debug = [r for r in caplog.records if r.levelno == logging.DEBUG and r.exc_info]
+    assert len(debug) == 1 and debug[0].exc_info is not None and debug[0].exc_info[1] is error
+
+
+def test_error_line_is_bounded_and_uses_the_drivers_first_line() -> None:
+    import sqlalchemy as sa
+
+    orig = ValueError("invalid input syntax\nLINE 1: ... 'payload' ...")
+    wrapped = sa.exc.DataError("INSERT ... (%(a)s)", {"a": "payload"}, orig)
+    assert transitions.error_line(wrapped) == "DataError: invalid input syntax"
+    long = transitions.error_line(RuntimeError("x" * 1000))
+    assert len(long) == transitions.ERROR_LINE_LENGTH and long.endswith("…")
