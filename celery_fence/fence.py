@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 
 from .effects import StagedEffects
 from .lease import HeldLease
-from .transaction import session as _session
+from .orm import session as _session
+from .transaction import OpenBlocks, unrecorded_loss
 from .transaction import transaction as _transaction
-from .transaction import unrecorded_loss
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 
     from .errors import FenceError
     from .store import Store
-    from .transaction import Block
 
 
 class Fence:
@@ -34,7 +33,7 @@ class Fence:
     __slots__ = (
         "_atomic",
         "_before_block",
-        "_block",
+        "_blocks",
         "_lease",
         "_refused",
         "_store",
@@ -66,15 +65,15 @@ class Fence:
         #: Run before a fenced block opens: registers a deferred first claim (it has no row yet,
         #: and the block's ownership check is a statement on that row).
         self._before_block = before_block
-        self._block: Block | None = None  # the open fence.transaction()/session() block
+        self._blocks = OpenBlocks()  # the open fence.transaction()/session() blocks
         self._atomic: set[str] = set()  # Django aliases with an open fence.atomic() block
         self._refused: FenceError | None = None  # a fenced commit found a newer generation
 
     def check(self) -> None:
         """Raise ``LeaseLost`` if this attempt no longer holds its lease (decided locally)."""
-        if (self._block is not None or self._atomic) and self._lease.lost:
-            # Inside an open fence block the loss is recorded once the block has rolled back: on
-            # SQLite the block holds the database's write lock, which the record would wait for.
+        if self._blocks.defer_loss(self._lease) or (self._atomic and self._lease.lost):
+            # While a fence block is open the loss is recorded once it has closed: on SQLite the
+            # block holds the database's write lock, which the record would wait for.
             raise unrecorded_loss(self)
         self._lease.check()
 

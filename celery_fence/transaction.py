@@ -18,18 +18,32 @@ No row: the transaction is rolled back and :class:`StaleGeneration` is raised ou
 (and again on entry to any later block of the attempt). The lease is also checked on entry, like
 ``guard()``. An exception inside the block rolls it back and goes on up.
 
+**Sessions**: ``fence.session()`` (:mod:`celery_fence.orm`) is an ORM session on this block.
+
+**Every wait is bounded by** ``fence_database_timeout``: each statement (the ownership check
+too), the COMMIT and the ROLLBACK. On PostgreSQL the block sets ``statement_timeout`` and the
+watchdog (:mod:`celery_fence.watchdog`) cuts a call still waiting past the timeout — a peer that
+stopped answering — which fails it as a lost connection; on SQLite the block's busy timeout is
+the timeout. A commit cut that way has an unknown outcome, like any commit whose answer was lost:
+the block raises, the attempt takes its error path (a retry), and a write keyed by the job makes
+the retry converge.
+
 A holder paused inside a block holds its transaction's locks. On PostgreSQL the block sets
 ``idle_in_transaction_session_timeout`` to the lease TTL (the server ends a session that waits that
 long between two statements, which rolls it back) and ``lock_timeout`` to :data:`LOCK_TIMEOUT_TTLS`
-TTLs (a newer attempt's block waits that long at most for rows a paused holder locked); the store's
-own statements wait ``fence_lock_timeout`` (a registration then fails and its message is re-sent).
-On SQLite nothing can end a stopped process's transaction: every write to the database waits until
-the holder resumes (its commit is then refused: the lease is lost) or dies.
+TTLs, at most ``fence_database_timeout`` (a newer attempt's block waits that long for rows a paused
+holder locked, then fails and retries); the store's own statements wait ``fence_lock_timeout`` (a
+registration then fails and its message is re-sent). On SQLite nothing can end a stopped process's
+transaction: every write to the database waits until the holder resumes (its commit is then
+refused: the lease is lost) or dies.
 
 Nested blocks share the outermost block's connection: an inner block is a SAVEPOINT (an exception
-inside it rolls back to the savepoint), and the commit — fenced — is the outermost block's.
-``fence_unfenced`` (the chaos harness's control arm, never a production setting) turns the block
-into what it replaces: ``guard()`` on entry, then a plain transaction.
+inside it rolls back to the savepoint), and the commit — fenced — is the outermost block's. Each
+thread has its own outermost block (a connection is never shared between threads). A lease loss
+seen while a block is open is recorded once the last open block has closed (on SQLite the block
+holds the write lock the record needs). ``fence_unfenced`` (the chaos harness's control arm,
+never a production setting) turns the block into what it replaces: ``guard()`` on entry, then a
+plain transaction.
 """
 
 from __future__ import annotations
@@ -38,23 +52,25 @@ import contextlib
 import functools
 import math
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from .errors import ConfigurationError, FenceError, LeaseLost
 from .store import sql
+from .watchdog import watchdog
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import Session
-
     from .fence import Fence
+    from .lease import HeldLease
     from .store import Store
 
-#: A block's ``lock_timeout`` on PostgreSQL, in lease TTLs: long enough to outwait a paused
-#: holder, whose session the server ends after one TTL idle in its transaction.
+#: A block's ``lock_timeout`` on PostgreSQL, in lease TTLs (at most ``fence_database_timeout``):
+#: long enough to outwait a paused holder, whose session the server ends after one TTL idle in
+#: its transaction.
 LOCK_TIMEOUT_TTLS = 2.0
 
 _LOCAL_HOSTS = frozenset({"", "localhost", "127.0.0.1", "::1"})
@@ -62,23 +78,68 @@ _LOCAL_HOSTS = frozenset({"", "localhost", "127.0.0.1", "::1"})
 
 @dataclass
 class Block:
-    """The outermost open block of one attempt: its engine, its connection, and the refusal of
-    its commit (kept so a refusal swallowed inside the block still ends it)."""
+    """The outermost open block of one attempt on one thread: its engine, its connection, and
+    the refusal of its commit (kept so a refusal swallowed inside the block still ends it)."""
 
     engine: sa.Engine
     conn: sa.Connection
+    thread: int = field(default_factory=threading.get_ident)
     refused: FenceError | None = None
+
+
+class OpenBlocks:
+    """The open outermost blocks of one attempt (one per thread at most) and a lease loss seen
+    while any of them was open, whose record waits for the last one to close."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, Block] = {}
+        self._lock = threading.Lock()
+        self._loss_seen = False
+
+    def current(self) -> Block | None:
+        """This thread's open block."""
+        return self._open.get(threading.get_ident())
+
+    def add(self, block: Block) -> None:
+        with self._lock:
+            self._open[block.thread] = block
+
+    def defer_loss(self, lease: HeldLease) -> bool:
+        """True when the lease is lost while a block is open: the caller raises
+        :func:`unrecorded_loss`, and :meth:`remove` records the loss."""
+        with self._lock:
+            if self._open and lease.lost:
+                self._loss_seen = True
+                return True
+            return False
+
+    def remove(self, block: Block, lease: HeldLease) -> None:
+        """``block`` closed (its connection holds no lock any more): the last one to close
+        records a loss seen meanwhile — once, whatever the threads did."""
+        with self._lock:
+            self._open.pop(block.thread, None)
+            if self._open:
+                return
+            seen, self._loss_seen = self._loss_seen, False
+        try:
+            lease.check()  # records a loss (HeldLease.mark_lost: once)
+        except LeaseLost:
+            return
+        if seen:  # raised inside the block, then a late renewal moved the deadline on:
+            # what was raised stands.
+            lease.mark_lost("deadline passed without a confirmed renewal")
 
 
 @contextlib.contextmanager
 def transaction(fence: Fence, bind: sa.Engine | None = None) -> Iterator[sa.Connection]:
     """``with self.fence.transaction() as conn:`` — see the module docstring."""
-    if fence._block is not None:
-        conn = _join(fence, fence._block, bind, "transaction")
+    block = fence._blocks.current()
+    if block is not None:
+        conn = join_block(fence, block, bind, "transaction")
         with conn.begin_nested():
             yield conn
         return
-    with _outermost(fence, bind) as block:
+    with open_block(fence, bind) as block:
         block.conn.begin()
         yield block.conn
         if block.conn.in_transaction():
@@ -86,44 +147,8 @@ def transaction(fence: Fence, bind: sa.Engine | None = None) -> Iterator[sa.Conn
 
 
 @contextlib.contextmanager
-def session(
-    fence: Fence, factory: Callable[..., Session], bind: sa.Engine | None = None
-) -> Iterator[Session]:
-    """``with self.fence.session(SessionFactory) as session:`` — an ORM ``Session`` on a fenced
-    connection. Every ``session.commit()`` is fenced like the block's commit; the block commits
-    what is left at its end and rolls back on an exception. ``bind`` defaults to the factory's own
-    engine (a ``sessionmaker(bind=engine)``), else the store's."""
-    if bind is None:
-        bind = _factory_engine(factory)
-    if fence._block is not None:  # joins the open block in a savepoint; the outer one commits
-        conn = _join(fence, fence._block, bind, "session")
-        nested = factory(bind=conn, join_transaction_mode="create_savepoint")
-        try:
-            yield nested
-            nested.commit()  # releases its savepoint
-        except BaseException:
-            nested.rollback()
-            raise
-        finally:
-            nested.close()
-        return
-    with _outermost(fence, bind) as block:
-        s = factory(bind=block.conn)
-        try:
-            yield s
-            if s.in_transaction():
-                s.commit()  # fenced: _on_commit
-        except BaseException:
-            with contextlib.suppress(Exception):
-                s.rollback()
-            raise
-        finally:
-            s.close()
-
-
-@contextlib.contextmanager
-def _outermost(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
-    store = _store_of(fence)
+def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
+    store = store_of(fence)
     if fence._atomic:
         raise FenceError(
             "fence.transaction()/session() inside an open fence.atomic() block: the two are "
@@ -138,32 +163,95 @@ def _outermost(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
     engine = store.engine if bind is None else checked_bind(store, bind)
     conn = engine.connect()
     block = Block(engine, conn)
+    busy_timeout: int | None = None
     try:
-        if conn.dialect.name == "postgresql":
-            conn.execution_options(isolation_level="READ COMMITTED")
-        else:  # the driver's own transaction handling off: the BEGIN (IMMEDIATE) is ours
-            conn.execution_options(isolation_level="AUTOCOMMIT")
+        busy_timeout = _bound_waits(store, block)
         sa.event.listen(conn, "begin", functools.partial(_on_begin, fence, store))
         sa.event.listen(conn, "commit", functools.partial(_on_commit, fence, store, block))
-        fence._block = block
+        sa.event.listen(conn, "rollback", functools.partial(_on_rollback, store))
+        fence._blocks.add(block)
         try:
             yield block
         except BaseException:
-            _rollback(conn)
-            fence._block = None
-            _record_loss(fence)
+            _rollback(store, conn)
             raise
         if block.refused is not None:  # refused inside the block, and the refusal swallowed
-            _rollback(conn)
-            fence._block = None
-            _record_loss(fence)
+            _rollback(store, conn)
             raise _again(block.refused)
     finally:
-        fence._block = None
-        conn.close()
+        try:
+            if busy_timeout is not None and not conn.invalidated:
+                with contextlib.suppress(Exception):
+                    _raw(conn, sql.sqlite_busy_timeout(busy_timeout))
+            if not conn.invalidated:  # (an invalidated connection would reconnect here)
+                _disarm_statement(conn)  # a statement that ended without either event
+            conn.close()
+        finally:
+            fence._blocks.remove(block, fence._lease)  # records a loss seen inside the block
 
 
-def _join(fence: Fence, block: Block, bind: sa.Engine | None, what: str) -> sa.Connection:
+def _bound_waits(store: Store, block: Block) -> int | None:
+    """Set the block's connection up so that each of its waits ends within
+    ``fence_database_timeout``. SQLite: its busy timeout for the block's duration (returned, to be
+    put back). PostgreSQL: statements on an engine that is not the store's are armed on the
+    watchdog (the store's engine arms its own); ``_on_begin`` sets ``statement_timeout``, and
+    COMMIT and ROLLBACK are armed by :func:`_end_driver_transaction`."""
+    conn = block.conn
+    if conn.dialect.name == "sqlite":
+        # The driver's own transaction handling off: the BEGIN (IMMEDIATE) is ours.
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        previous = int(_raw(conn, sql.sqlite_busy_timeout()))
+        _raw(conn, sql.sqlite_busy_timeout(math.ceil(store.database_timeout * 1000)))
+        return previous
+    conn.execution_options(isolation_level="READ COMMITTED")
+    if block.engine is not store.engine:
+        _watch_statements(block.engine)
+        conn.execution_options(fence_block_timeout=store.database_timeout)
+    return None
+
+
+def _raw(conn: sa.Connection, statement: str) -> Any:
+    """Run one statement on the driver's connection, outside SQLAlchemy's transaction (which
+    would begin the block's); the first column of its first row."""
+    cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        cursor.execute(statement)
+        row = cursor.fetchone() if cursor.description else None
+        return None if row is None else row[0]
+    finally:
+        cursor.close()
+
+
+_watching = threading.Lock()
+
+
+def _watch_statements(engine: sa.Engine) -> None:
+    """Arm the watchdog for every statement a fenced block runs on ``engine`` (your engine,
+    passed as ``bind=``): three listeners added once, which act only on a connection with the
+    execution option ``fence_block_timeout``."""
+    with _watching:
+        if not sa.event.contains(engine, "before_cursor_execute", _arm_statement):
+            sa.event.listen(engine, "before_cursor_execute", _arm_statement)
+            sa.event.listen(engine, "after_cursor_execute", _disarm_statement)
+            sa.event.listen(engine, "handle_error", _disarm_statement_on_error)
+
+
+def _arm_statement(conn: sa.Connection, cursor: Any, *_: Any) -> None:
+    timeout = conn.get_execution_options().get("fence_block_timeout")
+    if timeout is not None:
+        conn.info["fence_block_watch"] = watchdog.arm(cursor.connection.fileno(), timeout)
+
+
+def _disarm_statement(conn: sa.Connection, *_: Any) -> None:
+    watchdog.disarm(conn.info.pop("fence_block_watch", None))
+
+
+def _disarm_statement_on_error(context: Any) -> None:
+    if context.connection is not None:
+        _disarm_statement(context.connection)
+
+
+def join_block(fence: Fence, block: Block, bind: sa.Engine | None, what: str) -> sa.Connection:
     if bind is not None and bind is not block.engine:
         raise FenceError(
             f"fence.{what}(bind=...) inside an open fence block on another engine: a nested block "
@@ -180,37 +268,85 @@ def _on_begin(fence: Fence, store: Store, conn: sa.Connection) -> None:
     if conn.dialect.name == "sqlite":
         conn.exec_driver_sql(sql.begin("sqlite", immediate=not store.unfenced))
     elif not store.unfenced:
-        ttl_ms = math.ceil(fence._lease.ttl * 1000)
-        conn.exec_driver_sql(sql.pg_block_bounds(ttl_ms, math.ceil(ttl_ms * LOCK_TIMEOUT_TTLS)))
+        conn.exec_driver_sql(pg_bounds(fence, store))
+
+
+def pg_bounds(fence: Fence, store: Store) -> str:
+    """A PostgreSQL block's bounds for its transaction: idle in it at most one lease TTL, a lock
+    wait and a statement at most ``fence_database_timeout`` (the lock wait 2 TTLs at most)."""
+    ttl_ms = math.ceil(fence._lease.ttl * 1000)
+    timeout_ms = math.ceil(store.database_timeout * 1000)
+    lock_ms = min(math.ceil(ttl_ms * LOCK_TIMEOUT_TTLS), timeout_ms)
+    return sql.pg_block_bounds(ttl_ms, lock_ms, timeout_ms)
 
 
 def _on_commit(fence: Fence, store: Store, block: Block, conn: sa.Connection) -> None:
-    """Just before the connection commits: the ownership check, in the same transaction. A
-    refusal rolls the transaction back here (SQLAlchemy would otherwise leave the driver's
-    transaction open behind a failed commit) and raises out of the commit."""
-    if store.unfenced:
-        return  # the chaos control arm: a plain commit
-    try:
-        fence.check()  # LeaseLost: paused past the lease inside the block
-        owner = store.commit_check(
-            conn, fence.key, generation=fence.generation, attempt_id=fence.attempt_id
-        )
-    except BaseException as exc:
-        _rollback_driver(conn)
-        if isinstance(exc, FenceError):
-            block.refused = exc
-        raise
-    if owner:
+    """Just before the connection commits: the ownership check, in the same transaction, then
+    the driver's COMMIT, bounded. A refusal rolls the transaction back here (SQLAlchemy would
+    otherwise leave the driver's transaction open behind a failed commit) and raises out of the
+    commit."""
+    if not store.unfenced:  # the chaos control arm: a plain commit
+        try:
+            fence.check()  # LeaseLost: paused past the lease inside the block
+            owner = store.commit_check(
+                conn, fence.key, generation=fence.generation, attempt_id=fence.attempt_id
+            )
+        except BaseException as exc:
+            _end_driver_transaction(store, conn, "rollback", quiet=True)
+            if isinstance(exc, FenceError):
+                block.refused = exc
+            raise
+        if not owner:
+            _end_driver_transaction(store, conn, "rollback", quiet=True)
+            refused = store._rejected(
+                fence.key, fence.generation, fence.attempt_id, "fenced commit"
+            )
+            block.refused = fence._refused = refused
+            raise refused
+    _end_driver_transaction(store, conn, "commit")
+
+
+def _on_rollback(store: Store, conn: sa.Connection) -> None:
+    """Every rollback of the block's transaction: the driver's ROLLBACK, bounded."""
+    _end_driver_transaction(store, conn, "rollback", quiet=True)
+
+
+def _end_driver_transaction(
+    store: Store, conn: sa.Connection, verb: str, *, quiet: bool = False
+) -> None:
+    """The driver's ``commit()`` or ``rollback()``, bounded by ``fence_database_timeout`` (on
+    PostgreSQL armed on the watchdog; on SQLite the block's busy timeout). SQLAlchemy's own call
+    after it finds no transaction open and returns without a round trip. A failure invalidates
+    the connection (never back to the pool inside a transaction; the server rolls a lost
+    session's transaction back) and is raised as SQLAlchemy's error, unless ``quiet``."""
+    if conn.invalidated:
         return
-    _rollback_driver(conn)
-    refused = store._rejected(fence.key, fence.generation, fence.attempt_id, "fenced commit")
-    block.refused = fence._refused = refused
-    raise refused
+    dbapi_conn: Any = conn.connection.dbapi_connection
+    token = None
+    try:
+        if conn.dialect.name == "postgresql":
+            token = watchdog.arm(dbapi_conn.fileno(), store.database_timeout)
+        getattr(dbapi_conn, verb)()
+    except conn.dialect.loaded_dbapi.Error as exc:
+        conn.invalidate()
+        if quiet:
+            return
+        raise sa.exc.DBAPIError.instance(
+            None,
+            None,
+            exc,
+            conn.dialect.loaded_dbapi.Error,
+            hide_parameters=True,
+            connection_invalidated=True,
+            dialect=conn.dialect,
+        ) from exc
+    finally:
+        watchdog.disarm(token)
 
 
 def unrecorded_loss(fence: Fence) -> LeaseLost:
-    """The ``LeaseLost`` of a check inside an open block, whose loss is recorded (and signalled)
-    after the block rolled back: :func:`_record_loss`."""
+    """The ``LeaseLost`` of a check while a block is open, whose loss is recorded (and
+    signalled) once the blocks have closed: :meth:`OpenBlocks.remove`."""
     return LeaseLost(
         f"lease lost for key {fence.key!r} at generation {fence.generation}: "
         f"{fence._lease.lost_reason or 'deadline passed without a confirmed renewal'}",
@@ -219,26 +355,13 @@ def unrecorded_loss(fence: Fence) -> LeaseLost:
     )
 
 
-def _record_loss(fence: Fence) -> None:
-    """Mark and record a loss seen inside the block, now that it no longer holds locks."""
-    with contextlib.suppress(LeaseLost):
-        fence.check()
-
-
-def _rollback_driver(conn: sa.Connection) -> None:
-    try:
-        conn.connection.dbapi_connection.rollback()  # type: ignore[union-attr]
-    except Exception:
-        conn.invalidate()  # never back to the pool with a transaction open
-
-
-def _rollback(conn: sa.Connection) -> None:
+def _rollback(store: Store, conn: sa.Connection) -> None:
     if conn.invalidated:
         return
     try:
         if conn.in_transaction():
-            conn.rollback()
-        conn.connection.dbapi_connection.rollback()  # type: ignore[union-attr]
+            conn.rollback()  # _on_rollback
+        _end_driver_transaction(store, conn, "rollback", quiet=True)  # a BEGIN of our own
     except Exception:
         conn.invalidate()
 
@@ -249,18 +372,13 @@ def _again(refused: FenceError) -> FenceError:
     return type(refused)(str(refused), **refused.context)
 
 
-def _store_of(fence: Fence) -> Store:
+def store_of(fence: Fence) -> Store:
     if fence._store is None:
         raise FenceError(
             f"fence.transaction() for {fence.key!r} has no store: it is only available inside "
             "a fenced task's body (self.fence, with @app.task(base=FencedTask, bind=True))"
         )
     return fence._store
-
-
-def _factory_engine(factory: Callable[..., Any]) -> sa.Engine | None:
-    bound = getattr(factory, "kw", {}).get("bind")  # a sessionmaker(bind=...)
-    return bound if isinstance(bound, sa.Engine) else None
 
 
 def checked_bind(store: Store, bind: Any) -> sa.Engine:

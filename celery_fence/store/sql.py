@@ -79,17 +79,27 @@ def pg_lock_timeout(ms: int) -> str:
     return f"SET lock_timeout = {int(ms)}"
 
 
-def pg_block_bounds(idle_ms: int, lock_ms: int) -> str:
+def pg_block_bounds(idle_ms: int, lock_ms: int, statement_ms: int | None = None) -> str:
     """A fenced block's limits on PostgreSQL, for its transaction only."""
+    statement = (
+        ""
+        if statement_ms is None
+        else (f", set_config('statement_timeout', '{int(statement_ms)}', true)")
+    )
     return (
         f"SELECT set_config('idle_in_transaction_session_timeout', '{int(idle_ms)}', true), "
-        f"set_config('lock_timeout', '{int(lock_ms)}', true)"
+        f"set_config('lock_timeout', '{int(lock_ms)}', true){statement}"
     )
 
 
 def pg_statement_timeout(ms: int) -> str:
     """A statement timeout for the rest of the current transaction only."""
     return f"SELECT set_config('statement_timeout', '{int(ms)}', true)"
+
+
+def sqlite_busy_timeout(ms: int | None = None) -> str:
+    """Read (``ms`` None) or set how long an SQLite connection waits for a lock."""
+    return "PRAGMA busy_timeout" if ms is None else f"PRAGMA busy_timeout = {int(ms)}"
 
 
 # -- the fenced writes ----------------------------------------------------------------------------

@@ -232,3 +232,83 @@ def test_postgresql_a_registration_behind_a_locked_job_row_is_resent_not_stuck(
     result = blocked.get(timeout=40)
     _assert_only_the_newer_attempts_rows(app_db, store, key, result)
     store.dispose()
+
+
+@pytest.mark.parametrize("via", ["binds", "flask"])
+def test_a_session_routed_by_its_own_binds_never_lands_a_paused_attempts_rows(
+    spawn_worker: Any,
+    client_app: Any,
+    app_db: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
+    via: str,
+) -> None:
+    """``sessionmaker(binds={Model: engine})`` and Flask-SQLAlchemy's ``db.session`` choose
+    their engine themselves: the fenced session still runs every statement on its block."""
+    key = _key()
+    store = Store(db_url)
+    # Given worker A inside its fenced session, its rows added but not yet flushed,
+    a = spawn_worker("a")
+    first = client_app.write_app.delay(key, via=via, pause_inside=1.5)
+    wait_until(lambda: "inside:1" in _at(redis_client, prefix, key), 20, what="A in its block")
+    # when A pauses past its lease, B takes the job over and commits its rows,
+    a.pause()
+    paused_at = time.monotonic()
+    spawn_worker("b")
+    time.sleep(max(0.0, paused_at + TTL + 0.6 - time.monotonic()))
+    second = client_app.write_app.delay(key, via=via)
+    newer = second.get(timeout=30)
+    assert newer["generation"] == 2
+    # and A resumes (its session flushes and commits),
+    a.resume()
+    # then none of A's rows land: the stored state is B's, and A's message gets B's result.
+    assert first.get(timeout=30) == newer
+    _assert_only_the_newer_attempts_rows(app_db, store, key, newer)
+    assert "committed:1" not in _at(redis_client, prefix, key)
+    store.dispose()
+
+
+def test_postgresql_a_block_whose_database_stops_answering_ends_and_its_attempt_retries(
+    spawn_worker: Any,
+    client_app: Any,
+    app_db: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
+) -> None:
+    if not db_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL: a connection that stops answering (SQLite has none)")
+    from celery_fence.chaos.processes import TcpProxy
+
+    url = sa.engine.make_url(db_url)
+    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
+    proxy.up()
+    key = _key()
+    store = Store(db_url)
+    try:
+        # Given worker A inside a block on the app's own engine (bind=), which reaches the
+        # database through a proxy, and whose database calls may take 1 s,
+        spawn_worker("a", FENCE_T_APP_PORT=str(proxy.port), FENCE_T_DB_TIMEOUT="1")
+        result = client_app.write_app.delay(key, via="bind", pause_inside=1.0)
+        wait_until(lambda: "inside:1" in _at(redis_client, prefix, key), 20, what="A's writes")
+        # when the proxy stops forwarding (nothing closed, nothing answered) before A commits,
+        proxy.stall()
+        # then A's commit ends within a few seconds and the attempt settles: a retry scheduled
+        # (the lease renews all along, so nothing else would take the job over),
+        wait_until(
+            lambda: (
+                ("retry_scheduled", 1) in [(t.action, t.generation) for t in store.history(key)]
+            ),
+            8,
+            what="A's commit to end and its attempt to be retried",
+        )
+        proxy.unstall()
+        # and the retry completes the job with its own rows only.
+        newer = result.get(timeout=30)
+        assert newer["generation"] == 2
+        _assert_only_the_newer_attempts_rows(app_db, store, key, newer)
+    finally:
+        proxy.unstall()
+        proxy.down()
+        store.dispose()

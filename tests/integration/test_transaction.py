@@ -7,6 +7,7 @@ import contextlib
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from celery_fence.errors import (
 from celery_fence.fence import Fence
 from celery_fence.lease import HeldLease
 from celery_fence.store import Store
+from tests.support.worker import wait_until
 
 metadata = sa.MetaData()
 rows = sa.Table(
@@ -58,7 +60,12 @@ def tables(store: Store) -> Store:
 
 
 def _attempt(
-    store: Store, key: str | None = None, *, generation: int = 1, ttl: float = 30.0
+    store: Store,
+    key: str | None = None,
+    *,
+    generation: int = 1,
+    ttl: float = 30.0,
+    on_lost: Callable[[HeldLease, str], None] | None = None,
 ) -> Fence:
     """A registered attempt, as FencedTask builds it before the body runs."""
     key = key or f"tx:{uuid.uuid4().hex}"
@@ -74,6 +81,7 @@ def _attempt(
         interval=ttl / 3,
         margin=0.1,
         claimed_at=time.monotonic(),
+        on_lost=on_lost,
     )
     return Fence(
         key=key,
@@ -419,3 +427,74 @@ def test_unfenced_demonstration_mode_is_a_plain_transaction(db_url: str) -> None
         _write(conn, fence, 1)
     assert _writers(store, fence.key) == [fence.attempt_id]
     store.dispose()
+
+
+def test_each_thread_has_its_own_block_and_each_commit_is_fenced(tables: Store) -> None:
+    # Given an attempt whose body opens a block, and a thread of its own that opens one too
+    fence = _attempt(tables)
+    seen: dict[str, Any] = {}
+
+    def other_thread() -> None:
+        try:
+            with fence.transaction() as conn:
+                seen["other"] = conn
+                conn.execute(rows.insert().values(key=fence.key, writer="other-thread"))
+        except BaseException as exc:  # reported to the test below
+            seen["error"] = exc
+
+    with fence.transaction() as conn:
+        seen["body"] = conn
+        conn.execute(rows.insert().values(key=fence.key, writer="body"))
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join(0.3)  # on SQLite it waits for this block's write lock; on PostgreSQL not
+    thread.join(10)
+    # then the thread's block had its own connection (a connection is never shared between
+    # threads), and both commits, each fenced, landed.
+    assert not thread.is_alive() and "error" not in seen, seen.get("error")
+    assert seen["other"] is not seen["body"]
+    assert sorted(_writers(tables, fence.key)) == ["body", "other-thread"]
+
+
+def test_a_loss_seen_by_another_thread_while_a_block_is_open_is_recorded_once(
+    tables: Store,
+) -> None:
+    losses: list[str] = []
+    fence = _attempt(tables, ttl=0.5, on_lost=lambda lease, reason: losses.append(reason))
+    raised: list[BaseException] = []
+
+    def other_thread_checks() -> None:
+        try:
+            fence.check()
+        except LeaseLost as exc:
+            raised.append(exc)
+
+    # Given a block open (a session that has not written yet) when the lease runs out,
+    with fence.session(sessionmaker()):
+        wait_until(lambda: fence.lost, 5, what="the lease to run out")
+        # when another thread checks the lease, it is stopped,
+        checker = threading.Thread(target=other_thread_checks)
+        checker.start()
+        checker.join(5)
+        assert len(raised) == 1
+        assert losses == []  # not recorded while the block is open (it may hold the write lock)
+    # then the loss is recorded once the block has closed, and only once.
+    assert len(losses) == 1
+    with pytest.raises(LeaseLost):
+        fence.check()
+    assert len(losses) == 1
+
+
+def test_a_loss_noticed_by_the_renewer_during_a_block_is_recorded_once(tables: Store) -> None:
+    losses: list[str] = []
+    fence = _attempt(tables, on_lost=lambda lease, reason: losses.append(reason))
+    lease = fence._lease  # what the renewal thread holds
+    with pytest.raises(LeaseLost), fence.transaction() as conn:
+        _write(conn, fence)
+        renewer = threading.Thread(
+            target=lease.mark_lost, args=("lease expired or taken over in Redis",)
+        )
+        renewer.start()
+        renewer.join(5)
+    assert losses == ["lease expired or taken over in Redis"]
+    assert _writers(tables, fence.key) == []

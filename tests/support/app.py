@@ -9,9 +9,11 @@ so a fault happens once even though the process dies.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import redis
@@ -251,11 +253,46 @@ _app_engine: sa.Engine | None = None
 
 
 def app_engine() -> sa.Engine:
-    """The app's own engine on the store's database (``bind=`` and the ORM session use it)."""
+    """The app's own engine on the store's database (``bind=`` and the ORM session use it);
+    with ``FENCE_T_APP_PORT`` it connects to that port instead (a proxy in front of the same
+    PostgreSQL), its URL still the store's."""
     global _app_engine
     if _app_engine is None:
-        _app_engine = sa.create_engine(E["FENCE_T_DB"])
+        port = E.get("FENCE_T_APP_PORT")
+        connect_args = {"port": int(port)} if port else {}
+        _app_engine = sa.create_engine(E["FENCE_T_DB"], connect_args=connect_args)
     return _app_engine
+
+
+_flask: Any = None
+
+
+def flask_db() -> Any:
+    """A Flask app and its Flask-SQLAlchemy ``db`` on the store's database, made once."""
+    global _flask
+    if _flask is None:
+        from flask import Flask
+        from flask_sqlalchemy import SQLAlchemy
+
+        flask_app = Flask(__name__)
+        flask_app.config["SQLALCHEMY_DATABASE_URI"] = E["FENCE_T_DB"]
+        db = SQLAlchemy()
+        db.init_app(flask_app)
+        _flask = (flask_app, db)
+    return _flask
+
+
+@contextlib.contextmanager
+def _routed_session(fence: Any, via: str) -> Iterator[Any]:
+    """A fenced session whose own routing picks the engine: ``sessionmaker(binds=...)``, or
+    Flask-SQLAlchemy's ``db.session`` (its ``get_bind`` sends everything to its engine)."""
+    if via == "binds":
+        with fence.session(sessionmaker(binds={AppLine: app_engine()})) as session:
+            yield session
+        return
+    flask_app, db = flask_db()
+    with flask_app.app_context(), fence.session(db.session):
+        yield db.session  # the fenced session, inside the block
 
 
 def _at(key: str, what: str, generation: int) -> None:
@@ -285,6 +322,10 @@ def write_app(
     ``committed``, each with the generation), so a test can SIGSTOP it there: ``pause_before``
     and ``pause_inside`` are seconds the body waits before the block and inside it after writing.
     ``gate``: wait (bounded) before the block until ``<prefix>:gate:<key>`` is set.
+    ``via``: ``conn`` (``transaction()``), ``bind`` (``transaction(bind=app_engine)``),
+    ``session`` (``session(sessionmaker(bind=app_engine))``), or a session routed by its own
+    rules — ``binds`` (``sessionmaker(binds=...)``), ``flask`` (Flask-SQLAlchemy) — which
+    marks ``inside`` before its first statement.
     """
     fence = self.fence
     gen, attempt = fence.generation, fence.attempt_id
@@ -295,7 +336,12 @@ def write_app(
     while gate and not ledger.exists(f"{PREFIX}:gate:{key}") and time.monotonic() < end:
         time.sleep(0.02)
     lines = [{"key": key, "generation": gen, "attempt_id": attempt} for _ in range(2)]
-    if via == "session":
+    if via in ("binds", "flask"):
+        with _routed_session(fence, via) as session:
+            session.add_all([AppLine(**line) for line in lines])  # flushed by the next statement
+            _inside(key, gen, pause_inside, fail_inside_once)
+            session.execute(_upsert(session.get_bind(), key, gen, attempt))
+    elif via == "session":
         with fence.session(sessionmaker(bind=app_engine())) as session:
             session.add_all([AppLine(**line) for line in lines])
             session.flush()
@@ -327,6 +373,7 @@ def _upsert(bind: Any, key: str, gen: int, attempt: str) -> Any:
 
 
 app.conf.fence_lock_timeout = float(E.get("FENCE_T_LOCK_TIMEOUT", "5"))
+app.conf.fence_database_timeout = float(E.get("FENCE_T_DB_TIMEOUT", "10"))
 
 
 # -- exits that are not Exceptions: SystemExit, CancelledError, the gevent pool's time limit ------

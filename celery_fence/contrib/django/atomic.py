@@ -46,9 +46,9 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db import transaction as django_transaction
 
 from ... import signals
-from ...errors import ConfigurationError, FenceError
+from ...errors import ConfigurationError, FenceError, LeaseLost
 from ...store import sql
-from ...transaction import LOCK_TIMEOUT_TTLS, _again, _record_loss
+from ...transaction import _again, pg_bounds
 from .database import same_database_problem
 
 if TYPE_CHECKING:
@@ -60,12 +60,18 @@ class _Refused(Exception):
     """The ownership check found no row: raised inside Django's atomic so it rolls back."""
 
 
+def _record_loss(fence: Fence) -> None:
+    """Mark and record a loss seen inside the block, now that it holds no locks."""
+    with contextlib.suppress(LeaseLost):
+        fence.check()
+
+
 @contextlib.contextmanager
 def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
     """``with self.fence.atomic():`` — see the module docstring."""
     alias = using or DEFAULT_DB_ALIAS
     store = _store_of(fence)
-    if fence._block is not None:
+    if fence._blocks.current() is not None:
         raise FenceError(
             "fence.atomic() inside an open fence.transaction()/session() block: the two are "
             "separate connections, and a fenced commit covers one. Use fence.atomic() alone for "
@@ -113,9 +119,8 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
 def _bound(fence: Fence, store: Store, connection: Any) -> None:
     if connection.vendor != "postgresql" or store.unfenced:
         return
-    ttl_ms = math.ceil(fence._lease.ttl * 1000)
     with connection.cursor() as cursor:
-        cursor.execute(sql.pg_block_bounds(ttl_ms, math.ceil(ttl_ms * LOCK_TIMEOUT_TTLS)))
+        cursor.execute(pg_bounds(fence, store))  # the same bounds as fence.transaction()'s
 
 
 def _check(fence: Fence, store: Store, connection: Any) -> None:
