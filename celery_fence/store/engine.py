@@ -1,7 +1,8 @@
 """The store's connection to its database: the SQLAlchemy engine (created lazily, re-created
 after fork), the bounds on every wait (libpq timeouts, the watchdog, ``lock_timeout``), short
-transactions, the raw DB-API path of the fenced writes with its server-side prepared statements,
-and driver errors reduced to what may be logged."""
+transactions, the raw DB-API path of the fenced writes with its server-side prepared statements
+(on psycopg 3 or psycopg2, whichever the URL names), and driver errors reduced to what may be
+logged."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ from . import sql
 
 #: SQLAlchemy's text form of a timestamp on SQLite (what its ``DateTime`` writes and compares).
 SQLITE_TIMESTAMP = "%Y-%m-%d %H:%M:%S.%f"
+
+#: The PostgreSQL drivers the store runs on (SQLAlchemy's names, as in ``postgresql+psycopg://``):
+#: both take the ``%(name)s`` parameters of :mod:`.sql`'s statements.
+PG_DRIVERS = ("psycopg", "psycopg2")
 
 
 class Database:
@@ -54,6 +59,13 @@ class Database:
             raise ConfigurationError(
                 f"fence_database_url uses {self.dialect!r}; celery-fence supports postgresql and "
                 "sqlite."
+            )
+        self.driver = sa.engine.make_url(url).get_driver_name()
+        if self.dialect == "postgresql" and self.driver not in PG_DRIVERS:
+            raise ConfigurationError(
+                f"fence_database_url uses the PostgreSQL driver {self.driver!r}; celery-fence's "
+                "store runs on psycopg 3 or psycopg2: write the URL as 'postgresql+psycopg://...' "
+                "or 'postgresql+psycopg2://...' (pip install 'psycopg[binary]' or psycopg2-binary)."
             )
 
     @property
@@ -209,7 +221,7 @@ class Database:
             raw.close()  # back to the pool
 
     def pg_execute(self, statement: str, params: dict[str, Any]) -> Any:
-        """Run ``statement`` as a server-side prepared statement (:func:`execute_prepared`) on a
+        """Run ``statement`` as a server-side prepared statement (:meth:`run_prepared`) on a
         pooled connection's own cursor, the watchdog armed; no context manager is built per
         call. Returns the first row or None."""
         engine = self.engine
@@ -220,7 +232,7 @@ class Database:
                 cursor = raw.info["fence_cursor"] = raw.cursor()
             token = watchdog.arm(cursor.connection.fileno(), self.database_timeout)
             try:
-                return execute_prepared(raw, cursor, statement, params)
+                return self.run_prepared(raw, cursor, statement, params)
             finally:
                 watchdog.disarm(token)
         except engine.dialect.loaded_dbapi.Error as exc:
@@ -228,6 +240,16 @@ class Database:
             raise _driver_error(engine, raw, exc) from None
         finally:
             raw.close()  # back to the pool
+
+    def run_prepared(self, raw: Any, cursor: Any, statement: str, params: dict[str, Any]) -> Any:
+        """Run a PostgreSQL statement of :mod:`.sql` (``%(name)s`` parameters) on ``cursor`` of
+        the pooled connection ``raw`` as a prepared statement, the way this URL's driver does it:
+        :func:`execute_prepared` (psycopg2, whose parameters are sent inline) or
+        :func:`execute_prepared_psycopg` (psycopg 3, whose parameters are sent apart, typed).
+        Returns the first row or None."""
+        if self.driver == "psycopg":
+            return execute_prepared_psycopg(cursor, statement, params)
+        return execute_prepared(raw, cursor, statement, params)
 
 
 def _positional(statement: str) -> tuple[str, tuple[str, ...]]:
@@ -269,13 +291,33 @@ def execute_prepared(raw: Any, cursor: Any, statement: str, params: dict[str, An
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def execute_prepared_psycopg(cursor: Any, statement: str, params: dict[str, Any]) -> Any:
+    """Run ``statement`` with psycopg 3's own prepared statements (the protocol's, cached per
+    connection and per parameter types by the driver): parsed and planned once, then one round
+    trip per call. psycopg 3 sends parameters apart from the text, so an SQL ``EXECUTE`` with
+    parameters (the psycopg2 path) cannot be used: the server cannot type them there. A
+    connection that lost its prepared statements behind psycopg's back (a pooler's
+    ``DISCARD ALL``) forgets them all (``DEALLOCATE ALL``, which psycopg tracks) and prepares
+    again, once. Returns the first row or None."""
+    for attempt in (1, 2):
+        try:
+            cursor.execute(statement, params, prepare=True)
+        except Exception as exc:
+            if attempt == 1 and getattr(exc, "sqlstate", None) == "26000":  # no such statement
+                cursor.execute("DEALLOCATE ALL")
+                continue
+            raise
+        return cursor.fetchone()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 class _RedactedDriverError(Exception):
     """A driver error reduced to its class and first line: never a value from the statement."""
 
     def __init__(self, orig: BaseException) -> None:
         first_line = (str(orig).splitlines() or [""])[0]
         super().__init__(f"{type(orig).__name__}: {first_line}")
-        self.pgcode = getattr(orig, "pgcode", None)
+        self.pgcode = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
         self.driver_error = type(orig)
 
 

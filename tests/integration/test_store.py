@@ -16,6 +16,13 @@ from celery_fence.errors import ResultNotSerializable, StaleGeneration
 from celery_fence.lease import LeaseStore
 from celery_fence.schema import create_schema
 from celery_fence.store import Store
+from tests.support.stores import EVERY_DRIVER, store_url
+
+
+@pytest.fixture(params=EVERY_DRIVER)
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """SQLite, and PostgreSQL through psycopg2 and through psycopg 3."""
+    return store_url(request, tmp_path)
 
 
 def _key() -> str:
