@@ -321,6 +321,36 @@ class _RedactedDriverError(Exception):
         self.driver_error = type(orig)
 
 
+def driver_error_line(exc: BaseException, limit: int = 200) -> str:
+    """A database error as its driver's class and first line (``UndefinedTable: relation
+    "fence_jobs" does not exist``), at most ``limit`` characters: what a log line or a reason may
+    say of it (PostgreSQL's further lines can quote the statement's values)."""
+    orig = getattr(exc, "orig", None) or exc
+    if isinstance(orig, _RedactedDriverError):
+        text = str(orig)
+    else:
+        text = f"{type(orig).__name__}: {(str(orig).strip().splitlines() or [''])[0]}"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    orig = getattr(exc, "orig", None) or exc
+    return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+
+
+def refusal_reason(exc: BaseException, what: str) -> str:
+    """Why the store refused ``what`` (e.g. ``registration``) with ``exc``: the driver's error
+    (:func:`driver_error_line`) and, when it says the fence tables or their columns are
+    missing, the fix. Any other refusal is not blamed on the schema."""
+    reason = f"store refused {what} ({driver_error_line(exc)})"
+    detail = str(getattr(exc, "orig", None) or exc)
+    if _sqlstate(exc) == "42P01" or "no such table" in detail:
+        return f"{reason}; is the schema created? celery fence init-db"
+    if _sqlstate(exc) == "42703" or "no such column" in detail or "has no column" in detail:
+        return f"{reason}; is the schema current? celery fence init-db"
+    return reason
+
+
 def _driver_error(engine: sa.Engine, raw: Any, exc: Any) -> sa.exc.StatementError:
     """A driver error as SQLAlchemy's, parameters hidden and the driver's text cut to its first
     line; the connection is invalidated when the error says it is broken."""
