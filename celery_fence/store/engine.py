@@ -11,7 +11,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import sqlalchemy as sa
@@ -176,6 +176,29 @@ class Database:
             if context.connection is not None:
                 watchdog.disarm(context.connection.info.pop("fence_watch", None))
 
+    #: True on the view of :meth:`rolled_back`: the statements run inside its transaction.
+    pinned = False
+
+    def connect(self) -> AbstractContextManager[sa.Connection]:
+        """A pooled connection for reads and Core statements (autocommit)."""
+        return self.engine.connect()
+
+    @contextmanager
+    def rolled_back(self) -> Iterator[Database]:
+        """This database with every statement (raw path, Core, reads) on one connection, inside
+        one transaction that is rolled back at the end, whatever happens: the store's self-test
+        (``celery fence check``) writes through it and leaves nothing. The connection is closed
+        afterwards, not pooled (its prepared statements go with it)."""
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql(sql.begin(self.dialect))
+            try:
+                yield _Pinned(self, conn)
+            finally:
+                try:
+                    conn.exec_driver_sql(sql.ROLLBACK)
+                finally:
+                    conn.invalidate()
+
     @contextmanager
     def tx(self, *, unbounded: bool = False) -> Iterator[sa.Connection]:
         """A short explicit transaction on the AUTOCOMMIT engine (BEGIN IMMEDIATE on SQLite).
@@ -250,6 +273,49 @@ class Database:
         if self.driver == "psycopg":
             return execute_prepared_psycopg(cursor, statement, params)
         return execute_prepared(raw, cursor, statement, params)
+
+
+class _Pinned(Database):
+    """:meth:`Database.rolled_back`'s view: the same settings and engine, every statement on
+    ``conn`` in its open transaction (a write path's own ``BEGIN``/``COMMIT`` is skipped)."""
+
+    pinned = True
+
+    def __init__(self, db: Database, conn: sa.Connection) -> None:
+        self.__dict__.update(db.__dict__)
+        self._conn = conn
+        self._cursor: Any = None
+
+    def connect(self) -> AbstractContextManager[sa.Connection]:
+        return nullcontext(self._conn)
+
+    @contextmanager
+    def tx(self, *, unbounded: bool = False) -> Iterator[sa.Connection]:
+        yield self._conn
+
+    def _dbapi(self) -> tuple[Any, Any]:
+        raw = self._conn.connection
+        if self._cursor is None:
+            self._cursor = raw.cursor()
+        return raw, self._cursor
+
+    @contextmanager
+    def raw(self) -> Iterator[Any]:
+        raw, cursor = self._dbapi()
+        try:
+            yield cursor
+        except self.engine.dialect.loaded_dbapi.Error as exc:
+            raise _driver_error(self.engine, raw, exc) from None
+
+    def pg_execute(self, statement: str, params: dict[str, Any]) -> Any:
+        raw, cursor = self._dbapi()
+        token = watchdog.arm(cursor.connection.fileno(), self.database_timeout)
+        try:
+            return self.run_prepared(raw, cursor, statement, params)
+        except self.engine.dialect.loaded_dbapi.Error as exc:
+            raise _driver_error(self.engine, raw, exc) from None
+        finally:
+            watchdog.disarm(token)
 
 
 def _positional(statement: str) -> tuple[str, tuple[str, ...]]:
@@ -333,7 +399,8 @@ def driver_error_line(exc: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _sqlstate(exc: BaseException) -> str | None:
+def sqlstate(exc: BaseException) -> str | None:
+    """PostgreSQL's SQLSTATE of a database error (either driver's), or None."""
     orig = getattr(exc, "orig", None) or exc
     return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
 
@@ -344,9 +411,9 @@ def refusal_reason(exc: BaseException, what: str) -> str:
     missing, the fix. Any other refusal is not blamed on the schema."""
     reason = f"store refused {what} ({driver_error_line(exc)})"
     detail = str(getattr(exc, "orig", None) or exc)
-    if _sqlstate(exc) == "42P01" or "no such table" in detail:
+    if sqlstate(exc) == "42P01" or "no such table" in detail:
         return f"{reason}; is the schema created? celery fence init-db"
-    if _sqlstate(exc) == "42703" or "no such column" in detail or "has no column" in detail:
+    if sqlstate(exc) == "42703" or "no such column" in detail or "has no column" in detail:
         return f"{reason}; is the schema current? celery fence init-db"
     return reason
 
