@@ -326,3 +326,29 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     assert store.outbox.rows(key=key) == []
     assert store.purge(finished_before=later) >= 5
     assert store.get(key) is None and store.history(key) == []
+
+
+@pytest.mark.parametrize("db_url", ["postgresql", "psycopg3"], indirect=True)
+def test_a_connection_that_lost_its_prepared_statements_prepares_them_again(db_url: str) -> None:
+    # Given a store on one pooled connection whose fenced writes are prepared on it,
+    store = Store(db_url, engine_options={"pool_size": 1, "max_overflow": 0})
+    key = _key()
+    store.register(key, generation=1, attempt_id="A", task_name="t")
+    # when they are dropped behind the driver's back (a pooler's DISCARD ALL, a server swap),
+    raw = store.engine.raw_connection()
+    try:
+        if store.db.driver == "psycopg":
+            driver_conn: Any = raw.dbapi_connection
+            driver_conn.pgconn.exec_(b"DEALLOCATE ALL")  # psycopg 3 does not see it
+        else:
+            cursor = raw.cursor()
+            cursor.execute("DEALLOCATE ALL")
+            cursor.close()
+    finally:
+        raw.close()
+    # then the next writes on that connection prepare again and go through.
+    store.register(key, generation=2, attempt_id="B", task_name="t")
+    store.complete(key, generation=2, attempt_id="B", result={"by": "B"})
+    record = store.get(key)
+    assert record is not None and (record.status, record.generation) == ("completed", 2)
+    store.dispose()
