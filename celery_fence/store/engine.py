@@ -11,7 +11,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from typing import Any
 
 import sqlalchemy as sa
@@ -194,10 +194,11 @@ class Database:
             try:
                 yield _Pinned(self, conn)
             finally:
-                try:
+                # A ROLLBACK that fails (a broken connection) must not hide the probe's own
+                # error: closing the connection below ends its transaction all the same.
+                with suppress(Exception):
                     conn.exec_driver_sql(sql.ROLLBACK)
-                finally:
-                    conn.invalidate()
+                conn.invalidate()
 
     @contextmanager
     def tx(self, *, unbounded: bool = False) -> Iterator[sa.Connection]:

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_fence.errors import ResultNotSerializable, StaleGeneration
+from celery_fence.errors import ResultNotSerializable, StaleGeneration, StoreError
 from celery_fence.lease import LeaseStore
 from celery_fence.schema import create_schema
 from celery_fence.store import Effect, Store, utcnow
+from celery_fence.store.probe import PROBE_KEY_PREFIX
 from tests.support.stores import EVERY_DRIVER, store_url
 
 
@@ -352,3 +353,28 @@ def test_a_connection_that_lost_its_prepared_statements_prepares_them_again(db_u
     record = store.get(key)
     assert record is not None and (record.status, record.generation) == ("completed", 2)
     store.dispose()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"defer_first_registration": True, "record_transitions": False}, {"unfenced": True}],
+    ids=["default", "deferred-unrecorded", "unfenced"],
+)
+def test_the_write_probe_runs_a_tasks_writes_and_leaves_nothing(
+    db_url: str, settings: dict[str, Any]
+) -> None:
+    store = Store(db_url, **settings)
+    before = store.list(limit=10_000)
+    assert "rolled back" in store.write_probe()
+    assert store.list(limit=10_000) == before
+    assert [r for r in store.outbox.rows() if r.key.startswith(PROBE_KEY_PREFIX)] == []
+    store.dispose()
+
+
+def test_the_write_probe_fails_on_a_store_it_cannot_write(tmp_path: Path) -> None:
+    path = tmp_path / "fence.sqlite3"
+    Store(f"sqlite:///{path}").create_schema()
+    read_only = Store(f"sqlite:///file:{path}?mode=ro&uri=true")
+    with pytest.raises(StoreError, match=r"registration failed: OperationalError: .*readonly"):
+        read_only.write_probe()
+    read_only.dispose()
