@@ -1,4 +1,4 @@
-"""The store URLs a test runs on: ``db_url``'s parameters, and the helper every ``db_url``
+"""The store URLs a test runs on: ``db_url``'s parameters, and the function every ``db_url``
 fixture shares.
 
 - ``sqlite``: a SQLite file of the test's own;
