@@ -261,7 +261,7 @@ class FenceConfig:
         if "://" not in self.database_url:
             raise ConfigurationError(
                 f"fence_database_url={self.database_url!r} is not an SQLAlchemy URL: use e.g. "
-                "'sqlite:///celery_fence.sqlite3' or 'postgresql+psycopg2://user@host/db'."
+                "'sqlite:///celery_fence.sqlite3' or 'postgresql+psycopg://user@host/db'."
             )
         if self.redis_client is None:  # the escape hatch's client is the user's to configure
             parse_redis_settings(

@@ -40,6 +40,7 @@ bucket with the same rules, so a retry is never blocked on the budget's own stor
 
 from __future__ import annotations
 
+import importlib
 import math
 import random
 import socket
@@ -61,12 +62,16 @@ from .scripts import LuaScript
 
 
 def _dbapi_transient() -> tuple[type[BaseException], ...]:
-    """Connection-level errors of the DB-API drivers celery-fence supports, when installed."""
-    try:
-        import psycopg2
-    except ImportError:  # pragma: no cover - psycopg2 is the postgres extra
-        return ()
-    return (psycopg2.OperationalError, psycopg2.InterfaceError)
+    """Connection-level errors of the DB-API drivers celery-fence supports (psycopg 3 and
+    psycopg2), those installed."""
+    errors: list[type[BaseException]] = []
+    for module in ("psycopg", "psycopg2"):
+        try:
+            driver = importlib.import_module(module)
+        except ImportError:  # pragma: no cover - both are in the postgres extra
+            continue
+        errors += [driver.OperationalError, driver.InterfaceError]
+    return tuple(errors)
 
 
 #: Errors that may resolve on their own: retried.

@@ -44,6 +44,7 @@ from .outbox import trigger_delivery
 from .records import request_text
 from .runtime import Backends, app_state, runtime
 from .schema import KEY_LENGTH
+from .store.engine import refusal_reason
 from .worker import FENCED_REQUEST
 
 logger = logging.getLogger("celery_fence")
@@ -292,7 +293,7 @@ class FencedTask(Task):
                     return o.Unavailable(exc, "store refused registration")
                 return o.Refused(exc, request_json or None)
             except sa_exc.ProgrammingError as exc:  # e.g. the tables do not exist
-                reason = "store refused registration; is the schema created? celery fence init-db"
+                reason = refusal_reason(exc, "registration")
                 return o.Unavailable(exc, reason, max(5.0, config.retry_backoff_max / 10))
             except Exception as exc:  # nothing was registered: re-send, never drop
                 return o.Unavailable(exc, f"store unavailable ({type(exc).__name__})")

@@ -21,6 +21,7 @@ from celery_fence.runtime import runtime
 from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues
 from tests.support.env import BROKER_URL, PG_ADMIN_URL, REDIS_URL
+from tests.support.stores import DEFAULT, store_url, with_driver
 from tests.support.worker import Worker
 
 
@@ -63,13 +64,17 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'fence.sqlite3'}"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(scope="session")
+def pg_url_psycopg3(pg_url: str) -> str:
+    """The session's PostgreSQL database through psycopg 3 (``postgresql+psycopg://``)."""
+    return with_driver(pg_url, "psycopg")
+
+
+@pytest.fixture(params=DEFAULT)
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'fence.sqlite3'}"
-        Store(url).create_schema()
-        return url
-    return str(request.getfixturevalue("pg_url"))
+    """A store URL: SQLite, PostgreSQL through psycopg2, or (where a module asks for
+    ``EVERY_DRIVER``, or a test for ``"psycopg3"``) PostgreSQL through psycopg 3."""
+    return store_url(request, tmp_path)
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""The verbs that only look: ``check`` (settings, Redis, schema), ``ls`` and ``show``."""
+"""The verbs that only look: ``check`` (settings, Redis, schema, and a write probe rolled back),
+``ls`` and ``show``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from .. import migrate, recovery
 from ..config import FenceConfig
 from ..lease import LeaseStore, make_redis_client
 from ..schema import STATUSES
-from ..store import COMPLETED, UNFINISHED, JobRecord, Transition, store_for
+from ..store import COMPLETED, UNFINISHED, JobRecord, Store, Transition, store_for
+from ..store.engine import sqlstate
 from .common import (
     EX_USAGE,
     FenceCLIError,
@@ -34,20 +36,28 @@ from .common import (
 @command("check")
 @click.pass_context
 def check(ctx: click.Context) -> None:
-    """Check the settings of every fenced task, ping Redis and the database, and say whether the
-    schema is current. Exits non-zero on the first problem, with one line naming it and the fix."""
+    """Check the settings of every fenced task, ping Redis, say whether each store's schema is
+    current, and run a fenced task's writes and reads on each store in a transaction rolled back.
+    Exits non-zero on the first problem, with one line naming it and the fix."""
     from ..task import FencedTask
 
     app = ctx.obj.app
     app.loader.import_default_modules()
     config = config_of(ctx)
     tasks = sorted(t.name for t in app.tasks.values() if isinstance(t, FencedTask))
-    for name in tasks:
-        app.tasks[name].fence_config()  # raises ConfigurationError naming the setting
+    # raises ConfigurationError naming the setting
+    configs = [app.tasks[name].fence_config() for name in tasks] or [config]
     ctx.obj.echo(f"settings: ok ({len(tasks)} fenced task{'s' * (len(tasks) != 1)})")
     make_redis_client(config).ping()
     ctx.obj.echo("redis: ok")
-    url = config.database_url
+    for url in dict.fromkeys(c.database_url for c in configs):
+        _check_schema(ctx, url)
+    stores = {id(store): store for store in map(store_for, configs)}  # one per store settings
+    for store in stores.values():
+        _check_writes(ctx, store)
+
+
+def _check_schema(ctx: click.Context, url: str) -> None:
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     try:
         with engine.connect() as conn:
@@ -67,6 +77,45 @@ def check(ctx: click.Context) -> None:
             f"run: {celery_command(ctx)} fence init-db"
         )
     ctx.obj.echo(f"database: ok ({safe_url(url)}, schema current)")
+
+
+def _check_writes(ctx: click.Context, store: Store) -> None:
+    """The store's write probe (:func:`celery_fence.store.probe.write_probe`), or one line: the
+    store, the error and the fix."""
+    try:
+        ran = store.write_probe()
+    except Exception as exc:
+        raise FenceCLIError(
+            f"store {safe_url(store.url)} cannot take a fenced task's writes: {exc}; "
+            f"{_write_fix(exc, store, celery_command(ctx))}"
+        ) from None
+    ctx.obj.echo(f"store: ok ({safe_url(store.url)}: {ran})")
+
+
+def _write_fix(exc: BaseException, store: Store, celery: str) -> str:
+    """What to do about a store that refused the probe's writes."""
+    cause = exc.__cause__ or exc
+    code, text = sqlstate(cause), str(getattr(cause, "orig", cause)).lower()
+    if code == "42501" or "permission denied" in text:
+        return (
+            "grant the database user of fence_database_url SELECT, INSERT, UPDATE and DELETE on "
+            f"{', '.join(sorted(migrate.TABLES))} and USAGE on their sequences"
+        )
+    if code == "25006" or "read-only" in text or "readonly" in text:
+        return (
+            "the connection is read-only (a standby, default_transaction_read_only, or a "
+            "read-only SQLite file): point fence_database_url at a writable database"
+        )
+    if code in ("42P01", "42703") or "no such table" in text or "no such column" in text:
+        return f"the schema does not match this version: run: {celery} fence init-db"
+    if store.dialect != "postgresql":
+        return "check that the workers can write the SQLite file and its directory"
+    other = "postgresql+psycopg2://" if store.db.driver == "psycopg" else "postgresql+psycopg://"
+    return (
+        f"the {store.db.driver} driver could not run a fenced task's statements on this "
+        f"database: try the other driver ({other}...) in fence_database_url, and report this "
+        "error to celery-fence"
+    )
 
 
 # -- ls ------------------------------------------------------------------------------------------

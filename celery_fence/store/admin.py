@@ -93,7 +93,7 @@ def stranded(
     caller to ask Redis (:func:`celery_fence.recovery.stranded_jobs`)."""
     cutoff = (now or utcnow()) - dt.timedelta(seconds=older_than)
     query = sql.stranded(unfinished=UNFINISHED, cutoff=cutoff, limit=limit, task_name=task_name)
-    with store.engine.connect() as conn:
+    with store.db.connect() as conn:
         return [job_record(r) for r in conn.execute(query).all()]
 
 

@@ -1,7 +1,8 @@
 """The store's connection to its database: the SQLAlchemy engine (created lazily, re-created
 after fork), the bounds on every wait (libpq timeouts, the watchdog, ``lock_timeout``), short
-transactions, the raw DB-API path of the fenced writes with its server-side prepared statements,
-and driver errors reduced to what may be logged."""
+transactions, the raw DB-API path of the fenced writes with its server-side prepared statements
+(on psycopg 3 or psycopg2, whichever the URL names), and driver errors reduced to what may be
+logged."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from typing import Any
 
 import sqlalchemy as sa
@@ -24,6 +25,10 @@ from . import green, sql
 
 #: SQLAlchemy's text form of a timestamp on SQLite (what its ``DateTime`` writes and compares).
 SQLITE_TIMESTAMP = "%Y-%m-%d %H:%M:%S.%f"
+
+#: The PostgreSQL drivers the store runs on (SQLAlchemy's names, as in ``postgresql+psycopg://``):
+#: both take the ``%(name)s`` parameters of :mod:`.sql`'s statements.
+PG_DRIVERS = ("psycopg", "psycopg2")
 
 
 class Database:
@@ -54,6 +59,13 @@ class Database:
             raise ConfigurationError(
                 f"fence_database_url uses {self.dialect!r}; celery-fence supports postgresql and "
                 "sqlite."
+            )
+        self.driver = sa.engine.make_url(url).get_driver_name()
+        if self.dialect == "postgresql" and self.driver not in PG_DRIVERS:
+            raise ConfigurationError(
+                f"fence_database_url uses the PostgreSQL driver {self.driver!r}; celery-fence's "
+                "store runs on psycopg 3 or psycopg2: write the URL as 'postgresql+psycopg://...' "
+                "or 'postgresql+psycopg2://...' (pip install 'psycopg[binary]' or psycopg2-binary)."
             )
 
     @property
@@ -167,6 +179,30 @@ class Database:
             if context.connection is not None:
                 watchdog.disarm(context.connection.info.pop("fence_watch", None))
 
+    #: True on the view of :meth:`rolled_back`: the statements run inside its transaction.
+    pinned = False
+
+    def connect(self) -> AbstractContextManager[sa.Connection]:
+        """A pooled connection for reads and Core statements (autocommit)."""
+        return self.engine.connect()
+
+    @contextmanager
+    def rolled_back(self) -> Iterator[Database]:
+        """This database with every statement (raw path, Core, reads) on one connection, inside
+        one transaction that is rolled back at the end, whatever happens: the store's self-test
+        (``celery fence check``) writes through it and leaves nothing. The connection is closed
+        afterwards, not pooled (its prepared statements go with it)."""
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql(sql.begin(self.dialect))
+            try:
+                yield _Pinned(self, conn)
+            finally:
+                # A ROLLBACK that fails (a broken connection) must not hide the probe's own
+                # error: closing the connection below ends its transaction all the same.
+                with suppress(Exception):
+                    conn.exec_driver_sql(sql.ROLLBACK)
+                conn.invalidate()
+
     @contextmanager
     def tx(self, *, unbounded: bool = False) -> Iterator[sa.Connection]:
         """A short explicit transaction on the AUTOCOMMIT engine (BEGIN IMMEDIATE on SQLite).
@@ -212,7 +248,7 @@ class Database:
             raw.close()  # back to the pool
 
     def pg_execute(self, statement: str, params: dict[str, Any]) -> Any:
-        """Run ``statement`` as a server-side prepared statement (:func:`execute_prepared`) on a
+        """Run ``statement`` as a server-side prepared statement (:meth:`run_prepared`) on a
         pooled connection's own cursor, the watchdog armed; no context manager is built per
         call. Returns the first row or None."""
         engine = self.engine
@@ -223,7 +259,7 @@ class Database:
                 cursor = raw.info["fence_cursor"] = raw.cursor()
             token = watchdog.arm(cursor.connection.fileno(), self.database_timeout)
             try:
-                row = execute_prepared(raw, cursor, statement, params)
+                row = self.run_prepared(raw, cursor, statement, params)
             except BaseException:
                 watchdog.disarm(token)
                 raise
@@ -236,6 +272,59 @@ class Database:
             raise _driver_error(engine, raw, exc) from None
         finally:
             raw.close()  # back to the pool
+
+    def run_prepared(self, raw: Any, cursor: Any, statement: str, params: dict[str, Any]) -> Any:
+        """Run a PostgreSQL statement of :mod:`.sql` (``%(name)s`` parameters) on ``cursor`` of
+        the pooled connection ``raw`` as a prepared statement, the way this URL's driver does it:
+        :func:`execute_prepared` (psycopg2, whose parameters are sent inline) or
+        :func:`execute_prepared_psycopg` (psycopg 3, whose parameters are sent apart, typed).
+        Returns the first row or None."""
+        if self.driver == "psycopg":
+            return execute_prepared_psycopg(cursor, statement, params)
+        return execute_prepared(raw, cursor, statement, params)
+
+
+class _Pinned(Database):
+    """:meth:`Database.rolled_back`'s view: the same settings and engine, every statement on
+    ``conn`` in its open transaction (a write path's own ``BEGIN``/``COMMIT`` is skipped)."""
+
+    pinned = True
+
+    def __init__(self, db: Database, conn: sa.Connection) -> None:
+        self.__dict__.update(db.__dict__)
+        self._conn = conn
+        self._cursor: Any = None
+
+    def connect(self) -> AbstractContextManager[sa.Connection]:
+        return nullcontext(self._conn)
+
+    @contextmanager
+    def tx(self, *, unbounded: bool = False) -> Iterator[sa.Connection]:
+        yield self._conn
+
+    def _dbapi(self) -> tuple[Any, Any]:
+        raw = self._conn.connection
+        if self._cursor is None:
+            self._cursor = raw.cursor()
+        return raw, self._cursor
+
+    @contextmanager
+    def raw(self) -> Iterator[Any]:
+        raw, cursor = self._dbapi()
+        try:
+            yield cursor
+        except self.engine.dialect.loaded_dbapi.Error as exc:
+            raise _driver_error(self.engine, raw, exc) from None
+
+    def pg_execute(self, statement: str, params: dict[str, Any]) -> Any:
+        raw, cursor = self._dbapi()
+        token = watchdog.arm(cursor.connection.fileno(), self.database_timeout)
+        try:
+            return self.run_prepared(raw, cursor, statement, params)
+        except self.engine.dialect.loaded_dbapi.Error as exc:
+            raise _driver_error(self.engine, raw, exc) from None
+        finally:
+            watchdog.disarm(token)
 
 
 def _positional(statement: str) -> tuple[str, tuple[str, ...]]:
@@ -277,14 +366,65 @@ def execute_prepared(raw: Any, cursor: Any, statement: str, params: dict[str, An
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def execute_prepared_psycopg(cursor: Any, statement: str, params: dict[str, Any]) -> Any:
+    """Run ``statement`` with psycopg 3's own prepared statements (the protocol's, cached per
+    connection and per parameter types by the driver): parsed and planned once, then one round
+    trip per call. psycopg 3 sends parameters apart from the text, so an SQL ``EXECUTE`` with
+    parameters (the psycopg2 path) cannot be used: the server cannot type them there. A
+    connection that lost its prepared statements behind psycopg's back (a pooler's
+    ``DISCARD ALL``) forgets them all (``DEALLOCATE ALL``, which psycopg tracks) and prepares
+    again, once. Returns the first row or None."""
+    for attempt in (1, 2):
+        try:
+            cursor.execute(statement, params, prepare=True)
+        except Exception as exc:
+            if attempt == 1 and getattr(exc, "sqlstate", None) == "26000":  # no such statement
+                cursor.execute("DEALLOCATE ALL")
+                continue
+            raise
+        return cursor.fetchone()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 class _RedactedDriverError(Exception):
     """A driver error reduced to its class and first line: never a value from the statement."""
 
     def __init__(self, orig: BaseException) -> None:
         first_line = (str(orig).splitlines() or [""])[0]
         super().__init__(f"{type(orig).__name__}: {first_line}")
-        self.pgcode = getattr(orig, "pgcode", None)
+        self.pgcode = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
         self.driver_error = type(orig)
+
+
+def driver_error_line(exc: BaseException, limit: int = 200) -> str:
+    """A database error as its driver's class and first line (``UndefinedTable: relation
+    "fence_jobs" does not exist``), at most ``limit`` characters: what a log line or a reason may
+    say of it (PostgreSQL's further lines can quote the statement's values)."""
+    orig = getattr(exc, "orig", None) or exc
+    if isinstance(orig, _RedactedDriverError):
+        text = str(orig)
+    else:
+        text = f"{type(orig).__name__}: {(str(orig).strip().splitlines() or [''])[0]}"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """PostgreSQL's SQLSTATE of a database error (either driver's), or None."""
+    orig = getattr(exc, "orig", None) or exc
+    return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+
+
+def refusal_reason(exc: BaseException, what: str) -> str:
+    """Why the store refused ``what`` (e.g. ``registration``) with ``exc``: the driver's error
+    (:func:`driver_error_line`) and, when it says the fence tables or their columns are
+    missing, the fix. Any other refusal is not blamed on the schema."""
+    reason = f"store refused {what} ({driver_error_line(exc)})"
+    detail = str(getattr(exc, "orig", None) or exc)
+    if sqlstate(exc) == "42P01" or "no such table" in detail:
+        return f"{reason}; is the schema created? celery fence init-db"
+    if sqlstate(exc) == "42703" or "no such column" in detail or "has no column" in detail:
+        return f"{reason}; is the schema current? celery fence init-db"
+    return reason
 
 
 def _driver_error(engine: sa.Engine, raw: Any, exc: Any) -> sa.exc.StatementError:

@@ -80,12 +80,12 @@ class FencedWriter:
             row = self.db.pg_execute(statement, params)
             return None if row is None else Row(*row)
         params["now"] = stamp = now.strftime(SQLITE_TIMESTAMP)
+        # Its rows share one BEGIN IMMEDIATE transaction; a lone statement needs none, nor a
+        # write inside the caller's open transaction (a rolled-back view: the store's probe).
+        own_tx = (record or bool(effects)) and not self.db.pinned
         with self.db.raw() as cursor:
-            if not record and not effects:
-                cursor.execute(statement, params)
-                row = cursor.fetchone()
-                return None if row is None else Row(*row)
-            cursor.execute(sql.BEGIN_IMMEDIATE)
+            if own_tx:
+                cursor.execute(sql.BEGIN_IMMEDIATE)
             try:
                 cursor.execute(statement, params)
                 row = cursor.fetchone()
@@ -114,9 +114,11 @@ class FencedWriter:
                             },
                         )
             except BaseException:
-                cursor.execute(sql.ROLLBACK)
+                if own_tx:
+                    cursor.execute(sql.ROLLBACK)
                 raise
-            cursor.execute(sql.COMMIT)
+            if own_tx:
+                cursor.execute(sql.COMMIT)
             return None if row is None else Row(*row)
 
     def record(

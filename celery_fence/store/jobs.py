@@ -5,6 +5,7 @@ its outbox in :mod:`.outbox`."""
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import json
 from collections.abc import Mapping, Sequence
@@ -26,7 +27,7 @@ from ..records import (
     job_record,
 )
 from ..schema import COMPLETED, DEAD, PENDING, RETRYING, utcnow
-from . import admin, sql
+from . import admin, probe, sql
 from .engine import Database
 from .fenced import FencedWriter, Row
 from .outbox import OutboxStore
@@ -68,6 +69,14 @@ class Store:
     @property
     def engine(self) -> sa.Engine:
         return self.db.engine
+
+    def on(self, db: Database) -> Store:
+        """This store's verbs on ``db``, a view of its database (:meth:`Database.rolled_back`)."""
+        view = copy.copy(self)
+        view.db = db
+        view.writer = FencedWriter(db, record_transitions=self.record_transitions)
+        view.outbox = OutboxStore(view)
+        return view
 
     def dispose(self) -> None:
         self.db.dispose()
@@ -378,7 +387,7 @@ class Store:
         """How the key's latest attempt before this one ended, as far as the history says: the
         action of its newest transition row that is not a claim or a lease loss (None without
         one)."""
-        with self.engine.connect() as conn:
+        with self.db.connect() as conn:
             return conn.execute(sql.last_exit(key)).scalar()
 
     def record(
@@ -410,12 +419,12 @@ class Store:
         return False, None if row is None else job_record(row)
 
     def get(self, key: str) -> JobRecord | None:
-        with self.engine.connect() as conn:
+        with self.db.connect() as conn:
             row = conn.execute(sql.get_job(key)).first()
         return None if row is None else job_record(row)
 
     def history(self, key: str) -> list[Transition]:
-        with self.engine.connect() as conn:
+        with self.db.connect() as conn:
             rows = conn.execute(sql.history(key)).all()
         return [
             Transition(r.key, r.generation, r.attempt_id, r.action, r.reason, r.at) for r in rows
@@ -425,11 +434,13 @@ class Store:
         self, *, status: str | None = None, task_name: str | None = None, limit: int = 50
     ) -> list[JobRecord]:
         query = sql.list_jobs(status=status, task_name=task_name, limit=limit)
-        with self.engine.connect() as conn:
+        with self.db.connect() as conn:
             return [job_record(r) for r in conn.execute(query).all()]
 
-    # -- the operator's and the recovery's verbs: functions of celery_fence.store.admin ------
+    # -- the operator's self-test (celery_fence.store.probe) and the operator's and the
+    # recovery's verbs (celery_fence.store.admin) ---------------------------------------------
 
+    write_probe = probe.write_probe
     requeue = admin.requeue
     restore_finished = admin.restore_finished
     stranded = admin.stranded

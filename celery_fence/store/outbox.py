@@ -60,11 +60,11 @@ class OutboxStore:
         return utcnow() + dt.timedelta(seconds=seconds)
 
     def _all(self, stmt: Any) -> list[OutboxRow]:
-        with self._store.engine.connect() as conn:
+        with self._store.db.connect() as conn:
             return [_outbox_row(r) for r in conn.execute(stmt).all()]
 
     def _changed(self, stmt: Any) -> bool:
-        with self._store.engine.connect() as conn:
+        with self._store.db.connect() as conn:
             return conn.execute(stmt).first() is not None
 
     def bury_exhausted(self, *, max_attempts: int, key: str | None = None) -> Sequence[OutboxRow]:
@@ -151,7 +151,7 @@ class OutboxStore:
 
     def purge(self, *, delivered_before: dt.datetime) -> int:
         """Delete rows delivered before the date (``dead`` rows stay until requeued or fixed)."""
-        with self._store.engine.connect() as conn:
+        with self._store.db.connect() as conn:
             return int(conn.execute(sql.outbox_purge(delivered_before)).rowcount or 0)
 
     def rows(

@@ -6,7 +6,9 @@ Two kinds, by how often they run:
 
 - The fenced writes (register, complete, retry, dead, bury, requeue, recover, ...) are text,
   written once here as templates with ``:name`` parameters and rendered per dialect
-  (psycopg2's ``%(name)s`` on PostgreSQL), cached per (dialect, options): they skip SQLAlchemy's
+  (``%(name)s`` on PostgreSQL, which psycopg 3 and psycopg2 both take; each runs them as
+  prepared statements its own way, :meth:`.engine.Database.run_prepared`), cached per
+  (dialect, options): they skip SQLAlchemy's
   statement building and compilation, which costs more CPU than the round trip on the two that
   every task runs. Each returns ``(key, generation, attempt_id, attempts)`` of the row it
   changed, or no row when its condition did not match. :func:`pg_with_records` wraps one in

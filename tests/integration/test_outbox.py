@@ -31,7 +31,14 @@ from celery_fence.lease import LeaseStore
 from celery_fence.outbox import Outbox, idempotency_key
 from celery_fence.store import Effect, Store, utcnow
 from tests.support.env import PG_ADMIN_URL, REDIS_URL
+from tests.support.stores import EVERY_DRIVER, store_url
 from tests.support.worker import wait_until
+
+
+@pytest.fixture(params=EVERY_DRIVER)
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """SQLite, and PostgreSQL through psycopg2 and through psycopg 3."""
+    return store_url(request, tmp_path)
 
 
 def _effect(key: str, name: str, payload: Any) -> Effect:

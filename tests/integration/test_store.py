@@ -3,6 +3,7 @@ concurrent completions."""
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import multiprocessing
 import threading
@@ -16,7 +17,15 @@ import sqlalchemy as sa
 from celery_fence.errors import ResultNotSerializable, StaleGeneration, StoreError
 from celery_fence.lease import LeaseStore
 from celery_fence.schema import create_schema
-from celery_fence.store import Store
+from celery_fence.store import Effect, Store, utcnow
+from celery_fence.store.probe import PROBE_KEY_PREFIX
+from tests.support.stores import EVERY_DRIVER, store_url
+
+
+@pytest.fixture(params=EVERY_DRIVER)
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """SQLite, and PostgreSQL through psycopg2 and through psycopg 3."""
+    return store_url(request, tmp_path)
 
 
 def _key() -> str:
@@ -296,3 +305,143 @@ def test_processes_creating_the_schema_at_once_on_a_fresh_sqlite_file_all_succee
         assert {"fence_jobs", "fence_transitions", "fence_outbox"} <= set(
             sa.inspect(sa.create_engine(url)).get_table_names()
         )
+
+
+def _state(store: Store, key: str) -> tuple[str, int, str, int]:
+    record = store.get(key)
+    assert record is not None
+    return (record.status, record.generation, record.attempt_id, record.attempts)
+
+
+def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
+    db_url: str, request: pytest.FixtureRequest
+) -> None:
+    """Each fenced write, check and read the store has, once, judged by the state it leaves (on
+    each driver: a statement a driver cannot run fails here, not in a worker)."""
+    store = Store(db_url, defer_first_registration=True)
+    request.addfinalizer(store.dispose)
+    later = utcnow() + dt.timedelta(hours=1)
+    # The task's path: register, the fenced commit check, retry, dead (with and without error).
+    key = _key()
+    store.register(key, generation=2, attempt_id="A", task_name="t", request={"args": [1]})
+    assert _state(store, key) == ("running", 2, "A", 2)  # the deferred first execution counted
+    with store.db.tx() as conn:
+        assert store.commit_check(conn, key, generation=2, attempt_id="A")
+        assert not store.commit_check(conn, key, generation=1, attempt_id="A")
+    store.schedule_retry(
+        key, generation=2, attempt_id="A", error=OSError("x"), retry_at=later, reason="r"
+    )
+    store.register(key, generation=3, attempt_id="B", task_name="t")
+    store.schedule_retry(key, generation=3, attempt_id="B", error=None, retry_at=later, reason="r")
+    store.register(key, generation=4, attempt_id="C", task_name="t")
+    store.mark_dead(key, generation=4, attempt_id="C", error=None, reason="d", attempts=7)
+    assert _state(store, key) == ("dead", 4, "C", 7)
+    # The operator's requeue and its undo, then a completion with a staged effect.
+    before = store.requeue(key)
+    store.restore_finished(before, reason="send failed")
+    assert _state(store, key) == ("dead", 4, "C", 7)
+    store.requeue(key)
+    store.register(key, generation=5, attempt_id="D", task_name="t")
+    effect = Effect(name="mail", payload={"to": "x"}, idempotency_key=f"{key}:mail")
+    store.complete(key, generation=5, attempt_id="D", result={"ok": True}, effects=[effect])
+    record = store.get(key)
+    assert record is not None and (record.status, record.result) == ("completed", {"ok": True})
+    assert store.last_exit(key) == "completed"
+    # A deferred first completion; bury, a refused registration, a message never run.
+    first = _key()
+    store.complete_first(
+        first, generation=1, attempt_id="F", task_name="t", request_json=None, result=[1]
+    )
+    assert [t.action for t in store.history(first)] == ["claimed", "completed"]
+    buried = _key()
+    assert store.bury(buried, task_name="t", request=None, error=ValueError("k"), reason="key")
+    refused = _key()
+    store.bury_refused(
+        refused,
+        generation=1,
+        attempt_id="R",
+        task_name="t",
+        request_json='{"a": 1}',
+        error=ValueError("nul"),
+        reason="refused",
+    )
+    unrun = _key()
+    store.register(unrun, generation=2, attempt_id="U", task_name="t")
+    store.schedule_retry(
+        unrun, generation=2, attempt_id="U", error=None, retry_at=later, reason="r"
+    )
+    store.end_unrun(unrun, task_name="t", request=None, reason="expired")
+    store.record(unrun, action="lost", generation=2, attempt_id="U", reason="deadline")
+    assert [_state(store, k)[0] for k in (buried, refused, unrun)] == ["dead"] * 3
+    assert store.history(unrun)[-1].action == "lost"
+    # The recovery: stranded jobs taken for a re-send, or buried.
+    strays = [_key(), _key()]
+    for stray in strays:
+        store.register(stray, generation=2, attempt_id="S", task_name=strays[0])
+    found = store.stranded(older_than=0, now=later, task_name=strays[0])
+    assert sorted(r.key for r in found) == sorted(strays)
+    by_key = {r.key: r for r in found}
+    assert store.take_for_resend(by_key[strays[0]], reason="stranded") is not None
+    assert store.bury_stranded(by_key[strays[1]], error=ValueError("no request"), reason="x")
+    assert [_state(store, k)[0] for k in strays] == ["pending", "dead"]
+    # The outbox: claim, fail, claim again, deliver; a dead row requeued; purge.
+    (row,) = store.outbox.claim(claimer="s1", claim_ttl=30, key=key)
+    assert store.outbox.fail(row.id, claimer="s1", error=OSError("down"), retry_in=0)
+    (row,) = store.outbox.claim(claimer="s2", claim_ttl=30, key=key)
+    assert store.outbox.mark_delivered(row.id, claimer="s2")
+    assert not store.outbox.requeue(row.id)  # delivered, not dead
+    assert store.outbox.purge(delivered_before=later) >= 1
+    assert store.outbox.rows(key=key) == []
+    assert store.purge(finished_before=later) >= 5
+    assert store.get(key) is None and store.history(key) == []
+
+
+@pytest.mark.parametrize("db_url", ["postgresql", "psycopg3"], indirect=True)
+def test_a_connection_that_lost_its_prepared_statements_prepares_them_again(db_url: str) -> None:
+    # Given a store on one pooled connection whose fenced writes are prepared on it,
+    store = Store(db_url, engine_options={"pool_size": 1, "max_overflow": 0})
+    key = _key()
+    store.register(key, generation=1, attempt_id="A", task_name="t")
+    # when they are dropped behind the driver's back (a pooler's DISCARD ALL, a server swap),
+    raw = store.engine.raw_connection()
+    try:
+        if store.db.driver == "psycopg":
+            driver_conn: Any = raw.dbapi_connection
+            driver_conn.pgconn.exec_(b"DEALLOCATE ALL")  # psycopg 3 does not see it
+        else:
+            cursor = raw.cursor()
+            cursor.execute("DEALLOCATE ALL")
+            cursor.close()
+    finally:
+        raw.close()
+    # then the next writes on that connection prepare again and go through.
+    store.register(key, generation=2, attempt_id="B", task_name="t")
+    store.complete(key, generation=2, attempt_id="B", result={"by": "B"})
+    record = store.get(key)
+    assert record is not None and (record.status, record.generation) == ("completed", 2)
+    store.dispose()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"defer_first_registration": True, "record_transitions": False}, {"unfenced": True}],
+    ids=["default", "deferred-unrecorded", "unfenced"],
+)
+def test_the_write_probe_runs_a_tasks_writes_and_leaves_nothing(
+    db_url: str, settings: dict[str, Any]
+) -> None:
+    store = Store(db_url, **settings)
+    before = store.list(limit=10_000)
+    assert "rolled back" in store.write_probe()
+    assert store.list(limit=10_000) == before
+    assert [r for r in store.outbox.rows() if r.key.startswith(PROBE_KEY_PREFIX)] == []
+    store.dispose()
+
+
+def test_the_write_probe_fails_on_a_store_it_cannot_write(tmp_path: Path) -> None:
+    path = tmp_path / "fence.sqlite3"
+    Store(f"sqlite:///{path}").create_schema()
+    read_only = Store(f"sqlite:///file:{path}?mode=ro&uri=true")
+    with pytest.raises(StoreError, match=r"registration failed: OperationalError: .*readonly"):
+        read_only.write_probe()
+    read_only.dispose()

@@ -26,6 +26,7 @@ from celery_fence.errors import (
 from celery_fence.fence import Fence
 from celery_fence.lease import HeldLease
 from celery_fence.store import Store
+from tests.support.stores import EVERY_DRIVER, store_url
 from tests.support.worker import wait_until
 
 metadata = sa.MetaData()
@@ -51,6 +52,12 @@ class Row:
 
 
 registry().map_imperatively(Row, rows)
+
+
+@pytest.fixture(params=EVERY_DRIVER)
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The commit check on SQLite, and on PostgreSQL through psycopg2 and psycopg 3."""
+    return store_url(request, tmp_path)
 
 
 @pytest.fixture

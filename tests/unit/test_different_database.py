@@ -26,3 +26,18 @@ def test_different_database_compares_backend_host_port_database_and_sqlite_files
     assert different_database(sqlite, url("sqlite:///./sub/../app.sqlite3")) is None
     assert "file" in str(different_database(sqlite, url("sqlite:///other.sqlite3")))
     assert "in-memory" in str(different_database(sqlite, url("sqlite://")))
+
+
+def test_the_same_postgresql_database_through_either_driver_is_the_same_database() -> None:
+    url = sa.make_url
+    psycopg3 = url("postgresql+psycopg://app:secret@db.internal:5432/billing")
+    for theirs in (
+        "postgresql+psycopg2://app@db.internal/billing",
+        "postgresql://other:pw@DB.internal:5432/billing",
+        "postgresql+psycopg://app@db.internal/billing",
+    ):
+        assert different_database(psycopg3, url(theirs)) is None, theirs
+        assert different_database(url(theirs), psycopg3) is None, theirs
+    assert "database" in str(
+        different_database(psycopg3, url("postgresql+psycopg2://app@db.internal/other"))
+    )

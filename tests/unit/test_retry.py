@@ -64,9 +64,11 @@ def test_connection_errors_and_timeouts_are_transient(exc: BaseException) -> Non
     assert classify(exc, _config()) == "transient"
 
 
-def test_dbapi_connection_errors_are_transient() -> None:
-    psycopg2 = pytest.importorskip("psycopg2")
-    assert classify(psycopg2.OperationalError("server closed"), _config()) == "transient"
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
+def test_dbapi_connection_errors_are_transient(driver: str) -> None:
+    module = pytest.importorskip(driver)
+    assert classify(module.OperationalError("server closed"), _config()) == "transient"
+    assert classify(module.InterfaceError("connection closed"), _config()) == "transient"
 
 
 def test_permanent_errors_and_configured_types() -> None:
