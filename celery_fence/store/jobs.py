@@ -372,7 +372,7 @@ class Store:
                 return
             if terminated_id is None:
                 break
-        note = "message not run" if terminated_id is None else "terminated attempt not the job's"
+        note = "message not run" if terminated_id is None else "attempt terminated, job left as is"
         self.record(key, action=reason, reason=note)
 
     @staticmethod

@@ -343,6 +343,8 @@ def test_recover_scans_a_task_s_own_database_and_judges_each_job_by_its_task_s_t
     env = {**worker_env, "FENCE_T_OWN_DB": own_url}
     own_store = Store(own_url)
     queue = worker_env["FENCE_T_QUEUE"]
+    # (check covers the task's database as well as the app's)
+    assert f"database: ok ({own_url}, schema current)" in ok(fence_cli(env, "check"))
     # Given a stranded job in a task's own database, one of a task whose fence_recover_after
     # is 2 s, and one of a task with the app's (10 x its 2 s TTL = 20 s), none moved for 2 s,
     own = f"own-db:{uuid.uuid4().hex[:8]}"
