@@ -117,31 +117,31 @@ EXECUTION_OPTIONS = (
 
 def execution_options(context: Any) -> dict[str, Any]:
     """The :data:`EXECUTION_OPTIONS` of a Celery task request (``Task.request`` in the body, the
-    worker request's context), without the unset ones. Custom headers are kept when they are
-    JSON (the broker's own ``x-*`` headers never)."""
-    as_options = getattr(context, "as_execution_options", None)
-    if as_options is None:
-        return {}
-    options = as_options()
-    stamped = options.get("stamped_headers") or None
+    worker request's context), without the unset ones: the shape of Celery's
+    ``Context.as_execution_options``, read from the same fields. Custom headers are kept when
+    they are JSON (the broker's own ``x-*`` headers never)."""
+    get = context.__dict__.get  # a Context keeps the message's fields as instance attributes
+    hard, soft = get("timelimit") or (None, None)
+    stamped = get("stamped_headers") or None
+    stamps = get("stamps") or {}
     kept: dict[str, Any] = {
-        "chain": options.get("chain") or None,
-        "link": options.get("link") or None,
-        "link_error": options.get("link_error") or None,
-        "chord": options.get("chord") or None,
-        "group_id": options.get("group_id"),
-        "group_index": options.get("group_index"),
-        "root_id": options.get("root_id"),
-        "parent_id": options.get("parent_id"),
-        "shadow": options.get("shadow"),
-        "time_limit": options.get("time_limit"),
-        "soft_time_limit": options.get("soft_time_limit"),
-        "reply_to": options.get("reply_to"),
-        "replaced_task_nesting": options.get("replaced_task_nesting") or None,
-        "ignore_result": True if getattr(context, "ignore_result", False) is True else None,
-        "headers": _json_headers(options.get("headers")),
+        "chain": get("chain") or None,
+        "link": get("callbacks") or None,
+        "link_error": get("errbacks") or None,
+        "chord": get("chord") or None,
+        "group_id": get("group"),
+        "group_index": get("group_index"),
+        "root_id": get("root_id"),
+        "parent_id": get("parent_id"),
+        "shadow": get("shadow"),
+        "time_limit": hard,
+        "soft_time_limit": soft,
+        "reply_to": get("reply_to"),
+        "replaced_task_nesting": get("replaced_task_nesting") or None,
+        "ignore_result": True if get("ignore_result") is True else None,
+        "headers": _json_headers(get("headers")) if get("headers") else None,
         "stamped_headers": stamped,
-        "stamps": {k: options[k] for k in stamped if k in options} if stamped else None,
+        "stamps": {k: stamps[k] for k in stamped if k in stamps} if stamped else None,
     }
     return {name: value for name, value in kept.items() if value is not None}
 
