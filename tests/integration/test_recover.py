@@ -385,6 +385,7 @@ def test_recover_re_sends_the_stored_workflow_with_the_message(
         WORK,
         queue,
         chain=[nxt],
+        chord=err,
         link=[nxt],
         link_error=[err],
         root_id="root-1",
@@ -400,6 +401,7 @@ def test_recover_re_sends_the_stored_workflow_with_the_message(
     (message,) = _messages(broker, queue)
     headers, embed = message["headers"], message["body"][2]
     assert (embed["chain"], embed["callbacks"], embed["errbacks"]) == ([nxt], [nxt], [err])
+    assert embed["chord"] == err
     assert (headers["root_id"], headers["parent_id"]) == ("root-1", "parent-1")
     assert (headers["group"], headers["group_index"]) == ("group-1", 0)
     assert headers["timelimit"] == [30, 20]
