@@ -67,20 +67,16 @@ def requeue(ctx: click.Context, key: str, force: bool) -> None:
         store, record = locate(scope, key)
         if record.status != DEAD:
             if record.status == COMPLETED or not force:
+                hint = "" if record.status == COMPLETED else " (--force re-sends an unfinished one)"
                 raise FenceCLIError(
-                    f"job {key!r} is {record.status}, not dead: only dead jobs are requeued"
-                    + (
-                        ""
-                        if record.status == COMPLETED
-                        else " (--force re-sends an unfinished one)"
-                    )
+                    f"job {key!r} is {record.status}, not dead: only dead jobs are requeued{hint}"
                 )
             _force_requeue(ctx, scope, store, record)
             return
     if not record.request:
         raise FenceCLIError(
-            f"job {key!r} has no stored request (its arguments were not JSON): re-send it from "
-            "your code"
+            f"job {key!r} has no stored request (its arguments or workflow were not JSON): "
+            "re-send it from your code"
         )
     before = store.requeue(key)  # durable first: the job is pending with a fresh budget
     try:
