@@ -342,6 +342,7 @@ def test_recover_scans_a_task_s_own_database_and_judges_each_job_by_its_task_s_t
     own_url = f"sqlite:///{tmp_path / 'own.sqlite3'}"
     env = {**worker_env, "FENCE_T_OWN_DB": own_url}
     own_store = Store(own_url)
+    own_store.create_schema()
     queue = worker_env["FENCE_T_QUEUE"]
     # (check covers the task's database as well as the app's)
     assert f"database: ok ({own_url}, schema current)" in ok(fence_cli(env, "check"))
