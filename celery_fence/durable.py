@@ -32,6 +32,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import sqlalchemy as sa
@@ -98,7 +99,7 @@ def enqueue(
     connection = _connection_of(conn)
     _check_same_database(store.url, connection.engine.url)
     request = encode_request(
-        task.name, args, kwargs, _routing(task, args, kwargs, options), task_id
+        task.name, args, kwargs, _context(task, args, kwargs, task_id, options)
     )
     if request is None:
         raise ConfigurationError(
@@ -151,13 +152,35 @@ def _check_same_database(store_url: str, theirs: sa.URL) -> None:
         )
 
 
-def _routing(task: Any, args: Any, kwargs: Any, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The exchange and routing key the message will be sent with (as recovery re-sends it)."""
+def _context(
+    task: Any, args: Any, kwargs: Any, task_id: str, options: Mapping[str, Any]
+) -> SimpleNamespace:
+    """What the stored request is made of, shaped like the worker's request of the message about
+    to be sent: its id, the exchange and routing key it will be delivered with, and its workflow
+    and limits (``link``, ``link_error``, time limits, headers), so recovery re-sends it whole."""
     route = task.app.amqp.router.route(dict(options), task.name, args, kwargs)
     queue = route.get("queue")
     exchange = route.get("exchange") or getattr(getattr(queue, "exchange", None), "name", None)
     routing_key = route.get("routing_key") or getattr(queue, "routing_key", None)
-    return {"exchange": exchange, "routing_key": routing_key, "priority": options.get("priority")}
+    return SimpleNamespace(
+        id=task_id,
+        delivery_info={
+            "exchange": exchange,
+            "routing_key": routing_key,
+            "priority": options.get("priority"),
+        },
+        callbacks=_signatures(options.get("link")),
+        errbacks=_signatures(options.get("link_error")),
+        timelimit=(options.get("time_limit"), options.get("soft_time_limit")),
+        headers=options.get("headers"),
+        shadow=options.get("shadow"),
+    )
+
+
+def _signatures(value: Any) -> list[Any] | None:
+    if not value:
+        return None
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 # -- after the commit -----------------------------------------------------------------------------

@@ -82,45 +82,112 @@ ENCODED_REQUEST = "encoded"
 
 
 def decode_request(request: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    """The request as sent (task, args, kwargs, options), also when it was stored encoded."""
+    """The request as sent (task, args, kwargs, options, execution), also when it was stored
+    encoded."""
     if request is not None and set(request) == {ENCODED_REQUEST}:
         decoded: Mapping[str, Any] = json.loads(request[ENCODED_REQUEST])
         return decoded
     return request
 
 
-def request_text(
-    task_name: str, args: Any, kwargs: Any, delivery: Any, task_id: str | None = None
-) -> str | None:
-    """The request as stored for a requeue (task, Celery task id, args, kwargs, routing as
-    delivered: exchange and routing key), as JSON text; None when the arguments are not JSON."""
-    delivery = delivery or {}
-    routing_key = delivery.get("routing_key") or None
+#: What a stored request keeps of the message, besides task, id, args, kwargs and routing, so
+#: that a re-send (``fence recover``, ``fence requeue``) carries the workflow on: the options
+#: Celery's own ``Task.retry`` re-sends with (``Context.as_execution_options``), named as
+#: ``send_task`` takes them, except ``expires`` (a re-send must arrive) and ``retries``.
+EXECUTION_OPTIONS = (
+    "chain",
+    "link",
+    "link_error",
+    "chord",
+    "group_id",
+    "group_index",
+    "root_id",
+    "parent_id",
+    "shadow",
+    "time_limit",
+    "soft_time_limit",
+    "reply_to",
+    "replaced_task_nesting",
+    "ignore_result",
+    "headers",
+    "stamped_headers",
+    "stamps",
+)
+
+
+def execution_options(context: Any) -> dict[str, Any]:
+    """The :data:`EXECUTION_OPTIONS` of a Celery task request (``Task.request`` in the body, the
+    worker request's context), without the unset ones: the shape of Celery's
+    ``Context.as_execution_options``, read from the same fields. Custom headers are kept when
+    they are JSON (the broker's own ``x-*`` headers never)."""
+    get = context.__dict__.get  # a Context keeps the message's fields as instance attributes
+    hard, soft = get("timelimit") or (None, None)
+    stamped = get("stamped_headers") or None
+    stamps = get("stamps") or {}
+    kept: dict[str, Any] = {
+        "chain": get("chain") or None,
+        "link": get("callbacks") or None,
+        "link_error": get("errbacks") or None,
+        "chord": get("chord") or None,
+        "group_id": get("group"),
+        "group_index": get("group_index"),
+        "root_id": get("root_id"),
+        "parent_id": get("parent_id"),
+        "shadow": get("shadow"),
+        "time_limit": hard,
+        "soft_time_limit": soft,
+        "reply_to": get("reply_to"),
+        "replaced_task_nesting": get("replaced_task_nesting") or None,
+        "ignore_result": True if get("ignore_result") is True else None,
+        "headers": _json_headers(get("headers")) if get("headers") else None,
+        "stamped_headers": stamped,
+        "stamps": {k: stamps[k] for k in stamped if k in stamps} if stamped else None,
+    }
+    return {name: value for name, value in kept.items() if value is not None}
+
+
+def _json_headers(headers: Any) -> dict[str, Any] | None:
+    out = {}
+    for name, value in dict(headers or {}).items():
+        if str(name).lower().startswith("x-"):
+            continue
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            continue
+        out[str(name)] = value
+    return out or None
+
+
+def request_text(task_name: str, args: Any, kwargs: Any, context: Any) -> str | None:
+    """The request as stored for a re-send, as JSON text: task, Celery task id, args, kwargs,
+    routing as delivered (exchange, routing key, priority) and, under ``execution``, the
+    workflow (:func:`execution_options`). ``context`` is the Celery task request. None when the
+    arguments or the workflow are not JSON (a re-send without its workflow would break it)."""
+    delivery = getattr(context, "delivery_info", None) or {}
+    doc: dict[str, Any] = {
+        "task": task_name,
+        "id": getattr(context, "id", None),
+        "args": list(args or ()),
+        "kwargs": dict(kwargs or {}),
+        "options": {
+            "exchange": delivery.get("exchange") or None,
+            "routing_key": delivery.get("routing_key") or None,
+            "priority": delivery.get("priority"),
+        },
+    }
+    execution = execution_options(context)
+    if execution:
+        doc["execution"] = execution
     try:
-        return json.dumps(
-            {
-                "task": task_name,
-                "id": task_id,
-                "args": list(args or ()),
-                "kwargs": dict(kwargs or {}),
-                "options": {
-                    "exchange": delivery.get("exchange") or None,
-                    "routing_key": routing_key,
-                    "priority": delivery.get("priority"),
-                },
-            },
-            allow_nan=False,
-            separators=(",", ":"),
-        )
+        return json.dumps(doc, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError):
         return None
 
 
-def encode_request(
-    task_name: str, args: Any, kwargs: Any, delivery: Any, task_id: str | None = None
-) -> dict[str, Any] | None:
-    """:func:`request_text` as a dict (None when the arguments are not JSON)."""
-    text = request_text(task_name, args, kwargs, delivery, task_id)
+def encode_request(task_name: str, args: Any, kwargs: Any, context: Any) -> dict[str, Any] | None:
+    """:func:`request_text` as a dict (None when it is not JSON)."""
+    text = request_text(task_name, args, kwargs, context)
     return None if text is None else dict(json.loads(text))
 
 

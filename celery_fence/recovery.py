@@ -1,43 +1,50 @@
-"""Stranded jobs: found, and re-sent under their own key.
+"""Stranded jobs: found, and re-sent under their own key, with their workflow.
 
 A job row can stay ``running``, ``retrying`` or ``pending`` with no message left to finish it: a
 purged queue, a broker that lost messages, a ``fence requeue`` that died between its commit and
 its send, a worker killed while the Redis broker's visibility timeout is still hours away.
 Such a row is **stranded** when no live lease holds its key in Redis and it has not moved for
 ``fence_recover_after`` seconds (default: 10 x ``fence_lease_ttl``) — for a ``retrying`` job,
-counted from its ``retry_at`` too.
+counted from its ``retry_at`` too. Each job is judged with its own task's settings
+(:class:`~celery_fence.scope.Scope`): its lease is looked up under its task's Redis and key
+prefix, its threshold is its task's ``fence_recover_after``, and every database the app's fenced
+tasks write to is scanned.
 
-:func:`recover` re-sends each stranded job from its stored request (task, args, kwargs, and the
-exchange and routing key it was delivered with) under the same key. Before the send, the row is
-moved to ``pending`` by a compare-and-set on what was observed (status, generation, attempt,
-``updated_at``), so two recoveries running at once send it once. The re-sent message goes
+:func:`recover` re-sends each stranded job from its stored request: task, args, kwargs, the
+exchange and routing key it was delivered with, and what Celery needs to carry its workflow on
+(chain, link/link_error callbacks, chord, group, root and parent ids, time limits, custom
+headers: :data:`celery_fence.records.EXECUTION_OPTIONS`), under the same key. Before the send,
+the row is moved to ``pending`` by a compare-and-set on what was observed (status, generation,
+attempt, ``updated_at``), so two recoveries running at once send it once. The re-sent message goes
 through the ordinary claim: if the original message was only late and turns up too, both are
-fenced on the key and one completion is stored.
+fenced on the key and one completion is stored. A job that ended ``dead`` (also a revoked one)
+is never stranded.
 
 Three ways to run it: ``celery -A proj fence recover [--older-than S] [--dry-run]``, the task
 :data:`RECOVER_TASK` in beat (registered on every app that imports ``celery_fence``)::
 
     beat_schedule = {"fence-recover": {"task": "celery_fence.recover", "schedule": 60.0}}
 
-or :func:`recover` from your own code. ``fence ls --stuck`` lists the same set.
+or :func:`recover` from your own code. ``fence ls --stuck`` lists the same set. The app must know
+its fenced tasks (the CLI imports the app's task modules, a worker has them): a job whose task
+the app lacks is judged with the app's settings.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery import shared_task
 
 from .actions import Action
-from .config import FenceConfig
 from .errors import FenceError
-from .lease import LeaseStore, make_redis_client
-from .store import JobRecord, Store, store_for
+from .records import EXECUTION_OPTIONS
+from .scope import Scope
+from .store import JobRecord, Store
 from .transitions import emit_transition
 
 logger = logging.getLogger("celery_fence.recovery")
@@ -55,7 +62,8 @@ UNKEYED_PREFIX = "unkeyed:"
 
 
 class NotResendable(FenceError):
-    """The job cannot be re-sent: it has no stored request (its arguments were not JSON)."""
+    """The job cannot be re-sent: it has no stored request (its arguments or workflow were not
+    JSON)."""
 
 
 @dataclass
@@ -80,35 +88,24 @@ class RecoveryReport:
         }
 
 
-@contextlib.contextmanager
-def lease_store(config: FenceConfig) -> Iterator[LeaseStore]:
-    """A lease store on a client of its own, closed afterwards (CLI and recovery runs)."""
-    client = make_redis_client(config)
-    try:
-        yield LeaseStore(client, prefix=config.key_prefix)
-    finally:
-        close = getattr(client, "close", None)
-        if close is not None:
-            close()
-
-
-def lease_held(leases: LeaseStore, key: str) -> bool:
-    """True while a live lease holds ``key`` in Redis."""
-    remaining, _ = leases.remaining(key)
-    return remaining is not None
-
-
 def stranded_jobs(
-    store: Store,
-    leases: LeaseStore,
+    scope: Scope,
     *,
-    older_than: float,
+    older_than: float | None = None,
     limit: int = DEFAULT_LIMIT,
     task_name: str | None = None,
-) -> list[JobRecord]:
-    """Unfinished jobs that have not moved for ``older_than`` seconds and whose lease is gone."""
-    candidates = store.stranded(older_than=older_than, limit=limit, task_name=task_name)
-    return [record for record in candidates if not lease_held(leases, record.key)]
+) -> list[tuple[Store, JobRecord]]:
+    """Unfinished jobs, in every database of the app's fenced tasks, that have not moved for
+    ``older_than`` seconds (None: each for its own task's ``fence_recover_after``) and whose
+    lease is gone from their own task's Redis and prefix; oldest first within a database."""
+    found: list[tuple[Store, JobRecord]] = []
+    floor = scope.min_threshold(older_than)
+    for database in scope.databases():
+        candidates = database.store.stranded(older_than=floor, limit=limit, task_name=task_name)
+        for record in candidates:
+            if scope.quiet_enough(record, older_than) and not scope.lease_held(record):
+                found.append((database.store, record))
+    return found[:limit]
 
 
 def task_id_for(app: Any, record: JobRecord) -> str:
@@ -177,18 +174,33 @@ def _queue_bound(app: Any, exchange: str, routing_key: str) -> str | None:
     return None
 
 
+def execution_for(record: JobRecord) -> dict[str, Any]:
+    """The ``send_task`` options that carry the job's workflow on, as stored with its request
+    (chain, link, link_error, chord, group, root/parent ids, time limits, custom headers and
+    stamps: Celery's own ``Task.retry`` re-sends with the same), plus the key header."""
+    stored: Mapping[str, Any] = (record.request or {}).get("execution") or {}
+    options = {name: stored[name] for name in EXECUTION_OPTIONS if stored.get(name) is not None}
+    options["headers"] = {**(options.get("headers") or {}), KEY_HEADER: record.key}
+    stamps = options.pop("stamps", None) or {}
+    for stamp in options.get("stamped_headers") or ():
+        if stamp in stamps:  # a stamp travels as an option of its own name (as_execution_options)
+            options[stamp] = stamps[stamp]
+    return options
+
+
 def send_stored(app: Any, record: JobRecord) -> str:
-    """Send ``record``'s stored request again, under its key; return the Celery task id.
+    """Send ``record``'s stored request again, under its key, with its workflow; return the
+    Celery task id.
 
     The message carries the key in the ``fence_key`` header, so a worker can run it under the
     same key even when its ``fence_key`` callable would compute another (an ``unkeyed:`` job
-    whose key function is fixed now).
+    whose key function is fixed now). ``expires`` is not carried: the re-send must arrive.
     """
     request = dict(record.request or {})
     if not request:
         raise NotResendable(
-            f"job {record.key!r} has no stored request (its arguments were not JSON): re-send it "
-            "from your code"
+            f"job {record.key!r} has no stored request (its arguments or workflow were not "
+            "JSON): re-send it from your code"
         )
     task_name = str(request.get("task") or record.task_name)
     task_id = task_id_for(app, record)
@@ -197,7 +209,7 @@ def send_stored(app: Any, record: JobRecord) -> str:
         args=list(request.get("args") or []),
         kwargs=dict(request.get("kwargs") or {}),
         task_id=task_id,
-        headers={KEY_HEADER: record.key},
+        **execution_for(record),
         **routing_for(record, app),
     )
     return task_id
@@ -212,8 +224,8 @@ def resend(app: Any, store: Store, record: JobRecord, *, reason: str) -> str | N
     """
     if not record.request:
         raise NotResendable(
-            f"job {record.key!r} has no stored request (its arguments were not JSON): re-send it "
-            "from your code"
+            f"job {record.key!r} has no stored request (its arguments or workflow were not "
+            "JSON): re-send it from your code"
         )
     taken = store.take_for_resend(record, reason=reason)
     if taken is None:
@@ -228,62 +240,65 @@ def recover(
     dry_run: bool = False,
     limit: int = DEFAULT_LIMIT,
 ) -> RecoveryReport:
-    """Find stranded jobs and re-send each under its key (see the module docstring)."""
-    config = FenceConfig.from_app(app)
-    threshold = config.recover_after_seconds if older_than is None else older_than
-    store = store_for(config)
+    """Find stranded jobs and re-send each under its key (see the module docstring).
+
+    ``older_than`` applies to every job; None (the default) judges each job by its own task's
+    ``fence_recover_after``."""
     report = RecoveryReport(dry_run=dry_run)
-    with lease_store(config) as leases:
-        found = stranded_jobs(store, leases, older_than=threshold, limit=limit)
-    for record in found:
+    with Scope(app) as scope:
+        found = stranded_jobs(scope, older_than=older_than, limit=limit)
+    for store, record in found:
         report.stranded.append(record.key)
-        if dry_run:
-            continue
-        if not record.request:  # nothing to re-send: dead, where an operator sees it
-            error = NotResendable(
-                f"stranded {record.status} with no stored request (its arguments were not "
-                "JSON): re-send it from your code"
-            )
-            if store.bury_stranded(record, error=error, reason="stranded, not resendable"):
-                report.dead.append(record.key)
-                emit_transition(
-                    Action.DEAD,
-                    _sender(app, record),
-                    key=record.key,
-                    attempt_id=record.attempt_id,
-                    generation=record.generation,
-                    reason="stranded, not resendable",
-                    attempts=record.attempts,
-                )
-            else:
-                report.raced.append(record.key)
-            continue
-        try:
-            task_id = resend(app, store, record, reason=f"stranded {record.status}")
-        except Exception as exc:  # one job's failure must not stop the others
-            report.failed.append(record.key)
-            logger.error(
-                "fence recover could not re-send key=%s: %s",
-                record.key,
-                type(exc).__name__,
-                extra={"action": "recover_failed", "fence_key": record.key, "reason": str(exc)},
-            )
-            continue
-        if task_id is None:
-            report.raced.append(record.key)
-            continue
-        report.sent.append(record.key)
-        emit_transition(
-            Action.RECOVERED,
-            _sender(app, record),
-            key=record.key,
-            attempt_id=record.attempt_id,
-            generation=record.generation,
-            reason=f"stranded {record.status}, re-sent as {task_id}",
-            countdown=0.0,
-            attempts=record.attempts,
-        )
+        if not dry_run:
+            _recover_one(app, store, record, report)
     return report
+
+
+def _recover_one(app: Any, store: Store, record: JobRecord, report: RecoveryReport) -> None:
+    if not record.request:  # nothing to re-send: dead, where an operator sees it
+        error = NotResendable(
+            f"stranded {record.status} with no stored request (its arguments or workflow were "
+            "not JSON): re-send it from your code"
+        )
+        if store.bury_stranded(record, error=error, reason="stranded, not resendable"):
+            report.dead.append(record.key)
+            emit_transition(
+                Action.DEAD,
+                _sender(app, record),
+                key=record.key,
+                attempt_id=record.attempt_id,
+                generation=record.generation,
+                reason="stranded, not resendable",
+                attempts=record.attempts,
+            )
+        else:
+            report.raced.append(record.key)
+        return
+    try:
+        task_id = resend(app, store, record, reason=f"stranded {record.status}")
+    except Exception as exc:  # one job's failure must not stop the others
+        report.failed.append(record.key)
+        logger.error(
+            "fence recover could not re-send key=%s: %s",
+            record.key,
+            type(exc).__name__,
+            extra={"action": "recover_failed", "fence_key": record.key, "reason": str(exc)},
+        )
+        return
+    if task_id is None:
+        report.raced.append(record.key)
+        return
+    report.sent.append(record.key)
+    emit_transition(
+        Action.RECOVERED,
+        _sender(app, record),
+        key=record.key,
+        attempt_id=record.attempt_id,
+        generation=record.generation,
+        reason=f"stranded {record.status}, re-sent as {task_id}",
+        countdown=0.0,
+        attempts=record.attempts,
+    )
 
 
 def _sender(app: Any, record: JobRecord) -> Any:
@@ -304,8 +319,7 @@ __all__ = [
     "RECOVER_TASK",
     "NotResendable",
     "RecoveryReport",
-    "lease_held",
-    "lease_store",
+    "execution_for",
     "recover",
     "resend",
     "routing_for",

@@ -269,12 +269,7 @@ class FencedTask(Task):
             renewer.add(a.lease)
             self._emit_for(Action.CLAIMED, a)
             if request_json is None:
-                request_json = (
-                    request_text(
-                        self.name, args, kwargs, self.request.delivery_info, self.request.id
-                    )
-                    or ""
-                )
+                request_json = request_text(self.name, args, kwargs, self.request) or ""
             if a.generation == 1 and config.defer_first_registration:
                 # Nothing to fence out yet: the completion writes the row in one statement.
                 a.deferred, a.registered, a.attempts = True, True, 1
@@ -332,7 +327,7 @@ class FencedTask(Task):
 
     def _stored_request(self, args: Any, kwargs: Any) -> str | None:
         """The request as the store keeps it for a requeue (JSON text; None if not JSON)."""
-        return request_text(self.name, args, kwargs, self.request.delivery_info, self.request.id)
+        return request_text(self.name, args, kwargs, self.request)
 
     def _max_runtime(self, config: FenceConfig) -> float | None:
         """``fence_max_runtime``, else the hard time limit of this message or task, else None."""

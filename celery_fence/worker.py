@@ -4,7 +4,7 @@ leases at process shutdown, and FencedRequest, which settles the exits Celery dr
 A worker whose fence settings are invalid refuses to start (``worker_init``), before it consumes
 anything, with one line that names the setting and the fix.
 
-Two ways a fenced message can end without its task body's settle step running:
+Three ways a fenced message can end without its task body's settle step running:
 
 - **Hard time limit.** The pool kills the process running the attempt; Celery (with
   ``acks_on_timeout``, the default) would ack the message and leave the job ``running`` for good.
@@ -18,6 +18,10 @@ Two ways a fenced message can end without its task body's settle step running:
   default key, the Celery task id) and that is waiting for it (``retrying``/``pending``) goes
   ``dead`` the same way. A job under a ``fence_key`` that other messages may share keeps its
   state and gets a transition row. If the store cannot be written, the message is given back.
+- **Revoked with ``terminate=True`` while it ran.** The pool kills the attempt and Celery acks
+  the message. Here the job is recorded ``dead``, reason "revoked", when its row is still
+  unfinished under this message (its stored request has this task id; a row that has completed
+  meanwhile keeps its result), so ``fence recover`` does not re-send what the operator stopped.
 """
 
 from __future__ import annotations
@@ -93,13 +97,15 @@ class FencedRequest(Request):
 
     def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> None:
         why = "expired" if expired else "revoked"
-        if not terminated and not self._unsettled() and not self._settle_unrun(why):
+        if not self._unsettled() and not self._settle_unrun(why, terminated):
             self.reject(requeue=True)  # the store could not say: decide again on redelivery
         super()._announce_revoked(reason, terminated, signum, expired)
 
-    def _settle_unrun(self, why: str) -> bool:
-        """Settle the job of a message Celery will not run; True when the store says what
-        happened (or nothing needed saying)."""
+    def _settle_unrun(self, why: str, terminated: bool = False) -> bool:
+        """Settle the job of a message Celery will not run (or, ``terminated``, whose running
+        attempt ``revoke(terminate=True)`` killed: the job is recorded ``dead``, reason
+        "revoked", so recovery leaves it alone); True when the store says what happened (or
+        nothing needed saying)."""
         task: Any = self.task
         try:
             store = task._fence_backends()[1]
@@ -111,11 +117,10 @@ class FencedRequest(Request):
             store.end_unrun(
                 key,
                 task_name=self.task_name,
-                request=encode_request(
-                    self.task_name, self.args, self.kwargs, self.delivery_info, self.id
-                ),
+                request=encode_request(self.task_name, self.args, self.kwargs, self._context),
                 reason=why,
                 only_insert=shared_key,
+                terminated_id=self.id if terminated else None,
             )
         except Exception as exc:
             logger.error(
@@ -131,7 +136,9 @@ class FencedRequest(Request):
             Action(why),
             task,
             key=key,
-            reason=f"task={self.task_name} id={self.id} not run; the job is recorded",
+            reason=f"task={self.task_name} id={self.id} "
+            + ("terminated" if terminated else "not run")
+            + "; the job is recorded",
         )
         return True
 

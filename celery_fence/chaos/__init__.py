@@ -77,6 +77,13 @@ Scenarios (faults counted per run):
   refuses, must end ``dead`` at once with reason "arguments refused by the database": attempts 1,
   the body never run, one generation claimed in Redis (no loop), and its stored request must
   decode to the arguments sent (``fence show`` / ``fence requeue``). 1 fault.
+- ``recovered-chain``: a chain ``a | b`` (``b`` immutable) whose first step's message is lost: the
+  worker running ``a`` (one worker runs at a time) is SIGKILLed mid-body, main process and pool,
+  and what the broker still holds for the queue is dropped (the Redis transport's unacked entry;
+  on RabbitMQ the message that came back, purged). Once ``a``'s lease is gone, the harness sends
+  ``celery_fence.recover`` (as beat would) to a fresh worker: ``a`` is re-sent with its stored
+  workflow and must complete once (attempts 2, body starts 2), and ``b`` must then run and
+  complete (attempts 1, body starts 1). 1 fault.
 
 Columns (per scenario, summed over its runs). The transitions table is written in the same
 statement or transaction as the state change it records, so its ``id`` order for a key is the
@@ -132,7 +139,10 @@ is copied onto the fence's re-sends, the settings are not checked when the worke
 bad setting fails at the first task, acked as FAILURE), and a request the database refuses is
 re-sent in a loop. ``--scenario time-limit,expires,misconfig,refused-arg --unsettled`` then shows
 lost jobs > 0 in each (rows left ``running`` or ``retrying`` with no message, jobs with no row),
-which is the proof that the settle step is what keeps those rows at zero. A lost job is only
+which is the proof that the settle step is what keeps those rows at zero. In ``recovered-chain``
+the harness then re-sends the stranded step itself as a bare message (task, args, kwargs and
+key: what a re-send kept before the workflow was stored): ``a`` completes, ``b`` never runs, one
+lost job a run. A lost job is only
 known lost when ``--converge-timeout`` runs out, so give the control arm a short one.
 
 The code, one concept a module: :mod:`~celery_fence.chaos.options` (the scenario names and a

@@ -19,11 +19,12 @@ SCENARIOS = (
     "expires",
     "misconfig",
     "refused-arg",
+    "recovered-chain",
 )
 #: Scenarios that run against PostgreSQL whatever the store (a throwaway database if need be).
 POSTGRESQL_ONLY = ("db-outage", "refused-arg")
 #: Scenarios that start their own workers in each run (none are running in between).
-OWN_WORKERS = ("misconfig",)
+OWN_WORKERS = ("misconfig", "recovered-chain")
 
 
 @dataclass

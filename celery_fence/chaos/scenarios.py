@@ -4,15 +4,20 @@ converge). :mod:`celery_fence.chaos` describes each scenario and what it expects
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
+
+from celery import signature
 
 from celery_fence.outbox import idempotency_key
+from celery_fence.recovery import KEY_HEADER, RECOVER_TASK
 from celery_fence.store import decode_request
 
-from . import CHARGE
+from . import CHARGE, TASK_NAME
 from .checker import Job
 from .processes import wait_until
 from .scenario import Scenario
@@ -250,6 +255,80 @@ def run_refused_arg(s: Scenario, i: int, rng: random.Random) -> tuple[int, float
     return 1, elapsed
 
 
+def run_recovered_chain(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """A chain ``a | b`` whose first step's message is lost: the worker running ``a`` is
+    SIGKILLed mid-body (main process and pool: nothing is acked or given back) and the message
+    is dropped from the broker. Once ``a``'s lease is gone, ``celery_fence.recover`` runs (as
+    beat would send it) on a fresh worker: ``a`` is re-sent with its stored workflow, completes
+    once, and ``b`` runs after it. 1 fault.
+
+    One worker runs at a time (the one that takes ``a`` is the one killed); the fresh one stays
+    for the next run. Under ``--unsettled`` the harness re-sends ``a`` itself as a bare message
+    (task, args, kwargs and key, what a re-send kept before the workflow was stored): ``a``
+    completes, ``b`` never runs and is lost."""
+    ttl = s.opts.ttl
+    a = Job(s.key(i, "a"), expect_attempts=2, expect_starts=2)
+    b = Job(s.key(i, "b"), expect_attempts=1, expect_starts=1)
+    live = [w for w in s.workers if not w.exited]
+    doomed = live[0] if live else s.start_worker(f"chain-{i}").wait_ready()
+    s.ledger.set(f"{s.ledger_prefix}:overrun:{a.key}", 1)  # a's first run sleeps until killed
+    first = signature(
+        TASK_NAME, args=[a.key], kwargs={"sleep": rng.uniform(0.0, 0.2)}, app=s.client
+    )
+    then = signature(TASK_NAME, args=[b.key], kwargs={"sleep": 0.1}, app=s.client, immutable=True)
+    result = (first.set(queue=s.queue) | then.set(queue=s.queue)).apply_async()
+    a.task_ids.append(str(result.parent.id))
+    b.task_ids.append(str(result.id))
+    s.wait_event(a.key, "start")
+    doomed.kill()
+    lost_at = time.monotonic()
+    s.stop_worker(doomed)
+    _lose_messages(s)
+    rescuer = s.start_worker(f"chain-{i}-rescuer")
+    rescuer.wait_ready()
+    deadline = time.monotonic() + s.opts.converge_timeout
+    while time.monotonic() < deadline:  # as beat would: until a is taken for its re-send
+        record = s.store.get(a.key)
+        if record is None or record.status != "running":
+            break
+        if s.lease_store.remaining(a.key)[0] is None:
+            if s.opts.unsettled:
+                _resend_bare(s, record)
+            else:
+                s.client.send_task(RECOVER_TASK, kwargs={"older_than": ttl}, queue=s.queue)
+        time.sleep(max(1.0, ttl))
+    return 1, s.converge([a, b], lost_at)
+
+
+def _lose_messages(s: Scenario) -> None:
+    """Drop what the broker still holds for this scenario's queue: a lost message."""
+    with s.client.connection_for_write() as conn:
+        channel: Any = conn.default_channel
+        if conn.transport.driver_type != "redis":  # the killed consumer's message came back
+            wait_until(lambda: s.queued() > 0, 10, interval=0.05)
+            channel.queue_purge(s.queue)
+            return
+        for tag, raw in channel.client.hgetall(channel.unacked_key).items():
+            if json.loads(raw)[2] == s.queue:
+                channel.client.hdel(channel.unacked_key, tag)
+                channel.client.zrem(channel.unacked_index_key, tag)
+
+
+def _resend_bare(s: Scenario, record: Any) -> None:
+    """The control arm's recovery: take the row, re-send task, args, kwargs and key only."""
+    taken = s.store.take_for_resend(record, reason="stranded (bare re-send)")
+    request = decode_request(record.request) or {}
+    if taken is not None:
+        s.client.send_task(
+            str(request["task"]),
+            args=request.get("args"),
+            kwargs=request.get("kwargs"),
+            task_id=request.get("id"),
+            headers={KEY_HEADER: record.key},
+            queue=s.queue,
+        )
+
+
 RUNS: dict[str, Run] = {
     "pause": run_pause,
     "app-write": run_app_write,
@@ -263,4 +342,5 @@ RUNS: dict[str, Run] = {
     "expires": run_expires,
     "misconfig": run_misconfig,
     "refused-arg": run_refused_arg,
+    "recovered-chain": run_recovered_chain,
 }

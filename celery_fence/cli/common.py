@@ -14,6 +14,7 @@ from celery.exceptions import CeleryCommandException
 
 from ..config import FenceConfig
 from ..errors import FenceError
+from ..scope import Scope
 from ..store import JobRecord, Store, store_for
 
 EX_FAILURE = 1
@@ -89,12 +90,40 @@ def store_of(ctx: click.Context) -> Store:
     return store_for(config_of(ctx))
 
 
+def scope_of(ctx: click.Context) -> Scope:
+    """The settings of the app's every fenced task (its task modules imported first), to read
+    each job with its own task's database, Redis, key prefix and thresholds."""
+    app = ctx.obj.app
+    app.loader.import_default_modules()
+    return Scope(app)
+
+
+def locate(scope: Scope, key: str) -> tuple[Store, JobRecord]:
+    """The job with ``key`` and the store of the database it is in; one line when it is in none,
+    or in more than one (name the task's database then)."""
+    found = [(db, record) for db in scope.databases() if (record := db.store.get(key)) is not None]
+    if not found:
+        raise FenceCLIError(f"no job with key {key!r}")
+    if len(found) > 1:
+        where = ", ".join(safe_url(db.url) for db, _ in found)
+        raise FenceCLIError(
+            f"key {key!r} is a job in {len(found)} databases ({where}): resolve it there"
+        )
+    database, record = found[0]
+    return database.store, record
+
+
 def safe_url(url: str) -> str:
     """``url`` with its password hidden, fit for a message."""
     try:
         return sa.engine.make_url(url).render_as_string(hide_password=True)
     except Exception:
         return "<invalid url>"
+
+
+def utc(value: dt.datetime) -> dt.datetime:
+    """``value`` as an aware UTC time (SQLite hands back naive UTC)."""
+    return value.replace(tzinfo=dt.timezone.utc) if value.tzinfo is None else value
 
 
 def utc_text(value: dt.datetime | None) -> str:

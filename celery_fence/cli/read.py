@@ -11,21 +11,21 @@ import sqlalchemy as sa
 from celery.bin.base import CeleryOption
 
 from .. import migrate, recovery
-from ..config import FenceConfig
-from ..lease import LeaseStore, make_redis_client
+from ..lease import make_redis_client
 from ..schema import STATUSES
-from ..store import COMPLETED, UNFINISHED, JobRecord, Store, Transition, store_for
+from ..store import COMPLETED, UNFINISHED, JobRecord, Store, Transition
 from ..store.engine import sqlstate
 from .common import (
     EX_USAGE,
     FenceCLIError,
     celery_command,
     command,
-    config_of,
+    locate,
     record_json,
     safe_url,
-    store_of,
+    scope_of,
     table,
+    utc,
     utc_iso,
     utc_text,
 )
@@ -39,22 +39,18 @@ def check(ctx: click.Context) -> None:
     """Check the settings of every fenced task, ping Redis, say whether each store's schema is
     current, and run a fenced task's writes and reads on each store in a transaction rolled back.
     Exits non-zero on the first problem, with one line naming it and the fix."""
-    from ..task import FencedTask
-
-    app = ctx.obj.app
-    app.loader.import_default_modules()
-    config = config_of(ctx)
-    tasks = sorted(t.name for t in app.tasks.values() if isinstance(t, FencedTask))
-    # raises ConfigurationError naming the setting
-    configs = [app.tasks[name].fence_config() for name in tasks] or [config]
-    ctx.obj.echo(f"settings: ok ({len(tasks)} fenced task{'s' * (len(tasks) != 1)})")
-    make_redis_client(config).ping()
-    ctx.obj.echo("redis: ok")
-    for url in dict.fromkeys(c.database_url for c in configs):
-        _check_schema(ctx, url)
-    stores = {id(store): store for store in map(store_for, configs)}  # one per store settings
-    for store in stores.values():
-        _check_writes(ctx, store)
+    with scope_of(ctx) as scope:  # reads every fenced task's settings: raises on a bad one
+        tasks = scope.fenced_tasks()
+        ctx.obj.echo(f"settings: ok ({len(tasks)} fenced task{'s' * (len(tasks) != 1)})")
+        redises = scope.redis_configs()
+        for config in redises:
+            make_redis_client(config).ping()
+        ctx.obj.echo("redis: ok" + (f" ({len(redises)} servers)" if len(redises) > 1 else ""))
+        databases = list(scope.databases())
+        for database in databases:
+            _check_schema(ctx, database.url)
+        for database in databases:
+            _check_writes(ctx, database.store)
 
 
 def _check_schema(ctx: click.Context, url: str) -> None:
@@ -152,7 +148,8 @@ def _write_fix(exc: BaseException, store: Store, celery: str) -> str:
     type=click.FloatRange(min=0),
     default=None,
     help_group="Filter Options",
-    help="With --stuck: seconds without movement (default: fence_recover_after, 10 x lease TTL).",
+    help="With --stuck: seconds without movement (default: each job's task's fence_recover_after, "
+    "10 x its lease TTL).",
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
 @click.pass_context
@@ -178,16 +175,19 @@ def ls(
                 f"--stuck lists unfinished jobs ({', '.join(UNFINISHED)}), not {status}",
                 exit_code=EX_USAGE,
             )
-        config = config_of(ctx)
-        threshold = config.recover_after_seconds if older_than is None else older_than
-        with recovery.lease_store(config) as leases:
-            records = recovery.stranded_jobs(
-                store_for(config), leases, older_than=threshold, limit=limit, task_name=task
+        with scope_of(ctx) as scope:
+            found = recovery.stranded_jobs(
+                scope, older_than=older_than, limit=limit, task_name=task
             )
-        if status is not None:
-            records = [r for r in records if r.status == status]
+        records = [r for _, r in found if status is None or r.status == status]
     else:
-        records = store_of(ctx).list(status=status, task_name=task, limit=limit)
+        with scope_of(ctx) as scope:
+            listed = [
+                r
+                for db in scope.databases()
+                for r in db.store.list(status=status, task_name=task, limit=limit)
+            ]
+        records = sorted(listed, key=lambda r: utc(r.updated_at), reverse=True)[:limit]
     if as_json:
         ctx.obj.echo(json.dumps([record_json(r) for r in records]))
         return
@@ -211,16 +211,6 @@ def ls(
 
 
 # -- show ----------------------------------------------------------------------------------------
-
-
-def _lease(config: FenceConfig, key: str) -> tuple[float | None, int | None]:
-    client = make_redis_client(config)
-    try:
-        return LeaseStore(client, prefix=config.key_prefix).remaining(key)
-    finally:
-        close = getattr(client, "close", None)
-        if close is not None:
-            close()
 
 
 def _transition_json(t: Transition) -> dict[str, Any]:
@@ -253,12 +243,9 @@ def _result_text(record: JobRecord) -> str:
 @click.pass_context
 def show(ctx: click.Context, key: str, as_json: bool) -> None:
     """Show one job: its state, its lease in Redis and its transition history."""
-    config = config_of(ctx)
-    store = store_for(config)
-    record = store.get(key)
-    if record is None:
-        raise FenceCLIError(f"no job with key {key!r}")
-    remaining, lease_generation = _lease(config, key)
+    with scope_of(ctx) as scope:
+        store, record = locate(scope, key)
+        remaining, lease_generation = scope.lease(record)
     history = store.history(key)
     routing = recovery.routing_for(record, ctx.obj.app) if record.request else {}
     queue = routing.get("queue")

@@ -3,29 +3,31 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import re
 import time
+from collections.abc import Callable
 
 import click
 from celery.bin.base import CeleryOption
 
 from .. import migrate, recovery
 from ..actions import Action
-from ..config import FenceConfig
 from ..errors import StaleGeneration
 from ..schema import COMPLETED, DEAD
-from ..store import JobRecord, Store, store_for
+from ..scope import Scope
+from ..store import JobRecord, Store
 from ..store.admin import PURGE_BATCH
 from ..transitions import emit_transition
 from .common import (
     EX_USAGE,
     FenceCLIError,
     command,
-    config_of,
     describe,
+    locate,
     safe_url,
-    store_of,
+    scope_of,
     utc_text,
 )
 
@@ -35,10 +37,13 @@ from .common import (
 @command("init-db")
 @click.pass_context
 def init_db(ctx: click.Context) -> None:
-    """Create or upgrade the celery-fence tables (Alembic; stamps tables made by create_all)."""
-    url = config_of(ctx).database_url
-    action = migrate.upgrade(url)
-    ctx.obj.echo(f"{action}: celery-fence schema at {safe_url(url)} is at {migrate.head()}")
+    """Create or upgrade the celery-fence tables (Alembic; stamps tables made by create_all) in
+    every database the app's fenced tasks use."""
+    with scope_of(ctx) as scope:
+        urls = [database.url for database in scope.databases()]
+    for url in urls:
+        action = migrate.upgrade(url)
+        ctx.obj.echo(f"{action}: celery-fence schema at {safe_url(url)} is at {migrate.head()}")
 
 
 # -- requeue, recover ----------------------------------------------------------------------------
@@ -72,30 +77,27 @@ def requeue(ctx: click.Context, key: str, force: bool, completed: bool) -> None:
     if force and completed:
         raise FenceCLIError("--force and --completed do not go together", exit_code=EX_USAGE)
     app = ctx.obj.app
-    config = config_of(ctx)
-    store = store_for(config)
-    record = store.get(key)
-    if record is None:
-        raise FenceCLIError(f"no job with key {key!r}")
-    wanted = COMPLETED if completed else DEAD
-    if record.status != wanted:
-        if record.status == COMPLETED:
-            raise FenceCLIError(
-                f"job {key!r} is completed: its stored result is replayed to every delivery; to "
-                "run it again on purpose, add --completed (or give the new work a new key, e.g. "
-                "with a version in it)"
-            )
-        if completed or not force or record.status == DEAD:
-            raise FenceCLIError(
-                f"job {key!r} is {record.status}, not {wanted}: not requeued"
-                + ("" if record.status == DEAD else " (--force re-sends an unfinished one)")
-            )
-        _force_requeue(ctx, config, store, record)
-        return
+    with scope_of(ctx) as scope:
+        store, record = locate(scope, key)
+        wanted = COMPLETED if completed else DEAD
+        if record.status != wanted:
+            if record.status == COMPLETED:
+                raise FenceCLIError(
+                    f"job {key!r} is completed: its stored result is replayed to every delivery; "
+                    "to run it again on purpose, add --completed (or give the new work a new key, "
+                    "e.g. with a version in it)"
+                )
+            if completed or not force or record.status == DEAD:
+                raise FenceCLIError(
+                    f"job {key!r} is {record.status}, not {wanted}: not requeued"
+                    + ("" if record.status == DEAD else " (--force re-sends an unfinished one)")
+                )
+            _force_requeue(ctx, scope, store, record)
+            return
     if not record.request:
         raise FenceCLIError(
-            f"job {key!r} has no stored request (its arguments were not JSON): re-send it from "
-            "your code"
+            f"job {key!r} has no stored request (its arguments or workflow were not JSON): "
+            "re-send it from your code"
         )
     before = store.requeue(key, completed=completed)  # durable first: pending, fresh budget
     try:
@@ -117,11 +119,8 @@ def requeue(ctx: click.Context, key: str, force: bool, completed: bool) -> None:
     _requeued(ctx, before, task_id, Action.REQUEUED, reason)
 
 
-def _force_requeue(
-    ctx: click.Context, config: FenceConfig, store: Store, record: JobRecord
-) -> None:
-    with recovery.lease_store(config) as leases:
-        remaining, generation = leases.remaining(record.key)
+def _force_requeue(ctx: click.Context, scope: Scope, store: Store, record: JobRecord) -> None:
+    remaining, generation = scope.lease(record)  # under the job's own task's Redis and prefix
     if remaining is not None:
         raise FenceCLIError(
             f"job {record.key!r} is {record.status} and a live lease holds it ({remaining:.1f}s "
@@ -134,7 +133,7 @@ def _force_requeue(
     except Exception as exc:
         raise FenceCLIError(
             f"could not send {record.key!r} ({describe(exc)}); it is pending: retry the requeue, "
-            f"or 'fence recover' sends it after {config.recover_after_seconds:g}s"
+            f"or 'fence recover' sends it after {scope.config_of(record).recover_after_seconds:g}s"
         ) from None
     if task_id is None:
         raise FenceCLIError(f"job {record.key!r} changed while it was requeued: look again")
@@ -174,8 +173,8 @@ def _requeued(
     type=click.FloatRange(min=0),
     default=None,
     help_group="Recover Options",
-    help="Seconds an unfinished job must not have moved (default: fence_recover_after, "
-    "10 x lease TTL).",
+    help="Seconds an unfinished job must not have moved (default: each job's task's "
+    "fence_recover_after, 10 x its lease TTL).",
 )
 @click.option(
     "--dry-run",
@@ -204,6 +203,7 @@ def recover(
     through the ordinary claim (a late original message cannot make a second completion).
     Exits 1 when a job could not be re-sent.
     """
+    ctx.obj.app.loader.import_default_modules()  # each job is judged with its task's settings
     report = recovery.recover(ctx.obj.app, older_than=older_than, dry_run=dry_run, limit=limit)
     if as_json:
         ctx.obj.echo(
@@ -270,6 +270,11 @@ def parse_before(value: str, now: dt.datetime | None = None) -> dt.datetime:
     return when.astimezone(dt.timezone.utc)  # stored times are UTC (SQLite compares text)
 
 
+def _progress_from(progress: Callable[[int], None], base: int, total: int) -> None:
+    """``progress`` of a purge across databases: this database's count on top of ``base``."""
+    progress(base + total)
+
+
 #: Seconds between two progress lines of a long purge.
 PROGRESS_EVERY = 2.0
 
@@ -310,7 +315,6 @@ def purge(ctx: click.Context, before: str, include_dead: bool, batch_size: int) 
     """
     when = parse_before(before)
     statuses = (COMPLETED, DEAD) if include_dead else (COMPLETED,)
-    store = store_of(ctx)
     started = shown = time.monotonic()
 
     def progress(total: int) -> None:
@@ -320,10 +324,16 @@ def purge(ctx: click.Context, before: str, include_dead: bool, batch_size: int) 
             rate = total / max(shown - started, 1e-9)
             click.echo(f"purge: {total} job(s) deleted so far ({rate:.0f}/s)", err=True)
 
-    count = store.purge(
-        finished_before=when, statuses=statuses, batch_size=batch_size, progress=progress
-    )
-    delivered = store.outbox.purge(delivered_before=when)
+    count = delivered = 0
+    with scope_of(ctx) as scope:
+        for database in scope.databases():
+            count += database.store.purge(
+                finished_before=when,
+                statuses=statuses,
+                batch_size=batch_size,
+                progress=functools.partial(_progress_from, progress, count),
+            )
+            delivered += database.store.outbox.purge(delivered_before=when)
     ctx.obj.echo(
         f"purged {count} {' and '.join(statuses)} job(s) finished and {delivered} outbox row(s) "
         f"delivered before {utc_text(when)}"

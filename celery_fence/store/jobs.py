@@ -26,7 +26,7 @@ from ..records import (
     dumps_strict,
     job_record,
 )
-from ..schema import COMPLETED, DEAD, PENDING, RETRYING, utcnow
+from ..schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
 from . import admin, probe, sql
 from .engine import Database
 from .fenced import FencedWriter, Row
@@ -356,21 +356,29 @@ class Store:
         request: Mapping[str, Any] | None,
         reason: str,
         only_insert: bool = False,
+        terminated_id: str | None = None,
     ) -> None:
-        """Settle the job of a message Celery acks without running it (expired, revoked).
+        """Settle the job of a message Celery acks without running it to its end (expired,
+        revoked, or revoked with ``terminate=True`` while it ran).
 
         No row yet: the job is recorded ``dead`` with its request. A row that waits for this
         message (``retrying`` or ``pending``) goes ``dead`` by compare-and-set on the state just
-        read, unless ``only_insert`` (other messages may share the key). Any other row keeps its
-        state; the transition is recorded.
+        read, unless ``only_insert`` (other messages may share the key). ``terminated_id``: the
+        Celery task id of a message whose attempt was terminated; a row still unfinished under
+        that message (its stored request has that id) goes ``dead`` too, whatever ``only_insert``
+        says. Any other row keeps its state; the transition is recorded.
         """
         from ..errors import JobDead
 
         error = JobDead(f"the message was {reason} before it ran; requeue the job to run it")
+        if terminated_id is not None:
+            error = JobDead(f"the attempt was {reason} while it ran; requeue the job to run it")
         if self.bury(key, task_name=task_name, request=request, error=error, reason=reason):
             return
-        before = None if only_insert else self.get(key)
-        if before is not None and before.status in (RETRYING, PENDING):
+        for _ in range(3):  # a claim or registration may move the row between read and write
+            before = self.get(key)
+            if before is None or not self._waits_for(before, only_insert, terminated_id):
+                break
             params = self._owner(
                 key,
                 before.generation,
@@ -381,7 +389,17 @@ class Store:
             statement = sql.dead_sql(self.dialect, where=sql.SAME, errors=True)
             if self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None:
                 return
-        self.record(key, action=reason, reason="message not run")
+            if terminated_id is None:
+                break
+        note = "message not run" if terminated_id is None else "attempt terminated, job left as is"
+        self.record(key, action=reason, reason=note)
+
+    @staticmethod
+    def _waits_for(record: JobRecord, only_insert: bool, terminated_id: str | None) -> bool:
+        """Whether ``record`` is the job of the message :meth:`end_unrun` settles."""
+        if terminated_id is not None and record.status in (RUNNING, RETRYING, PENDING):
+            return (record.request or {}).get("id") == terminated_id
+        return not only_insert and record.status in (RETRYING, PENDING)
 
     def last_exit(self, key: str) -> str | None:
         """How the key's latest attempt before this one ended, as far as the history says: the

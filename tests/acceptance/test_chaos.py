@@ -44,6 +44,7 @@ MIN_FAULTS = {
     "expires": 2 * RUNS,
     "misconfig": RUNS,
     "refused-arg": RUNS,
+    "recovered-chain": RUNS,
 }
 #: Issue 12's windows, and the jobs each run loses when Celery's own exits are left unsettled.
 UNSETTLED_LOSSES = {"time-limit": 2, "expires": 2, "misconfig": 3, "refused-arg": 1}

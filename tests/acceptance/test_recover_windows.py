@@ -9,6 +9,7 @@ one ``effects`` entry per side effect. A flag ``<prefix>:hang:<key>`` makes the 
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import json
 import os
 import signal
@@ -317,3 +318,80 @@ def test_rabbitmq_topic_exchange_a_purged_job_is_recovered_to_its_queue(
         kombu.pools.reset()  # the AMQP connections (kombu's pools are global)
         sys.modules.pop("tests.support.app", None)
         store.dispose()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_live_attempt_of_a_task_with_its_own_key_prefix_is_not_taken_for_stranded(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    worker_env: dict[str, str],
+) -> None:
+    # Given a task whose leases live under its own key prefix, running (its lease renewed) ...
+    key = f"own:{uuid.uuid4().hex[:8]}"
+    own = LeaseStore(redis_client, prefix=client_app.OWN_PREFIX)
+    redis_client.set(f"{prefix}:hang:{key}", 1)
+    spawn_worker("holder")
+    client_app.own_prefix.delay(key)
+    wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="body started")
+    assert own.remaining(key)[0] is not None  # held, under the task's prefix
+    # ... and whose row has not moved for longer than the threshold (its own is 2 s),
+    wait_until(
+        lambda: _quiet_for(fence_store, key) > 2.5, 10, what="row unchanged past the threshold"
+    )
+    # when recover runs, with the task's own threshold and with an explicit one,
+    first = json.loads(ok(fence_cli(worker_env, "recover", "--json")))
+    second = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "1", "--json")))
+    # then the live attempt is left alone, and completes.
+    assert key not in first["keys"]["stranded"] + second["keys"]["stranded"]
+    assert _status(fence_store, key) == "running"
+    redis_client.set(f"{prefix}:unhang:{key}", 1)
+    wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")
+    assert _completions(fence_store, key) == 1
+    assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+
+
+def _quiet_for(store: Store, key: str) -> float:
+    """Seconds since the job's row last moved."""
+    record = store.get(key)
+    if record is None:
+        return 0.0
+    moved = record.updated_at
+    if moved.tzinfo is None:
+        moved = moved.replace(tzinfo=dt.timezone.utc)
+    return (dt.datetime.now(dt.timezone.utc) - moved).total_seconds()
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_job_revoked_with_terminate_ends_dead_and_recover_leaves_it(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: redis.Redis,
+    broker: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    leases: LeaseStore,
+    worker_env: dict[str, str],
+) -> None:
+    # Given a fenced job running on a prefork worker ...
+    key = f"revoked:{uuid.uuid4().hex[:8]}"
+    redis_client.set(f"{prefix}:hang:{key}", 1)
+    spawn_worker("w")
+    result = client_app.work.delay(key)
+    wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="body started")
+    # ... when it is revoked with terminate=True,
+    client_app.app.control.revoke(result.id, terminate=True)
+    # then its job is recorded dead, reason "revoked", and its message is gone (acked),
+    wait_until(lambda: _status(fence_store, key) == "dead", 30, what="recorded dead")
+    dead = [t for t in fence_store.history(key) if t.action == "dead"]
+    assert [t.reason for t in dead] == ["revoked"]
+    wait_until(lambda: _lease_gone(leases, key), 10, what="lease expired")
+    wait_until(lambda: not _unacked(broker, key), 10, what="message acked")
+    # and a recovery past the threshold does not re-send it.
+    report = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "0", "--json")))
+    assert key not in report["keys"]["stranded"]
+    assert broker.llen(worker_env["FENCE_T_QUEUE"]) == 0
+    assert _status(fence_store, key) == "dead"
+    assert redis_client.llen(f"{prefix}:runs:{key}") == 1

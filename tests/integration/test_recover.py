@@ -319,3 +319,91 @@ def test_a_stranded_job_without_a_stored_request_goes_dead_not_stuck_forever(
     assert record.error_message is not None and "no stored request" in record.error_message
     assert json.loads(ok(fence_cli(env, "ls", "--stuck", "--older-than", "0", "--json"))) == []
     store.dispose()
+
+
+# -- per-task settings and workflows ---------------------------------------------------------------
+
+OWN_PREFIX_TASK = "tests.support.app.own_prefix"  # own lease prefix, fence_recover_after=2
+OWN_DATABASE_TASK = "tests.support.app.own_database"  # its own database (FENCE_T_OWN_DB)
+
+
+def _stranded_row(store: Store, key: str, task: str, queue: str, **execution: Any) -> None:
+    request: dict[str, Any] = {"task": task, "id": None, "args": [key], "kwargs": {}}
+    request["options"] = {"exchange": queue, "routing_key": queue, "priority": None}
+    if execution:
+        request["execution"] = execution
+    store.register(key, generation=1, attempt_id=uuid.uuid4().hex, task_name=task, request=request)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_recover_scans_a_task_s_own_database_and_judges_each_job_by_its_task_s_threshold(
+    fence_store: Store, worker_env: dict[str, str], broker: redis.Redis, tmp_path: Any
+) -> None:
+    own_url = f"sqlite:///{tmp_path / 'own.sqlite3'}"
+    env = {**worker_env, "FENCE_T_OWN_DB": own_url}
+    own_store = Store(own_url)
+    own_store.create_schema()
+    queue = worker_env["FENCE_T_QUEUE"]
+    # (check covers the task's database as well as the app's)
+    assert f"database: ok ({own_url}, schema current)" in ok(fence_cli(env, "check"))
+    # Given a stranded job in a task's own database, one of a task whose fence_recover_after
+    # is 2 s, and one of a task with the app's (10 x its 2 s TTL = 20 s), none moved for 2 s,
+    own = f"own-db:{uuid.uuid4().hex[:8]}"
+    short = f"short:{uuid.uuid4().hex[:8]}"
+    default = f"default:{uuid.uuid4().hex[:8]}"
+    _stranded_row(own_store, own, OWN_DATABASE_TASK, queue)
+    _stranded_row(fence_store, short, OWN_PREFIX_TASK, queue)
+    _stranded_row(fence_store, default, WORK, queue)
+    time.sleep(2.1)
+    # when recover runs with each task's own threshold,
+    first = json.loads(ok(fence_cli(env, "recover", "--json")))
+    # then only the job past its own task's threshold is re-sent;
+    assert first["keys"]["sent"] == [short]
+    # with a threshold of 0 for all, the others too, the one in the task's own database included
+    # (the pending one, re-sent a moment ago, may go again: a threshold of 0 says so)
+    second = json.loads(ok(fence_cli(env, "recover", "--older-than", "0", "--json")))
+    assert set(second["keys"]["sent"]) - {short} == {own, default}
+    assert (own_store.get(own) or pytest.fail()).status == "pending"
+    sent = {m["body"][0][0]: m for m in _messages(broker, queue)}
+    assert set(sent) == {own, short, default}
+    assert sent[own]["headers"]["task"] == OWN_DATABASE_TASK
+    # and ls/show find the job in the task's database.
+    assert json.loads(ok(fence_cli(env, "show", own, "--json")))["status"] == "pending"
+    own_store.dispose()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_recover_re_sends_the_stored_workflow_with_the_message(
+    fence_store: Store, worker_env: dict[str, str], broker: redis.Redis
+) -> None:
+    queue = worker_env["FENCE_T_QUEUE"]
+    key = f"workflow:{uuid.uuid4().hex[:8]}"
+    nxt = {"task": "tests.support.app.follow", "args": ["b"], "kwargs": {}, "options": {}}
+    err = {"task": "tests.support.app.echo", "args": ["e"], "kwargs": {}, "options": {}}
+    _stranded_row(
+        fence_store,
+        key,
+        WORK,
+        queue,
+        chain=[nxt],
+        chord=err,
+        link=[nxt],
+        link_error=[err],
+        root_id="root-1",
+        parent_id="parent-1",
+        group_id="group-1",
+        group_index=0,
+        time_limit=30,
+        soft_time_limit=20,
+        headers={"tenant": "t1"},
+    )
+    report = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "0", "--json")))
+    assert report["keys"]["sent"] == [key]
+    (message,) = _messages(broker, queue)
+    headers, embed = message["headers"], message["body"][2]
+    assert (embed["chain"], embed["callbacks"], embed["errbacks"]) == ([nxt], [nxt], [err])
+    assert embed["chord"] == err
+    assert (headers["root_id"], headers["parent_id"]) == ("root-1", "parent-1")
+    assert (headers["group"], headers["group_index"]) == ("group-1", 0)
+    assert headers["timelimit"] == [30, 20]
+    assert (headers["tenant"], headers["fence_key"]) == ("t1", key)

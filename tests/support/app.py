@@ -399,3 +399,46 @@ if E.get("FENCE_T_RELEASE_DELAY"):
     import celery_fence.renewer
 
     celery_fence.renewer.RELEASE_DELAY = float(E["FENCE_T_RELEASE_DELAY"])
+
+
+# -- recovery with per-task settings, and workflows kept on a re-send ---------------------------
+#: The key prefix of ``own_prefix``'s leases (under the test's prefix, so its cleanup finds them).
+OWN_PREFIX = f"{PREFIX}:own"
+
+
+@app.task(
+    shared=False,
+    base=FencedTask,
+    bind=True,
+    fence_key=lambda key, **kw: key,
+    fence_key_prefix=OWN_PREFIX,
+    lease_ttl=1.0,
+    renew_interval=0.3,
+    fence_recover_after=2.0,
+)
+def own_prefix(self: Any, key: str) -> dict[str, Any]:
+    """A task with its own lease prefix, TTL and recovery threshold; hangs once on its flag."""
+    ledger.rpush(f"{PREFIX}:runs:{key}", f"{self.fence.generation}:{self.fence.attempt_id}")
+    _hang_once(key)
+    return {"key": key, "generation": self.fence.generation}
+
+
+@app.task(
+    shared=False,
+    base=FencedTask,
+    bind=True,
+    fence_key=lambda key, **kw: key,
+    fence_database_url=E.get("FENCE_T_OWN_DB"),
+)
+def own_database(self: Any, key: str) -> dict[str, Any]:
+    """A task whose jobs live in a database of its own (``FENCE_T_OWN_DB``) when it is set."""
+    ledger.rpush(f"{PREFIX}:runs:{key}", f"{self.fence.generation}:{self.fence.attempt_id}")
+    return {"key": key, "generation": self.fence.generation}
+
+
+@app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda previous, key: key)
+def follow(self: Any, previous: Any, key: str) -> dict[str, Any]:
+    """A workflow's next step: given the previous step's result, says whose result it was."""
+    ledger.rpush(f"{PREFIX}:runs:{key}", f"{self.fence.generation}:{self.fence.attempt_id}")
+    after = previous.get("attempt_id") if isinstance(previous, dict) else None
+    return {"key": key, "after": after, "generation": self.fence.generation}
