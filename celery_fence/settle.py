@@ -23,8 +23,11 @@ Stale                transition ``stale`` only                Return stored resu
 Busy                 none                                     Resend (never an attempt)
 Unavailable          none (the store could not be asked)      Resend with backoff
 Refused              ``dead``, the request kept encoded       Fail (ack)
+Refused, job ended   none (completed or dead already)         Return stored result / Fail
 Unkeyed              ``dead`` under ``unkeyed:<task>:<id>``   Fail (ack)
 Control              ``retrying`` or ``dead``                 Reraise (Celery's own rule)
+Control: retry not   ``retrying``                             Reraise: the message goes back
+sent (broker refused)                                         (requeue), never dropped
 Unexpected           ``retrying`` if registered               Resend with backoff
 ===================  =======================================  =============================
 
@@ -45,7 +48,13 @@ from sqlalchemy import exc as sa_exc
 
 from .actions import Action
 from .deferred import register_late
-from .errors import JobDead, Rescheduled, ResultNotSerializable, StaleGeneration
+from .errors import (
+    JobDead,
+    Rescheduled,
+    ResultNotSerializable,
+    RetryNotSent,
+    StaleGeneration,
+)
 from .outcomes import (
     AlreadyDead,
     Attempt,
@@ -69,6 +78,7 @@ from .outcomes import (
     Unkeyed,
 )
 from .retry import Decision, backoff, expected_outage
+from .schema import COMPLETED, DEAD
 
 logger = logging.getLogger("celery_fence")
 
@@ -217,15 +227,23 @@ def _unavailable(a: Attempt, o: Unavailable) -> CeleryAction:
 def _refused(a: Attempt, o: Refused) -> CeleryAction:
     assert a.generation is not None
     error = refused(o.error, "the task's arguments")
-    a.store.bury_refused(
-        a.key,
-        generation=a.generation,
-        attempt_id=a.attempt_id,
-        task_name=a.task_name,
-        request_json=o.request_json,
-        error=error,
-        reason="arguments refused by the database",
-    )
+    try:
+        a.store.bury_refused(
+            a.key,
+            generation=a.generation,
+            attempt_id=a.attempt_id,
+            task_name=a.task_name,
+            request_json=o.request_json,
+            error=error,
+            reason="arguments refused by the database",
+        )
+    except StaleGeneration as stale:  # the job ended already, or a newer generation runs it
+        record = a.store.get(a.key)
+        if record is not None and record.status == COMPLETED:
+            return _replayed(a, Replayed(record))
+        if record is not None and record.status == DEAD:
+            return _already_dead(a, AlreadyDead(record))
+        return _stale(a, Stale(stale))
     a.emit(Action.DEAD, a, reason="arguments refused by the database", attempts=1)
     return Fail(error)
 
@@ -253,6 +271,8 @@ def _control(a: Attempt, o: Control) -> CeleryAction:
             else:
                 countdown = float(when or 0.0)
             _write_retry(a, exc, countdown, "the task called self.retry()")
+        elif isinstance(exc, RetryNotSent):  # the broker refused it: the message goes back
+            _write_retry(a, exc, 0.0, "the task's retry could not be sent; the message goes back")
         elif isinstance(exc, Reject) and exc.requeue:
             _write_retry(a, exc, 0.0, "the task rejected its message with requeue")
         else:

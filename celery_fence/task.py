@@ -36,6 +36,7 @@ from .errors import (
     LeaseBusy,
     LeaseLost,
     Rescheduled,
+    RetryNotSent,
     StaleGeneration,
 )
 from .fence import Fence
@@ -362,27 +363,37 @@ class FencedTask(Task):
             action.reason,
             extra={"action": "reschedule", "reason": action.reason},
         )
+        options = {} if self.fence_config().unsettled else {"expires": None}
+        # A publish the broker refuses raises RetryNotSent: the message goes back (requeue).
+        retry = self.retry(
+            exc=Rescheduled(action.reason),
+            countdown=countdown,
+            max_retries=None,
+            throw=False,
+            **options,
+        )
+        raise retry from None
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``retry``, except when the broker refuses the retry message: Celery would
+        reject the original message for good (``Reject(requeue=False)``, the message dropped);
+        here it goes back to the broker instead (:class:`RetryNotSent`, a requeue), and the
+        settle step records the job ``retrying``, so the next delivery runs it."""
         try:
-            options = {} if self.fence_config().unsettled else {"expires": None}
-            retry = self.retry(
-                exc=Rescheduled(action.reason),
-                countdown=countdown,
-                max_retries=None,
-                throw=False,
-                **options,
-            )
+            return super().retry(*args, **kwargs)
         except Reject as rejected:
-            # Celery turns a failed publish of the retry message into Reject(requeue=False),
-            # which would drop the message: give it back to the broker instead.
+            if rejected.requeue:
+                raise
+            # Celery turns a failed publish of the retry message into Reject(requeue=False).
             logger.error(
-                "fence could not re-send task=%s id=%s (%s); requeueing the original message",
+                "fence could not publish the retry of task=%s id=%s (%s); the original message "
+                "goes back to the broker",
                 self.name,
                 self.request.id,
                 type(rejected.reason).__name__,
                 extra={"action": "requeue", "reason": "retry publish failed"},
             )
-            raise Reject(rejected.reason, requeue=True) from None
-        raise retry from None
+            raise RetryNotSent(rejected.reason) from None
 
     # -- transitions -----------------------------------------------------------------------------
 

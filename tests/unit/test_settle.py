@@ -20,6 +20,7 @@ from celery_fence.errors import (
     LeaseLost,
     PermanentError,
     ResultNotSerializable,
+    RetryNotSent,
     StaleGeneration,
 )
 from celery_fence.retry import RetryPolicy
@@ -206,6 +207,30 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
         o.Resend,
         None,
     ),
+    (
+        "refused, job completed already",
+        o.Refused(_data_error(), None),
+        {"bury_refused": STALE},
+        _record("completed", 5),
+        o.Return,
+        None,
+    ),
+    (
+        "refused, job dead already",
+        o.Refused(_data_error(), None),
+        {"bury_refused": STALE},
+        _record("dead"),
+        o.Fail,
+        None,
+    ),
+    (
+        "refused, newer generation running",
+        o.Refused(_data_error(), None),
+        {"bury_refused": STALE},
+        _record("running"),
+        o.Resend,
+        "record",
+    ),
     ("unkeyed", o.Unkeyed(ConfigurationError("bad key"), "id", None), {}, None, o.Fail, "bury"),
     ("control: retry", o.Control(Retry(when=0.5)), {}, None, o.Reraise, "schedule_retry"),
     (
@@ -217,6 +242,14 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
         "schedule_retry",
     ),
     ("control: reject", o.Control(Reject("x", requeue=False)), {}, None, o.Reraise, "mark_dead"),
+    (
+        "control: retry not sent",
+        o.Control(RetryNotSent(ConnectionError("x"))),
+        {},
+        None,
+        o.Reraise,
+        "schedule_retry",
+    ),
     ("control: ignore", o.Control(Ignore()), {}, None, o.Reraise, "mark_dead"),
     ("control: stale", o.Control(Ignore()), {"mark_dead": STALE}, None, o.Reraise, None),
     ("control: store down", o.Control(Ignore()), {"mark_dead": DOWN}, None, o.Resend, None),
@@ -299,3 +332,23 @@ def test_unregistered_unexpected_errors_resend_without_a_write() -> None:
     action = s.settle(attempt, o.Unexpected(RuntimeError("boom"), where="claim"))
     assert isinstance(action, o.Resend) and "claim" in action.reason
     assert store.writes == []
+
+
+def test_a_refused_message_of_an_ended_job_answers_from_the_stored_state() -> None:
+    # completed: the stored result, as a replay; dead: the job's own dead error, acked once
+    store = FakeStore(fail={"bury_refused": STALE}, current=_record("completed", {"by": "newer"}))
+    action = s.settle(_attempt(store), o.Refused(_data_error(), None))
+    assert action == o.Return({"by": "newer"}, deliver="k", replay=True)
+    store = FakeStore(fail={"bury_refused": STALE}, current=_record("dead"))
+    action = s.settle(_attempt(store), o.Refused(_data_error(), None))
+    assert isinstance(action, o.Fail) and isinstance(action.error, JobDead)
+
+
+def test_a_retry_the_broker_refused_is_recorded_retrying_and_given_back() -> None:
+    store = FakeStore()
+    refused = RetryNotSent(ConnectionError("broker down"))
+    action = s.settle(_attempt(store), o.Control(refused))
+    assert action == o.Reraise(refused) and refused.requeue
+    [(name, kw)] = store.writes
+    assert name == "schedule_retry"
+    assert kw["reason"] == "the task's retry could not be sent; the message goes back"
