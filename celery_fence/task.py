@@ -270,7 +270,7 @@ class FencedTask(Task):
                     )
                     or ""
                 )
-            if a.generation == 1 and config.defer_first_registration:
+            if a.generation == 1 and config.defer_first_registration and self._first_delivery():
                 # Nothing to fence out yet: the completion writes the row in one statement.
                 a.deferred, a.registered, a.attempts = True, True, 1
                 a.request_json = request_json or None
@@ -324,6 +324,15 @@ class FencedTask(Task):
             FenceError(f"could not claim a generation above the store's for {a.key!r}"),
             "generation regressed on every claim round",
         )
+
+    def _first_delivery(self) -> bool:
+        """This message is on its first delivery: not a re-send (Celery's ``retries``), not
+        redelivered by the broker, not re-sent by recovery or requeue (a ``fence_key`` header).
+        Only then may a first claim defer its registration: a repeat of a message may find its
+        job completed, which only a registration sees (Redis may have lost the counter)."""
+        request = self.request
+        redelivered = (request.delivery_info or {}).get("redelivered") or request.get("redelivered")
+        return not (request.retries or redelivered or request.get("fence_key"))
 
     def _stored_request(self, args: Any, kwargs: Any) -> str | None:
         """The request as the store keeps it for a requeue (JSON text; None if not JSON)."""

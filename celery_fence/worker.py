@@ -102,12 +102,16 @@ class FencedRequest(Request):
         happened (or nothing needed saying)."""
         task: Any = self.task
         try:
-            store = task._fence_backends()[1]
+            config, store, leases = task._fence_backends()[:3]
             try:
                 key = task.logical_key(self.args, self.kwargs, self.id)
             except ConfigurationError:
                 return True  # an unkeyed message that never ran: nothing to record
             shared_key = key != self.id
+            # A deferred first claim writes no row while it runs, so "no row" does not mean "no
+            # attempt": taking a generation does. Only a message that takes the first one may
+            # record a new row dead; after any claim, that claim's attempt owns the job.
+            first = not config.defer_first_registration or leases.take_generation(key) == 1
             store.end_unrun(
                 key,
                 task_name=self.task_name,
@@ -116,6 +120,7 @@ class FencedRequest(Request):
                 ),
                 reason=why,
                 only_insert=shared_key,
+                insert=first,
             )
         except Exception as exc:
             logger.error(

@@ -337,18 +337,22 @@ class Store:
         request: Mapping[str, Any] | None,
         reason: str,
         only_insert: bool = False,
+        insert: bool = True,
     ) -> None:
         """Settle the job of a message Celery acks without running it (expired, revoked).
 
-        No row yet: the job is recorded ``dead`` with its request. A row that waits for this
-        message (``retrying`` or ``pending``) goes ``dead`` by compare-and-set on the state just
-        read, unless ``only_insert`` (other messages may share the key). Any other row keeps its
-        state; the transition is recorded.
+        No row yet: the job is recorded ``dead`` with its request, unless not ``insert`` (an
+        attempt that claimed the key before this message may still write its row). A row that
+        waits for this message (``retrying`` or ``pending``) goes ``dead`` by compare-and-set on
+        the state just read, unless ``only_insert`` (other messages may share the key). Any other
+        row keeps its state; the transition is recorded.
         """
         from ..errors import JobDead
 
         error = JobDead(f"the message was {reason} before it ran; requeue the job to run it")
-        if self.bury(key, task_name=task_name, request=request, error=error, reason=reason):
+        if insert and self.bury(
+            key, task_name=task_name, request=request, error=error, reason=reason
+        ):
             return
         before = None if only_insert else self.get(key)
         if before is not None and before.status in (RETRYING, PENDING):
