@@ -109,11 +109,12 @@ class FencedTask(Task):
                 f"fence_key of task {self.name} raised {type(exc).__name__}: {exc}; it is called "
                 "with the task's own args and kwargs and must return a str"
             ) from exc
-        if not isinstance(key, str) or not key or len(key) > KEY_LENGTH:
+        if not isinstance(key, str) or not key or len(key) > KEY_LENGTH or "\x00" in key:
             raise ConfigurationError(
                 f"fence_key of task {self.name} returned a {type(key).__name__} "
                 f"({len(key) if isinstance(key, str) else '-'} chars); it must return a non-empty "
-                f"str of at most {KEY_LENGTH} characters, e.g. f'report:{{report_id}}'"
+                f"str of at most {KEY_LENGTH} characters without NUL (\\x00), e.g. "
+                "f'report:{report_id}'"
             )
         return key
 

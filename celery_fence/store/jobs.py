@@ -290,7 +290,8 @@ class Store:
 
         Inserts; an existing row is touched only when it is ``pending`` (an operator re-sent
         this message and its key failed again: back to ``dead``, instead of ``pending`` with no
-        message). Returns True when the row was written.
+        message). Returns True when the row was written. A request the database refuses as is
+        (e.g. ``\u0000`` in PostgreSQL's jsonb) is kept encoded, as :meth:`bury_refused` does.
         """
         params = {
             "key": key,
@@ -299,7 +300,13 @@ class Store:
             **self._error_fields(error),
         }
         statement = sql.bury_sql(self.dialect)
-        return self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None
+        try:
+            return self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None
+        except sa.exc.DataError:
+            if request is None:
+                raise
+            params["request"] = _json({ENCODED_REQUEST: _json(request)})
+            return self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None
 
     def bury_refused(
         self,

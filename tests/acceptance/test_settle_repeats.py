@@ -6,6 +6,7 @@ publish gives the message back instead of burying the job.
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 import uuid
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from celery_fence.lease import LeaseStore
-from celery_fence.store import Store
+from celery_fence.store import Store, decode_request
 from tests.acceptance.test_settle_edges import _broker_drained, _ended, _runs
 
 pytestmark = pytest.mark.acceptance
@@ -76,6 +77,49 @@ def test_a_refused_message_for_a_completed_job_returns_the_stored_result(
     assert _claims_stop(leases, key) == 2
     record = fence_store.get(key)
     assert record is not None and (record.status, record.result) == ("completed", stored)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_an_expired_message_the_database_refuses_ends_dead_and_is_acked(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    fence_store: Store,
+) -> None:
+    spawn_worker("w")
+    key = f"nul-expired:{uuid.uuid4().hex[:8]}"
+    # Given a message that arrives expired, with arguments the database refuses as they are
+    past = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=5)
+    client_app.echo.apply_async((key, NUL_ARGUMENT), expires=past)
+    # Then its job is recorded dead with its request kept encoded, and the message is acked
+    record = _ended(fence_store, key, timeout=30)
+    assert record.status == "dead" and record.attempts == 0
+    request = decode_request(record.request)
+    assert request is not None and request["args"] == [key, NUL_ARGUMENT]
+    _broker_drained(client_app)
+    assert _runs(redis_client, prefix, key) == 0
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_key_the_database_refuses_is_kept_dead_under_the_unkeyed_name(
+    spawn_worker: Any,
+    client_app: Any,
+    fence_store: Store,
+    leases: LeaseStore,
+) -> None:
+    spawn_worker("w")
+    key = f"nul-key:{uuid.uuid4().hex[:8]}\x00"
+    # Given a message whose fence_key holds NUL (no database column takes it)
+    sent = client_app.echo.delay(key)
+    # Then it is kept dead under unkeyed:<task>:<id> with its request, once: no re-send loop
+    unkeyed = f"unkeyed:{client_app.echo.name}:{sent.id}"
+    record = _ended(fence_store, unkeyed, timeout=30)
+    assert record.error_message is not None and "NUL" in record.error_message
+    request = decode_request(record.request)
+    assert request is not None and request["args"] == [key]
+    _broker_drained(client_app)
+    assert leases.client.get(leases.keys_for(key).generation) is None  # never claimed
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # not a store matter
