@@ -15,7 +15,14 @@ import pytest
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import Store, decode_request
-from tests.acceptance.test_settle_edges import _broker_drained, _ended, _runs
+from tests.acceptance.test_settle_edges import (  # noqa: F401 - the broker fixtures
+    BOTH_BROKERS,
+    _broker_drained,
+    _ended,
+    _runs,
+    broker,
+    worker_env,
+)
 
 pytestmark = pytest.mark.acceptance
 
@@ -122,6 +129,7 @@ def test_a_key_the_database_refuses_is_kept_dead_under_the_unkeyed_name(
     assert leases.client.get(leases.keys_for(key).generation) is None  # never claimed
 
 
+@BOTH_BROKERS
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # not a store matter
 def test_a_retry_the_broker_refuses_to_publish_gives_the_message_back(
     spawn_worker: Any,
