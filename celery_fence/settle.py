@@ -14,6 +14,10 @@ rule reads in one place:
 outcome              store write (fenced on the attempt)      action
 ===================  =======================================  =============================
 Completed            result + ``completed``                   Return (ack)
+Completed, deferred  the row inserted ``completed``; refused  Return / Fail (ack)
+first, refused       by the database: registered first, then
+                     ``dead`` (the request kept encoded when
+                     it is the request that is refused)
 Replayed             none (already completed)                 Return the stored result (ack)
 AlreadyDead          none                                     Fail (ack)
 Exhausted            ``dead``, attempts = executions          Fail (ack)
@@ -126,9 +130,23 @@ def _completed(a: Attempt, o: Completed) -> CeleryAction:
     except ResultNotSerializable as exc:
         return _dead(a, exc, "result is not JSON")
     except sa_exc.DataError as exc:  # e.g. jsonb refuses "\u0000": every retry would too
+        if a.deferred:  # the row's request was refused, or the result: registering tells
+            return _first_refused(a, exc)
         return _dead(a, refused(exc, "the task's return value"), "result refused by the database")
     a.emit(Action.COMPLETED, a)
     return Return(o.result, deliver=a.key if o.effects else None)
+
+
+def _first_refused(a: Attempt, exc: sa_exc.DataError) -> CeleryAction:
+    """The database refused a deferred first completion, which writes the request and the
+    result: a registration (the request alone) tells which, and settles accordingly."""
+    try:
+        outcome = register_late(a)
+    except sa_exc.DataError as request_refused:
+        return _refused(a, Refused(request_refused, a.request_json))
+    if outcome is not None:  # completed, dead or superseded meanwhile
+        return _HANDLERS[type(outcome)](a, outcome)
+    return _dead(a, refused(exc, "the task's return value"), "result refused by the database")
 
 
 def _replayed(a: Attempt, o: Replayed) -> CeleryAction:

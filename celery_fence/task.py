@@ -52,6 +52,9 @@ logger = logging.getLogger("celery_fence")
 #: How many times a claim is retried after the store showed Redis had lost its counter.
 CLAIM_ROUNDS = 3
 
+#: How JSON writes the NUL character, which PostgreSQL's jsonb refuses.
+NUL_ESCAPE = "\\u0000"
+
 #: Seconds before a message is re-sent when the settings are invalid (fix them and restart).
 CONFIG_ERROR_COUNTDOWN = 30.0
 
@@ -271,7 +274,12 @@ class FencedTask(Task):
                     )
                     or ""
                 )
-            if a.generation == 1 and config.defer_first_registration and self._first_delivery():
+            if (
+                a.generation == 1
+                and config.defer_first_registration
+                and self._first_delivery()
+                and NUL_ESCAPE not in request_json  # PostgreSQL refuses it: register to know
+            ):
                 # Nothing to fence out yet: the completion writes the row in one statement.
                 a.deferred, a.registered, a.attempts = True, True, 1
                 a.request_json = request_json or None

@@ -127,3 +127,35 @@ def test_a_duplicate_that_expires_while_a_deferred_first_attempt_runs_leaves_it_
     assert value == record.result and value["generation"] == 1
     assert _runs(redis_client, prefix, key) == 1  # the duplicate never ran
     _broker_drained(client_app)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # SQLite stores NUL
+def test_arguments_the_database_refuses_end_dead_without_a_deferred_run(
+    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+) -> None:
+    spawn_worker("w")
+    key = f"defer-nul-args:{uuid.uuid4().hex[:8]}"
+    # Given a first message whose arguments hold NUL (PostgreSQL's jsonb refuses it)
+    client_app.work.delay(key, marker="before\x00after")
+    # Then it registers first and is dead at once: the body never ran, one attempt
+    record = _ended(fence_store, key, timeout=30)
+    assert (record.status, record.attempts) == ("dead", 1)
+    assert record.error_message is not None and "arguments" in record.error_message
+    assert _runs(redis_client, prefix, key) == 0
+    _broker_drained(client_app)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_result_the_database_refuses_ends_a_deferred_first_attempt_dead_at_once(
+    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+) -> None:
+    spawn_worker("w")
+    key = f"defer-nul-result:{uuid.uuid4().hex[:8]}"
+    # Given a deferred first attempt whose return value holds NUL
+    client_app.nul_result.delay(key)
+    # Then its refused completion registers it and it is dead after that one run
+    record = _ended(fence_store, key, timeout=30)
+    assert (record.status, record.generation, record.attempts) == ("dead", 1, 1)
+    assert record.error_message is not None and "return value" in record.error_message
+    assert int(redis_client.get(f"{prefix}:nul_runs:{key}")) == 1
+    _broker_drained(client_app)

@@ -23,6 +23,7 @@ from celery_fence.errors import (
     RetryNotSent,
     StaleGeneration,
 )
+from celery_fence.records import Registration
 from celery_fence.retry import RetryPolicy
 from celery_fence.store import JobRecord
 
@@ -64,6 +65,17 @@ class FakeStore:
 
     def complete(self, key: str, **kw: Any) -> None:
         self._write("complete", **kw)
+
+    def complete_first(self, key: str, **kw: Any) -> None:
+        self._write("complete_first", **kw)
+
+    def register(self, key: str, **kw: Any) -> Registration:
+        self._write("register", **kw)
+        if self.current is None:
+            return Registration("registered", 1, kw["generation"])
+        status = self.current.status
+        outcome = status if status in ("completed", "dead") else "stale"
+        return Registration(outcome, 1, self.current.generation, self.current)  # type: ignore[arg-type]
 
     def schedule_retry(self, key: str, **kw: Any) -> None:
         self._write("schedule_retry", **kw)
@@ -352,3 +364,46 @@ def test_a_retry_the_broker_refused_is_recorded_retrying_and_given_back() -> Non
     [(name, kw)] = store.writes
     assert name == "schedule_retry"
     assert kw["reason"] == "the task's retry could not be sent; the message goes back"
+
+
+DEFERRED_CASES: list[tuple[str, dict[str, BaseException], JobRecord | None, type, list[str]]] = [
+    # (name, failing store methods, stored record, action type, store writes in order)
+    ("completed first", {}, None, o.Return, ["complete_first"]),
+    (
+        "request refused: dead, the request kept encoded",
+        {"complete_first": _data_error(), "register": _data_error()},
+        None,
+        o.Fail,
+        ["bury_refused"],
+    ),
+    (
+        "result refused: registered, then dead",
+        {"complete_first": _data_error()},
+        None,
+        o.Fail,
+        ["register", "mark_dead"],
+    ),
+    (
+        "refused, and the job completed meanwhile",
+        {"complete_first": _data_error()},
+        _record("completed", 5),
+        o.Return,
+        ["register"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("fail", "current", "action", "writes"),
+    [case[1:] for case in DEFERRED_CASES],
+    ids=[case[0] for case in DEFERRED_CASES],
+)
+def test_a_deferred_first_completion_to_store_writes_and_action(
+    fail: dict[str, BaseException], current: JobRecord | None, action: type, writes: list[str]
+) -> None:
+    store = FakeStore(fail=dict(fail), current=current)
+    attempt = _attempt(store)
+    attempt.deferred, attempt.generation, attempt.request_json = True, 1, '{"args":[]}'
+    result = s.settle(attempt, o.Completed({"ok": 1}))
+    assert type(result) is action
+    assert [name for name, _ in store.writes] == writes
