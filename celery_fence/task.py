@@ -335,12 +335,14 @@ class FencedTask(Task):
         )
 
     def _first_delivery(self) -> bool:
-        """This message is on its first delivery: not a re-send (Celery's ``retries``), not
-        redelivered by the broker, not re-sent by recovery or requeue (a ``fence_key`` header).
-        Only then may a first claim defer its registration: a repeat of a message may find its
-        job completed, which only a registration sees (Redis may have lost the counter)."""
+        """This message's first delivery: not a re-send (Celery's ``retries``: the fence's own,
+        the body's ``self.retry()``), not redelivered by the broker, not re-sent by recovery or
+        requeue (a ``fence_key`` header). Only then may a first claim defer its registration: a
+        repeat may find its job completed, which only a registration sees (Redis may have lost
+        the counter). Brokers also flag a message given back unstarted (a consumer cancelled, a
+        warm shutdown): it registers first too, one statement more."""
         request = self.request
-        redelivered = (request.delivery_info or {}).get("redelivered") or request.get("redelivered")
+        redelivered = (request.delivery_info or {}).get("redelivered")
         return not (request.retries or redelivered or request.get("fence_key"))
 
     def _stored_request(self, args: Any, kwargs: Any) -> str | None:
