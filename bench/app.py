@@ -93,6 +93,7 @@ def fenced_pg(self: Any, key: str, sleep: float = 0.0) -> None:
     bind=True,
     fence_key=_key,
     fence_defer_first_registration=True,
+    fence_generation_ttl=0.0,  # deferral needs counters that never expire
 )
 def fenced_pg_defer(self: Any, key: str, sleep: float = 0.0) -> None:
     _body(sleep)

@@ -234,6 +234,14 @@ class FenceConfig:
                 f"fence_generation_ttl={self.generation_ttl} must be 0 (counters never expire) "
                 f"or at least fence_lease_ttl={self.lease_ttl}, e.g. 600.0."
             )
+        if self.defer_first_registration and self.generation_ttl != 0:
+            raise ConfigurationError(
+                f"fence_defer_first_registration=True needs fence_generation_ttl=0 (counters "
+                f"that never expire), not {self.generation_ttl}: a first claim that defers its "
+                "registration cannot see that its job already completed, so an expired counter "
+                "that hands out generation 1 again would run a completed job's body again. Set "
+                "fence_generation_ttl=0, or turn deferral off."
+            )
         if self.recover_after is not None and not self.recover_after >= 2 * self.lease_ttl:
             raise ConfigurationError(
                 f"fence_recover_after={self.recover_after} must be at least twice "

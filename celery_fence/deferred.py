@@ -2,6 +2,11 @@
 row until it ends, so its completion is one statement. Any other ending, and a
 ``fence.transaction()`` block (whose ownership check is a statement on the row), registers it
 late, here; the store's answer may turn the outcome into a replay, a dead job or a stale one.
+
+Only a message's first delivery defers (the task decides): a re-sent or redelivered message may
+find its job completed, and only a registration sees that. The setting needs counters that
+never expire (``fence_generation_ttl=0``), or an expired counter would hand generation 1 to a
+duplicate of a completed job.
 """
 
 from __future__ import annotations

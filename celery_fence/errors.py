@@ -5,6 +5,8 @@ The class docstring is the default message, so ``raise LeaseLost()`` still says 
 
 from __future__ import annotations
 
+from celery.exceptions import Reject
+
 
 class FenceError(Exception):
     """A celery-fence error."""
@@ -52,6 +54,16 @@ class ResultNotSerializable(StoreError):
 
 class Rescheduled(FenceError):
     """celery-fence re-sent this message (lease busy, store unavailable, newer generation)."""
+
+
+class RetryNotSent(Reject):
+    """The broker refused the retry message of ``self.retry()`` (or of a fence re-send): the
+    original message goes back to the broker (a requeue) instead of being rejected for good.
+
+    Celery's own control flow, not a :class:`FenceError`: Celery requeues the message."""
+
+    def __init__(self, reason: object = None, requeue: bool = True) -> None:
+        super().__init__(reason, requeue=requeue)
 
 
 class PermanentError(FenceError):

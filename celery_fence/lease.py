@@ -241,6 +241,16 @@ class LeaseStore:
             RAISE_GENERATION(self.client, [keys.generation], [floor, self.generation_ttl_ms])
         )
 
+    def take_generation(self, key: str) -> int:
+        """Take the next generation of ``key`` without a lease (``INCR``); return it. A message
+        that settles without running learns whether any claim came before it (above 1)."""
+        counter = self.keys_for(key).generation
+        pipe = self.client.pipeline(transaction=False)
+        pipe.incr(counter)
+        if self.generation_ttl_ms > 0:
+            pipe.pexpire(counter, self.generation_ttl_ms)
+        return int(pipe.execute()[0])
+
     def release(self, lease_key: str, value: str) -> bool:
         """Compare-and-delete one lease; True when it was still ours."""
         return bool(RELEASE(self.client, [lease_key], [value]))

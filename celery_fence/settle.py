@@ -14,6 +14,10 @@ rule reads in one place:
 outcome              store write (fenced on the attempt)      action
 ===================  =======================================  =============================
 Completed            result + ``completed``                   Return (ack)
+Completed, deferred  the row inserted ``completed``; refused  Return / Fail (ack)
+first, refused       by the database: registered first, then
+                     ``dead`` (the request kept encoded when
+                     it is the request that is refused)
 Replayed             none (already completed)                 Return the stored result (ack)
 AlreadyDead          none                                     Fail (ack)
 Exhausted            ``dead``, attempts = executions          Fail (ack)
@@ -23,8 +27,11 @@ Stale                transition ``stale`` only                Return stored resu
 Busy                 none                                     Resend (never an attempt)
 Unavailable          none (the store could not be asked)      Resend with backoff
 Refused              ``dead``, the request kept encoded       Fail (ack)
+Refused, job ended   none (completed or dead already)         Return stored result / Fail
 Unkeyed              ``dead`` under ``unkeyed:<task>:<id>``   Fail (ack)
 Control              ``retrying`` or ``dead``                 Reraise (Celery's own rule)
+Control: retry not   ``retrying``                             Reraise: the message goes back
+sent (broker refused)                                         (requeue), never dropped
 Interrupted          ``retrying`` if registered               Reraise if Celery needs it
                                                               (process exit, gevent time
                                                               limit or kill), else Resend
@@ -52,7 +59,13 @@ from sqlalchemy import exc as sa_exc
 
 from .actions import Action
 from .deferred import register_late
-from .errors import JobDead, Rescheduled, ResultNotSerializable, StaleGeneration
+from .errors import (
+    JobDead,
+    Rescheduled,
+    ResultNotSerializable,
+    RetryNotSent,
+    StaleGeneration,
+)
 from .outcomes import (
     AlreadyDead,
     Attempt,
@@ -77,6 +90,7 @@ from .outcomes import (
     Unkeyed,
 )
 from .retry import Decision, backoff, expected_outage
+from .schema import COMPLETED, DEAD
 
 logger = logging.getLogger("celery_fence")
 
@@ -127,9 +141,23 @@ def _completed(a: Attempt, o: Completed) -> CeleryAction:
     except ResultNotSerializable as exc:
         return _dead(a, exc, "result is not JSON")
     except sa_exc.DataError as exc:  # e.g. jsonb refuses "\u0000": every retry would too
+        if a.deferred:  # the row's request was refused, or the result: registering tells
+            return _first_refused(a, exc)
         return _dead(a, refused(exc, "the task's return value"), "result refused by the database")
     a.emit(Action.COMPLETED, a)
     return Return(o.result, deliver=a.key if o.effects else None)
+
+
+def _first_refused(a: Attempt, exc: sa_exc.DataError) -> CeleryAction:
+    """The database refused a deferred first completion, which writes the request and the
+    result: a registration (the request alone) tells which, and settles accordingly."""
+    try:
+        outcome = register_late(a)
+    except sa_exc.DataError as request_refused:
+        return _refused(a, Refused(request_refused, a.request_json))
+    if outcome is not None:  # completed, dead or superseded meanwhile
+        return _HANDLERS[type(outcome)](a, outcome)
+    return _dead(a, refused(exc, "the task's return value"), "result refused by the database")
 
 
 def _replayed(a: Attempt, o: Replayed) -> CeleryAction:
@@ -228,15 +256,23 @@ def _unavailable(a: Attempt, o: Unavailable) -> CeleryAction:
 def _refused(a: Attempt, o: Refused) -> CeleryAction:
     assert a.generation is not None
     error = refused(o.error, "the task's arguments")
-    a.store.bury_refused(
-        a.key,
-        generation=a.generation,
-        attempt_id=a.attempt_id,
-        task_name=a.task_name,
-        request_json=o.request_json,
-        error=error,
-        reason="arguments refused by the database",
-    )
+    try:
+        a.store.bury_refused(
+            a.key,
+            generation=a.generation,
+            attempt_id=a.attempt_id,
+            task_name=a.task_name,
+            request_json=o.request_json,
+            error=error,
+            reason="arguments refused by the database",
+        )
+    except StaleGeneration as stale:  # the job ended already, or a newer generation runs it
+        record = a.store.get(a.key)
+        if record is not None and record.status == COMPLETED:
+            return _replayed(a, Replayed(record))
+        if record is not None and record.status == DEAD:
+            return _already_dead(a, AlreadyDead(record))
+        return _stale(a, Stale(stale))
     a.emit(Action.DEAD, a, reason="arguments refused by the database", attempts=1)
     return Fail(error)
 
@@ -264,6 +300,8 @@ def _control(a: Attempt, o: Control) -> CeleryAction:
             else:
                 countdown = float(when or 0.0)
             _write_retry(a, exc, countdown, "the task called self.retry()")
+        elif isinstance(exc, RetryNotSent):  # the broker refused it: the message goes back
+            _write_retry(a, exc, 0.0, "the task's retry could not be sent; the message goes back")
         elif isinstance(exc, Reject) and exc.requeue:
             _write_retry(a, exc, 0.0, "the task rejected its message with requeue")
         else:

@@ -36,6 +36,7 @@ from .errors import (
     LeaseBusy,
     LeaseLost,
     Rescheduled,
+    RetryNotSent,
     StaleGeneration,
 )
 from .fence import Fence
@@ -51,6 +52,9 @@ logger = logging.getLogger("celery_fence")
 
 #: How many times a claim is retried after the store showed Redis had lost its counter.
 CLAIM_ROUNDS = 3
+
+#: How JSON writes the NUL character, which PostgreSQL's jsonb refuses.
+NUL_ESCAPE = "\\u0000"
 
 #: Seconds before a message is re-sent when the settings are invalid (fix them and restart).
 CONFIG_ERROR_COUNTDOWN = 30.0
@@ -109,11 +113,12 @@ class FencedTask(Task):
                 f"fence_key of task {self.name} raised {type(exc).__name__}: {exc}; it is called "
                 "with the task's own args and kwargs and must return a str"
             ) from exc
-        if not isinstance(key, str) or not key or len(key) > KEY_LENGTH:
+        if not isinstance(key, str) or not key or len(key) > KEY_LENGTH or "\x00" in key:
             raise ConfigurationError(
                 f"fence_key of task {self.name} returned a {type(key).__name__} "
                 f"({len(key) if isinstance(key, str) else '-'} chars); it must return a non-empty "
-                f"str of at most {KEY_LENGTH} characters, e.g. f'report:{{report_id}}'"
+                f"str of at most {KEY_LENGTH} characters without NUL (\\x00), e.g. "
+                "f'report:{report_id}'"
             )
         return key
 
@@ -270,7 +275,12 @@ class FencedTask(Task):
             self._emit_for(Action.CLAIMED, a)
             if request_json is None:
                 request_json = request_text(self.name, args, kwargs, self.request) or ""
-            if a.generation == 1 and config.defer_first_registration:
+            if (
+                a.generation == 1
+                and config.defer_first_registration
+                and self._first_delivery()
+                and NUL_ESCAPE not in request_json  # PostgreSQL refuses it: register to know
+            ):
                 # Nothing to fence out yet: the completion writes the row in one statement.
                 a.deferred, a.registered, a.attempts = True, True, 1
                 a.request_json = request_json or None
@@ -325,6 +335,17 @@ class FencedTask(Task):
             "generation regressed on every claim round",
         )
 
+    def _first_delivery(self) -> bool:
+        """This message's first delivery: not a re-send (Celery's ``retries``: the fence's own,
+        the body's ``self.retry()``), not redelivered by the broker, not re-sent by recovery or
+        requeue (a ``fence_key`` header). Only then may a first claim defer its registration: a
+        repeat may find its job completed, which only a registration sees (Redis may have lost
+        the counter). Brokers also flag a message given back unstarted (a consumer cancelled, a
+        warm shutdown): it registers first too, one statement more."""
+        request = self.request
+        redelivered = (request.delivery_info or {}).get("redelivered")
+        return not (request.retries or redelivered or request.get("fence_key"))
+
     def _stored_request(self, args: Any, kwargs: Any) -> str | None:
         """The request as the store keeps it for a requeue (JSON text; None if not JSON)."""
         return request_text(self.name, args, kwargs, self.request)
@@ -363,27 +384,37 @@ class FencedTask(Task):
             action.reason,
             extra={"action": "reschedule", "reason": action.reason},
         )
+        options = {} if self.fence_config().unsettled else {"expires": None}
+        # A publish the broker refuses raises RetryNotSent: the message goes back (requeue).
+        retry = self.retry(
+            exc=Rescheduled(action.reason),
+            countdown=countdown,
+            max_retries=None,
+            throw=False,
+            **options,
+        )
+        raise retry from None
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``retry``, except when the broker refuses the retry message: Celery would
+        reject the original message for good (``Reject(requeue=False)``, the message dropped);
+        here it goes back to the broker instead (:class:`RetryNotSent`, a requeue), and the
+        settle step records the job ``retrying``, so the next delivery runs it."""
         try:
-            options = {} if self.fence_config().unsettled else {"expires": None}
-            retry = self.retry(
-                exc=Rescheduled(action.reason),
-                countdown=countdown,
-                max_retries=None,
-                throw=False,
-                **options,
-            )
+            return super().retry(*args, **kwargs)
         except Reject as rejected:
-            # Celery turns a failed publish of the retry message into Reject(requeue=False),
-            # which would drop the message: give it back to the broker instead.
+            if rejected.requeue:
+                raise
+            # Celery turns a failed publish of the retry message into Reject(requeue=False).
             logger.error(
-                "fence could not re-send task=%s id=%s (%s); requeueing the original message",
+                "fence could not publish the retry of task=%s id=%s (%s); the original message "
+                "goes back to the broker",
                 self.name,
                 self.request.id,
                 type(rejected.reason).__name__,
                 extra={"action": "requeue", "reason": "retry publish failed"},
             )
-            raise Reject(rejected.reason, requeue=True) from None
-        raise retry from None
+            raise RetryNotSent(rejected.reason) from None
 
     # -- transitions -----------------------------------------------------------------------------
 

@@ -14,10 +14,12 @@ Three ways a fenced message can end without its task body's settle step running:
   ``fence_max_attempts`` executions are spent.
 - **Expired or revoked before it ran.** Celery acks such a message without running it. Here the
   job is settled first: a job that has no row yet is recorded ``dead`` (reason ``expired`` or
-  ``revoked``) so an operator sees it and can requeue it; a job whose only message this is (the
-  default key, the Celery task id) and that is waiting for it (``retrying``/``pending``) goes
-  ``dead`` the same way. A job under a ``fence_key`` that other messages may share keeps its
-  state and gets a transition row. If the store cannot be written, the message is given back.
+  ``revoked``) so an operator sees it and can requeue it (with deferred first registration, only
+  when the message takes the key's first generation: after any claim, that attempt owns the
+  job); a job whose only message this is (the default key, the Celery task id) and that is
+  waiting for it (``retrying``/``pending``) goes ``dead`` the same way. A job under a
+  ``fence_key`` that other messages may share keeps its state and gets a transition row. If the
+  store cannot be written, the message is given back.
 - **Revoked with ``terminate=True`` while it ran.** The pool kills the attempt and Celery acks
   the message. Here the job is recorded ``dead``, reason "revoked", when its row is still
   unfinished under this message (its stored request has this task id; a row that has completed
@@ -108,12 +110,21 @@ class FencedRequest(Request):
         nothing needed saying)."""
         task: Any = self.task
         try:
-            store = task._fence_backends()[1]
+            config, store, leases = task._fence_backends()[:3]
             try:
                 key = task.logical_key(self.args, self.kwargs, self.id)
             except ConfigurationError:
                 return True  # an unkeyed message that never ran: nothing to record
             shared_key = key != self.id
+            # A deferred first claim writes no row while it runs, so "no row" does not mean "no
+            # attempt": taking a generation does. Only a message that takes the first one may
+            # record a new row dead; after any claim, that claim's attempt owns the job. (A
+            # terminated attempt is this message's own: its job is recorded, row or none.)
+            first = (
+                terminated
+                or not config.defer_first_registration
+                or leases.take_generation(key) == 1
+            )
             store.end_unrun(
                 key,
                 task_name=self.task_name,
@@ -121,6 +132,7 @@ class FencedRequest(Request):
                 reason=why,
                 only_insert=shared_key,
                 terminated_id=self.id if terminated else None,
+                insert=first,
             )
         except Exception as exc:
             logger.error(

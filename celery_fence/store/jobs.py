@@ -309,7 +309,8 @@ class Store:
 
         Inserts; an existing row is touched only when it is ``pending`` (an operator re-sent
         this message and its key failed again: back to ``dead``, instead of ``pending`` with no
-        message). Returns True when the row was written.
+        message). Returns True when the row was written. A request the database refuses as is
+        (e.g. ``\u0000`` in PostgreSQL's jsonb) is kept encoded, as :meth:`bury_refused` does.
         """
         params = {
             "key": key,
@@ -318,7 +319,13 @@ class Store:
             **self._error_fields(error),
         }
         statement = sql.bury_sql(self.dialect)
-        return self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None
+        try:
+            return self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None
+        except sa.exc.DataError:
+            if request is None:
+                raise
+            params["request"] = _json({ENCODED_REQUEST: _json(request)})
+            return self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None
 
     def bury_refused(
         self,
@@ -357,23 +364,27 @@ class Store:
         reason: str,
         only_insert: bool = False,
         terminated_id: str | None = None,
+        insert: bool = True,
     ) -> None:
         """Settle the job of a message Celery acks without running it to its end (expired,
         revoked, or revoked with ``terminate=True`` while it ran).
 
-        No row yet: the job is recorded ``dead`` with its request. A row that waits for this
-        message (``retrying`` or ``pending``) goes ``dead`` by compare-and-set on the state just
-        read, unless ``only_insert`` (other messages may share the key). ``terminated_id``: the
-        Celery task id of a message whose attempt was terminated; a row still unfinished under
-        that message (its stored request has that id) goes ``dead`` too, whatever ``only_insert``
-        says. Any other row keeps its state; the transition is recorded.
+        No row yet: the job is recorded ``dead`` with its request, unless not ``insert`` (an
+        attempt that claimed the key before this message may still write its row). A row that
+        waits for this message (``retrying`` or ``pending``) goes ``dead`` by compare-and-set on
+        the state just read, unless ``only_insert`` (other messages may share the key).
+        ``terminated_id``: the Celery task id of a message whose attempt was terminated; a row
+        still unfinished under that message (its stored request has that id) goes ``dead`` too,
+        whatever ``only_insert`` says. Any other row keeps its state; the transition is recorded.
         """
         from ..errors import JobDead
 
         error = JobDead(f"the message was {reason} before it ran; requeue the job to run it")
         if terminated_id is not None:
             error = JobDead(f"the attempt was {reason} while it ran; requeue the job to run it")
-        if self.bury(key, task_name=task_name, request=request, error=error, reason=reason):
+        if insert and self.bury(
+            key, task_name=task_name, request=request, error=error, reason=reason
+        ):
             return
         for _ in range(3):  # a claim or registration may move the row between read and write
             before = self.get(key)

@@ -7,11 +7,13 @@ setting turned on (the module's ``worker_env`` below), so both designs face the 
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from typing import Any
 
 import pytest
 
+from celery_fence.lease import LeaseStore
 from celery_fence.store import Store
 from tests.acceptance.test_core_failure_windows import (  # noqa: F401 - collected again here
     test_pause_timeline_stale_attempt_loses,
@@ -22,6 +24,7 @@ from tests.acceptance.test_retries import (  # noqa: F401 - collected again here
     test_success_after_two_transient_failures_completes_on_the_third_attempt,
 )
 from tests.acceptance.test_settle_edges import _broker_drained, _ended, _runs
+from tests.support.worker import wait_until
 
 pytestmark = pytest.mark.acceptance
 
@@ -63,4 +66,96 @@ def test_a_first_attempt_that_kills_its_worker_is_counted_when_the_next_register
     assert (record.status, record.attempts) == ("dead", 2)
     assert _runs(redis_client, prefix, key) == 2
     assert fence_store.history(key)[-1].reason == "attempts exhausted"
+    _broker_drained(client_app)
+
+
+def test_a_repeat_delivery_of_a_completed_job_replays_it_after_redis_lost_the_counter(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    fence_store: Store,
+    leases: LeaseStore,
+) -> None:
+    spawn_worker("w")
+    key = f"defer-lost:{uuid.uuid4().hex[:8]}"
+    # Given a first attempt killed right after its deferred completion committed (before the
+    # ack), so the broker delivers the message again
+    redis_client.set(f"{prefix}:kill:after_commit:{key}", 1)
+    result = client_app.work.delay(key)
+    record = _ended(fence_store, key, timeout=30)
+    assert (record.status, record.generation) == ("completed", 1)
+    # ... and Redis loses the key's generation counter before that delivery claims (the killed
+    # attempt's lease holds it off for a TTL): the next claim is handed generation 1 again
+    redis_client.delete(leases.keys_for(key).generation)
+    # Then the repeat delivery registers first, finds the job completed and replays its result:
+    # the body ran once
+    assert result.get(timeout=30) == record.result
+    assert redis_client.exists(f"{prefix}:kill:after_commit:{key}") == 0  # the kill happened
+    assert _runs(redis_client, prefix, key) == 1
+    after = fence_store.get(key)
+    assert after is not None and (after.status, after.generation) == ("completed", 1)
+    _broker_drained(client_app)
+
+
+def test_a_duplicate_that_expires_while_a_deferred_first_attempt_runs_leaves_it_the_job(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    fence_store: Store,
+) -> None:
+    spawn_worker("w", concurrency=2)
+    key = f"defer-expired:{uuid.uuid4().hex[:8]}"
+    # Given a deferred first attempt running (no row written yet) ...
+    redis_client.set(f"{prefix}:hang:{key}", 1)
+    first = client_app.work.delay(key)
+    wait_until(lambda: _runs(redis_client, prefix, key) == 1, 30, what="the first body to start")
+    # ... when a duplicate message for the same key arrives already expired (never run)
+    past = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=5)
+    client_app.work.apply_async((key,), expires=past)
+
+    def settled() -> bool:
+        return any("expired" in (t.action, t.reason) for t in fence_store.history(key))
+
+    wait_until(settled, 30, what="the expired duplicate to be settled")
+    redis_client.set(f"{prefix}:unhang:{key}", 1)
+    # Then the running attempt, the real first, completes the job: its result is kept
+    value = first.get(timeout=30)
+    record = fence_store.get(key)
+    assert record is not None and (record.status, record.generation) == ("completed", 1)
+    assert value == record.result and value["generation"] == 1
+    assert _runs(redis_client, prefix, key) == 1  # the duplicate never ran
+    _broker_drained(client_app)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # SQLite stores NUL
+def test_arguments_the_database_refuses_end_dead_without_a_deferred_run(
+    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+) -> None:
+    spawn_worker("w")
+    key = f"defer-nul-args:{uuid.uuid4().hex[:8]}"
+    # Given a first message whose arguments hold NUL (PostgreSQL's jsonb refuses it)
+    client_app.work.delay(key, marker="before\x00after")
+    # Then it registers first and is dead at once: the body never ran, one attempt
+    record = _ended(fence_store, key, timeout=30)
+    assert (record.status, record.attempts) == ("dead", 1)
+    assert record.error_message is not None and "arguments" in record.error_message
+    assert _runs(redis_client, prefix, key) == 0
+    _broker_drained(client_app)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_result_the_database_refuses_ends_a_deferred_first_attempt_dead_at_once(
+    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+) -> None:
+    spawn_worker("w")
+    key = f"defer-nul-result:{uuid.uuid4().hex[:8]}"
+    # Given a deferred first attempt whose return value holds NUL
+    client_app.nul_result.delay(key)
+    # Then its refused completion registers it and it is dead after that one run
+    record = _ended(fence_store, key, timeout=30)
+    assert (record.status, record.generation, record.attempts) == ("dead", 1, 1)
+    assert record.error_message is not None and "return value" in record.error_message
+    assert int(redis_client.get(f"{prefix}:nul_runs:{key}")) == 1
     _broker_drained(client_app)

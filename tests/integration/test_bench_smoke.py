@@ -90,11 +90,14 @@ def test_throughput_mode_reports_every_variant_and_counts_at_most_three_round_tr
         assert "tx-control" not in counts["sql_by_kind"]
         assert 0.99 <= counts["redis_scripts"] <= 2.01
         assert counts["redis_reads"] <= 2.0
-    # with fence_defer_first_registration, one statement a first claim: the completing insert
+    # with fence_defer_first_registration, one statement a first claim: the completing insert.
+    # A message the broker redelivers registers first (two statements): timed_run stops
+    # consuming once the queue is empty, so a prefetched message goes back, flagged redelivered
     for name in ("fenced-pg-defer", "fenced-pg-defer-50ms"):
-        counts = result["counts"][name]
-        assert counts["sql_by_kind"].get("first complete") == pytest.approx(1.0)
-        assert "register" not in counts["sql_by_kind"] and "complete" not in counts["sql_by_kind"]
+        kinds = result["counts"][name]["sql_by_kind"]
+        registered = kinds.get("register", 0.0)
+        assert registered <= 0.05 and kinds.get("complete", 0.0) == pytest.approx(registered)
+        assert kinds.get("first complete", 0.0) + registered == pytest.approx(1.0)
     # plain Celery does not touch the lease Redis or the store: the counting is per variant
     assert result["counts"]["plain"]["redis_scripts"] == 0
     assert result["counts"]["plain"]["sql_statements"] == 0
@@ -128,7 +131,7 @@ def test_throughput_mode_reports_every_variant_and_counts_at_most_three_round_tr
         assert traced["redis_critical"] == pytest.approx(1.0)
         assert traced["pg_critical"] == pytest.approx(2.0)
     assert result["trace"]["fenced-sqlite"]["redis_critical"] == pytest.approx(1.0)
-    assert result["trace"]["fenced-pg-defer"]["blocking_round_trips"] == pytest.approx(2.0)
+    assert 2.0 <= result["trace"]["fenced-pg-defer"]["blocking_round_trips"] <= 2.05
 
     # And the alternatives' blocking round trips were counted on the task's thread too: Celery's
     # database backend (pre-ping, BEGIN, statements, COMMIT), celery_once's unlock, and the

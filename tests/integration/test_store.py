@@ -445,3 +445,15 @@ def test_the_write_probe_fails_on_a_store_it_cannot_write(tmp_path: Path) -> Non
     with pytest.raises(StoreError, match=r"registration failed: OperationalError: .*readonly"):
         read_only.write_probe()
     read_only.dispose()
+
+
+def test_a_message_kept_dead_keeps_a_request_the_database_refuses_encoded(store: Store) -> None:
+    # Given a request holding NUL (PostgreSQL's jsonb refuses it; SQLite stores it as is)
+    key = _key()
+    request = {"task": "t", "args": ["before\x00after"], "kwargs": {}}
+    # When a message that cannot run is kept as a dead job (expired, revoked, unkeyed)
+    store.end_unrun(key, task_name="t", request=request, reason="expired")
+    # Then the job is dead, and its request reads back as it was sent
+    record = store.get(key)
+    assert record is not None and record.status == "dead"
+    assert record.request == request

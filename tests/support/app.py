@@ -24,6 +24,7 @@ from celery_fence import signals as fence_signals
 
 E = os.environ
 PREFIX = E.get("FENCE_T_PREFIX", "t")
+DEFER = E.get("FENCE_T_DEFER", "0") == "1"
 app = Celery(
     "fence_tests",
     broker=E.get("FENCE_T_BROKER"),
@@ -46,7 +47,9 @@ app.conf.update(
     fence_retry_budget_ratio=float(E.get("FENCE_T_BUDGET_RATIO", "0.2")),
     fence_retry_budget_window=float(E.get("FENCE_T_BUDGET_WINDOW", "60")),
     fence_unfenced=E.get("FENCE_T_UNFENCED", "0") == "1",
-    fence_defer_first_registration=E.get("FENCE_T_DEFER", "0") == "1",
+    fence_defer_first_registration=DEFER,
+    # deferral needs counters that never expire (0); the default otherwise
+    fence_generation_ttl=float(E.get("FENCE_T_GEN_TTL", "0" if DEFER else "600")),
     fence_max_runtime=float(E["FENCE_T_MAX_RUNTIME"]) if E.get("FENCE_T_MAX_RUNTIME") else None,
 )
 ledger = redis.Redis.from_url(E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"))
@@ -124,6 +127,13 @@ def _kill_after_commit(sender: Any = None, key: str = "", **_: Any) -> None:
 
 
 fence_signals.job_completed.connect(_kill_after_commit, weak=False)
+
+
+def _kill_after_dead(sender: Any = None, key: str = "", **_: Any) -> None:
+    _kill_once("after_dead", key)
+
+
+fence_signals.job_dead.connect(_kill_after_dead, weak=False)
 
 
 @app.task(
@@ -212,6 +222,29 @@ if E.get("FENCE_T_FAIL_RAISE") == "1":
         return _raise_generation(self, key, floor)
 
     LeaseStore.raise_generation = _failing_raise  # type: ignore[method-assign]
+
+if E.get("FENCE_T_FAIL_PUBLISH") == "1":
+    # The broker refuses one publish: the retry message of the ``control`` task, once per
+    # ``<prefix>:fail_publish`` flag (kombu's OperationalError, as when the broker connection
+    # drops for longer than the publish retry policy covers).
+    from kombu import Producer
+    from kombu.exceptions import OperationalError
+
+    _publish = Producer.publish
+
+    def _refusing_publish(self: Producer, body: Any, *args: Any, **kwargs: Any) -> Any:
+        headers = kwargs.get("headers") or {}
+        if (
+            headers.get("task") == control.name
+            and headers.get("retries")
+            and ledger.getdel(f"{PREFIX}:fail_publish") is not None
+        ):
+            raise OperationalError("simulated: the broker refused the publish")
+        return _publish(self, body, *args, **kwargs)
+
+    Producer.publish = _refusing_publish  # type: ignore[method-assign]
+
+
 # -- fenced app writes: the app's own tables, written through self.fence ------------
 import sqlalchemy as sa  # noqa: E402
 from sqlalchemy.dialects import postgresql as _pg  # noqa: E402

@@ -24,8 +24,10 @@ from celery_fence.errors import (
     LeaseLost,
     PermanentError,
     ResultNotSerializable,
+    RetryNotSent,
     StaleGeneration,
 )
+from celery_fence.records import Registration
 from celery_fence.retry import RetryPolicy
 from celery_fence.store import JobRecord
 
@@ -67,6 +69,17 @@ class FakeStore:
 
     def complete(self, key: str, **kw: Any) -> None:
         self._write("complete", **kw)
+
+    def complete_first(self, key: str, **kw: Any) -> None:
+        self._write("complete_first", **kw)
+
+    def register(self, key: str, **kw: Any) -> Registration:
+        self._write("register", **kw)
+        if self.current is None:
+            return Registration("registered", 1, kw["generation"])
+        status = self.current.status
+        outcome = status if status in ("completed", "dead") else "stale"
+        return Registration(outcome, 1, self.current.generation, self.current)  # type: ignore[arg-type]
 
     def schedule_retry(self, key: str, **kw: Any) -> None:
         self._write("schedule_retry", **kw)
@@ -210,6 +223,30 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
         o.Resend,
         None,
     ),
+    (
+        "refused, job completed already",
+        o.Refused(_data_error(), None),
+        {"bury_refused": STALE},
+        _record("completed", 5),
+        o.Return,
+        None,
+    ),
+    (
+        "refused, job dead already",
+        o.Refused(_data_error(), None),
+        {"bury_refused": STALE},
+        _record("dead"),
+        o.Fail,
+        None,
+    ),
+    (
+        "refused, newer generation running",
+        o.Refused(_data_error(), None),
+        {"bury_refused": STALE},
+        _record("running"),
+        o.Resend,
+        "record",
+    ),
     ("unkeyed", o.Unkeyed(ConfigurationError("bad key"), "id", None), {}, None, o.Fail, "bury"),
     ("control: retry", o.Control(Retry(when=0.5)), {}, None, o.Reraise, "schedule_retry"),
     (
@@ -221,6 +258,14 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
         "schedule_retry",
     ),
     ("control: reject", o.Control(Reject("x", requeue=False)), {}, None, o.Reraise, "mark_dead"),
+    (
+        "control: retry not sent",
+        o.Control(RetryNotSent(ConnectionError("x"))),
+        {},
+        None,
+        o.Reraise,
+        "schedule_retry",
+    ),
     ("control: ignore", o.Control(Ignore()), {}, None, o.Reraise, "mark_dead"),
     ("control: stale", o.Control(Ignore()), {"mark_dead": STALE}, None, o.Reraise, None),
     ("control: store down", o.Control(Ignore()), {"mark_dead": DOWN}, None, o.Resend, None),
@@ -392,3 +437,66 @@ def test_an_exit_in_a_pool_thread_is_re_sent_not_raised() -> None:
     # raised on: see the table)
     assert [type(action) for action in actions] == [o.Resend]
     assert [name for name, _ in store.writes] == ["schedule_retry"]
+
+
+def test_a_refused_message_of_an_ended_job_answers_from_the_stored_state() -> None:
+    # completed: the stored result, as a replay; dead: the job's own dead error, acked once
+    store = FakeStore(fail={"bury_refused": STALE}, current=_record("completed", {"by": "newer"}))
+    action = s.settle(_attempt(store), o.Refused(_data_error(), None))
+    assert action == o.Return({"by": "newer"}, deliver="k", replay=True)
+    store = FakeStore(fail={"bury_refused": STALE}, current=_record("dead"))
+    action = s.settle(_attempt(store), o.Refused(_data_error(), None))
+    assert isinstance(action, o.Fail) and isinstance(action.error, JobDead)
+
+
+def test_a_retry_the_broker_refused_is_recorded_retrying_and_given_back() -> None:
+    store = FakeStore()
+    refused = RetryNotSent(ConnectionError("broker down"))
+    action = s.settle(_attempt(store), o.Control(refused))
+    assert action == o.Reraise(refused) and refused.requeue
+    [(name, kw)] = store.writes
+    assert name == "schedule_retry"
+    assert kw["reason"] == "the task's retry could not be sent; the message goes back"
+
+
+DEFERRED_CASES: list[tuple[str, dict[str, BaseException], JobRecord | None, type, list[str]]] = [
+    # (name, failing store methods, stored record, action type, store writes in order)
+    ("completed first", {}, None, o.Return, ["complete_first"]),
+    (
+        "request refused: dead, the request kept encoded",
+        {"complete_first": _data_error(), "register": _data_error()},
+        None,
+        o.Fail,
+        ["bury_refused"],
+    ),
+    (
+        "result refused: registered, then dead",
+        {"complete_first": _data_error()},
+        None,
+        o.Fail,
+        ["register", "mark_dead"],
+    ),
+    (
+        "refused, and the job completed meanwhile",
+        {"complete_first": _data_error()},
+        _record("completed", 5),
+        o.Return,
+        ["register"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("fail", "current", "action", "writes"),
+    [case[1:] for case in DEFERRED_CASES],
+    ids=[case[0] for case in DEFERRED_CASES],
+)
+def test_a_deferred_first_completion_to_store_writes_and_action(
+    fail: dict[str, BaseException], current: JobRecord | None, action: type, writes: list[str]
+) -> None:
+    store = FakeStore(fail=dict(fail), current=current)
+    attempt = _attempt(store)
+    attempt.deferred, attempt.generation, attempt.request_json = True, 1, '{"args":[]}'
+    result = s.settle(attempt, o.Completed({"ok": 1}))
+    assert type(result) is action
+    assert [name for name, _ in store.writes] == writes

@@ -1,0 +1,155 @@
+"""Messages that come back after the settle step answered them, or whose re-send the broker
+refused, with real workers: a message the database refuses, redelivered after its job ended, is
+answered from the stored state once; a body's own ``self.retry()`` that the broker refuses to
+publish gives the message back instead of burying the job.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from celery_fence.lease import LeaseStore
+from celery_fence.store import Store, decode_request
+from tests.acceptance.test_settle_edges import (  # noqa: F401 - the broker fixtures
+    BOTH_BROKERS,
+    _broker_drained,
+    _ended,
+    _runs,
+    broker,
+    worker_env,
+)
+
+pytestmark = pytest.mark.acceptance
+
+NUL_ARGUMENT = "before\x00after"  # valid JSON; PostgreSQL's jsonb refuses \u0000
+
+
+def _claims_stop(leases: LeaseStore, key: str, seconds: float = 2.0) -> int:
+    """The key's generation counter, once it has not moved for ``seconds``: no claim loop."""
+    counter = leases.keys_for(key).generation
+    before = leases.client.get(counter)
+    time.sleep(seconds)
+    assert leases.client.get(counter) == before, "the message is still being claimed"
+    return int(before)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # SQLite stores NUL
+def test_a_refused_message_redelivered_after_its_job_went_dead_is_acked_once(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    fence_store: Store,
+    leases: LeaseStore,
+) -> None:
+    spawn_worker("w")
+    key = f"nul-dead:{uuid.uuid4().hex[:8]}"
+    # Given a message whose arguments the database refuses, and a worker killed right after it
+    # recorded the job dead, before the ack: the broker redelivers the message
+    redis_client.set(f"{prefix}:kill:after_dead:{key}", 1)
+    client_app.echo.delay(key, NUL_ARGUMENT)
+    # Then the redelivery finds the job dead and is acked as such, without writing again
+    record = _ended(fence_store, key, timeout=30)
+    assert record.status == "dead" and record.attempts == 1
+    _broker_drained(client_app, timeout=30)
+    assert redis_client.exists(f"{prefix}:kill:after_dead:{key}") == 0  # the kill happened
+    assert _claims_stop(leases, key) == 2  # the first delivery and the redelivery, no loop
+    after = fence_store.get(key)
+    assert after is not None and (after.status, after.generation) == ("dead", 1)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_refused_message_for_a_completed_job_returns_the_stored_result(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    fence_store: Store,
+    leases: LeaseStore,
+) -> None:
+    spawn_worker("w")
+    key = f"nul-done:{uuid.uuid4().hex[:8]}"
+    # Given a job that completed
+    stored = client_app.echo.delay(key, "fine").get(timeout=30)
+    # When a message for the same key arrives with arguments the database refuses
+    again = client_app.echo.delay(key, NUL_ARGUMENT)
+    # Then it is answered with the stored result, acked once, and the job stays as it was
+    assert again.get(timeout=30) == stored
+    _broker_drained(client_app)
+    assert _claims_stop(leases, key) == 2
+    record = fence_store.get(key)
+    assert record is not None and (record.status, record.result) == ("completed", stored)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_an_expired_message_the_database_refuses_ends_dead_and_is_acked(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    fence_store: Store,
+) -> None:
+    spawn_worker("w")
+    key = f"nul-expired:{uuid.uuid4().hex[:8]}"
+    # Given a message that arrives expired, with arguments the database refuses as they are
+    past = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=5)
+    client_app.echo.apply_async((key, NUL_ARGUMENT), expires=past)
+    # Then its job is recorded dead with its request kept encoded, and the message is acked
+    record = _ended(fence_store, key, timeout=30)
+    assert record.status == "dead" and record.attempts == 0
+    request = decode_request(record.request)
+    assert request is not None and request["args"] == [key, NUL_ARGUMENT]
+    _broker_drained(client_app)
+    assert _runs(redis_client, prefix, key) == 0
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_key_the_database_refuses_is_kept_dead_under_the_unkeyed_name(
+    spawn_worker: Any,
+    client_app: Any,
+    fence_store: Store,
+    leases: LeaseStore,
+) -> None:
+    spawn_worker("w")
+    key = f"nul-key:{uuid.uuid4().hex[:8]}\x00"
+    # Given a message whose fence_key holds NUL (no database column takes it)
+    sent = client_app.echo.delay(key)
+    # Then it is kept dead under unkeyed:<task>:<id> with its request, once: no re-send loop
+    unkeyed = f"unkeyed:{client_app.echo.name}:{sent.id}"
+    record = _ended(fence_store, unkeyed, timeout=30)
+    assert record.error_message is not None and "NUL" in record.error_message
+    request = decode_request(record.request)
+    assert request is not None and request["args"] == [key]
+    _broker_drained(client_app)
+    assert leases.client.get(leases.keys_for(key).generation) is None  # never claimed
+
+
+@BOTH_BROKERS
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # not a store matter
+def test_a_retry_the_broker_refuses_to_publish_gives_the_message_back(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    fence_store: Store,
+) -> None:
+    # Given a body that calls self.retry() on its first run, and a broker that refuses that
+    # retry message's publish once
+    spawn_worker("w", FENCE_T_FAIL_PUBLISH="1")
+    redis_client.set(f"{prefix}:fail_publish", 1)
+    key = f"retry-refused:{uuid.uuid4().hex[:8]}"
+    client_app.control.delay(key, kind="retry")
+    # Then the message goes back to the broker and a later attempt completes the job
+    record = _ended(fence_store, key, timeout=30)
+    assert record.status == "completed", record
+    assert redis_client.exists(f"{prefix}:fail_publish") == 0  # the publish was refused
+    assert _runs(redis_client, prefix, key) == 2
+    assert record.attempts == 2
+    reasons = [t.reason for t in fence_store.history(key)]
+    assert "the task's retry could not be sent; the message goes back" in reasons
+    _broker_drained(client_app)
