@@ -13,7 +13,13 @@ The workload writes a **ledger** of what really happened: one Redis list,
 - ``call``    an external call to the provider (``outcome``: ok, timeout, error; ``idem``: the
   idempotency key sent; ``effect``: the effect name);
 - ``tx``      the body entered its ``self.fence.transaction()`` block (``app_write``), before its
-  write; ``tx_committed``: the block committed;
+  write; ``tx_committed``: the block committed (``t0``: the time just before the block's commit
+  began);
+- ``outcome`` what the store answered this attempt (``outcome``: completed, stale, replayed,
+  retry_scheduled, dead), from the fence's own signals in the worker, with the attempt's own
+  generation and attempt id (never the row the store returned). With ``start`` (the attempt's
+  generation, as the store registered it) this is the checker's witness: it compares the store's
+  history with what each attempt tried and was told, not with itself;
 - ``kill``    a one-shot fault flag was consumed and the process is about to SIGKILL itself
   (``window``: before_effect, before_commit, after_commit, or poison);
 - ``overrun`` the body starts to overrun (it sleeps until the pool's hard time limit kills it);
@@ -217,7 +223,8 @@ def op(
                 time.sleep(0.02)
             row = {"key": key, "generation": gen, "attempt_id": attempt, "written_at": time.time()}
             conn.execute(APP_ROWS.insert().values(**row))
-        record("tx_committed", key, gen, attempt)
+            t0 = time.time()  # the block's commit (fenced) starts when the block ends
+        record("tx_committed", key, gen, attempt, t0=t0)
     _kill_once("before_commit", key, gen, attempt)
     if notify:
         fence.outbox.add(NOTIFY, {"key": key})
@@ -239,4 +246,22 @@ def _kill_after_commit(sender: Any = None, key: str = "", **kw: Any) -> None:
     _kill_once("after_commit", key, kw.get("generation"), kw.get("attempt_id"))
 
 
-fence_signals.job_completed.connect(_kill_after_commit, weak=False)
+def _outcome(outcome: str) -> Any:
+    """A receiver that records what the store answered the attempt (its own generation)."""
+
+    def receiver(sender: Any = None, key: str = "", **kw: Any) -> None:
+        # the attempt's own claim (the settle step's attempt), not a row the store returned
+        record("outcome", key, kw.get("generation"), kw.get("attempt_id"), outcome=outcome)
+
+    return receiver
+
+
+for _signal, _name in (
+    (fence_signals.job_completed, "completed"),
+    (fence_signals.stale_rejected, "stale"),
+    (fence_signals.job_replayed, "replayed"),
+    (fence_signals.job_retry_scheduled, "retry_scheduled"),
+    (fence_signals.job_dead, "dead"),
+):
+    _signal.connect(_outcome(_name), weak=False)
+fence_signals.job_completed.connect(_kill_after_commit, weak=False)  # after its outcome entry
