@@ -29,10 +29,12 @@ kills; every completed job stages one ``notify`` outbox effect delivered to a
 Scenarios (faults counted per run):
 
 - ``pause``: SIGSTOP the worker running the job mid-body for 1.2-1.6 TTL (its lease expires), send
-  the job again so a second worker takes over with a newer generation, SIGCONT the first one
-  (before or after the newer attempt completed). Runs cycle through four bodies: with or without
-  ``guard()`` before the side effect, with or without an outbox effect; run 0 has neither, so the
-  store's generation fence alone must reject the stale attempt. 1 fault.
+  the job again so a second worker takes over with a newer generation, SIGCONT the first one:
+  even runs while the newer attempt still runs (its body outlasts the first one's, so the stale
+  completion meets a newer row still ``running``), odd runs after it completed. Runs cycle
+  through four bodies: with or without ``guard()`` before the side effect, with or without an
+  outbox effect; run 0 has neither, so the store's generation fence alone must reject the stale
+  attempt. Expected: attempts 2, body starts 2. 1 fault.
 - ``kill``: three jobs at once, one per window, each with a one-shot flag the body consumes (GETDEL)
   right before ``os.kill(os.getpid(), SIGKILL)``: before the side effect, after it but before the
   completion commit, after the commit but before the ack (a ``job_completed`` receiver). Faults:

@@ -140,7 +140,7 @@ def check(
         result.stale_refused += sum(
             1 for e in events if e["ev"] == "outcome" and e.get("outcome") == "stale"
         )
-        result.stale_writes += _stale_writes(job.key, history, events, result.violations)
+        result.stale_writes += _stale_writes(job.key, history, events, store, result.violations)
         result.stale_app_writes += _stale_app_writes(
             job.key, history, events, store, result.violations
         )
@@ -224,14 +224,35 @@ def _claims(history: Sequence[Transition]) -> list[tuple[int, int, float]]:
     ]
 
 
+def _orphan_effects(
+    key: str, history: Sequence[Transition], store: Store, violations: list[str]
+) -> int:
+    """Outbox rows not written by an accepted completion: a row is written in the completion's
+    own statement or transaction, with the same time as its ``completed`` transition."""
+    done = [_epoch(t.at) for t in history if t.action == "completed"]
+    count = 0
+    for row in store.outbox.rows(key=key):
+        created = _epoch(row.created_at)
+        if not any(abs(created - at) < 0.002 for at in done):
+            count += 1
+            violations.append(
+                f"stale write: {key} outbox row {row.name!r} was not written by an accepted "
+                "completion (no completed transition at its time)"
+            )
+    return count
+
+
 def _stale_writes(
     key: str,
     history: Sequence[Transition],
     events: Sequence[Mapping[str, Any]],
+    store: Store,
     violations: list[str],
 ) -> int:
     claims = _claims(history)
-    count = len(_witness_stale(key, events, violations))
+    count = len(_witness_stale(key, events, violations)) + _orphan_effects(
+        key, history, store, violations
+    )
     terminal = None
     for i, t in enumerate(history):
         if t.action not in FENCED_WRITES or t.generation is None:

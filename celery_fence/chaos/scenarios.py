@@ -30,10 +30,14 @@ def run_pause(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
 
     Runs cycle through four bodies: with or without ``guard()`` before the side effect, with or
     without an outbox effect. Run 0 has neither, so only the store's generation fence stands
-    between the stale attempt and a stale write."""
+    between the stale attempt and a stale write. Even runs resume the first attempt while the
+    newer one still runs (its body outlasts the first one's), so the stale completion meets a
+    newer row that is still ``running``: only the generation and attempt in the completion's
+    predicate refuse it. Odd runs resume it after the newer attempt completed."""
     ttl = s.opts.ttl
-    job = Job(s.key(i))
+    job = Job(s.key(i), expect_attempts=2, expect_starts=2)
     check, notify = ((False, False), (True, True), (False, True), (True, False))[i % 4]
+    while_running = i % 2 == 0
     s.send(job, sleep=ttl * 2.5, check=check, notify=notify)
     first = s.wait_event(job.key, "start")
     a = s.worker_of(first["pid"])
@@ -41,9 +45,9 @@ def run_pause(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     a.signal(signal.SIGSTOP)
     paused_at = time.monotonic()
     time.sleep(ttl * rng.uniform(1.2, 1.6))  # A's lease expires in Redis: nobody renews it
-    s.send(job, sleep=0.1, check=True)
+    s.send(job, sleep=ttl * 4.0 if while_running else 0.1, check=True)
     s.wait_event(job.key, "start", gen=lambda e: e["gen"] > first["gen"])
-    if rng.random() < 0.5:  # resume after the newer attempt completed, or while it works
+    if not while_running:
         wait_until(lambda: (r := s.store.get(job.key)) is not None and r.status == "completed", 30)
     a.signal(signal.SIGCONT)
     return 1, s.converge([job], paused_at)
