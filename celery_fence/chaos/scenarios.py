@@ -54,23 +54,43 @@ def run_pause(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
 
 
 def run_app_write(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
-    """SIGSTOP the worker inside its ``fence.transaction()`` block (entered, not yet written) past
-    its TTL, let a newer attempt take over and write its own row, SIGCONT.
+    """Even runs: SIGSTOP the worker inside its ``fence.transaction()`` block (entered, not yet
+    written) past its TTL, let a newer attempt take over and write its own row, SIGCONT.
 
     On PostgreSQL the server ends the paused block's session after one TTL idle; on SQLite the
     paused block holds the database's write lock, so the newer attempt cannot register until the
     first one resumes: the harness resumes it once the newer attempt started or two TTLs passed.
-    Odd runs also stage an outbox effect."""
+
+    Odd runs: the first attempt writes its row and waits inside the block, before its commit,
+    while every lease and generation counter is lost and the job is sent again; the newer
+    attempt registers (on PostgreSQL, while the block is still open) and starts, then the block
+    commits: only the commit-time check refuses it. Odd runs also stage an outbox effect."""
     ttl = s.opts.ttl
     job = Job(s.key(i))
-    s.send(job, app_write=True, block_sleep=ttl * 2.5, check=False, notify=i % 2 == 1)
+    notify = i % 2 == 1
+    if i % 2 == 1:
+        s.send(job, app_write=True, hold_in_block=ttl * 0.8, check=False, notify=notify)
+        written = s.wait_event(job.key, "tx_written")
+        s.flush_leases()
+        lost_at = time.monotonic()
+        s.send(job, app_write=True, sleep=0.1, check=False, notify=notify)
+        with contextlib.suppress(TimeoutError):  # on SQLite it waits for the block's commit
+            s.wait_event(
+                job.key,
+                "start",
+                timeout=ttl * 0.7,
+                other=lambda e: e["attempt"] != written["attempt"],
+            )
+        s.ledger.set(f"{s.ledger_prefix}:go:{job.key}", 1)
+        return 1, s.converge([job], lost_at)
+    s.send(job, app_write=True, block_sleep=ttl * 2.5, check=False, notify=notify)
     entered = s.wait_event(job.key, "tx")
     a = s.worker_of(entered["pid"])
     time.sleep(rng.uniform(0.05, ttl * 0.3))
     a.signal(signal.SIGSTOP)
     paused_at = time.monotonic()
     time.sleep(ttl * rng.uniform(1.2, 1.6))  # A's lease expires in Redis: nobody renews it
-    s.send(job, app_write=True, sleep=0.1, check=False, notify=i % 2 == 1)
+    s.send(job, app_write=True, sleep=0.1, check=False, notify=notify)
     with contextlib.suppress(TimeoutError):
         s.wait_event(job.key, "start", timeout=ttl * 2, gen=lambda e: e["gen"] > entered["gen"])
         if rng.random() < 0.5:  # resume after the newer attempt completed, or while it works

@@ -171,6 +171,7 @@ def op(
     notify: bool = True,
     app_write: bool = False,
     block_sleep: float = 0.0,
+    hold_in_block: float = 0.0,
     payload: str = "",
 ) -> dict[str, Any]:
     """One logical operation. ``check=False``: no direct side effect, the body relies on the
@@ -178,7 +179,8 @@ def op(
     ``notify=False``: no outbox effect either (the outbox's unique idempotency key would
     otherwise refuse a second completion on its own), so the result is the only thing written.
     ``app_write``: write one row to the app's table inside ``self.fence.transaction()``, after
-    ``block_sleep`` seconds inside the block.
+    ``block_sleep`` seconds inside the block; then, with ``hold_in_block``, wait (at most that
+    long) inside the block, after the write and before its commit, for the harness's ``go`` flag.
     ``payload``: only carried in the request (the refused-arg scenario puts a NUL in it)."""
     fence = self.fence
     gen, attempt = fence.generation, fence.attempt_id
@@ -223,6 +225,11 @@ def op(
                 time.sleep(0.02)
             row = {"key": key, "generation": gen, "attempt_id": attempt, "written_at": time.time()}
             conn.execute(APP_ROWS.insert().values(**row))
+            if hold_in_block:
+                record("tx_written", key, gen, attempt)
+                end = time.monotonic() + hold_in_block
+                while time.monotonic() < end and not _once("go", key):
+                    time.sleep(0.02)
             t0 = time.time()  # the block's commit (fenced) starts when the block ends
         record("tx_committed", key, gen, attempt, t0=t0)
     _kill_once("before_commit", key, gen, attempt)
