@@ -46,8 +46,12 @@ job_replayed = Signal(name="job_replayed", providing_args=_ARGS)
 stale_rejected = Signal(name="stale_rejected", providing_args=_ARGS)
 job_retry_scheduled = Signal(name="job_retry_scheduled", providing_args=_ARGS | {"countdown"})
 job_dead = Signal(name="job_dead", providing_args=_ARGS | {"attempts"})
+#: Sent inside an open ``fence.atomic()`` block just before its ownership check: the block's
+#: writes are made and not committed yet (the testing plugin pauses a worker here).
+block_committing = Signal(name="block_committing", providing_args=_ARGS)
 
 __all__ = [
+    "block_committing",
     "job_completed",
     "job_dead",
     "job_replayed",

@@ -20,6 +20,9 @@ Each breakage and the scenario that catches it:
 - ``registration-generation``: the ``generation < excluded.generation`` term dropped from the
   registration — ``redis-loss`` (Redis hands out generation 1 again; the store registers it for a
   second attempt: "generation claimed twice").
+- ``registration-terminal``: the registration takes a completed job's row (its ``status NOT IN
+  (completed, dead)`` term dropped) — ``kill`` (the message redelivered after the completion
+  committed runs the body again: "body re-runs after completion").
 - ``commit-check``: the commit-time ownership check skipped in ``fence.transaction()`` —
   ``app-write`` (the paused block commits its row after the newer attempt registered).
 - ``release-token``: the lease release deletes the lease without comparing the token —
@@ -83,6 +86,14 @@ BREAKAGES = (
         '        condition += f" AND {JOBS}.generation < excluded.generation"\n',
         "        pass\n",
         ("--scenario", "redis-loss", "--runs", "2"),
+    ),
+    Breakage(
+        "registration-terminal",
+        "registration takes a completed job's row (the terminal-state term dropped)",
+        "store/sql.py",
+        "    condition = f\"{JOBS}.status NOT IN ('{Status.COMPLETED}', '{Status.DEAD}')\"\n",
+        '    condition = "1 = 1"\n',
+        ("--scenario", "kill", "--runs", "1"),
     ),
     Breakage(
         "commit-check",

@@ -6,6 +6,9 @@ deliver task), and four windows, each given a Celery signature of the user's tas
 - ``pause``: A's body starts (claim and registration done), A is SIGSTOPped — the whole worker,
   so its lease stops renewing — a duplicate is sent to B, which takes over once the lease expires
   and finishes; A is resumed after at least 1.5 TTL and finishes its attempt.
+- ``pause-inside-block``: as ``pause``, but A is stopped inside its ``fence.atomic()`` block,
+  after its writes and before its fenced commit (on SQLite, whose write lock A then holds, A is
+  resumed after 1.5 TTL without waiting for B).
 - ``kill``: A's pool process is SIGKILLed after the completion committed and before the ack;
   Celery gives the message back and A runs it again.
 - ``duplicate``: one message (one task id) delivered to A and B at once.
@@ -35,7 +38,7 @@ from celery.canvas import Signature
 from . import processes
 from .environment import FenceEnv
 
-WINDOWS = ("pause", "kill", "duplicate", "redis-loss")
+WINDOWS = ("pause", "pause-inside-block", "kill", "duplicate", "redis-loss")
 FINAL_STATES = ("SUCCESS", "FAILURE")
 
 
@@ -88,6 +91,7 @@ class FenceChaos:
         """Run one window (see :data:`WINDOWS`) against ``signature``."""
         runs: dict[str, Callable[[Signature], Injection]] = {
             "pause": self.pause,
+            "pause-inside-block": self.pause_inside_block,
             "kill": self.kill,
             "duplicate": self.duplicate,
             "redis-loss": self.redis_loss,
@@ -107,6 +111,28 @@ class FenceChaos:
         try:
             self._release(first)  # A goes on from here once it is resumed
             second = self._send(inj, signature, b)
+            self._wait(lambda: self._finished(second) >= 1, "the duplicate to finish on worker B")
+            time.sleep(max(0.0, self.env.lease_ttl * 1.5 - (time.monotonic() - paused_at)))
+        finally:
+            a.resume()
+        return inj
+
+    def pause_inside_block(self, signature: Signature) -> Injection:
+        """Pause A inside its fenced block (writes made, commit not) for longer than the TTL
+        while a duplicate runs on B."""
+        a, b = self.workers
+        inj = self._begin("pause-inside-block", signature)
+        first = self._send(inj, signature, a, fault=("block", "hold"))
+        self._wait_event(inj, "block", first, "the body to reach its fenced commit on worker A")
+        a.pause()
+        paused_at = time.monotonic()
+        holds_the_database = self.env.store.dialect == "sqlite"
+        try:
+            self._release(first)  # A goes on to its commit once it is resumed
+            second = self._send(inj, signature, b)
+            if holds_the_database:  # nothing ends a stopped SQLite writer's transaction
+                time.sleep(max(0.0, self.env.lease_ttl * 1.5 - (time.monotonic() - paused_at)))
+                a.resume()
             self._wait(lambda: self._finished(second) >= 1, "the duplicate to finish on worker B")
             time.sleep(max(0.0, self.env.lease_ttl * 1.5 - (time.monotonic() - paused_at)))
         finally:
@@ -145,13 +171,23 @@ class FenceChaos:
 
     # -- the check -------------------------------------------------------------------------------
 
-    def assert_converged(self, key: str, *, timeout: float | None = None) -> None:
+    def assert_converged(
+        self,
+        key: str,
+        *,
+        timeout: float | None = None,
+        check: Callable[[Any], Any] | None = None,
+    ) -> None:
         """Check every window injected since the last call against logical key ``key``.
 
         Waits (at most ``timeout`` seconds) until every delivery finished and the job is
         terminal, then requires: exactly one completion, none of them from a generation older
         than one that had claimed the key, every caller's result equal to the stored one, and
         each outbox effect recorded once (the effects the completing attempt staged).
+
+        ``check``: your own rows too — called with the stored job (a
+        :class:`~celery_fence.store.JobRecord`: ``generation``, ``attempt_id``, ``result``) once
+        the job converged; a falsy return or an ``AssertionError`` fails the assertion.
         """
         pending = self.injections[self._checked :]
         self._checked = len(self.injections)
@@ -159,6 +195,8 @@ class FenceChaos:
             raise ConvergenceError("fence_chaos.assert_converged: inject a window first")
         for inj in pending:
             problems = self._problems(inj, key, self.timeout if timeout is None else timeout)
+            if not problems and check is not None:
+                problems = _user_check(check, self.env.store.get(key))
             if problems:
                 raise ConvergenceError(self._report(inj, key, problems))
 
@@ -219,6 +257,7 @@ class FenceChaos:
                 )
         problems += self._caller_problems(inj, record.result)
         problems += self._outbox_problems(inj, key, record.attempt_id)
+        problems += self._block_problems(inj)
         return problems
 
     def _caller_problems(self, inj: Injection, stored: Any) -> list[str]:
@@ -256,6 +295,30 @@ class FenceChaos:
                 f"({sorted(staged[-1])})"
             )
         return problems
+
+    def _block_problems(self, inj: Injection) -> list[str]:
+        """The fenced blocks' own rows: no ``fence.transaction()`` / ``session()`` block of a
+        generation committed after a newer generation's body had started (its registration
+        came first, so the block's commit had to be refused)."""
+        events = self._events(inj)
+        starts = [
+            (int(e["gen"]), float(e["t"])) for e in events if e["ev"] == "start" and e.get("gen")
+        ]
+        problems = []
+        for e in self._all_events():
+            if e["ev"] != "block_committed" or e.get("attempt") not in self._attempts(events):
+                continue
+            newer = [g for g, t in starts if g > int(e["gen"]) and t < float(e["t0"])]
+            if newer:
+                problems.append(
+                    f"a fenced block of generation {e['gen']} committed its rows although "
+                    f"generation {max(newer)} had registered and started before that commit"
+                )
+        return problems
+
+    @staticmethod
+    def _attempts(events: list[dict[str, Any]]) -> set[str]:
+        return {str(e["attempt"]) for e in events if e["ev"] == "start" and e.get("attempt")}
 
     def _report(self, inj: Injection, key: str, problems: list[str]) -> str:
         lines = [f"fence_chaos: window {inj.window!r} broke for key {key!r} (task {inj.task}):"]
@@ -353,6 +416,20 @@ class FenceChaos:
             lambda: any(e["ev"] == ev and e.get("tid") == tid for e in self._all_events()),
             f"{what} (window {inj.window!r})",
         )
+
+
+def _user_check(check: Callable[[Any], Any], record: Any) -> list[str]:
+    name = getattr(check, "__name__", repr(check))
+    try:
+        ok = check(record)
+    except AssertionError as exc:
+        return [f"your check {name} failed on the converged job: {exc or 'AssertionError'}"]
+    if not ok:
+        return [
+            f"your check {name} returned {ok!r} on the converged job (generation "
+            f"{record.generation}, attempt {record.attempt_id})"
+        ]
+    return []
 
 
 def _canonical(value: Any) -> str:
