@@ -287,3 +287,46 @@ def test_a_fenced_task_run_eagerly_warns(tmp_path: Path, prefix: str) -> None:
     with pytest.warns(FenceEagerWarning, match="fencing is not exercised here"):
         assert job.delay(1).get() == 1
     app.close()
+
+
+TEST_CHECK = """
+import pytest
+
+from celery_fence.testing.chaos import ConvergenceError
+from proj import fenced
+
+
+def test_checks(fence_chaos):
+    fence_chaos.duplicate(fenced.s(3))
+    with pytest.raises(ConvergenceError) as failed:
+        fence_chaos.assert_converged("job:3", check=lambda record: record.generation > 99)
+    with open("false.txt", "w") as f:
+        f.write(str(failed.value))
+
+    def my_row_is_there(record):
+        assert record.result["n"] == 5, "my row says n=4"
+
+    fence_chaos.duplicate(fenced.s(4))
+    with pytest.raises(ConvergenceError) as failed:
+        fence_chaos.assert_converged("job:4", check=my_row_is_there)
+    with open("raises.txt", "w") as f:
+        f.write(str(failed.value))
+
+    seen = []
+    fence_chaos.duplicate(fenced.s(5))
+    fence_chaos.assert_converged("job:5", check=lambda record: seen.append(record) or True)
+    assert [r.result["n"] for r in seen] == [5]
+"""
+
+
+def test_assert_converged_runs_the_users_check_and_fails_naming_the_key(tmp_path: Path) -> None:
+    # Given converged windows and the user's own checks: one returns False, one raises
+    # AssertionError, one passes (each called after convergence, with the stored job),
+    root = _project(tmp_path / "proj", test_check=TEST_CHECK)
+    assert _run(root) == {"test_checks": ("passed", "")}
+    # then the failing ones failed assert_converged with a message naming the key and the check.
+    false = (root / "false.txt").read_text()
+    assert "broke for key 'job:3'" in false and "your check <lambda> returned False" in false
+    raises = (root / "raises.txt").read_text()
+    assert "broke for key 'job:4'" in raises
+    assert "your check my_row_is_there failed on the converged job: my row says n=4" in raises
