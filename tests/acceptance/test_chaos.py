@@ -149,7 +149,7 @@ def test_app_write_on_postgresql_keeps_the_fence(tmp_path: Path, pg_url: str) ->
 #: above (same seed, TTL, attempts and converge timeout); the scenarios each arm runs, and the
 #: safety columns it must fire. ``lost jobs`` fires in the unsettled arm below, and
 #: ``body re-runs after completion`` in the mutation check (no switch turns it on).
-ARMS = {
+ARMS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "--unfenced": (
         "pause,app-write,redis-loss",
         {
