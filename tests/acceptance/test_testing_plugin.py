@@ -45,7 +45,24 @@ from celery_fence import FencedTask
 from celery_fence.schema import jobs, transitions
 
 app = Celery("proj", broker="{BROKER_URL}")
-app.conf.update(fence_redis_url="{REDIS_URL}", fence_lease_ttl=30.0)
+app.conf.update(
+    fence_redis_url="{REDIS_URL}",
+    fence_lease_ttl=30.0,
+    fence_unfenced=os.environ.get("PROJ_UNFENCED") == "1",  # a control arm, for one test
+)
+block_rows = sa.Table(
+    "proj_block_rows",
+    sa.MetaData(),
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("generation", sa.Integer, nullable=False),
+)
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda n: f"block:{{n}}")
+def with_block(self, n):
+    with self.fence.transaction() as conn:
+        conn.execute(block_rows.insert().values(generation=self.fence.generation))
+    return {{"n": n}}
 
 
 @app.task(base=FencedTask, bind=True, fence_key=lambda n: f"job:{{n}}")
@@ -330,3 +347,38 @@ def test_assert_converged_runs_the_users_check_and_fails_naming_the_key(tmp_path
     raises = (root / "raises.txt").read_text()
     assert "broke for key 'job:4'" in raises
     assert "your check my_row_is_there failed on the converged job: my row says n=4" in raises
+
+
+TEST_BLOCK = """
+from proj import block_rows, with_block
+
+
+def test_block(fence_chaos, fence_store):
+    block_rows.metadata.create_all(fence_store.engine)
+    fence_chaos.inject("pause-inside-block", with_block.s(7))
+    fence_chaos.assert_converged("block:7")
+"""
+
+
+@pytest.mark.parametrize("unfenced", [False, True], ids=["fenced", "unfenced"])
+def test_pause_inside_block_checks_the_blocks_own_commit_on_postgresql(
+    tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch, unfenced: bool
+) -> None:
+    # Given a task whose fence.transaction() block inserts a row, stopped inside that block
+    # (after its write, before its commit) past its lease while worker B takes the job over,
+    # with the store's fence on, or off (fence_unfenced: the block is then a plain transaction),
+    monkeypatch.setenv("PROJ_UNFENCED", "1" if unfenced else "0")
+    root = _project(tmp_path / "user", test_block=TEST_BLOCK)
+    outcomes = _run(root, "-p", "no:celery", "--fence-database-url", pg_url)
+    outcome, text = outcomes["test_block"]
+    if not unfenced:
+        # then with the fence the stopped block never commits and the job converges,
+        assert (outcome, text) == ("passed", "")
+        return
+    # and without it assert_converged's own check of the block fails, naming the key.
+    assert outcome == "failed", text
+    assert "window 'pause-inside-block' broke for key 'block:7'" in text
+    assert (
+        "a fenced block of generation 1 committed its rows although generation 2 had registered "
+        "and started before that commit" in text
+    ), text[-3000:]
