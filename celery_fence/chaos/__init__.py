@@ -42,12 +42,15 @@ Scenarios (faults counted per run):
 - ``duplicate``: the same logical job sent 4 times at once to the workers. 3 faults.
 - ``redis-loss``: mid-body, every lease and generation counter of the run is deleted (with
   ``--own-redis``: the harness's own redis-server is SIGKILLed and restarted, empty), then the job
-  is sent again, so Redis hands out a generation the store already saw. 1 fault.
+  is sent again, so Redis hands out a generation the store already saw. Faults: the claims
+  that took the fence's regression branch (ledger ``regressed``: the counter raised above the
+  store's, the claim made again).
 - ``db-outage``: PostgreSQL only — a TCP proxy the harness runs on a free loopback port in front of
   ``--database-url`` (or of a throwaway database it creates through ``--pg-admin-url`` when the
-  store is SQLite; skipped, with the reason, when there is none) stops listening and resets every
-  open connection for 0.5-2 s while two bodies finish and complete, then listens again. The
-  workers talk to the proxy, the checker to the database directly. 1 fault.
+  store is SQLite; skipped, with the reason, when there is none) resets every open connection and
+  every new one for 0.5-2 s while two bodies finish and complete, then forwards again. The
+  workers talk to the proxy, the checker to the database directly. Faults: the store
+  connections the workers attempted inside the outage.
 - ``unknown-remote``: the body charges the provider with ``Idempotency-Key`` =
   ``idempotency_key(key, "charge")``; the provider performs the first request, then answers after
   3x the client's timeout, so the call times out; the retry sends the same key and gets the stored

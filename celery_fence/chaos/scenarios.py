@@ -139,23 +139,28 @@ def run_redis_loss(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]
     s.flush_leases()
     lost_at = time.monotonic()
     s.send(job, sleep=0.1, check=rng.random() < 0.5)
-    return 1, s.converge([job], lost_at)
+    elapsed = s.converge([job], lost_at)
+    # what happened: the claims whose generation the store had already seen (the regression
+    # branch: the counter raised above the store's, the claim made again)
+    return sum(1 for e in s.events(job.key) if e["ev"] == "regressed"), elapsed
 
 
 def run_db_outage(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
-    """The database unreachable (the harness's TCP proxy in front of PostgreSQL refuses and cuts
-    every connection) while the bodies finish and try to complete; then back."""
+    """The database unreachable (the harness's TCP proxy in front of PostgreSQL cuts every open
+    connection and resets every new one) while the bodies finish and try to complete; then back.
+    Faults: the store connections the workers attempted inside the outage (what happened)."""
     assert s.proxy is not None
     jobs = [Job(s.key(i, str(n))) for n in range(2)]
     for job in jobs:
         s.send(job, sleep=rng.uniform(0.2, 0.5), check=rng.random() < 0.5)
     for job in jobs:
         s.wait_event(job.key, "start")
-    s.proxy.down()
+    before = s.proxy.refused
+    s.proxy.refuse()
     down_at = time.monotonic()
     time.sleep(rng.uniform(0.5, 2.0))
-    s.proxy.up()
-    return 1, s.converge(jobs, down_at)
+    s.proxy.accept_again()
+    return s.proxy.refused - before, s.converge(jobs, down_at)
 
 
 def run_unknown_remote(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:

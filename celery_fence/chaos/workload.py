@@ -23,7 +23,9 @@ The workload writes a **ledger** of what really happened: one Redis list,
 - ``kill``    a one-shot fault flag was consumed and the process is about to SIGKILL itself
   (``window``: before_effect, before_commit, after_commit, or poison);
 - ``overrun`` the body starts to overrun (it sleeps until the pool's hard time limit kills it);
-- ``fail``    the body raises a transient error (``ConnectionError``) after its sleep.
+- ``fail``    the body raises a transient error (``ConnectionError``) after its sleep;
+- ``regressed`` a claim got a generation the store had already seen (Redis lost its counter):
+  the fence raised the counter and claimed again (its ``regressed`` log record).
 
 Fault flags are one-shot: ``<ledger prefix>:kill:<window>:<key>`` is consumed with GETDEL right
 before ``os.kill(os.getpid(), SIGKILL)``, so a fault happens once even though the process dies;
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import signal
 import time
@@ -262,6 +265,21 @@ def _outcome(outcome: str) -> Any:
 
     return receiver
 
+
+class _Regressions(logging.Handler):
+    """Records the fence's regression branch (its ``action="regressed"`` log record)."""
+
+    def emit(self, log: logging.LogRecord) -> None:
+        if getattr(log, "action", None) == "regressed":
+            record(
+                "regressed",
+                str(getattr(log, "fence_key", "")),
+                getattr(log, "generation", None),
+                getattr(log, "attempt_id", None),
+            )
+
+
+logging.getLogger("celery_fence").addHandler(_Regressions(logging.WARNING))
 
 for _signal, _name in (
     (fence_signals.job_completed, "completed"),

@@ -46,7 +46,7 @@ MIN_FAULTS = {
     "misconfig": RUNS,
     "refused-arg": RUNS,
 }
-#: Issue 12's windows, and the jobs each run loses when Celery's own exits are left unsettled.
+#: Celery's own exits, and the jobs each run loses when Celery's own exits are left unsettled.
 UNSETTLED_LOSSES = {"time-limit": 2, "expires": 2, "misconfig": 3, "refused-arg": 1}
 
 
@@ -191,7 +191,7 @@ def test_the_arms_together_fire_every_safety_column_but_the_two_named() -> None:
 
 @pytest.mark.timeout(600)
 def test_unsettled_exits_lose_the_jobs_of_the_same_windows(tmp_path: Path) -> None:
-    # Given issue 12's windows (hard time limit, expires on a retry and on a busy reschedule, a
+    # Given Celery's own exits (hard time limit, expires on a retry and on a busy reschedule, a
     # misconfigured worker, an argument PostgreSQL refuses), one run each, but Celery's own exits
     # handled as plain Celery handles them (--unsettled),
     code, report, output = _chaos(
