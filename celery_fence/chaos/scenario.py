@@ -140,7 +140,9 @@ class Scenario:
 
     def queued(self) -> int:
         """Messages of this scenario's queue the broker holds (ready, plus delivered and not
-        yet acked on the Redis transport)."""
+        yet acked on the Redis transport). On AMQP only the ready ones: the protocol does not
+        count delivered-and-unacked messages, so a message a worker holds unacked counts as
+        taken (which is what the misconfig scenario asks: did the bad worker take any)."""
         with self.client.connection_for_write() as conn:
             channel: Any = conn.default_channel
             if conn.transport.driver_type != "redis":
