@@ -219,9 +219,14 @@ class Demo:
             stale = wait_for(partial(_stale, store, key), 40, f"A's rejection on {key}")
             self.say(f"store rejected {key} from generation 1 (attempt {_short(stale.attempt_id)})")
         row = wait_for(lambda: db.get_report(report_id), 10, "the report's row in the app table")
+        refused = _refusals(store, report_key, 1)
         self.say(
-            f"app table example_reports: {report_id} written by generation {row['generation']} "
-            f"(attempt {_short(row['attempt_id'])}); A's fenced write never committed"
+            f"store history of {report_key}, generation 1 after its claim: "
+            + (", ".join(f"{t['action']} ({t['reason']})" for t in refused) or "nothing")
+        )
+        self.say(
+            f"app table example_reports: {report_id} holds generation {row['generation']}'s row "
+            f"(attempt {_short(row['attempt_id'])})"
         )
 
         # 4. New data, new export request: a new input version, a new object.
@@ -278,6 +283,7 @@ class Demo:
                     for t in store.history(key)
                     if t.action == "stale"
                 ],
+                "refused": _refusals(store, key, 1),
             }
             if name in exports:
                 request = exports[name]
@@ -355,6 +361,15 @@ def _stale(store: Any, key: str) -> Any:
     return next((t for t in store.history(key) if t.action == "stale"), None)
 
 
+def _refusals(store: Any, key: str, generation: int) -> list[dict[str, Any]]:
+    """What the store recorded for ``generation`` of ``key`` after its claim (as read back)."""
+    return [
+        {"action": str(t.action), "reason": t.reason, "attempt_id": t.attempt_id}
+        for t in store.history(key)
+        if t.generation == generation and t.action != "claimed"
+    ]
+
+
 def _short(attempt_id: str) -> str:
     return attempt_id[:8]
 
@@ -373,10 +388,11 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"{_short(job['attempt_id'])}); rejected as stale: {stale or 'none'}"
         )
     row = summary["report_row"]
+    refused = ", ".join(f"{t['action']} ({t['reason']})" for t in report["refused"]) or "nothing"
     print(
         f"  {'report table row':<22} example_reports[{row['id']}] by generation "
-        f"{row['generation']} (attempt {_short(row['attempt_id'])}): the paused attempt's "
-        "fenced write never committed"
+        f"{row['generation']} (attempt {_short(row['attempt_id'])}); the store recorded for "
+        f"generation 1 after its claim: {refused}"
     )
     writes = ", ".join(f"generation {w['generation']}" for w in export["object_writes"])
     print(

@@ -5,6 +5,7 @@ Run it against your own configuration (your Redis, broker, database and TTLs)::
     python -m celery_fence.chaos [--scenario NAME|all ...] [--runs N] [--seed S]
         [--redis-url URL] [--broker-url URL] [--database-url URL] [--pg-admin-url URL]
         [--ttl SECONDS] [--max-attempts N] [--workers N] [--own-redis] [--unfenced] [--unsettled]
+        [--provider-not-idempotent]
         [--converge-timeout SECONDS] [--json PATH] [--workdir DIR] [-q]
 
 Defaults: Redis ``redis://127.0.0.1:6379/1`` (leases under a fresh key prefix, the ledger,
@@ -12,7 +13,8 @@ results), broker ``redis://127.0.0.1:6379/2`` (a fresh queue), a fresh SQLite fi
 ``--ttl 1.5`` (renewal every ttl/3), ``--max-attempts 3``, ``--runs 3``, ``--seed 0``, two
 workers per scenario. ``--scenario`` is repeatable or comma-separated. Exit status: 0 when every
 safety column is zero, 1 when one is not, 2 when a harness step itself failed (e.g. a job never
-started; the runs so far are still checked and reported), 130 on Ctrl-C. ``--json PATH`` writes
+started; the runs so far, and the aborted run's jobs, are still checked and reported) or a
+scenario was skipped (not run), 130 on Ctrl-C. ``--json PATH`` writes
 the same results (and the table) as JSON.
 
 Each scenario starts its own real workers (``celery -A celery_fence.chaos.workload worker -c 1``,
@@ -27,10 +29,12 @@ kills; every completed job stages one ``notify`` outbox effect delivered to a
 Scenarios (faults counted per run):
 
 - ``pause``: SIGSTOP the worker running the job mid-body for 1.2-1.6 TTL (its lease expires), send
-  the job again so a second worker takes over with a newer generation, SIGCONT the first one
-  (before or after the newer attempt completed). Runs cycle through four bodies: with or without
-  ``guard()`` before the side effect, with or without an outbox effect; run 0 has neither, so the
-  store's generation fence alone must reject the stale attempt. 1 fault.
+  the job again so a second worker takes over with a newer generation, SIGCONT the first one:
+  even runs while the newer attempt still runs (its body outlasts the first one's, so the stale
+  completion meets a newer row still ``running``), odd runs after it completed. Runs cycle
+  through four bodies: with or without ``guard()`` before the side effect, with or without an
+  outbox effect; run 0 has neither, so the store's generation fence alone must reject the stale
+  attempt. Expected: attempts 2, body starts 2. 1 fault.
 - ``kill``: three jobs at once, one per window, each with a one-shot flag the body consumes (GETDEL)
   right before ``os.kill(os.getpid(), SIGKILL)``: before the side effect, after it but before the
   completion commit, after the commit but before the ack (a ``job_completed`` receiver). Faults:
@@ -38,12 +42,15 @@ Scenarios (faults counted per run):
 - ``duplicate``: the same logical job sent 4 times at once to the workers. 3 faults.
 - ``redis-loss``: mid-body, every lease and generation counter of the run is deleted (with
   ``--own-redis``: the harness's own redis-server is SIGKILLed and restarted, empty), then the job
-  is sent again, so Redis hands out a generation the store already saw. 1 fault.
+  is sent again, so Redis hands out a generation the store already saw. Faults: the claims
+  that took the fence's regression branch (ledger ``regressed``: the counter raised above the
+  store's, the claim made again).
 - ``db-outage``: PostgreSQL only — a TCP proxy the harness runs on a free loopback port in front of
   ``--database-url`` (or of a throwaway database it creates through ``--pg-admin-url`` when the
-  store is SQLite; skipped, with the reason, when there is none) stops listening and resets every
-  open connection for 0.5-2 s while two bodies finish and complete, then listens again. The
-  workers talk to the proxy, the checker to the database directly. 1 fault.
+  store is SQLite; skipped, with the reason, when there is none) resets every open connection and
+  every new one for 0.5-2 s while two bodies finish and complete, then forwards again. The
+  workers talk to the proxy, the checker to the database directly. Faults: the store
+  connections the workers attempted inside the outage.
 - ``unknown-remote``: the body charges the provider with ``Idempotency-Key`` =
   ``idempotency_key(key, "charge")``; the provider performs the first request, then answers after
   3x the client's timeout, so the call times out; the retry sends the same key and gets the stored
@@ -90,8 +97,23 @@ statement or transaction as the state change it records, so its ``id`` order for
 order in which the store accepted the writes; ledger times and transition times come from the
 same machine's clock.
 
+The **ledger is the witness**: each attempt records, from its own worker, its own generation and
+attempt id when its body starts (the store registered it just before), what it wrote, and what
+the store answered it (``outcome``: completed, stale, replayed, retry_scheduled, dead). The
+checker compares the store's history with that ledger, so a fence that stamps the wrong
+generation on its own transition rows is still caught by what the attempts were told.
+
+A scenario that could not run (skipped) or a run the harness aborted is never read as zeros: the
+aborted run's jobs are checked as they are (unfinished ones are lost), the scenario is not
+"safe", and the summary says what was not run (exit status 2).
+
 - **runs**, **faults injected**: as above.
-- **stale writes accepted** (safety): (a) fenced store writes — transitions ``claimed``,
+- **stale attempts refused**: ledger ``outcome`` entries ``stale``: attempts that reached the
+  store with their write and were refused (what happened, not what was planned).
+- **stale writes accepted** (safety): (w) the witness: an attempt of generation g that the store
+  told its ``completed`` or ``dead`` write was accepted, for a key where an attempt of a
+  generation g' > g registered and started its body (a terminal write refuses every later
+  registration, so the newer one came first); (a) fenced store writes — transitions ``claimed``,
   ``completed``, ``retry_scheduled``, ``dead`` — from generation g recorded after a ``claimed``
   transition of a generation g' > g for the same key; (b) fenced store writes recorded after the
   key's first ``completed`` or ``dead`` transition (a terminal state overwritten: only an attempt
@@ -101,17 +123,26 @@ same machine's clock.
 - **stale app-table writes accepted** (safety): rows of ``chaos_app_rows`` (written through
   ``fence.transaction()``, each with the time just before its INSERT) of generation g written
   after a ``claimed`` transition of a generation g' > g for the same key: the row's commit came
-  later still, so it landed although a newer attempt owned the key.
+  later still, so it landed although a newer attempt owned the key; and, from the witness, a
+  block of generation g that committed (ledger ``tx_committed``) although its commit began after
+  an attempt of g' > g had started.
+- **generation claimed twice** (safety): one generation registered for two attempts of a key: two
+  body starts with the same generation and different attempt ids in the ledger, or two
+  ``claimed`` transitions of one generation.
 - **lost jobs** (safety): jobs that, within ``--converge-timeout`` of the fault, did not reach
   ``completed`` or ``dead`` in the store, or had a message that never finished (SUCCESS or
   FAILURE), or whose committed outbox effect was never delivered.
-- **duplicate completions** (safety): accepted ``completed`` transitions of a key beyond the first.
+- **duplicate completions** (safety): accepted ``completed`` transitions of a key beyond the first,
+  or attempts the store told "completed" beyond the first (whichever is more).
 - **duplicate external effects** (safety): for each key and effect name (``charge``, ``notify``),
   what the provider performed beyond once, summed over every idempotency key the ledger and the
   outbox used for it; plus outbox rows beyond one per key and effect name.
 - **body re-runs after completion** (safety): ledger body starts of a key later than its first
   accepted ``completed`` transition.
 - **unexpected outcomes** (safety): a job whose terminal state is not the scenario's expectation:
+  no transition rows at all (the checker would have no evidence); a completed job whose stored
+  attempt is not the one the store told "completed", or never started a body, or that no
+  attempt was told completed; a caller (a SUCCESS message) whose result is not the stored one;
   wrong status (``poison`` jobs, ``time-limit``'s always-overrunning job and ``refused-arg``'s
   must be ``dead``, all others ``completed``); attempts, body starts, the terminal transition's
   reason or the generations claimed other than the scenario states above (``poison``'s
@@ -132,6 +163,11 @@ replaces: ``guard()`` on entry, then a plain transaction. ``--scenario pause --u
 stale writes accepted > 0 (and usually duplicate completions and re-runs), and ``--scenario
 app-write --unfenced`` stale app-table writes > 0, which is the proof that the fence is what keeps
 the other tables at zero.
+
+``--provider-not-idempotent`` is a demonstration too: the provider stub ignores
+``Idempotency-Key`` and performs every request, as a provider without idempotency support would.
+``--scenario unknown-remote --provider-not-idempotent`` then shows duplicate external effects > 0
+(the retried charge is performed twice).
 
 ``--unsettled`` is a demonstration too: it sets ``fence_unsettled=True`` in the workers, which
 leaves Celery's own exits as plain Celery handles them — a hard time limit is acked, ``expires``

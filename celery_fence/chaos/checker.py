@@ -26,6 +26,7 @@ FENCED_WRITES = ("claimed", "completed", "retry_scheduled", "dead")
 SAFETY_COLUMNS = (
     "stale_writes",
     "stale_app_writes",
+    "generations_claimed_twice",
     "lost_jobs",
     "duplicate_completions",
     "duplicate_external_effects",
@@ -37,8 +38,10 @@ COLUMNS = (
     ("scenario", "scenario"),
     ("runs", "runs"),
     ("faults", "faults injected"),
+    ("stale_refused", "stale attempts refused"),
     ("stale_writes", "stale writes accepted"),
     ("stale_app_writes", "stale app-table writes accepted"),
+    ("generations_claimed_twice", "generation claimed twice"),
     ("lost_jobs", "lost jobs"),
     ("duplicate_completions", "duplicate completions"),
     ("duplicate_external_effects", "duplicate external effects"),
@@ -65,6 +68,7 @@ class Job:
     task_ids: list[str] = field(default_factory=list)
     finished: bool = False  # every message of the job finished (SUCCESS or FAILURE)
     states: list[str] = field(default_factory=list)  # the final Celery state of each message
+    results: list[Any] = field(default_factory=list)  # what each SUCCESS message returned
 
 
 @dataclass
@@ -72,8 +76,10 @@ class ScenarioResult:
     scenario: str
     runs: int = 0
     faults: int = 0
+    stale_refused: int = 0  # attempts that reached the store and were refused (the ledger)
     stale_writes: int = 0
     stale_app_writes: int = 0
+    generations_claimed_twice: int = 0
     lost_jobs: int = 0
     duplicate_completions: int = 0
     duplicate_external_effects: int = 0
@@ -86,7 +92,16 @@ class ScenarioResult:
 
     @property
     def safe(self) -> bool:
+        """Every safety column is zero, and it was measured: a skipped scenario or a run the
+        harness aborted is not safe (nothing, or not everything, was checked)."""
+        if self.skipped or self.error or self.runs == 0:
+            return False
         return all(getattr(self, name) == 0 for name in SAFETY_COLUMNS)
+
+    @property
+    def violated(self) -> bool:
+        """A safety column is not zero."""
+        return any(getattr(self, name) != 0 for name in SAFETY_COLUMNS)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -122,9 +137,19 @@ def check(
         history = store.history(job.key)
         events = ledger.get(job.key, [])
         record = store.get(job.key)
-        result.stale_writes += _stale_writes(job.key, history, events, result.violations)
-        result.stale_app_writes += _stale_app_writes(job.key, history, store, result.violations)
-        result.duplicate_completions += _duplicate_completions(job.key, history, result.violations)
+        result.stale_refused += sum(
+            1 for e in events if e["ev"] == "outcome" and e.get("outcome") == "stale"
+        )
+        result.stale_writes += _stale_writes(job.key, history, events, store, result.violations)
+        result.stale_app_writes += _stale_app_writes(
+            job.key, history, events, store, result.violations
+        )
+        result.generations_claimed_twice += _claimed_twice(
+            job.key, history, events, result.violations
+        )
+        result.duplicate_completions += _duplicate_completions(
+            job.key, history, events, result.violations
+        )
         result.reruns_after_completion += _reruns(job.key, history, events, result.violations)
         result.duplicate_external_effects += _duplicate_effects(
             job.key, events, store, by_idem, result.violations
@@ -147,6 +172,49 @@ def check(
     return result
 
 
+# -- the witness: what each attempt tried and was told (the ledger), against the store ----------
+
+
+def _starts(events: Sequence[Mapping[str, Any]]) -> list[tuple[int, float, str]]:
+    """(own generation, time, attempt id) of every body start: the store registered that
+    generation for that attempt just before."""
+    return [
+        (int(e["gen"]), float(e["t"]), str(e.get("attempt")))
+        for e in events
+        if e["ev"] == "start" and e.get("gen") is not None
+    ]
+
+
+def _told(events: Sequence[Mapping[str, Any]], *outcomes: str) -> list[Mapping[str, Any]]:
+    """The ledger's ``outcome`` entries: what the store answered each attempt."""
+    return [
+        e
+        for e in events
+        if e["ev"] == "outcome" and e.get("outcome") in outcomes and e.get("gen") is not None
+    ]
+
+
+def _witness_stale(
+    key: str, events: Sequence[Mapping[str, Any]], violations: list[str]
+) -> set[str]:
+    """Attempts the store told "completed" (or "dead") although a newer generation had been
+    registered for the key and started its body. A terminal write refuses every later
+    registration, so a newer start means the newer registration came first: the write was
+    stale whatever the row the store returned said."""
+    starts = _starts(events)
+    found: set[str] = set()
+    for e in _told(events, "completed", "dead"):
+        newer = [g for g, _, a in starts if g > int(e["gen"]) and a != e.get("attempt")]
+        if newer:
+            found.add(f"{e.get('attempt')}:{e['outcome']}")
+            violations.append(
+                f"stale write (ledger): {key} attempt {str(e.get('attempt'))[:12]} of generation "
+                f"{e['gen']} was told its {e['outcome']} write was accepted although generation "
+                f"{max(newer)} had registered and started"
+            )
+    return found
+
+
 def _claims(history: Sequence[Transition]) -> list[tuple[int, int, float]]:
     """(position, generation, time) of every accepted registration."""
     return [
@@ -156,14 +224,35 @@ def _claims(history: Sequence[Transition]) -> list[tuple[int, int, float]]:
     ]
 
 
+def _orphan_effects(
+    key: str, history: Sequence[Transition], store: Store, violations: list[str]
+) -> int:
+    """Outbox rows not written by an accepted completion: a row is written in the completion's
+    own statement or transaction, with the same time as its ``completed`` transition."""
+    done = [_epoch(t.at) for t in history if t.action == "completed"]
+    count = 0
+    for row in store.outbox.rows(key=key):
+        created = _epoch(row.created_at)
+        if not any(abs(created - at) < 0.002 for at in done):
+            count += 1
+            violations.append(
+                f"stale write: {key} outbox row {row.name!r} was not written by an accepted "
+                "completion (no completed transition at its time)"
+            )
+    return count
+
+
 def _stale_writes(
     key: str,
     history: Sequence[Transition],
     events: Sequence[Mapping[str, Any]],
+    store: Store,
     violations: list[str],
 ) -> int:
     claims = _claims(history)
-    count = 0
+    count = len(_witness_stale(key, events, violations)) + _orphan_effects(
+        key, history, store, violations
+    )
     terminal = None
     for i, t in enumerate(history):
         if t.action not in FENCED_WRITES or t.generation is None:
@@ -198,23 +287,68 @@ def _stale_writes(
 
 
 def _stale_app_writes(
-    key: str, history: Sequence[Transition], store: Store, violations: list[str]
+    key: str,
+    history: Sequence[Transition],
+    events: Sequence[Mapping[str, Any]],
+    store: Store,
+    violations: list[str],
 ) -> int:
-    """App-table rows of generation g written (so committed) after a g' > g was registered."""
+    """App-table writes of generation g that committed although a g' > g was registered first:
+    from the store's history (the row's time just before its INSERT, after the ``claimed``
+    transition of g'), and from the witness (the block's commit began after g' had started)."""
     claims = _claims(history)
     with store.engine.connect() as conn:
         rows = conn.execute(
-            sa.select(APP_ROWS.c.generation, APP_ROWS.c.written_at).where(APP_ROWS.c.key == key)
+            sa.select(APP_ROWS.c.generation, APP_ROWS.c.attempt_id, APP_ROWS.c.written_at).where(
+                APP_ROWS.c.key == key
+            )
         ).all()
-    count = 0
-    for generation, written_at in rows:
+    stale: set[str] = set()
+    for generation, attempt_id, written_at in rows:
         newer = [g for _, g, at in claims if g > generation and at < written_at]
         if newer:
-            count += 1
+            stale.add(str(attempt_id))
             violations.append(
                 f"stale app-table write: {key} row of generation {generation} written "
                 f"{written_at - min(at for _, g, at in claims if g in newer):.3f}s after "
                 f"generation {max(newer)} was registered"
+            )
+    starts = _starts(events)
+    for e in events:
+        if e["ev"] != "tx_committed" or e.get("gen") is None or e.get("t0") is None:
+            continue
+        newer = [g for g, t, a in starts if g > int(e["gen"]) and t < float(e["t0"])]
+        if newer and str(e.get("attempt")) not in stale:
+            stale.add(str(e.get("attempt")))
+            violations.append(
+                f"stale app-table write (ledger): {key} the block of generation {e['gen']} "
+                f"committed although generation {max(newer)} had registered and started before "
+                "its commit began"
+            )
+    return len(stale)
+
+
+def _claimed_twice(
+    key: str,
+    history: Sequence[Transition],
+    events: Sequence[Mapping[str, Any]],
+    violations: list[str],
+) -> int:
+    """One generation registered for two attempts: by the ledger (two bodies started with the
+    same generation) or by the store's history (two ``claimed`` rows of one generation)."""
+    owners: dict[int, set[str]] = defaultdict(set)
+    for g, _, attempt in _starts(events):
+        owners[g].add(attempt)
+    for t in history:
+        if t.action == "claimed" and t.generation is not None and t.attempt_id:
+            owners[t.generation].add(t.attempt_id)
+    count = 0
+    for g, attempts in sorted(owners.items()):
+        if len(attempts) > 1:
+            count += len(attempts) - 1
+            violations.append(
+                f"generation claimed twice: {key} generation {g} registered for "
+                f"{len(attempts)} attempts ({', '.join(sorted(a[:12] for a in attempts))})"
             )
     return count
 
@@ -223,14 +357,27 @@ def _first_completion(history: Sequence[Transition]) -> Transition | None:
     return next((t for t in history if t.action == "completed"), None)
 
 
-def _duplicate_completions(key: str, history: Sequence[Transition], violations: list[str]) -> int:
+def _duplicate_completions(
+    key: str,
+    history: Sequence[Transition],
+    events: Sequence[Mapping[str, Any]],
+    violations: list[str],
+) -> int:
+    """Completions beyond the first: the store's ``completed`` rows, or the attempts the store
+    told "completed" (the witness), whichever shows more."""
     completions = [t for t in history if t.action == "completed"]
+    told = {str(e.get("attempt")) for e in _told(events, "completed")}
     if len(completions) > 1:
         violations.append(
             f"duplicate completion: {key} completed {len(completions)} times "
             f"(generations {[t.generation for t in completions]})"
         )
-    return max(0, len(completions) - 1)
+    if len(told) > 1:
+        violations.append(
+            f"duplicate completion (ledger): {key} {len(told)} attempts were told their "
+            "completion was accepted"
+        )
+    return max(0, len(completions) - 1, len(told) - 1)
 
 
 def _reruns(
@@ -304,10 +451,28 @@ def _unexpected(
     starts = sum(1 for e in events if e["ev"] == "start")
     if job.expect_starts is not None and starts != job.expect_starts:
         problems.append(f"body starts {starts}, expected {job.expect_starts}")
+    if not history:
+        problems.append("no transition rows: the store's history is missing, nothing was checked")
     if record.status == "completed" and (
         not isinstance(record.result, dict) or record.result.get("generation") != record.generation
     ):
         problems.append("stored result is not the stored generation's")
+    if record.status == "completed":
+        told = {str(e.get("attempt")) for e in _told(events, "completed")}
+        started = {a for _, _, a in _starts(events)}
+        if not told:
+            problems.append("no attempt recorded that the store accepted its completion")
+        elif record.attempt_id not in told:
+            problems.append(
+                f"the stored attempt {record.attempt_id[:12]} is not the one the store told "
+                f"completed ({', '.join(sorted(a[:12] for a in told))})"
+            )
+        if record.attempt_id not in started:
+            problems.append(f"the stored attempt {record.attempt_id[:12]} never started a body")
+        for value in job.results:
+            if value != record.result:
+                problems.append("a caller got a result that is not the stored one")
+                break
     if record.status == "completed" and "FAILURE" in job.states:
         problems.append(f"a message ended FAILURE although the job completed ({job.states})")
     if job.expect_reason is not None:

@@ -80,6 +80,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "handles them; expect lost jobs",
     )
     p.add_argument(
+        "--provider-not-idempotent",
+        dest="provider_idempotent",
+        action="store_false",
+        help="DEMONSTRATION ONLY: the provider stub ignores Idempotency-Key and performs every "
+        "request; expect duplicate external effects",
+    )
+    p.add_argument(
         "--own-redis",
         action="store_true",
         help="start a redis-server for the lease store; redis-loss restarts it",
@@ -130,6 +137,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         workers=a.workers,
         unfenced=a.unfenced,
         unsettled=a.unsettled,
+        provider_idempotent=a.provider_idempotent,
         own_redis=a.own_redis,
         converge_timeout=a.converge_timeout,
         json_path=a.json_path,
@@ -147,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted; every process the harness started was stopped", file=sys.stderr)
         return 130
     table = checker.render(results)
-    ok = all(r.safe for r in results)
+    ok = not any(r.violated for r in results)
+    not_run = [r.scenario for r in results if r.skipped or r.runs == 0]
     errors = [f"{r.scenario}: {r.error}" for r in results if r.error]
     print(table)
     for r in results:
@@ -159,19 +168,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{r.scenario}: {v}")
     total = sum(r.faults for r in results)
     arms = "".join(
-        f", {arm}" for arm, on in (("UNFENCED", opts.unfenced), ("UNSETTLED", opts.unsettled)) if on
+        f", {arm}"
+        for arm, on in (
+            ("UNFENCED", opts.unfenced),
+            ("UNSETTLED", opts.unsettled),
+            ("PROVIDER NOT IDEMPOTENT", not opts.provider_idempotent),
+        )
+        if on
     )
+    if not ok:
+        verdict = "SAFETY VIOLATIONS"
+    elif errors or not_run:
+        verdict = "NOT EVERYTHING WAS CHECKED: " + "; ".join(
+            [f"not run: {', '.join(not_run)}"] * bool(not_run)
+            + [f"harness errors in {', '.join(r.scenario for r in results if r.error)}"]
+            * bool(errors)
+        )
+    else:
+        verdict = "every safety column is zero"
     print(
         f"{total} faults injected in {time.monotonic() - started:.0f}s "
-        f"(seed {opts.seed}, ttl {opts.ttl}s{arms}): "
-        + ("every safety column is zero" if ok else "SAFETY VIOLATIONS")
+        f"(seed {opts.seed}, ttl {opts.ttl}s{arms}): {verdict}"
     )
     if opts.json_path:
         Path(opts.json_path).write_text(
             json.dumps(
                 {
-                    "ok": ok and not errors,
+                    "ok": ok and not errors and not not_run,
                     "errors": errors,
+                    "not_run": not_run,
                     "argv": list(sys.argv[1:] if argv is None else argv),
                     "seed": opts.seed,
                     "ttl": opts.ttl,
@@ -187,4 +212,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if not ok:
         return 1
-    return 2 if errors else 0
+    return 2 if errors or not_run else 0

@@ -43,6 +43,7 @@ class Options:
     workers: int = 2
     unfenced: bool = False
     unsettled: bool = False
+    provider_idempotent: bool = True  # False: the provider performs every repeat (control arm)
     own_redis: bool = False
     converge_timeout: float = 60.0
     remote_timeout: float = 0.5

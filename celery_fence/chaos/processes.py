@@ -66,7 +66,9 @@ class TcpProxy:
     the open ones (a real outage as the client sees it); :meth:`up` listens again on the same
     port. :meth:`stall` stops forwarding without closing anything (a peer that has gone silent:
     connections stay open, packets are acknowledged, no answer ever comes); :meth:`unstall`
-    forwards again."""
+    forwards again. :meth:`refuse` cuts the open connections and resets every new one until
+    :meth:`accept_again`, counting them in :attr:`refused`: the store calls made inside the
+    outage."""
 
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
         self.upstream = (upstream_host, upstream_port)
@@ -75,7 +77,20 @@ class TcpProxy:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._stalled = threading.Event()
+        self._refusing = False
+        self.refused = 0  # connections reset while refusing
         register_closer(self.down)
+
+    def refuse(self) -> None:
+        with self._lock:
+            self._refusing = True
+            conns, self._conns = self._conns, set()
+        for conn in conns:
+            _reset(conn)
+
+    def accept_again(self) -> None:
+        with self._lock:
+            self._refusing = False
 
     def stall(self) -> None:
         self._stalled.set()
@@ -103,10 +118,7 @@ class TcpProxy:
                 listener.shutdown(socket.SHUT_RDWR)
             listener.close()
         for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
-            with contextlib.suppress(OSError):
-                conn.close()
+            _reset(conn)
 
     def _accept(self, listener: socket.socket) -> None:
         while True:
@@ -114,6 +126,12 @@ class TcpProxy:
                 client, _ = listener.accept()
             except OSError:
                 return
+            with self._lock:
+                refusing = self._refusing
+                self.refused += refusing
+            if refusing:
+                _reset(client)
+                continue
             try:
                 server = socket.create_connection(self.upstream, timeout=5)
                 server.settimeout(None)
@@ -152,3 +170,11 @@ class TcpProxy:
             for s in (src, dst):
                 with contextlib.suppress(OSError):
                     s.close()
+
+
+def _reset(conn: socket.socket) -> None:
+    """Close with a TCP reset (what a peer that went away leaves the client with)."""
+    with contextlib.suppress(OSError):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        conn.close()

@@ -44,12 +44,14 @@ class Scenario:
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
     workers: list[Worker] = field(default_factory=list)
     jobs: list[Job] = field(default_factory=list)
+    #: Every job a run sent, converged or not (an aborted run's jobs are still checked).
+    sent: list[Job] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prefix = f"chaos-{self.run_id}"
         self.ledger_prefix = f"{self.prefix}-ledger"
         self.queue = f"chaos-{self.run_id}"
-        self.provider = ProviderStub()
+        self.provider = ProviderStub(idempotent=self.opts.provider_idempotent)
         self.ledger = redis.Redis.from_url(self.opts.redis_url)
         self.leases = redis.Redis.from_url(self.lease_redis_url)
         self.client = Celery(
@@ -132,11 +134,15 @@ class Scenario:
             TASK_NAME, args=[job.key], kwargs=kwargs, queue=self.queue, **(options or {})
         )
         job.task_ids.append(result.id)
+        if not any(j is job for j in self.sent):
+            self.sent.append(job)
         return str(result.id)
 
     def queued(self) -> int:
         """Messages of this scenario's queue the broker holds (ready, plus delivered and not
-        yet acked on the Redis transport)."""
+        yet acked on the Redis transport). On AMQP only the ready ones: the protocol does not
+        count delivered-and-unacked messages, so a message a worker holds unacked counts as
+        taken (which is what the misconfig scenario asks: did the bad worker take any)."""
         with self.client.connection_for_write() as conn:
             channel: Any = conn.default_channel
             if conn.transport.driver_type != "redis":
@@ -222,10 +228,23 @@ class Scenario:
             )
             converged = False
         elapsed = time.monotonic() - since
-        for job in jobs:
-            job.finished = self._finished(job)
-            job.states = [str(self.client.AsyncResult(t).state) for t in job.task_ids]
-        self.jobs.extend(jobs)
+        self._collect(jobs)
         for w in self.workers:  # whatever happened, no worker stays stopped
             w.signal(signal.SIGCONT)
         return elapsed if converged else max(elapsed, self.opts.converge_timeout)
+
+    def _collect(self, jobs: Sequence[Job]) -> None:
+        """What each job's messages ended with (state, and the value a SUCCESS returned)."""
+        for job in jobs:
+            job.finished = self._finished(job)
+            results = [self.client.AsyncResult(t) for t in job.task_ids]
+            job.states = [str(r.state) for r in results]
+            job.results = [r.result for r in results if r.state == "SUCCESS"]
+            if not any(j is job for j in self.jobs):
+                self.jobs.append(job)
+
+    def abandon(self) -> None:
+        """A run aborted: its jobs are checked as they are (a job left unfinished is lost)."""
+        for w in self.workers:
+            w.signal(signal.SIGCONT)
+        self._collect([j for j in self.sent if not any(j is k for k in self.jobs)])

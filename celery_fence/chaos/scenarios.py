@@ -35,10 +35,14 @@ def run_pause(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
 
     Runs cycle through four bodies: with or without ``guard()`` before the side effect, with or
     without an outbox effect. Run 0 has neither, so only the store's generation fence stands
-    between the stale attempt and a stale write."""
+    between the stale attempt and a stale write. Even runs resume the first attempt while the
+    newer one still runs (its body outlasts the first one's), so the stale completion meets a
+    newer row that is still ``running``: only the generation and attempt in the completion's
+    predicate refuse it. Odd runs resume it after the newer attempt completed."""
     ttl = s.opts.ttl
-    job = Job(s.key(i))
+    job = Job(s.key(i), expect_attempts=2, expect_starts=2)
     check, notify = ((False, False), (True, True), (False, True), (True, False))[i % 4]
+    while_running = i % 2 == 0
     s.send(job, sleep=ttl * 2.5, check=check, notify=notify)
     first = s.wait_event(job.key, "start")
     a = s.worker_of(first["pid"])
@@ -46,32 +50,52 @@ def run_pause(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     a.signal(signal.SIGSTOP)
     paused_at = time.monotonic()
     time.sleep(ttl * rng.uniform(1.2, 1.6))  # A's lease expires in Redis: nobody renews it
-    s.send(job, sleep=0.1, check=True)
+    s.send(job, sleep=ttl * 4.0 if while_running else 0.1, check=True)
     s.wait_event(job.key, "start", gen=lambda e: e["gen"] > first["gen"])
-    if rng.random() < 0.5:  # resume after the newer attempt completed, or while it works
+    if not while_running:
         wait_until(lambda: (r := s.store.get(job.key)) is not None and r.status == "completed", 30)
     a.signal(signal.SIGCONT)
     return 1, s.converge([job], paused_at)
 
 
 def run_app_write(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
-    """SIGSTOP the worker inside its ``fence.transaction()`` block (entered, not yet written) past
-    its TTL, let a newer attempt take over and write its own row, SIGCONT.
+    """Even runs: SIGSTOP the worker inside its ``fence.transaction()`` block (entered, not yet
+    written) past its TTL, let a newer attempt take over and write its own row, SIGCONT.
 
     On PostgreSQL the server ends the paused block's session after one TTL idle; on SQLite the
     paused block holds the database's write lock, so the newer attempt cannot register until the
     first one resumes: the harness resumes it once the newer attempt started or two TTLs passed.
-    Odd runs also stage an outbox effect."""
+
+    Odd runs: the first attempt writes its row and waits inside the block, before its commit,
+    while every lease and generation counter is lost and the job is sent again; the newer
+    attempt registers (on PostgreSQL, while the block is still open) and starts, then the block
+    commits: only the commit-time check refuses it. Odd runs also stage an outbox effect."""
     ttl = s.opts.ttl
     job = Job(s.key(i))
-    s.send(job, app_write=True, block_sleep=ttl * 2.5, check=False, notify=i % 2 == 1)
+    notify = i % 2 == 1
+    if i % 2 == 1:
+        s.send(job, app_write=True, hold_in_block=ttl * 0.8, check=False, notify=notify)
+        written = s.wait_event(job.key, "tx_written")
+        s.flush_leases()
+        lost_at = time.monotonic()
+        s.send(job, app_write=True, sleep=0.1, check=False, notify=notify)
+        with contextlib.suppress(TimeoutError):  # on SQLite it waits for the block's commit
+            s.wait_event(
+                job.key,
+                "start",
+                timeout=ttl * 0.7,
+                other=lambda e: e["attempt"] != written["attempt"],
+            )
+        s.ledger.set(f"{s.ledger_prefix}:go:{job.key}", 1)
+        return 1, s.converge([job], lost_at)
+    s.send(job, app_write=True, block_sleep=ttl * 2.5, check=False, notify=notify)
     entered = s.wait_event(job.key, "tx")
     a = s.worker_of(entered["pid"])
     time.sleep(rng.uniform(0.05, ttl * 0.3))
     a.signal(signal.SIGSTOP)
     paused_at = time.monotonic()
     time.sleep(ttl * rng.uniform(1.2, 1.6))  # A's lease expires in Redis: nobody renews it
-    s.send(job, app_write=True, sleep=0.1, check=False, notify=i % 2 == 1)
+    s.send(job, app_write=True, sleep=0.1, check=False, notify=notify)
     with contextlib.suppress(TimeoutError):
         s.wait_event(job.key, "start", timeout=ttl * 2, gen=lambda e: e["gen"] > entered["gen"])
         if rng.random() < 0.5:  # resume after the newer attempt completed, or while it works
@@ -120,23 +144,28 @@ def run_redis_loss(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]
     s.flush_leases()
     lost_at = time.monotonic()
     s.send(job, sleep=0.1, check=rng.random() < 0.5)
-    return 1, s.converge([job], lost_at)
+    elapsed = s.converge([job], lost_at)
+    # what happened: the claims whose generation the store had already seen (the regression
+    # branch: the counter raised above the store's, the claim made again)
+    return sum(1 for e in s.events(job.key) if e["ev"] == "regressed"), elapsed
 
 
 def run_db_outage(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
-    """The database unreachable (the harness's TCP proxy in front of PostgreSQL refuses and cuts
-    every connection) while the bodies finish and try to complete; then back."""
+    """The database unreachable (the harness's TCP proxy in front of PostgreSQL cuts every open
+    connection and resets every new one) while the bodies finish and try to complete; then back.
+    Faults: the store connections the workers attempted inside the outage (what happened)."""
     assert s.proxy is not None
     jobs = [Job(s.key(i, str(n))) for n in range(2)]
     for job in jobs:
         s.send(job, sleep=rng.uniform(0.2, 0.5), check=rng.random() < 0.5)
     for job in jobs:
         s.wait_event(job.key, "start")
-    s.proxy.down()
+    before = s.proxy.refused
+    s.proxy.refuse()
     down_at = time.monotonic()
     time.sleep(rng.uniform(0.5, 2.0))
-    s.proxy.up()
-    return 1, s.converge(jobs, down_at)
+    s.proxy.accept_again()
+    return s.proxy.refused - before, s.converge(jobs, down_at)
 
 
 def run_unknown_remote(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:

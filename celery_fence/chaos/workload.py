@@ -13,11 +13,19 @@ The workload writes a **ledger** of what really happened: one Redis list,
 - ``call``    an external call to the provider (``outcome``: ok, timeout, error; ``idem``: the
   idempotency key sent; ``effect``: the effect name);
 - ``tx``      the body entered its ``self.fence.transaction()`` block (``app_write``), before its
-  write; ``tx_committed``: the block committed;
+  write; ``tx_committed``: the block committed (``t0``: the time just before the block's commit
+  began);
+- ``outcome`` what the store answered this attempt (``outcome``: completed, stale, replayed,
+  retry_scheduled, dead), from the fence's own signals in the worker, with the attempt's own
+  generation and attempt id (never the row the store returned). With ``start`` (the attempt's
+  generation, as the store registered it) this is the checker's witness: it compares the store's
+  history with what each attempt tried and was told, not with itself;
 - ``kill``    a one-shot fault flag was consumed and the process is about to SIGKILL itself
   (``window``: before_effect, before_commit, after_commit, or poison);
 - ``overrun`` the body starts to overrun (it sleeps until the pool's hard time limit kills it);
-- ``fail``    the body raises a transient error (``ConnectionError``) after its sleep.
+- ``fail``    the body raises a transient error (``ConnectionError``) after its sleep;
+- ``regressed`` a claim got a generation the store had already seen (Redis lost its counter):
+  the fence raised the counter and claimed again (its ``regressed`` log record).
 
 Fault flags are one-shot: ``<ledger prefix>:kill:<window>:<key>`` is consumed with GETDEL right
 before ``os.kill(os.getpid(), SIGKILL)``, so a fault happens once even though the process dies;
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import signal
 import time
@@ -165,6 +174,7 @@ def op(
     notify: bool = True,
     app_write: bool = False,
     block_sleep: float = 0.0,
+    hold_in_block: float = 0.0,
     payload: str = "",
 ) -> dict[str, Any]:
     """One logical operation. ``check=False``: no direct side effect, the body relies on the
@@ -172,7 +182,8 @@ def op(
     ``notify=False``: no outbox effect either (the outbox's unique idempotency key would
     otherwise refuse a second completion on its own), so the result is the only thing written.
     ``app_write``: write one row to the app's table inside ``self.fence.transaction()``, after
-    ``block_sleep`` seconds inside the block.
+    ``block_sleep`` seconds inside the block; then, with ``hold_in_block``, wait (at most that
+    long) inside the block, after the write and before its commit, for the harness's ``go`` flag.
     ``payload``: only carried in the request (the refused-arg scenario puts a NUL in it)."""
     fence = self.fence
     gen, attempt = fence.generation, fence.attempt_id
@@ -217,7 +228,13 @@ def op(
                 time.sleep(0.02)
             row = {"key": key, "generation": gen, "attempt_id": attempt, "written_at": time.time()}
             conn.execute(APP_ROWS.insert().values(**row))
-        record("tx_committed", key, gen, attempt)
+            if hold_in_block:
+                record("tx_written", key, gen, attempt)
+                end = time.monotonic() + hold_in_block
+                while time.monotonic() < end and not _once("go", key):
+                    time.sleep(0.02)
+            t0 = time.time()  # the block's commit (fenced) starts when the block ends
+        record("tx_committed", key, gen, attempt, t0=t0)
     _kill_once("before_commit", key, gen, attempt)
     if notify:
         fence.outbox.add(NOTIFY, {"key": key})
@@ -239,4 +256,37 @@ def _kill_after_commit(sender: Any = None, key: str = "", **kw: Any) -> None:
     _kill_once("after_commit", key, kw.get("generation"), kw.get("attempt_id"))
 
 
-fence_signals.job_completed.connect(_kill_after_commit, weak=False)
+def _outcome(outcome: str) -> Any:
+    """A receiver that records what the store answered the attempt (its own generation)."""
+
+    def receiver(sender: Any = None, key: str = "", **kw: Any) -> None:
+        # the attempt's own claim (the settle step's attempt), not a row the store returned
+        record("outcome", key, kw.get("generation"), kw.get("attempt_id"), outcome=outcome)
+
+    return receiver
+
+
+class _Regressions(logging.Handler):
+    """Records the fence's regression branch (its ``action="regressed"`` log record)."""
+
+    def emit(self, log: logging.LogRecord) -> None:
+        if getattr(log, "action", None) == "regressed":
+            record(
+                "regressed",
+                str(getattr(log, "fence_key", "")),
+                getattr(log, "generation", None),
+                getattr(log, "attempt_id", None),
+            )
+
+
+logging.getLogger("celery_fence").addHandler(_Regressions(logging.WARNING))
+
+for _signal, _name in (
+    (fence_signals.job_completed, "completed"),
+    (fence_signals.stale_rejected, "stale"),
+    (fence_signals.job_replayed, "replayed"),
+    (fence_signals.job_retry_scheduled, "retry_scheduled"),
+    (fence_signals.job_dead, "dead"),
+):
+    _signal.connect(_outcome(_name), weak=False)
+fence_signals.job_completed.connect(_kill_after_commit, weak=False)  # after its outcome entry

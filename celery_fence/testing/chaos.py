@@ -6,10 +6,10 @@ deliver task), and the windows, each given a Celery signature of the user's task
 - ``pause``: A's body starts (claim and registration done), A is SIGSTOPped — the whole worker,
   so its lease stops renewing — a duplicate is sent to B, which takes over once the lease expires
   and finishes; A is resumed after at least 1.5 TTL and finishes its attempt.
-- ``pause-inside-block`` (:data:`BLOCK_WINDOWS`: for a task that writes in ``fence.atomic()``):
-  as ``pause``, but A is stopped inside its fenced block,
-  after its writes and before its fenced commit (on SQLite, whose write lock A then holds, A is
-  resumed after 1.5 TTL without waiting for B).
+- ``pause-inside-block`` (:data:`BLOCK_WINDOWS`: for a task that writes in a fenced block,
+  ``fence.atomic()``, ``transaction()`` or ``session()``): as ``pause``, but A is stopped inside
+  its outermost fenced block, after its writes and before its fenced commit (on SQLite, whose
+  write lock A then holds, A is resumed after 1.5 TTL without waiting for B).
 - ``kill``: A's pool process is SIGKILLed after the completion committed and before the ack;
   Celery gives the message back and A runs it again.
 - ``duplicate``: one message (one task id) delivered to A and B at once.
@@ -40,8 +40,8 @@ from . import processes
 from .environment import FenceEnv
 
 WINDOWS = ("pause", "kill", "duplicate", "redis-loss")
-#: Windows for a task with a fenced block (``fence.atomic()``): not in :data:`WINDOWS`, whose
-#: windows fit every task.
+#: Windows for a task with a fenced block (``fence.atomic()``, ``transaction()``, ``session()``):
+#: not in :data:`WINDOWS`, whose windows fit every task.
 BLOCK_WINDOWS = ("pause-inside-block",)
 FINAL_STATES = ("SUCCESS", "FAILURE")
 
@@ -136,7 +136,8 @@ class FenceChaos:
         if not self._seen("block", first):
             raise ConvergenceError(
                 f"fence_chaos: task {inj.task} finished without a fenced block to pause inside: "
-                "the pause-inside-block window needs a body that writes in self.fence.atomic()"
+                "the pause-inside-block window needs a body that writes in a fenced block "
+                "(self.fence.atomic(), transaction() or session())"
             )
         a.pause()
         paused_at = time.monotonic()
@@ -271,6 +272,7 @@ class FenceChaos:
                 )
         problems += self._caller_problems(inj, record.result)
         problems += self._outbox_problems(inj, key, record.attempt_id)
+        problems += self._block_problems(inj)
         return problems
 
     def _caller_problems(self, inj: Injection, stored: Any) -> list[str]:
@@ -308,6 +310,30 @@ class FenceChaos:
                 f"({sorted(staged[-1])})"
             )
         return problems
+
+    def _block_problems(self, inj: Injection) -> list[str]:
+        """The fenced blocks' own rows: no ``fence.transaction()`` / ``session()`` block of a
+        generation committed after a newer generation's body had started (its registration
+        came first, so the block's commit had to be refused)."""
+        events = self._events(inj)
+        starts = [
+            (int(e["gen"]), float(e["t"])) for e in events if e["ev"] == "start" and e.get("gen")
+        ]
+        problems = []
+        for e in self._all_events():
+            if e["ev"] != "block_committed" or e.get("attempt") not in self._attempts(events):
+                continue
+            newer = [g for g, t in starts if g > int(e["gen"]) and t < float(e["t0"])]
+            if newer:
+                problems.append(
+                    f"a fenced block of generation {e['gen']} committed its rows although "
+                    f"generation {max(newer)} had registered and started before that commit"
+                )
+        return problems
+
+    @staticmethod
+    def _attempts(events: list[dict[str, Any]]) -> set[str]:
+        return {str(e["attempt"]) for e in events if e["ev"] == "start" and e.get("attempt")}
 
     def _report(self, inj: Injection, key: str, problems: list[str]) -> str:
         lines = [f"fence_chaos: window {inj.window!r} broke for key {key!r} (task {inj.task}):"]

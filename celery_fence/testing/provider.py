@@ -7,9 +7,13 @@ A small threaded HTTP service on 127.0.0.1:
   stored response (header ``Idempotent-Replayed: true``) without performing again. A repeat with
   the same key but another path or body is refused with 422, as real providers do. A request
   without the header is performed every time.
+- ``ProviderStub(idempotent=False)`` is a provider without idempotency support: it ignores the
+  header and performs every request (the control arm for "duplicate external effects").
 - ``GET /stats`` → ``{"performed": n, "requests": m, "by_key": {key: {...}}}``: what it really
-  did. ``by_key[key]`` holds ``requests``, ``performed``, ``path``, ``status`` and ``response``
-  (the stored response, which echoes the request body under ``"request"``).
+  did. ``by_key[key]`` holds ``requests``, ``performed`` (the operations really performed under
+  that key: 1 when the provider deduplicated every repeat, more when it did not), ``path``,
+  ``status`` and ``response`` (the last performed response, which echoes the request body under
+  ``"request"``).
 - Faults for the next requests: ``fail_next(n, status=503)`` answers an error without performing;
   ``fail_next(n, after_perform=True)`` performs and stores, then answers an error;
   ``delay_next(seconds, n)`` performs and stores, then waits before answering — the caller times
@@ -55,12 +59,13 @@ class _KeyState:
     status: int
     response: dict[str, Any]
     requests: int = 0
-    performed: int = 1
+    performed: int = 0  # operations really performed under this key
 
 
 @dataclass
 class _State:
     lock: threading.Lock = field(default_factory=threading.Lock)
+    idempotent: bool = True  # False: the header is ignored, every request is performed
     requests: int = 0
     performed: int = 0
     by_key: dict[str, _KeyState] = field(default_factory=dict)
@@ -71,10 +76,10 @@ class _State:
 class ProviderStub:
     """An idempotent HTTP provider on 127.0.0.1 (see the module docstring)."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, idempotent: bool = True) -> None:
         self.host = host
         self.port = port
-        self._state = _State()
+        self._state = _State(idempotent=idempotent)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -268,10 +273,10 @@ def _handler_class(state: _State) -> type[BaseHTTPRequestHandler]:
                 stored = state.by_key.get(key) if key else None
                 if stored is not None:
                     stored.requests += 1
-                    if not _same_request(stored, self.path, body):
-                        status, response, replayed = 422, _mismatch(key), False
-                    else:
-                        status, response, replayed = stored.status, stored.response, True
+                if stored is not None and not _same_request(stored, self.path, body):
+                    status, response, replayed = 422, _mismatch(key), False
+                elif stored is not None and state.idempotent:
+                    status, response, replayed = stored.status, stored.response, True
                 elif fault is not None and fault.kind == "fail" and not fault.after_perform:
                     status, response, replayed = fault.status, {"error": "simulated failure"}, False
                 else:
@@ -283,8 +288,12 @@ def _handler_class(state: _State) -> type[BaseHTTPRequestHandler]:
                         "path": self.path,
                         "request": _json_or_none(body),
                     }
-                    if key:
-                        state.by_key[key] = _KeyState(self.path, body, status, response, 1)
+                    if key and stored is None:
+                        stored = state.by_key[key] = _KeyState(self.path, body, status, response, 1)
+                    elif stored is not None:  # a provider without idempotency: performed again
+                        stored.status, stored.response = status, response
+                    if stored is not None:
+                        stored.performed += 1
             if fault is not None and fault.kind == "delay":
                 time.sleep(fault.seconds)
             if fault is not None and fault.kind == "fail" and fault.after_perform:

@@ -16,6 +16,11 @@ Celery task id and consumed once (GET and DEL in one transaction):
   ``job_completed`` signal; Celery's ``task_success`` for a task that is not fenced): ``kill``
   SIGKILLs the pool process, so Celery gives the message back and it is delivered again.
 
+The ``block`` point is also met by the outermost ``fence.transaction()`` / ``fence.session()``
+block, after the block's own code and before its fenced commit; each of those blocks that
+committed is recorded (``block_committed``, with ``t0``: the time just before its commit began),
+which :meth:`~celery_fence.testing.chaos.FenceChaos.assert_converged` checks.
+
 Every body start and return and every finished delivery is recorded as one JSON line in
 ``<prefix>:testing:events``: task id, pid, fence key, generation, attempt id, the names of staged
 outbox effects and Celery's final state — never arguments, results or payloads.
@@ -23,11 +28,13 @@ outbox effects and Celery's final state — never arguments, results or payloads
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from celery import Celery
@@ -125,6 +132,41 @@ class Hooks:
         self.record(ev="done", tid=task_id, task=getattr(sender, "name", None), state=state)
 
 
+def watch_blocks(hooks: Hooks) -> None:
+    """Give the outermost ``fence.transaction()`` / ``fence.session()`` block the ``block``
+    fault point before its commit, and record each block that committed."""
+    from celery_fence.fence import Fence
+
+    for name in ("transaction", "session"):
+        original = getattr(Fence, name)
+        if getattr(original, "_fence_testing_wrapped", False):
+            continue
+
+        def wrapped(fence: Any, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
+            return _watched(hooks, fence, __original(fence, *args, **kwargs))
+
+        wrapped._fence_testing_wrapped = True  # type: ignore[attr-defined]
+        setattr(Fence, name, functools.wraps(original)(wrapped))
+
+
+@contextlib.contextmanager
+def _watched(hooks: Hooks, fence: Any, block: Any) -> Iterator[Any]:
+    outermost = getattr(fence, "_block", None) is None
+    with block as value:
+        yield value
+        if outermost:
+            hooks.inside_block()
+        began = time.time()  # the block's fenced commit starts as it closes
+    if outermost:
+        hooks.record(
+            ev="block_committed",
+            key=fence.key,
+            gen=fence.generation,
+            attempt=fence.attempt_id,
+            t0=began,
+        )
+
+
 def load(spec: dict[str, Any]) -> Celery:
     """The user's app, configured for the test, with the fault points installed."""
     app: Celery = find_app(spec["app"])
@@ -139,6 +181,7 @@ def load(spec: dict[str, Any]) -> Celery:
     worker_init.connect(hooks.wrap_tasks, weak=False)
     fence_signals.job_completed.connect(hooks.after_commit, weak=False)
     fence_signals.block_committing.connect(hooks.inside_block, weak=False)
+    watch_blocks(hooks)
     task_success.connect(hooks.after_commit, weak=False)
     task_postrun.connect(hooks.finished, weak=False)
     return app

@@ -1,11 +1,12 @@
 """The chaos suite as users run it: ``python -m celery_fence.chaos`` in a subprocess, read back
-through its ``--json`` output (issue 6).
+through its ``--json`` output.
 
 A short run of every scenario must inject its faults and keep every safety column at zero; the
-same pause scenario against the deliberately unfenced store must accept stale writes (so the
-zeros are the fence's doing); the windows of issue 12 with Celery's own exits left unsettled
-(``--unsettled``) must lose jobs (so those zeros are the settle step's doing); Ctrl-C must leave
-no worker behind.
+same scenarios with one mechanism switched off (the store's generation fence, the provider's
+idempotency) must fire the columns that mechanism keeps at zero (so the zeros are its doing);
+the time-limit, expires, misconfig and refused-arg windows with Celery's own exits left
+unsettled (``--unsettled``) must lose jobs (so those zeros are the settle step's doing); Ctrl-C
+must leave no worker behind.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ MIN_FAULTS = {
     "refused-arg": RUNS,
     "recovered-chain": RUNS,
 }
-#: Issue 12's windows, and the jobs each run loses when Celery's own exits are left unsettled.
+#: Celery's own exits, and the jobs each run loses when Celery's own exits are left unsettled.
 UNSETTLED_LOSSES = {"time-limit": 2, "expires": 2, "misconfig": 3, "refused-arg": 1}
 
 
@@ -133,21 +134,6 @@ def test_pause_on_postgresql_keeps_the_fence(tmp_path: Path, pg_url: str) -> Non
 
 
 @pytest.mark.timeout(600)
-def test_unfenced_store_accepts_stale_writes_under_the_same_pause(tmp_path: Path) -> None:
-    # Given the same pause scenario, but the workers' store fence turned off (--unfenced),
-    code, report, output = _chaos(
-        tmp_path, "--scenario", "pause", "--runs", str(RUNS), "--unfenced"
-    )
-    row = _by_name(report)["pause"]
-    # then the stale attempt's writes are accepted and the harness fails, as it must.
-    assert report["unfenced"] is True
-    assert row["faults"] == RUNS
-    assert row["stale_writes"] > 0, row
-    assert any("accepted after" in v for v in row["violations"]), row["violations"]
-    assert code == 1 and report["ok"] is False, output
-
-
-@pytest.mark.timeout(600)
 def test_app_write_on_postgresql_keeps_the_fence(tmp_path: Path, pg_url: str) -> None:
     # Given a worker paused inside its fence.transaction() block, the store on PostgreSQL,
     code, report, output = _chaos(
@@ -160,24 +146,53 @@ def test_app_write_on_postgresql_keeps_the_fence(tmp_path: Path, pg_url: str) ->
     assert code == 0, output
 
 
-@pytest.mark.timeout(600)
-def test_unfenced_app_writes_land_stale_under_the_same_pause(tmp_path: Path) -> None:
-    # Given the app-write window with the fence off (fence.transaction() is then guard() + a
-    # plain transaction: the pattern the fence replaces),
+#: The control arms: one mechanism switched off per arm, everything else as in the fenced run
+#: above (same seed, TTL, attempts and converge timeout); the scenarios each arm runs, and the
+#: safety columns it must fire. ``lost jobs`` fires in the unsettled arm below, and
+#: ``body re-runs after completion`` in the mutation check (no switch turns it on).
+ARMS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
+    "--unfenced": (
+        "pause,app-write,redis-loss",
+        {
+            "pause": ("stale_writes", "duplicate_completions", "unexpected_outcomes"),
+            "app-write": ("stale_app_writes",),
+            "redis-loss": ("generations_claimed_twice",),
+        },
+    ),
+    "--provider-not-idempotent": (
+        "unknown-remote",
+        {"unknown-remote": ("duplicate_external_effects", "unexpected_outcomes")},
+    ),
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_each_control_arm_fires_its_safety_columns(tmp_path: Path, arm: str) -> None:
+    # Given the fenced run's scenarios, seed and timeouts with one mechanism switched off (the
+    # store's generation fence, or the provider's idempotency),
+    scenarios, fires = ARMS[arm]
     code, report, output = _chaos(
-        tmp_path, "--scenario", "app-write", "--runs", str(RUNS), "--unfenced"
+        tmp_path, "--scenario", scenarios, "--runs", str(RUNS), "--seed", "7", arm
     )
-    row = _by_name(report)["app-write"]
-    # then the paused attempt's row lands after the newer attempt registered.
-    assert row["faults"] == RUNS
-    assert row["stale_app_writes"] > 0, row
-    assert any("stale app-table write" in v for v in row["violations"]), row["violations"]
+    rows = _by_name(report)
+    # then each scenario fires the columns that mechanism keeps at zero, and the harness fails.
+    for name, columns in fires.items():
+        row = rows[name]
+        assert row["runs"] == RUNS and row["skipped"] is None, (name, row, output)
+        for column in columns:
+            assert row[column] > 0, (name, column, row["violations"])
     assert code == 1 and report["ok"] is False, output
+
+
+def test_the_arms_together_fire_every_safety_column_but_the_two_named() -> None:
+    fired = {c for _, fires in ARMS.values() for columns in fires.values() for c in columns}
+    assert set(SAFETY_COLUMNS) - fired == {"lost_jobs", "reruns_after_completion"}
 
 
 @pytest.mark.timeout(600)
 def test_unsettled_exits_lose_the_jobs_of_the_same_windows(tmp_path: Path) -> None:
-    # Given issue 12's windows (hard time limit, expires on a retry and on a busy reschedule, a
+    # Given Celery's own exits (hard time limit, expires on a retry and on a busy reschedule, a
     # misconfigured worker, an argument PostgreSQL refuses), one run each, but Celery's own exits
     # handled as plain Celery handles them (--unsettled),
     code, report, output = _chaos(

@@ -92,6 +92,19 @@ def test_the_demo_tells_the_story_and_its_summary_matches_the_store(tmp_path: Pa
     assert [tuple(r) for r in rows] == [(report["result"]["report_id"], 2, report["attempt_id"])]
     assert summary["report_row"]["generation"] == 2
     assert summary["report_row"]["attempt_id"] == report["attempt_id"]
+    # What the demo printed about the paused attempt is the store's own record of it: refused
+    # (never completed), by the attempt that claimed generation 1.
+    refused = [
+        {"action": str(t.action), "reason": t.reason, "attempt_id": t.attempt_id}
+        for t in store.history(report["key"])
+        if t.generation == 1 and t.action != "claimed"
+    ]
+    assert report["refused"] == refused
+    assert "stale" in [t["action"] for t in refused]
+    assert "completed" not in [t["action"] for t in refused]
+    assert {t["attempt_id"] for t in refused} == {report["stale"][0]["attempt_id"]}
+    printed = ", ".join(f"{t['action']} ({t['reason']})" for t in refused)
+    assert f"the store recorded for generation 1 after its claim: {printed}" in out
 
     # The export: both attempts wrote the same deterministic object; a new version, a new one.
     export, export2 = jobs["export"], jobs["export_v2"]
@@ -130,6 +143,8 @@ def test_the_demo_tells_the_story_and_its_summary_matches_the_store(tmp_path: Pa
         2,
         1,
     )
+    for d in by_idem.values():  # the provider's own per-key count, as printed
+        assert f"performed {d['provider_performed']}x at the provider" in out
     provider = summary["provider"]
     assert provider["performed"] == 3
     assert provider["requests"] == sum(d["provider_requests"] for d in by_idem.values()) == 4

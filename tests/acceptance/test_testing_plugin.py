@@ -45,7 +45,24 @@ from celery_fence import FencedTask
 from celery_fence.schema import jobs, transitions
 
 app = Celery("proj", broker="{BROKER_URL}")
-app.conf.update(fence_redis_url="{REDIS_URL}", fence_lease_ttl=30.0)
+app.conf.update(
+    fence_redis_url="{REDIS_URL}",
+    fence_lease_ttl=30.0,
+    fence_unfenced=os.environ.get("PROJ_UNFENCED") == "1",  # a control arm, for one test
+)
+block_rows = sa.Table(
+    "proj_block_rows",
+    sa.MetaData(),
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("generation", sa.Integer, nullable=False),
+)
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda n: f"block:{{n}}")
+def with_block(self, n):
+    with self.fence.transaction() as conn:
+        conn.execute(block_rows.insert().values(generation=self.fence.generation))
+    return {{"n": n}}
 
 
 @app.task(base=FencedTask, bind=True, fence_key=lambda n: f"job:{{n}}")
@@ -287,3 +304,81 @@ def test_a_fenced_task_run_eagerly_warns(tmp_path: Path, prefix: str) -> None:
     with pytest.warns(FenceEagerWarning, match="fencing is not exercised here"):
         assert job.delay(1).get() == 1
     app.close()
+
+
+TEST_CHECK = """
+import pytest
+
+from celery_fence.testing.chaos import ConvergenceError
+from proj import fenced
+
+
+def test_checks(fence_chaos):
+    fence_chaos.duplicate(fenced.s(3))
+    with pytest.raises(ConvergenceError) as failed:
+        fence_chaos.assert_converged("job:3", check=lambda record: record.generation > 99)
+    with open("false.txt", "w") as f:
+        f.write(str(failed.value))
+
+    def my_row_is_there(record):
+        assert record.result["n"] == 5, "my row says n=4"
+
+    fence_chaos.duplicate(fenced.s(4))
+    with pytest.raises(ConvergenceError) as failed:
+        fence_chaos.assert_converged("job:4", check=my_row_is_there)
+    with open("raises.txt", "w") as f:
+        f.write(str(failed.value))
+
+    seen = []
+    fence_chaos.duplicate(fenced.s(5))
+    fence_chaos.assert_converged("job:5", check=lambda record: seen.append(record) or True)
+    assert [r.result["n"] for r in seen] == [5]
+"""
+
+
+def test_assert_converged_runs_the_users_check_and_fails_naming_the_key(tmp_path: Path) -> None:
+    # Given converged windows and the user's own checks: one returns False, one raises
+    # AssertionError, one passes (each called after convergence, with the stored job),
+    root = _project(tmp_path / "proj", test_check=TEST_CHECK)
+    assert _run(root) == {"test_checks": ("passed", "")}
+    # then the failing ones failed assert_converged with a message naming the key and the check.
+    false = (root / "false.txt").read_text()
+    assert "broke for key 'job:3'" in false and "your check <lambda> returned False" in false
+    raises = (root / "raises.txt").read_text()
+    assert "broke for key 'job:4'" in raises
+    assert "your check my_row_is_there failed on the converged job: my row says n=4" in raises
+
+
+TEST_BLOCK = """
+from proj import block_rows, with_block
+
+
+def test_block(fence_chaos, fence_store):
+    block_rows.metadata.create_all(fence_store.engine)
+    fence_chaos.inject("pause-inside-block", with_block.s(7))
+    fence_chaos.assert_converged("block:7")
+"""
+
+
+@pytest.mark.parametrize("unfenced", [False, True], ids=["fenced", "unfenced"])
+def test_pause_inside_block_checks_the_blocks_own_commit_on_postgresql(
+    tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch, unfenced: bool
+) -> None:
+    # Given a task whose fence.transaction() block inserts a row, stopped inside that block
+    # (after its write, before its commit) past its lease while worker B takes the job over,
+    # with the store's fence on, or off (fence_unfenced: the block is then a plain transaction),
+    monkeypatch.setenv("PROJ_UNFENCED", "1" if unfenced else "0")
+    root = _project(tmp_path / "user", test_block=TEST_BLOCK)
+    outcomes = _run(root, "-p", "no:celery", "--fence-database-url", pg_url)
+    outcome, text = outcomes["test_block"]
+    if not unfenced:
+        # then with the fence the stopped block never commits and the job converges,
+        assert (outcome, text) == ("passed", "")
+        return
+    # and without it assert_converged's own check of the block fails, naming the key.
+    assert outcome == "failed", text
+    assert "window 'pause-inside-block' broke for key 'block:7'" in text
+    assert (
+        "a fenced block of generation 1 committed its rows although generation 2 had registered "
+        "and started before that commit" in text
+    ), text[-3000:]

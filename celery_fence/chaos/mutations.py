@@ -1,0 +1,333 @@
+"""The mutation check: break the fence on purpose, one breakage at a time, and show that the chaos
+checker catches each one by name.
+
+``python -m celery_fence.chaos.mutations [--only NAME ...] [--ttl SECONDS] [--seed S] [-q]``
+
+For each breakage it copies the installed ``celery_fence`` package to a temporary directory
+(never touching the working tree), applies one textual change to the copy, and runs the chaos
+scenario that should catch it (``python -m celery_fence.chaos``) with that copy first on the
+import path, for the harness and for the workers it starts. It prints, for each breakage, the
+safety columns that fired (and the first violation), and exits 0 only when every breakage was
+caught and the unbroken copy (``baseline``, run first against the same scenarios) kept every
+safety column at zero. A breakage whose text is no longer found in the package is reported as
+"not applied" and fails the check: update its text here when the code it breaks changes.
+
+Each breakage and the scenario that catches it:
+
+- ``completion-predicate``: the completion's ``WHERE`` loosened to ``key AND status = 'running'``
+  — ``pause`` (a stale completion lands while the newer attempt still runs; the ledger's witness
+  sees an attempt told "completed" after a newer generation started).
+- ``registration-generation``: the ``generation < excluded.generation`` term dropped from the
+  registration — ``redis-loss`` (Redis hands out generation 1 again; the store registers it for a
+  second attempt: "generation claimed twice").
+- ``registration-terminal``: the registration takes a completed job's row (its ``status NOT IN
+  (completed, dead)`` term dropped) — ``kill`` (the message redelivered after the completion
+  committed runs the body again: "body re-runs after completion").
+- ``commit-check``: the commit-time ownership check skipped in ``fence.transaction()`` —
+  ``app-write`` (the paused block commits its row after the newer attempt registered).
+- ``release-token``: the lease release deletes the lease without comparing the token —
+  ``pause`` (the stale attempt's release deletes the newer attempt's lease: it loses it, and the
+  job takes a third attempt: an unexpected outcome).
+- ``ack-early``: the message acked when it is received, before the settle step (``acks_late``
+  off) — ``kill`` (a job killed before its completion has no message left: lost).
+- ``outbox-outside``: the outbox rows inserted outside the completion's transaction (before it,
+  whether or not it is accepted) — ``pause`` (a refused stale completion leaves its effect row:
+  an outbox row no accepted completion wrote).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from .checker import COLUMNS, SAFETY_COLUMNS
+
+PACKAGE = Path(__file__).resolve().parents[1]  # the celery_fence package being checked
+
+
+@dataclass(frozen=True)
+class Breakage:
+    name: str
+    what: str
+    path: str  # inside the package
+    old: str
+    new: str
+    scenario: tuple[str, ...]  # the chaos command's arguments
+    postgresql: bool = False  # run against a throwaway PostgreSQL database
+
+
+BREAKAGES = (
+    Breakage(
+        "completion-predicate",
+        "completion predicate loosened to key AND status = 'running'",
+        "store/sql.py",
+        "        _owned(fenced),\n    )\n\n\n@cache\ndef complete_first_sql",
+        "        f\"key = :key AND status = '{Status.RUNNING}'\",\n    )\n\n\n@cache\n"
+        "def complete_first_sql",
+        ("--scenario", "pause", "--runs", "2"),
+    ),
+    Breakage(
+        "registration-generation",
+        "generation term dropped from the registration",
+        "store/sql.py",
+        '        condition += f" AND {JOBS}.generation < excluded.generation"\n',
+        "        pass\n",
+        ("--scenario", "redis-loss", "--runs", "2"),
+    ),
+    Breakage(
+        "registration-terminal",
+        "registration takes a completed job's row (the terminal-state term dropped)",
+        "store/sql.py",
+        "    condition = f\"{JOBS}.status NOT IN ('{Status.COMPLETED}', '{Status.DEAD}')\"\n",
+        '    condition = "1 = 1"\n',
+        ("--scenario", "kill", "--runs", "1"),
+    ),
+    Breakage(
+        "commit-check",
+        "commit-time check skipped in fence.transaction()",
+        "transaction.py",
+        "    if store.unfenced:\n        return  # the chaos control arm: a plain commit\n",
+        "    return  # broken: the commit-time check skipped\n",
+        ("--scenario", "app-write", "--runs", "2"),
+        postgresql=True,
+    ),
+    Breakage(
+        "release-token",
+        "lease release without the token compare",
+        "lua/release.lua",
+        "if value and (value == expected\n"
+        "    or (string.sub(expected, -1) == ':' and string.sub(value, 1, #expected) == expected))"
+        " then",
+        "if value then",
+        ("--scenario", "pause", "--runs", "2"),
+    ),
+    Breakage(
+        "ack-early",
+        "message acked before the settle step (acks_late off)",
+        "task.py",
+        "    acks_late = True\n",
+        "    acks_late = False\n",
+        ("--scenario", "kill", "--runs", "1", "--converge-timeout", "20"),
+    ),
+    Breakage(
+        "outbox-outside",
+        "outbox insert outside the completion's transaction",
+        "store/fenced.py",
+        "            cursor.execute(sql.BEGIN_IMMEDIATE)\n"
+        "            try:\n"
+        "                cursor.execute(statement, params)\n",
+        "            for e in effects:  # broken: outside the completion's transaction\n"
+        "                cursor.execute(\n"
+        "                    sql.SQLITE_OUTBOX_SQL,\n"
+        '                    {"key": params["key"], "name": e.name,\n'
+        '                     "idempotency_key": e.idempotency_key,\n'
+        '                     "payload": json.dumps(e.payload), "now": stamp},\n'
+        "                )\n"
+        "            effects = ()\n"
+        "            cursor.execute(sql.BEGIN_IMMEDIATE)\n"
+        "            try:\n"
+        "                cursor.execute(statement, params)\n",
+        ("--scenario", "pause", "--runs", "3"),
+    ),
+)
+HEADERS = dict(COLUMNS)
+
+
+@dataclass
+class Outcome:
+    name: str
+    what: str
+    scenario: str
+    applied: bool
+    fired: dict[str, int]
+    first_violation: str
+    exit_status: int
+    seconds: float
+    error: str = ""
+
+    @property
+    def caught(self) -> bool:
+        return self.applied and bool(self.fired)
+
+
+def mutant(root: Path, breakage: Breakage | None) -> bool:
+    """Copy the package under ``root`` and apply ``breakage``; False when its text is not found
+    exactly once (the code changed: the breakage must be updated)."""
+    target = root / "celery_fence"
+    shutil.copytree(PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__"))
+    if breakage is None:
+        return True
+    path = target / breakage.path
+    text = path.read_text()
+    if text.count(breakage.old) != 1:
+        return False
+    path.write_text(text.replace(breakage.old, breakage.new))
+    return True
+
+
+def run_chaos(root: Path, args: Sequence[str], common: Sequence[str]) -> tuple[int, dict, str]:
+    """Run the chaos command with the copy under ``root`` first on the import path (the harness
+    and every worker it starts run there, and inherit the variable)."""
+    report = root / "report.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "celery_fence.chaos", *args, *common, "-q", "--json", str(report)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    data = json.loads(report.read_text()) if report.exists() else {}
+    return proc.returncode, data, proc.stdout + proc.stderr
+
+
+@contextlib.contextmanager
+def pg_database(admin_url: str) -> Iterator[str]:
+    """A throwaway PostgreSQL database (dropped afterwards), as a URL."""
+    name = f"celery_fence_mutant_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+        yield sa.engine.make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+def check(
+    breakage: Breakage | None,
+    scenario: Sequence[str],
+    common: Sequence[str],
+    *,
+    postgresql: bool,
+    pg_admin_url: str,
+) -> Outcome:
+    name = breakage.name if breakage else "baseline"
+    what = breakage.what if breakage else "the package as it is"
+    label = " ".join(scenario) + (" (PostgreSQL)" if postgresql else "")
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"fence-{name}-")))
+        if not mutant(root, breakage):
+            return Outcome(name, what, label, False, {}, "", -1, 0.0)
+        args = list(scenario)
+        if postgresql:
+            args += ["--database-url", stack.enter_context(pg_database(pg_admin_url))]
+        rc, data, output = run_chaos(root, args, common)
+    fired: dict[str, int] = {}
+    first = ""
+    for row in data.get("scenarios", []):
+        for column in SAFETY_COLUMNS:
+            if row.get(column):
+                fired[column] = fired.get(column, 0) + int(row[column])
+        if not first and row.get("violations"):
+            first = str(row["violations"][0])
+    error = "; ".join(data.get("errors", [])) if data else output.strip().splitlines()[-1:][0]
+    return Outcome(
+        name,
+        what,
+        label,
+        True,
+        fired,
+        first,
+        rc,
+        time.monotonic() - started,
+        error,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m celery_fence.chaos.mutations",
+        description="Break the fence on purpose, one breakage at a time; every one must be caught.",
+    )
+    names = [b.name for b in BREAKAGES]
+    p.add_argument("--only", action="append", choices=names, help="run only these breakages")
+    p.add_argument("--ttl", type=float, default=1.0, help="lease TTL of the runs (default 1.0)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the runs (default 1)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the unbroken run")
+    p.add_argument(
+        "--pg-admin-url",
+        default="postgresql+psycopg2://postgres@127.0.0.1:5432/postgres",
+        help="where the PostgreSQL breakages create a throwaway database (default %(default)s)",
+    )
+    p.add_argument("-q", "--quiet", action="store_true")
+    a = p.parse_args(argv)
+    chosen = [b for b in BREAKAGES if not a.only or b.name in a.only]
+    common = ("--ttl", str(a.ttl), "--seed", str(a.seed))
+    started = time.monotonic()
+    outcomes: list[Outcome] = []
+    for postgresql in (False, True) * (not a.no_baseline):
+        # the same scenarios, unbroken: every safety column must stay zero
+        scenarios = sorted({b.scenario[1] for b in chosen if b.postgresql == postgresql})
+        if not scenarios:
+            continue
+        runs = str(max(int(b.scenario[3]) for b in chosen if b.postgresql == postgresql))
+        base = check(
+            None,
+            ("--scenario", ",".join(scenarios), "--runs", runs),
+            common,
+            postgresql=postgresql,
+            pg_admin_url=a.pg_admin_url,
+        )
+        outcomes.append(base)
+        if not a.quiet:
+            _print(base, baseline=True)
+    for b in chosen:
+        outcome = check(b, b.scenario, common, postgresql=b.postgresql, pg_admin_url=a.pg_admin_url)
+        outcomes.append(outcome)
+        if not a.quiet:
+            _print(outcome)
+    broken = [o for o in outcomes if o.name != "baseline"]
+    missed = [o.name for o in broken if not o.caught]
+    baseline_dirty = [o for o in outcomes if o.name == "baseline" and (o.fired or o.exit_status)]
+    print(
+        f"{sum(o.caught for o in broken)} of {len(broken)} breakages caught in "
+        f"{time.monotonic() - started:.0f}s (ttl {a.ttl}s, seed {a.seed})"
+        + (f"; NOT CAUGHT: {', '.join(missed)}" if missed else "")
+        + ("; THE UNBROKEN PACKAGE FAILED THE SAME SCENARIOS" if baseline_dirty else "")
+    )
+    return 1 if missed or baseline_dirty else 0
+
+
+def _print(o: Outcome, *, baseline: bool = False) -> None:
+    if not o.applied:
+        print(f"- {o.name}: NOT APPLIED (its text is not in the package any more): {o.what}")
+        return
+    columns = ", ".join(f"{HEADERS[c]} {n}" for c, n in o.fired.items()) or "nothing"
+    if baseline:
+        verdict = (
+            "clean" if not o.fired and o.exit_status == 0 else f"NOT CLEAN (exit {o.exit_status})"
+        )
+        print(f"- baseline ({o.scenario}): {verdict}; fired: {columns} [{o.seconds:.0f}s]")
+    else:
+        verdict = "caught" if o.caught else "NOT CAUGHT"
+        print(f"- {o.name}: {o.what}\n    {o.scenario}: {verdict} by {columns} [{o.seconds:.0f}s]")
+    if o.first_violation:
+        print(f"    e.g. {o.first_violation[:200]}")
+    if o.error:
+        print(f"    harness: {o.error[:200]}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
