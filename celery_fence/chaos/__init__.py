@@ -60,6 +60,10 @@ Scenarios (faults counted per run):
   before its write, for 1.2-1.6 TTL; a second worker takes the job over and writes its own row;
   the first one gets SIGCONT (on SQLite, where the paused block holds the write lock, as soon as
   the newer attempt has started or two TTLs have passed). 1 fault.
+- ``orm-binds``: ``app-write``'s windows with the row written through ``self.fence.session()``
+  of an ORM session whose ``binds=`` route the app's table to an engine of its own (as
+  Flask-SQLAlchemy's session does): the fenced session must run that write on the block's
+  connection, whose commit is checked. 1 fault.
 - ``poison``: a job whose input always fails permanently (``PermanentError``: dead after one
   attempt) and a job that SIGKILLs its worker every time (dead after ``fence_max_attempts`` body
   runs). Faults: 1 + the kills.

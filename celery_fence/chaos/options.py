@@ -9,6 +9,7 @@ from dataclasses import dataclass
 SCENARIOS = (
     "pause",
     "app-write",
+    "orm-binds",
     "kill",
     "duplicate",
     "redis-loss",

@@ -58,7 +58,17 @@ def run_pause(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     return 1, s.converge([job], paused_at)
 
 
-def run_app_write(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+def run_orm_binds(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """``app-write``'s windows, with the app's row written through ``fence.session()`` of an ORM
+    session whose ``binds=`` route the app's table to an engine of its own (Flask-SQLAlchemy's
+    kind): the session must run the write on the fenced block's connection, or the paused
+    attempt's row lands on a connection whose commit nothing checks."""
+    return run_app_write(s, i, rng, via="binds")
+
+
+def run_app_write(
+    s: Scenario, i: int, rng: random.Random, via: str = "transaction"
+) -> tuple[int, float]:
     """Even runs: SIGSTOP the worker inside its ``fence.transaction()`` block (entered, not yet
     written) past its TTL, let a newer attempt take over and write its own row, SIGCONT.
 
@@ -74,11 +84,11 @@ def run_app_write(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     job = Job(s.key(i))
     notify = i % 2 == 1
     if i % 2 == 1:
-        s.send(job, app_write=True, hold_in_block=ttl * 0.8, check=False, notify=notify)
+        s.send(job, app_write=True, via=via, hold_in_block=ttl * 0.8, check=False, notify=notify)
         written = s.wait_event(job.key, "tx_written")
         s.flush_leases()
         lost_at = time.monotonic()
-        s.send(job, app_write=True, sleep=0.1, check=False, notify=notify)
+        s.send(job, app_write=True, via=via, sleep=0.1, check=False, notify=notify)
         with contextlib.suppress(TimeoutError):  # on SQLite it waits for the block's commit
             s.wait_event(
                 job.key,
@@ -88,14 +98,14 @@ def run_app_write(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
             )
         s.ledger.set(f"{s.ledger_prefix}:go:{job.key}", 1)
         return 1, s.converge([job], lost_at)
-    s.send(job, app_write=True, block_sleep=ttl * 2.5, check=False, notify=notify)
+    s.send(job, app_write=True, via=via, block_sleep=ttl * 2.5, check=False, notify=notify)
     entered = s.wait_event(job.key, "tx")
     a = s.worker_of(entered["pid"])
     time.sleep(rng.uniform(0.05, ttl * 0.3))
     a.signal(signal.SIGSTOP)
     paused_at = time.monotonic()
     time.sleep(ttl * rng.uniform(1.2, 1.6))  # A's lease expires in Redis: nobody renews it
-    s.send(job, app_write=True, sleep=0.1, check=False, notify=notify)
+    s.send(job, app_write=True, via=via, sleep=0.1, check=False, notify=notify)
     with contextlib.suppress(TimeoutError):
         s.wait_event(job.key, "start", timeout=ttl * 2, gen=lambda e: e["gen"] > entered["gen"])
         if rng.random() < 0.5:  # resume after the newer attempt completed, or while it works
@@ -361,6 +371,7 @@ def _resend_bare(s: Scenario, record: Any) -> None:
 RUNS: dict[str, Run] = {
     "pause": run_pause,
     "app-write": run_app_write,
+    "orm-binds": run_orm_binds,
     "kill": run_kill,
     "duplicate": run_duplicate,
     "redis-loss": run_redis_loss,

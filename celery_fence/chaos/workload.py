@@ -36,18 +36,22 @@ receiver.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import http.client
 import json
 import logging
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 import redis
+import sqlalchemy as sa
 from celery import Celery
+from sqlalchemy.orm import Session, sessionmaker
 
 from celery_fence import FencedTask, PermanentError
 from celery_fence import signals as fence_signals
@@ -175,6 +179,7 @@ def op(
     app_write: bool = False,
     block_sleep: float = 0.0,
     hold_in_block: float = 0.0,
+    via: str = "transaction",
     payload: str = "",
 ) -> dict[str, Any]:
     """One logical operation. ``check=False``: no direct side effect, the body relies on the
@@ -184,6 +189,8 @@ def op(
     ``app_write``: write one row to the app's table inside ``self.fence.transaction()``, after
     ``block_sleep`` seconds inside the block; then, with ``hold_in_block``, wait (at most that
     long) inside the block, after the write and before its commit, for the harness's ``go`` flag.
+    ``via="binds"``: the same write through ``self.fence.session()`` of an ORM session that
+    routes the app's table to an engine of its own by ``binds=`` (as Flask-SQLAlchemy's does).
     ``payload``: only carried in the request (the refused-arg scenario puts a NUL in it)."""
     fence = self.fence
     gen, attempt = fence.generation, fence.attempt_id
@@ -221,7 +228,7 @@ def op(
         with fence.guard():
             record("effect", key, gen, attempt, t0=t0)
     if app_write:
-        with fence.transaction() as conn:
+        with _app_block(fence, via) as conn:
             record("tx", key, gen, attempt)
             end = time.monotonic() + block_sleep
             while time.monotonic() < end:
@@ -239,6 +246,25 @@ def op(
     if notify:
         fence.outbox.add(NOTIFY, {"key": key})
     return {"key": key, "generation": gen, "attempt_id": attempt}
+
+
+@contextlib.contextmanager
+def _app_block(fence: Any, via: str) -> Iterator[Any]:
+    """The fenced block the app writes in: ``fence.transaction()``, or (``binds``) an ORM
+    session whose ``binds=`` send the app's table to an engine of the app's own."""
+    if via == "transaction":
+        with fence.transaction() as conn:
+            yield conn
+        return
+    with fence.session(_routed_sessions()) as session:
+        yield session
+
+
+@functools.cache
+def _routed_sessions() -> sessionmaker[Session]:
+    """A session factory as a Flask-SQLAlchemy app has one: the app's table bound, by
+    ``binds=``, to an engine of the app's own on the store's database."""
+    return sessionmaker(binds={APP_ROWS: sa.create_engine(S["CHAOS_DATABASE_URL"])})
 
 
 @outbox.handler(NOTIFY)

@@ -35,6 +35,7 @@ MAX_ATTEMPTS = 3
 MIN_FAULTS = {
     "pause": RUNS,
     "app-write": RUNS,
+    "orm-binds": RUNS,
     "kill": 3 * RUNS,
     "duplicate": 3 * RUNS,
     "redis-loss": RUNS,
@@ -152,10 +153,11 @@ def test_app_write_on_postgresql_keeps_the_fence(tmp_path: Path, pg_url: str) ->
 #: ``body re-runs after completion`` in the mutation check (no switch turns it on).
 ARMS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "--unfenced": (
-        "pause,app-write,redis-loss",
+        "pause,app-write,orm-binds,redis-loss",
         {
             "pause": ("stale_writes", "duplicate_completions", "unexpected_outcomes"),
             "app-write": ("stale_app_writes",),
+            "orm-binds": ("stale_app_writes",),
             "redis-loss": ("generations_claimed_twice",),
         },
     ),
