@@ -64,6 +64,10 @@ Scenarios (faults counted per run):
   of an ORM session whose ``binds=`` route the app's table to an engine of its own (as
   Flask-SQLAlchemy's session does): the fenced session must run that write on the block's
   connection, whose commit is checked. 1 fault.
+- ``interrupted``: a body ends with ``asyncio.CancelledError`` (an exit that is not an
+  ``Exception``) on a threads-pool worker (even runs) or a gevent-pool worker (odd runs); the
+  attempt must settle and release its lease, and the job completes on its second attempt. Under
+  ``--unsettled`` the exit escapes with its lease held: the job is lost. 1 fault.
 - ``poison``: a job whose input always fails permanently (``PermanentError``: dead after one
   attempt) and a job that SIGKILLs its worker every time (dead after ``fence_max_attempts`` body
   runs). Faults: 1 + the kills.

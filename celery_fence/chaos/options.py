@@ -21,11 +21,12 @@ SCENARIOS = (
     "misconfig",
     "refused-arg",
     "recovered-chain",
+    "interrupted",
 )
 #: Scenarios that run against PostgreSQL whatever the store (a throwaway database if need be).
 POSTGRESQL_ONLY = ("db-outage", "refused-arg")
 #: Scenarios that start their own workers in each run (none are running in between).
-OWN_WORKERS = ("misconfig", "recovered-chain")
+OWN_WORKERS = ("misconfig", "recovered-chain", "interrupted")
 
 
 @dataclass

@@ -43,9 +43,24 @@ class Worker(processes.Worker):
     """``celery -A celery_fence.chaos.workload worker`` (``-c 1``) in its own process group;
     :meth:`start` returns at once, :meth:`wait_ready` waits for it."""
 
-    def __init__(self, *, name: str, queue: str, env: Mapping[str, str], log_dir: Path) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        queue: str,
+        env: Mapping[str, str],
+        log_dir: Path,
+        pool: str = "prefork",
+        concurrency: int = 1,
+    ) -> None:
         super().__init__(
-            "celery_fence.chaos.workload", env=env, queue=queue, name=name, log_dir=log_dir
+            "celery_fence.chaos.workload",
+            env=env,
+            queue=queue,
+            name=name,
+            log_dir=log_dir,
+            pool=pool,
+            concurrency=concurrency,
         )
 
     def start(self, timeout: float = 60.0) -> Worker:

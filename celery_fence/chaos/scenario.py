@@ -92,11 +92,20 @@ class Scenario:
         for w in started:
             w.wait_ready()
 
-    def start_worker(self, label: str, **env: str) -> Worker:
+    def start_worker(
+        self, label: str, *, pool: str = "prefork", concurrency: int = 1, **env: str
+    ) -> Worker:
         """Start one more worker on this scenario's queue (``env`` overrides ``CHAOS_*``)."""
         name = f"chaos-{self.name}-{label}-{self.run_id}"
         env = {**self.env(), **env}
-        worker = Worker(name=name, queue=self.queue, env=env, log_dir=self.workdir)
+        worker = Worker(
+            name=name,
+            queue=self.queue,
+            env=env,
+            log_dir=self.workdir,
+            pool=pool,
+            concurrency=concurrency,
+        )
         self.workers.append(worker.start())
         return worker
 

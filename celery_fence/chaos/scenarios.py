@@ -339,6 +339,25 @@ def run_recovered_chain(s: Scenario, i: int, rng: random.Random) -> tuple[int, f
     return 1, s.converge([a, b], lost_at)
 
 
+def run_interrupted(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """A body ends with an exit that is not an ``Exception`` (``asyncio.CancelledError``) on a
+    threads-pool worker (even runs) or a gevent-pool worker (odd runs): the attempt must settle
+    ``retrying`` and release its lease at once, so the re-sent message runs and completes on its
+    second attempt. Under ``--unsettled`` the exit escapes with its lease held and renewed: every
+    delivery finds the key busy and the job is lost. 1 fault."""
+    pool = "threads" if i % 2 == 0 else "gevent"
+    worker = s.start_worker(f"{pool}-{i}", pool=pool, concurrency=2).wait_ready()
+    job = Job(s.key(i), expect_attempts=2, expect_starts=2)
+    s.ledger.set(f"{s.ledger_prefix}:interrupt:{job.key}", 1)
+    s.send(job, sleep=rng.uniform(0.0, 0.2), check=False, notify=False)
+    s.wait_event(job.key, "interrupt")
+    interrupted_at = time.monotonic()
+    try:
+        return 1, s.converge([job], interrupted_at)
+    finally:
+        s.stop_worker(worker)
+
+
 def _lose_messages(s: Scenario) -> None:
     """Drop what the broker still holds for this scenario's queue: a lost message."""
     with s.client.connection_for_write() as conn:
@@ -372,6 +391,7 @@ RUNS: dict[str, Run] = {
     "pause": run_pause,
     "app-write": run_app_write,
     "orm-binds": run_orm_binds,
+    "interrupted": run_interrupted,
     "kill": run_kill,
     "duplicate": run_duplicate,
     "redis-loss": run_redis_loss,

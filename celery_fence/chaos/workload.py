@@ -36,6 +36,7 @@ receiver.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import http.client
@@ -166,7 +167,27 @@ def call_provider(path: str, idem: str, payload: Any, *, timeout: float) -> dict
     return dict(json.loads(data or b"{}"))
 
 
-@app.task(base=FencedTask, bind=True, name=TASK_NAME, fence_key=lambda key, **kw: key)
+class ExitsUnsettled(FencedTask):
+    """The control arm of the ``interrupted`` scenario (``--unsettled``): an exit that is not an
+    ``Exception`` leaves the attempt with its lease still held and renewed, as it did before
+    every exit settled — the key stays busy for the life of the worker."""
+
+    abstract = True
+
+    def _execute(self, attempt: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._execute(attempt, *args, **kwargs)
+        except Exception:
+            raise
+        except BaseException:
+            attempt.lease = None  # never discarded: the renewer keeps it alive
+            raise
+
+
+_BASE = ExitsUnsettled if S["CHAOS_UNSETTLED"] == "1" else FencedTask
+
+
+@app.task(base=_BASE, bind=True, name=TASK_NAME, fence_key=lambda key, **kw: key)
 def op(
     self: Any,
     key: str,
@@ -205,6 +226,9 @@ def op(
     if _once("fail", key):
         record("fail", key, gen, attempt)
         raise ConnectionError("chaos: a transient failure")
+    if _once("interrupt", key):
+        record("interrupt", key, gen, attempt)
+        raise asyncio.CancelledError()  # a BaseException: not an Exception
     if mode == "permanent":
         raise PermanentError("chaos: input that can never succeed")
     if mode == "kill":

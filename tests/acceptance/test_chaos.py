@@ -47,9 +47,16 @@ MIN_FAULTS = {
     "misconfig": RUNS,
     "refused-arg": RUNS,
     "recovered-chain": RUNS,
+    "interrupted": RUNS,
 }
 #: Celery's own exits, and the jobs each run loses when Celery's own exits are left unsettled.
-UNSETTLED_LOSSES = {"time-limit": 2, "expires": 2, "misconfig": 3, "refused-arg": 1}
+UNSETTLED_LOSSES = {
+    "time-limit": 2,
+    "expires": 2,
+    "misconfig": 3,
+    "refused-arg": 1,
+    "interrupted": 1,
+}
 
 
 def _command(tmp_path: Path, *args: str) -> list[str]:
