@@ -64,6 +64,9 @@ Scenarios (faults counted per run):
   of an ORM session whose ``binds=`` route the app's table to an engine of its own (as
   Flask-SQLAlchemy's session does): the fenced session must run that write on the block's
   connection, whose commit is checked. 1 fault.
+- ``django-write``: ``app-write``'s windows with the row written by Django's ORM inside
+  ``self.fence.atomic()`` (a Django configured in the worker for the store's database): the
+  ownership check runs on Django's own connection before its commit. 1 fault.
 - ``interrupted``: a body ends with ``asyncio.CancelledError`` (an exit that is not an
   ``Exception``) on a threads-pool worker (even runs) or a gevent-pool worker (odd runs); the
   attempt must settle and release its lease, and the job completes on its second attempt. Under

@@ -10,6 +10,7 @@ SCENARIOS = (
     "pause",
     "app-write",
     "orm-binds",
+    "django-write",
     "kill",
     "duplicate",
     "redis-loss",

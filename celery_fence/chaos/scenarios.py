@@ -66,6 +66,12 @@ def run_orm_binds(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     return run_app_write(s, i, rng, via="binds")
 
 
+def run_django_write(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """``app-write``'s windows, with the app's row written by Django's ORM inside
+    ``fence.atomic()``: the ownership check runs on Django's own connection before its commit."""
+    return run_app_write(s, i, rng, via="django")
+
+
 def run_app_write(
     s: Scenario, i: int, rng: random.Random, via: str = "transaction"
 ) -> tuple[int, float]:
@@ -391,6 +397,7 @@ RUNS: dict[str, Run] = {
     "pause": run_pause,
     "app-write": run_app_write,
     "orm-binds": run_orm_binds,
+    "django-write": run_django_write,
     "interrupted": run_interrupted,
     "kill": run_kill,
     "duplicate": run_duplicate,

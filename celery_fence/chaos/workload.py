@@ -45,7 +45,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -211,7 +211,8 @@ def op(
     ``block_sleep`` seconds inside the block; then, with ``hold_in_block``, wait (at most that
     long) inside the block, after the write and before its commit, for the harness's ``go`` flag.
     ``via="binds"``: the same write through ``self.fence.session()`` of an ORM session that
-    routes the app's table to an engine of its own by ``binds=`` (as Flask-SQLAlchemy's does).
+    routes the app's table to an engine of its own by ``binds=`` (as Flask-SQLAlchemy's does);
+    ``via="django"``: through Django's ORM inside ``self.fence.atomic()``.
     ``payload``: only carried in the request (the refused-arg scenario puts a NUL in it)."""
     fence = self.fence
     gen, attempt = fence.generation, fence.attempt_id
@@ -252,13 +253,12 @@ def op(
         with fence.guard():
             record("effect", key, gen, attempt, t0=t0)
     if app_write:
-        with _app_block(fence, via) as conn:
+        with _app_block(fence, via) as write:
             record("tx", key, gen, attempt)
             end = time.monotonic() + block_sleep
             while time.monotonic() < end:
                 time.sleep(0.02)
-            row = {"key": key, "generation": gen, "attempt_id": attempt, "written_at": time.time()}
-            conn.execute(APP_ROWS.insert().values(**row))
+            write({"key": key, "generation": gen, "attempt_id": attempt, "written_at": time.time()})
             if hold_in_block:
                 record("tx_written", key, gen, attempt)
                 end = time.monotonic() + hold_in_block
@@ -273,15 +273,67 @@ def op(
 
 
 @contextlib.contextmanager
-def _app_block(fence: Any, via: str) -> Iterator[Any]:
-    """The fenced block the app writes in: ``fence.transaction()``, or (``binds``) an ORM
-    session whose ``binds=`` send the app's table to an engine of the app's own."""
+def _app_block(fence: Any, via: str) -> Iterator[Callable[[dict[str, Any]], Any]]:
+    """The fenced block the app writes its row in, as a ``write(row)`` callable:
+    ``fence.transaction()``; (``binds``) an ORM session whose ``binds=`` send the app's table to
+    an engine of the app's own; (``django``) Django's ORM in ``fence.atomic()``."""
     if via == "transaction":
         with fence.transaction() as conn:
-            yield conn
-        return
-    with fence.session(_routed_sessions()) as session:
-        yield session
+            yield lambda row: conn.execute(APP_ROWS.insert().values(**row))
+    elif via == "binds":
+        with fence.session(_routed_sessions()) as session:
+            yield lambda row: session.execute(APP_ROWS.insert().values(**row))
+    elif via == "django":
+        model = _django_model()
+        with fence.atomic():
+            yield lambda row: model.objects.create(**row)
+    else:
+        raise ValueError(f"unknown app-write block {via!r}")
+
+
+@functools.cache
+def _django_model() -> Any:
+    """The app's table as a Django model, on a Django configured here for the store's database
+    (``DATABASES["default"]``), as a Django project's worker has it."""
+    import django
+    from django.conf import settings
+
+    if not settings.configured:
+        settings.configure(
+            DATABASES={"default": _django_database(S["CHAOS_DATABASE_URL"])},
+            INSTALLED_APPS=[],
+            USE_TZ=True,
+        )
+        django.setup()
+    from django.db import models
+
+    class AppRow(models.Model):
+        key = models.CharField(max_length=200)
+        generation = models.BigIntegerField()
+        attempt_id = models.CharField(max_length=64)
+        written_at = models.FloatField()
+
+        class Meta:
+            app_label = "celery_fence_chaos"
+            db_table = APP_ROWS.name
+            managed = False
+
+    return AppRow
+
+
+def _django_database(url: str) -> dict[str, Any]:
+    """``DATABASES["default"]`` for an SQLAlchemy URL of the store (PostgreSQL or a file)."""
+    u = sa.engine.make_url(url)
+    if u.get_backend_name() == "sqlite":
+        return {"ENGINE": "django.db.backends.sqlite3", "NAME": u.database}
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": u.database,
+        "USER": u.username or "",
+        "PASSWORD": u.password or "",
+        "HOST": u.host or "",
+        "PORT": str(u.port or ""),
+    }
 
 
 @functools.cache

@@ -36,6 +36,7 @@ MIN_FAULTS = {
     "pause": RUNS,
     "app-write": RUNS,
     "orm-binds": RUNS,
+    "django-write": RUNS,
     "kill": 3 * RUNS,
     "duplicate": 3 * RUNS,
     "redis-loss": RUNS,
@@ -160,11 +161,12 @@ def test_app_write_on_postgresql_keeps_the_fence(tmp_path: Path, pg_url: str) ->
 #: ``body re-runs after completion`` in the mutation check (no switch turns it on).
 ARMS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "--unfenced": (
-        "pause,app-write,orm-binds,redis-loss",
+        "pause,app-write,orm-binds,django-write,redis-loss",
         {
             "pause": ("stale_writes", "duplicate_completions", "unexpected_outcomes"),
             "app-write": ("stale_app_writes",),
             "orm-binds": ("stale_app_writes",),
+            "django-write": ("stale_app_writes",),
             "redis-loss": ("generations_claimed_twice",),
         },
     ),
