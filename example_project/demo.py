@@ -1,4 +1,4 @@
-"""The story of seeds 000 and 002, end to end, with real worker processes.
+"""The story of a stale worker and a retried export, end to end, with real worker processes.
 
 ``python -m example_project.demo`` (or ``scripts/demo``):
 
@@ -417,8 +417,16 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m example_project.demo", description=__doc__)
-    parser.add_argument("--redis-url", help="Redis to use (default: 127.0.0.1:6379 or our own)")
+    parser = argparse.ArgumentParser(
+        prog="python -m example_project.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--redis-url",
+        help="Redis for the leases, the broker and the ledger (default: 127.0.0.1:6379, db 3; "
+        "or a redis-server the demo starts on a free port when none answers there)",
+    )
     parser.add_argument("--workdir", type=Path, help="where the SQLite file, objects, logs go")
     parser.add_argument("--summary", type=Path, help="also write the summary as JSON here")
     parser.add_argument("--lease-ttl", type=float, default=2.0, help="seconds (default 2)")

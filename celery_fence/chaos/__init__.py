@@ -1,4 +1,4 @@
-"""The chaos suite: every failure window of the seeds, injected into real workers, then checked.
+"""The chaos suite: every failure window, injected into real workers, then checked.
 
 Run it against your own configuration (your Redis, broker, database and TTLs)::
 

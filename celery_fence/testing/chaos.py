@@ -1,4 +1,4 @@
-"""``fence_chaos``: the seeds' failure windows, injected into the user's own task, and the check.
+"""``fence_chaos``: the failure windows, injected into the user's own task, and the check.
 
 Two real workers of the user's app, A and B (each also on the test's queue, for the outbox's
 deliver task), and the windows, each given a Celery signature of the user's task:

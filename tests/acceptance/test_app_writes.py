@@ -1,5 +1,5 @@
-"""The app's own writes through ``self.fence.transaction()`` / ``session()`` with real workers
-(issue 13): a stale attempt's rows never land, a paused holder does not block takeover for long.
+"""The app's own writes through ``self.fence.transaction()`` / ``session()`` with real workers:
+a stale attempt's rows never land, a paused holder does not block takeover for long.
 
 The task (``tests/support/app.py: write_app``) upserts the job's report row and appends two lines
 per attempt, inside one fenced block; its ledger says where the body is, so the test can pause it

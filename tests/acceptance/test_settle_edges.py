@@ -1,4 +1,4 @@
-"""Every exit settles (issue 12): the exits Celery drives itself, with real workers.
+"""Every exit settles: the exits Celery drives itself, with real workers.
 
 Each scenario asserts on the stored state, the number of body runs (the Redis ledger) and what is
 left in the broker for the test's queue once the job has ended.
