@@ -30,4 +30,10 @@ class Action(str, Enum):
         return self.value
 
 
-__all__ = ["Action"]
+#: How the reason of a ``retry_scheduled`` row written for an exit that is not an ``Exception``
+#: starts (``interrupted by SystemExit``): a symptom, like a lease loss — in a prefork child the
+#: pool's hard time limit first raises ``SystemExit`` in the body, and the ``time_limit`` row the
+#: worker wrote just before says why.
+INTERRUPTED_BY = "interrupted by"
+
+__all__ = ["INTERRUPTED_BY", "Action"]

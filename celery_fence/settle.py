@@ -57,7 +57,7 @@ from typing import Any
 from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
-from .actions import Action
+from .actions import INTERRUPTED_BY, Action
 from .deferred import register_late
 from .errors import (
     JobDead,
@@ -340,7 +340,7 @@ def _interrupted(a: Attempt, o: Interrupted) -> CeleryAction:
         a.attempt_id,
         extra={"action": "interrupted", "fence_key": a.key, "generation": a.generation},
     )
-    reason = f"interrupted by {name}"
+    reason = f"{INTERRUPTED_BY} {name}"
     if not a.registered:
         return _unavailable(a, Unavailable(o.error, reason))
     return _retry(a, o.error, backoff(max(1, a.attempts), a.config), reason)

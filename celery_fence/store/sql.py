@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
-from ..actions import Action
+from ..actions import INTERRUPTED_BY, Action
 from ..schema import OutboxStatus, Status, jobs, outbox, transitions
 
 JOBS, TRANSITIONS, OUTBOX = jobs.name, transitions.name, outbox.name
@@ -357,13 +357,17 @@ def history(key: str) -> sa.Select[Any]:
 
 
 def last_exit(key: str) -> sa.Select[Any]:
-    """The action of the key's newest transition that is not a claim or a lease loss (a loss is
-    a symptom, not an exit)."""
+    """The action of the key's newest transition that is not a claim, a lease loss or the retry
+    of an interrupted attempt (symptoms, not exits: see ``actions.INTERRUPTED_BY``)."""
+    interrupted = (
+        transitions.c.action == Action.RETRY_SCHEDULED.value
+    ) & transitions.c.reason.like(f"{INTERRUPTED_BY} %")
     return (
         sa.select(transitions.c.action)
         .where(
             (transitions.c.key == key)
             & transitions.c.action.not_in((Action.CLAIMED.value, Action.LOST.value))
+            & sa.not_(interrupted)
         )
         .order_by(transitions.c.id.desc())
         .limit(1)
