@@ -126,7 +126,8 @@ BREAKAGES = (
         "outbox-outside",
         "outbox insert outside the completion's transaction",
         "store/fenced.py",
-        "            cursor.execute(sql.BEGIN_IMMEDIATE)\n"
+        "            if own_tx:\n"
+        "                cursor.execute(sql.BEGIN_IMMEDIATE)\n"
         "            try:\n"
         "                cursor.execute(statement, params)\n",
         "            for e in effects:  # broken: outside the completion's transaction\n"
@@ -137,7 +138,8 @@ BREAKAGES = (
         '                     "payload": json.dumps(e.payload), "now": stamp},\n'
         "                )\n"
         "            effects = ()\n"
-        "            cursor.execute(sql.BEGIN_IMMEDIATE)\n"
+        "            if own_tx:\n"
+        "                cursor.execute(sql.BEGIN_IMMEDIATE)\n"
         "            try:\n"
         "                cursor.execute(statement, params)\n",
         ("--scenario", "pause", "--runs", "3"),
