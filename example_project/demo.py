@@ -416,6 +416,16 @@ def print_summary(summary: dict[str, Any]) -> None:
     print(f"\nFinished in {summary['elapsed_seconds']}s. Files: {summary['workdir']}")
 
 
+def _caused_by_interrupt(exc: BaseException | None) -> bool:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m example_project.demo",
@@ -450,13 +460,17 @@ def main(argv: list[str] | None = None) -> int:
                 summary = demo.run(redis_url)
             finally:
                 demo.cleanup(redis_url)
-    except KeyboardInterrupt:
-        demo.cleanup(redis_url)
-        print("\ninterrupted: every process the demo started was stopped", file=sys.stderr)
-        return 130
     except DemoError as exc:
         print(f"\ndemo failed: {exc}", file=sys.stderr)
         return 1
+    except BaseException as exc:
+        # Ctrl-C can land inside an import, where Python wraps the KeyboardInterrupt (a class
+        # body's __set_name__ re-raises it as the cause of a RuntimeError): look down the chain.
+        if not _caused_by_interrupt(exc):
+            raise
+        demo.cleanup(redis_url)
+        print("\ninterrupted: every process the demo started was stopped", file=sys.stderr)
+        return 130
     print_summary(summary)
     if args.summary:
         args.summary.write_text(json.dumps(summary, indent=2, default=str))

@@ -66,13 +66,19 @@ if E.get("FENCE_T_TOPIC") == "1":  # the queue bound to a topic exchange (Rabbit
     app.conf.task_default_routing_key = f"{app.conf.task_default_queue}.work"
 
 
-def _hang_once(key: str) -> None:
-    """Hang the body (up to 60 s) once per flag ``<prefix>:hang:<key>``: a worker to kill or
-    pause while it holds the key."""
-    if ledger.getdel(f"{PREFIX}:hang:{key}") is not None:
-        end = time.monotonic() + 60
-        while time.monotonic() < end and not ledger.exists(f"{PREFIX}:unhang:{key}"):
-            time.sleep(0.05)
+def _takes_hang_flag(key: str) -> bool:
+    """Take the flag ``<prefix>:hang:<key>`` (once): this body is to hang, a worker to kill or
+    pause while it holds the key. Taken *before* the body's ``runs`` entry is pushed, so a test
+    that saw the entry knows the flag is gone (a worker killed between the two would otherwise
+    leave the flag to the rescuer, whose body would hang instead)."""
+    return ledger.getdel(f"{PREFIX}:hang:{key}") is not None
+
+
+def _hang(key: str) -> None:
+    """Hang (up to 60 s) until ``<prefix>:unhang:<key>`` is set."""
+    end = time.monotonic() + 60
+    while time.monotonic() < end and not ledger.exists(f"{PREFIX}:unhang:{key}"):
+        time.sleep(0.05)
 
 
 def _kill_once(window: str, key: str) -> None:
@@ -91,9 +97,11 @@ def work(
     marker: str | None = None,
 ) -> dict[str, Any]:
     fence = self.fence
+    hang = _takes_hang_flag(key)
     ledger.rpush(f"{PREFIX}:runs:{key}", f"{fence.generation}:{fence.attempt_id}")
     _kill_once("before_effect", key)
-    _hang_once(key)
+    if hang:
+        _hang(key)
     end = time.monotonic() + sleep
     while time.monotonic() < end:
         time.sleep(0.02)
@@ -451,8 +459,10 @@ OWN_PREFIX = f"{PREFIX}:own"
 )
 def own_prefix(self: Any, key: str) -> dict[str, Any]:
     """A task with its own lease prefix, TTL and recovery threshold; hangs once on its flag."""
+    hang = _takes_hang_flag(key)
     ledger.rpush(f"{PREFIX}:runs:{key}", f"{self.fence.generation}:{self.fence.attempt_id}")
-    _hang_once(key)
+    if hang:
+        _hang(key)
     return {"key": key, "generation": self.fence.generation}
 
 
