@@ -52,6 +52,7 @@ import contextlib
 import functools
 import math
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -171,7 +172,8 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
         sa.event.listen(conn, "rollback", functools.partial(_on_rollback, store))
         fence._blocks.add(block)
         try:
-            yield block
+            with _django_writes_refused():
+                yield block
         except BaseException:
             _rollback(store, conn)
             raise
@@ -188,6 +190,30 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
             conn.close()
         finally:
             fence._blocks.remove(block, fence._lease)  # records a loss seen inside the block
+
+
+def _django_writes_refused() -> contextlib.AbstractContextManager[None]:
+    """In a process with Django configured, Django ORM writes inside the block are refused: they
+    run on Django's connection, which this block's fenced commit does not cover
+    (:mod:`celery_fence.contrib.django.guard`). Django is never imported here."""
+    conf = sys.modules.get("django.conf")
+    try:
+        configured = conf is not None and "django.db" in sys.modules and conf.settings.configured
+    except Exception:  # settings that cannot be read: nothing of Django's to guard
+        configured = False
+    if not configured:
+        return contextlib.nullcontext()
+    from .contrib.django.guard import refuse_uncovered_writes
+
+    return refuse_uncovered_writes(frozenset, "fence.transaction()/session()", _use_atomic_instead)
+
+
+def _use_atomic_instead(alias: str) -> str:
+    return (
+        f"Write through Django's ORM inside `with self.fence.atomic(using={alias!r}):` (its commit "
+        "is fenced on Django's connection), and keep fence.transaction()/session() for "
+        "SQLAlchemy writes."
+    )
 
 
 def _bound_waits(store: Store, block: Block) -> int | None:

@@ -311,6 +311,43 @@ def test_transaction_inside_atomic_is_refused(store: Store, alias: str) -> None:
     assert _writers(alias, fence.key) == [fence.attempt_id]
 
 
+def test_an_orm_write_inside_transaction_is_refused_not_left_unfenced(
+    store: Store, alias: str
+) -> None:
+    from django.db import connections
+
+    fence = _attempt(store)
+    # An ORM write inside fence.transaction() runs on Django's connection, which the block's
+    # fenced commit does not cover: refused, pointing to fence.atomic(), and nothing written.
+    fix = rf"fence\.atomic\(using='{alias}'\)"
+    with pytest.raises(ConfigurationError, match=rf"INSERT on the '{alias}' database.*{fix}"):
+        with fence.transaction():
+            _write(alias, fence)
+    with pytest.raises(ConfigurationError, match="DELETE"), fence.transaction():
+        with connections[alias].cursor() as cursor:  # raw SQL on Django's connection too
+            cursor.execute("DELETE FROM t_django_entries WHERE key = %s", [fence.key])
+    assert _writers(alias, fence.key) == []
+    # Reads pass inside the block; outside it the ORM is the app's own again.
+    with fence.transaction():
+        assert _writers(alias, fence.key) == []
+    _write(alias, fence)
+    assert _writers(alias, fence.key) == [fence.attempt_id]
+
+
+def test_a_write_on_another_alias_inside_atomic_is_refused(store: Store, alias: str) -> None:
+    fence = _attempt(store)
+    # The fenced commit covers the block's alias only: a write on another alias is refused, and
+    # the block's own writes roll back with it.
+    with pytest.raises(ConfigurationError, match="INSERT on the 'spare' database"):
+        with fence.atomic(using=alias):
+            _write(alias, fence)
+            _write("spare", fence)
+    assert _writers(alias, fence.key) == []
+    with fence.atomic(using=alias):
+        _write(alias, fence)
+    assert _writers(alias, fence.key) == [fence.attempt_id]
+
+
 # -- CELERY_FENCE_DATABASE ------------------------------------------------------------------------
 
 

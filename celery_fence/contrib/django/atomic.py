@@ -27,6 +27,10 @@ database's write lock) until your outer transaction ends, so no newer generation
 before the fenced writes commit with it; if the outer transaction rolls back, they go with it.
 Your writes outside the fenced block are not checked, as anywhere else.
 
+While the block is open, an ORM write on another alias (whose transaction the check does not
+cover) is refused with a :class:`~celery_fence.ConfigurationError`, as is any Django ORM write
+inside ``fence.transaction()``/``session()`` (:mod:`.guard`).
+
 On PostgreSQL the block is bounded as ``fence.transaction()`` is, for its transaction only:
 ``idle_in_transaction_session_timeout`` is the lease TTL (the server ends the session of a worker
 paused inside the block, which frees its row locks) and ``lock_timeout`` two TTLs (a newer attempt
@@ -50,6 +54,7 @@ from ...errors import ConfigurationError, FenceError, LeaseLost
 from ...store import sql
 from ...transaction import _again, pg_bounds
 from .database import same_database_problem
+from .guard import refuse_uncovered_writes
 
 if TYPE_CHECKING:
     from ...fence import Fence
@@ -98,7 +103,10 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
         fence._before_block()
     fence._atomic.add(alias)
     try:
-        with django_transaction.atomic(using=alias):
+        with (
+            refuse_uncovered_writes(lambda: fence._atomic, f"fence.atomic(using={alias!r})", _fix),
+            django_transaction.atomic(using=alias),
+        ):
             _bound(fence, store, connection)
             yield
             if not connection.needs_rollback:  # else Django rolls back: nothing to check
@@ -114,6 +122,13 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
         raise
     finally:
         fence._atomic.discard(alias)
+
+
+def _fix(alias: str) -> str:
+    return (
+        f"Make that write in a fence.atomic(using={alias!r}) block of its own (its database must "
+        "be the store's), or outside the fenced block if it needs no fence."
+    )
 
 
 def _bound(fence: Fence, store: Store, connection: Any) -> None:
