@@ -63,6 +63,7 @@ import sqlalchemy as sa
 from .errors import ConfigurationError, FenceError, LeaseLost
 from .store import sql
 from .watchdog import watchdog
+from .writes import on_fence_tables, write_verb
 
 if TYPE_CHECKING:
     from .fence import Fence
@@ -171,6 +172,8 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
         sa.event.listen(conn, "commit", functools.partial(_on_commit, fence, store, block))
         sa.event.listen(conn, "rollback", functools.partial(_on_rollback, store))
         fence._blocks.add(block)
+        _install_write_guard()
+        outer, _this_thread.block = getattr(_this_thread, "block", None), block
         try:
             with _django_writes_refused():
                 yield block
@@ -189,7 +192,48 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
                 _disarm_statement(conn)  # a statement that ended without either event
             conn.close()
         finally:
+            _this_thread.block = outer
             fence._blocks.remove(block, fence._lease)  # records a loss seen inside the block
+
+
+_this_thread = threading.local()  # .block: this thread's open outermost block, if any
+_guard_lock = threading.Lock()
+_guard_installed = False
+
+
+def _install_write_guard() -> None:
+    """Listen, once per process, to every SQLAlchemy engine's statements: see
+    :func:`_refuse_uncovered_write`."""
+    global _guard_installed
+    if not _guard_installed:
+        with _guard_lock:
+            if not _guard_installed:
+                sa.event.listen(sa.Engine, "before_cursor_execute", _refuse_uncovered_write)
+                _guard_installed = True
+
+
+def _refuse_uncovered_write(
+    conn: sa.Connection, cursor: Any, statement: str, parameters: Any, context: Any, many: bool
+) -> None:
+    """While this thread has a block open, a writing statement on any other SQLAlchemy
+    connection (another engine, or another connection of the same one: a Flask-SQLAlchemy
+    ``db.session``, an ``engine.begin()``) is refused: the block's fenced commit covers its own
+    connection only, so that write would commit unchecked. The fence's own statements (on its
+    tables) pass; so do reads."""
+    block = getattr(_this_thread, "block", None)
+    if block is None or conn is block.conn:
+        return
+    verb = write_verb(statement)
+    if verb is None or on_fence_tables(statement):
+        return
+    raise ConfigurationError(
+        f"a write ({verb}) on a connection that is not the fenced block's, inside "
+        "fence.transaction()/session(): the block's fenced commit covers its own connection only, "
+        "so this write would commit unchecked and a stale worker's write would land. Write "
+        "through the block: `with self.fence.transaction() as conn: conn.execute(...)`, or "
+        "`with self.fence.session(YourSession) as session:` for the ORM (a Flask-SQLAlchemy app: "
+        "self.fence.session(db.session)); or make the write outside the block."
+    )
 
 
 def _django_writes_refused() -> contextlib.AbstractContextManager[None]:

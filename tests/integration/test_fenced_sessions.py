@@ -189,3 +189,35 @@ def test_a_scoped_session_twice_in_a_row_on_one_thread(tables: Store) -> None:
         assert session is not mine and scoped() is session
     assert scoped() is mine
     scoped.remove()
+
+
+def test_a_write_beside_the_block_is_refused_not_left_unfenced(
+    tables: Store, app_engine: sa.Engine
+) -> None:
+    fence = _attempt(tables)
+    # Inside fence.transaction(), a write on another connection — the app's own engine, a
+    # second connection of the store's engine — would commit unchecked: refused, naming the fix.
+    for engine in (app_engine, tables.engine):
+        with pytest.raises(ConfigurationError, match=r"INSERT.*self\.fence\.session"):
+            with fence.transaction(), engine.begin() as beside:
+                beside.execute(rows.insert().values(key=fence.key, writer="beside"))
+    # Flask-SQLAlchemy's db.session used directly inside transaction() (not through session()).
+    flask_app = Flask(__name__)
+    flask_app.config["SQLALCHEMY_DATABASE_URI"] = tables.url
+    db = SQLAlchemy()
+    db.init_app(flask_app)
+    with flask_app.app_context():
+        with pytest.raises(ConfigurationError, match="INSERT"), fence.transaction():
+            db.session.add(Row(fence.key, "flask-beside"))
+            db.session.commit()
+        db.session.rollback()
+        for engine in db.engines.values():
+            engine.dispose()
+    assert _writers(tables, fence.key) == []
+    # Reads beside the block pass; the block's own connection writes; outside, all is as before.
+    with fence.transaction() as conn, app_engine.connect() as beside:
+        assert beside.execute(sa.select(rows.c.writer).where(rows.c.key == fence.key)).all() == []
+        conn.execute(rows.insert().values(key=fence.key, writer="block"))
+    with app_engine.begin() as after:
+        after.execute(rows.insert().values(key=fence.key, writer="after"))
+    assert _writers(tables, fence.key) == ["block", "after"]

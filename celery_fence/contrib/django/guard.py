@@ -21,33 +21,7 @@ from typing import Any
 from django.db import connections
 
 from ...errors import ConfigurationError
-
-#: The first words of the statements that write (or change the schema).
-_WRITES = frozenset(
-    {
-        "INSERT",
-        "UPDATE",
-        "DELETE",
-        "MERGE",
-        "REPLACE",
-        "UPSERT",
-        "TRUNCATE",
-        "COPY",
-        "CREATE",
-        "DROP",
-        "ALTER",
-    }
-)
-
-
-def _verb(sql: Any) -> str:
-    text = sql if isinstance(sql, str) else str(sql)
-    words = text.lstrip(" \t\r\n(").split(None, 1)
-    verb = words[0].upper() if words else ""
-    if verb == "WITH":  # a CTE: writing if any of its parts does
-        upper = text.upper()
-        return next((w for w in ("INSERT", "UPDATE", "DELETE") if f"{w} " in upper), "WITH")
-    return verb
+from ...writes import write_verb
 
 
 @contextlib.contextmanager
@@ -62,8 +36,8 @@ def refuse_uncovered_writes(
         def refuse(
             execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any
         ) -> Any:
-            verb = _verb(sql)
-            if verb in _WRITES and alias not in covered():
+            verb = write_verb(sql)
+            if verb is not None and alias not in covered():
                 raise ConfigurationError(
                     f"a Django ORM write ({verb} on the {alias!r} database) inside {block}: its "
                     f"fenced commit does not cover Django's {alias!r} connection, so a stale "
