@@ -8,6 +8,9 @@ database, ``lite`` the test's SQLite file, ``elsewhere`` a SQLite file that is n
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -320,12 +323,15 @@ def test_an_orm_write_inside_transaction_is_refused_not_left_unfenced(
     # An ORM write inside fence.transaction() runs on Django's connection, which the block's
     # fenced commit does not cover: refused, pointing to fence.atomic(), and nothing written.
     fix = rf"fence\.atomic\(using='{alias}'\)"
-    with pytest.raises(ConfigurationError, match=rf"INSERT on the '{alias}' database.*{fix}"):
-        with fence.transaction():
-            _write(alias, fence)
-    with pytest.raises(ConfigurationError, match="DELETE"), fence.transaction():
-        with connections[alias].cursor() as cursor:  # raw SQL on Django's connection too
-            cursor.execute("DELETE FROM t_django_entries WHERE key = %s", [fence.key])
+    refused = rf"INSERT on the '{alias}' database.*{fix}"
+    with pytest.raises(ConfigurationError, match=refused), fence.transaction():
+        _write(alias, fence)
+    with (
+        pytest.raises(ConfigurationError, match="DELETE"),
+        fence.transaction(),
+        connections[alias].cursor() as cursor,  # raw SQL on Django's connection too
+    ):
+        cursor.execute("DELETE FROM t_django_entries WHERE key = %s", [fence.key])
     assert _writers(alias, fence.key) == []
     # Reads pass inside the block; outside it the ORM is the app's own again.
     with fence.transaction():
@@ -338,14 +344,61 @@ def test_a_write_on_another_alias_inside_atomic_is_refused(store: Store, alias: 
     fence = _attempt(store)
     # The fenced commit covers the block's alias only: a write on another alias is refused, and
     # the block's own writes roll back with it.
-    with pytest.raises(ConfigurationError, match="INSERT on the 'spare' database"):
-        with fence.atomic(using=alias):
-            _write(alias, fence)
-            _write("spare", fence)
+    with (
+        pytest.raises(ConfigurationError, match="INSERT on the 'spare' database"),
+        fence.atomic(using=alias),
+    ):
+        _write(alias, fence)
+        _write("spare", fence)
     assert _writers(alias, fence.key) == []
     with fence.atomic(using=alias):
         _write(alias, fence)
     assert _writers(alias, fence.key) == [fence.attempt_id]
+
+
+def test_django_runs_on_the_driver_this_process_has(alias: str) -> None:
+    from django.db import connections
+
+    # psycopg 3 when it is importable (Django prefers it); psycopg2 where it is hidden (the
+    # psycopg2 run of this module, below).
+    hidden = sys.modules.get("psycopg", False) is None
+    expected = "psycopg2" if hidden else "psycopg"
+    assert connections["default"].Database.__name__ == expected
+
+
+def test_fence_atomic_on_django_with_psycopg2(tmp_path: Path) -> None:
+    # Django picks psycopg 3 whenever it is installed; with psycopg 3 hidden it runs on psycopg2:
+    # this module's PostgreSQL cases again, on that driver, in a process of their own.
+    selected = (
+        "postgresql and (driver_this_process or commits_while or newer_registration or "
+        "holder_paused or bounded or orm_write_inside or another_alias or nested)"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "-p",
+            "tests.support.hide_psycopg3",
+            "--basetemp",
+            str(tmp_path / "bt"),
+            f"{__file__}",
+            "-k",
+            selected,
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed[1]) >= 7, proc.stdout[-2000:]
 
 
 # -- CELERY_FENCE_DATABASE ------------------------------------------------------------------------

@@ -198,9 +198,12 @@ def test_a_write_beside_the_block_is_refused_not_left_unfenced(
     # Inside fence.transaction(), a write on another connection — the app's own engine, a
     # second connection of the store's engine — would commit unchecked: refused, naming the fix.
     for engine in (app_engine, tables.engine):
-        with pytest.raises(ConfigurationError, match=r"INSERT.*self\.fence\.session"):
-            with fence.transaction(), engine.begin() as beside:
-                beside.execute(rows.insert().values(key=fence.key, writer="beside"))
+        with (
+            pytest.raises(ConfigurationError, match=r"INSERT.*self\.fence\.session"),
+            fence.transaction(),
+            engine.begin() as beside,
+        ):
+            beside.execute(rows.insert().values(key=fence.key, writer="beside"))
     # Flask-SQLAlchemy's db.session used directly inside transaction() (not through session()).
     flask_app = Flask(__name__)
     flask_app.config["SQLALCHEMY_DATABASE_URI"] = tables.url
