@@ -321,7 +321,8 @@ def test_rabbitmq_topic_exchange_a_purged_job_is_recovered_to_its_queue(
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-def test_a_live_attempt_of_a_task_with_its_own_key_prefix_is_not_taken_for_stranded(
+def test_a_live_attempt_of_a_task_with_its_own_redis_and_prefix_is_not_taken_for_stranded(
+    request: pytest.FixtureRequest,
     spawn_worker: Any,
     client_app: Any,
     redis_client: redis.Redis,
@@ -329,14 +330,24 @@ def test_a_live_attempt_of_a_task_with_its_own_key_prefix_is_not_taken_for_stran
     fence_store: Store,
     worker_env: dict[str, str],
 ) -> None:
-    # Given a task whose leases live under its own key prefix, running (its lease renewed) ...
+    # Given a task whose leases live in its own Redis database under its own key prefix,
+    # running (its lease renewed) ...
     key = f"own:{uuid.uuid4().hex[:8]}"
-    own = LeaseStore(redis_client, prefix=client_app.OWN_PREFIX)
+    own_redis = redis.Redis.from_url(client_app.OWN_REDIS)
+
+    def cleanup() -> None:
+        for k in own_redis.scan_iter(f"{client_app.OWN_PREFIX}:*", count=1000):
+            own_redis.delete(k)
+        own_redis.close()
+
+    request.addfinalizer(cleanup)
+    own = LeaseStore(own_redis, prefix=client_app.OWN_PREFIX)
     redis_client.set(f"{prefix}:hang:{key}", 1)
     spawn_worker("holder")
     client_app.own_prefix.delay(key)
     wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="body started")
-    assert own.remaining(key)[0] is not None  # held, under the task's prefix
+    assert own.remaining(key)[0] is not None  # held, in the task's Redis, under its prefix
+    assert LeaseStore(redis_client, prefix=client_app.OWN_PREFIX).remaining(key)[0] is None
     # ... and whose row has not moved for longer than the threshold (its own is 2 s),
     wait_until(
         lambda: _quiet_for(fence_store, key) > 2.5, 10, what="row unchanged past the threshold"

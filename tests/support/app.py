@@ -445,6 +445,8 @@ if E.get("FENCE_T_RELEASE_DELAY"):
 # -- recovery with per-task settings, and workflows kept on a re-send ---------------------------
 #: The key prefix of ``own_prefix``'s leases (under the test's prefix, so its cleanup finds them).
 OWN_PREFIX = f"{PREFIX}:own"
+#: The Redis database of ``own_prefix``'s leases: not the app's (``fence_redis_url``).
+OWN_REDIS = E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1").rsplit("/", 1)[0] + "/7"
 
 
 @app.task(
@@ -453,12 +455,14 @@ OWN_PREFIX = f"{PREFIX}:own"
     bind=True,
     fence_key=lambda key, **kw: key,
     fence_key_prefix=OWN_PREFIX,
+    fence_redis_url=OWN_REDIS,
     lease_ttl=1.0,
     renew_interval=0.3,
     fence_recover_after=2.0,
 )
 def own_prefix(self: Any, key: str) -> dict[str, Any]:
-    """A task with its own lease prefix, TTL and recovery threshold; hangs once on its flag."""
+    """A task with its own lease Redis, prefix, TTL and recovery threshold; hangs once on its
+    flag."""
     hang = _takes_hang_flag(key)
     ledger.rpush(f"{PREFIX}:runs:{key}", f"{self.fence.generation}:{self.fence.attempt_id}")
     if hang:
