@@ -9,6 +9,9 @@ runs on one OS thread. A wait inside a C library that gevent did not patch block
   first PostgreSQL engine is made under gevent) libpq works in non-blocking mode and each wait
   yields to gevent's hub: the watchdog can cut the call, ``statement_timeout`` and
   ``lock_timeout`` end it server-side, and the other greenlets go on meanwhile.
+- psycopg 3 makes its own waits cooperative: when it is imported after gevent patched
+  ``select`` (``celery -P gevent`` patches before the app is imported), it waits through the
+  patched ``poll`` instead of its C wait. Nothing to install.
 - SQLite waits for a lock held by another connection in its busy handler, in C: the whole
   process waits with it, and the holder may be a greenlet of the same process that cannot run
   until the wait ends. Under gevent the busy timeout is :data:`GREEN_SQLITE_BUSY_TIMEOUT`; a

@@ -97,10 +97,13 @@ def proxy(pg_url: str) -> Iterator[TcpProxy]:
     p.down()
 
 
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
 def test_a_silent_postgresql_under_gevent_is_cut_in_time_and_other_greenlets_run(
-    pg_url: str, proxy: TcpProxy
+    pg_url: str, proxy: TcpProxy, driver: str
 ) -> None:
-    url = sa.engine.make_url(pg_url).set(host="127.0.0.1", port=proxy.port)
+    url = sa.engine.make_url(pg_url).set(
+        drivername=f"postgresql+{driver}", host="127.0.0.1", port=proxy.port
+    )
     # Given a gevent-patched process whose store works through a proxy ...
     child = _child(url.render_as_string(hide_password=False), wait_for_go=True)
     assert child.stdout is not None and child.stdin is not None
