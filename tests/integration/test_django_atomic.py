@@ -177,6 +177,35 @@ def store_fence_row_moves_on(alias: str, fence: Fence) -> None:
         )
 
 
+def test_signal_handlers_writing_inside_the_block_are_fenced_with_it(
+    store: Store, alias: str
+) -> None:
+    from django.db.models.signals import post_save
+
+    from tests.support.django_ledger.models import Entry
+
+    def audit(sender: Any, instance: Any, using: str, **_: Any) -> None:
+        if instance.writer != "audit":  # a receiver that writes a row of its own
+            Entry.objects.using(using).create(key=instance.key, writer="audit")
+
+    post_save.connect(audit, sender=Entry, weak=False, dispatch_uid="t-audit")
+    fence = _attempt(store)
+    try:
+        # Given a save whose post_save receiver writes too, inside the block,
+        with pytest.raises(StaleGeneration), fence.atomic(using=alias):
+            Entry.objects.using(alias).create(key=fence.key, writer=fence.attempt_id)
+            assert _writers(alias, fence.key) == [fence.attempt_id, "audit"]
+            # when a newer generation registers before the block commits,
+            if store.dialect == "postgresql":
+                _takeover(store, fence)
+            else:
+                store_fence_row_moves_on(alias, fence)
+    finally:
+        post_save.disconnect(sender=Entry, dispatch_uid="t-audit")
+    # then neither the save nor the receiver's row landed.
+    assert _writers(alias, fence.key) == []
+
+
 def test_nested_blocks_are_savepoints_and_the_outermost_commits(store: Store, alias: str) -> None:
     from django.db import transaction
 
