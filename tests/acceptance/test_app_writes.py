@@ -176,6 +176,34 @@ def test_paused_inside_its_block_it_does_not_hold_up_the_takeover_and_never_comm
     store.dispose()
 
 
+def test_a_write_beside_the_block_ends_the_job_dead_naming_the_fix_and_lands_nothing(
+    spawn_worker: Any,
+    client_app: Any,
+    app_db: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
+) -> None:
+    key = _key()
+    store = Store(db_url)
+    spawn_worker("w")
+    # Given a body that writes through Flask-SQLAlchemy's db.session inside fence.transaction()
+    # (its own connection, which the block's fenced commit does not cover),
+    client_app.write_app.delay(key, via="beside")
+    # then the write is refused: the job ends dead at once (a setting to fix, not retried),
+    # its reason naming the fix, and nothing of the block landed.
+    wait_until(lambda: (r := store.get(key)) is not None and r.status == "dead", 30, what="dead")
+    record = store.get(key)
+    assert record is not None and record.error_type == "celery_fence.errors.ConfigurationError"
+    assert "not the fenced block's" in (record.error_message or "")
+    assert "self.fence.session(db.session)" in (record.error_message or "")
+    dead = [t.reason for t in store.history(key) if t.action == "dead"]
+    assert dead == ["permanent error ConfigurationError"]
+    assert app_db.lines(key) == [] and app_db.report(key) is None
+    assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+    store.dispose()
+
+
 def test_an_exception_inside_the_block_rolls_it_back_and_the_retry_writes(
     spawn_worker: Any,
     client_app: Any,

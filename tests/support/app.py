@@ -366,7 +366,8 @@ def write_app(
     ``via``: ``conn`` (``transaction()``), ``bind`` (``transaction(bind=app_engine)``),
     ``session`` (``session(sessionmaker(bind=app_engine))``), or a session routed by its own
     rules — ``binds`` (``sessionmaker(binds=...)``), ``flask`` (Flask-SQLAlchemy) — which
-    marks ``inside`` before its first statement.
+    marks ``inside`` before its first statement; ``beside``: Flask-SQLAlchemy's ``db.session``
+    used directly inside ``transaction()`` (refused).
     """
     fence = self.fence
     gen, attempt = fence.generation, fence.attempt_id
@@ -388,6 +389,12 @@ def write_app(
             session.flush()
             session.execute(_upsert(session.get_bind(), key, gen, attempt))
             _inside(key, gen, pause_inside, fail_inside_once)
+    elif via == "beside":  # the mistake: Flask-SQLAlchemy's db.session beside the block
+        flask_app, db = flask_db()
+        with flask_app.app_context(), fence.transaction() as conn:
+            conn.execute(_upsert(conn, key, gen, attempt))
+            db.session.add_all([AppLine(**line) for line in lines])
+            db.session.commit()
     else:
         with fence.transaction(bind=app_engine() if via == "bind" else None) as conn:
             conn.execute(app_lines.insert(), lines)
