@@ -46,7 +46,7 @@ from .records import request_text
 from .runtime import Backends, app_state, runtime
 from .schema import KEY_LENGTH
 from .store.engine import refusal_reason
-from .worker import FENCED_REQUEST
+from .worker import FENCED_REQUEST, celery_command
 
 logger = logging.getLogger("celery_fence")
 
@@ -170,6 +170,7 @@ class FencedTask(Task):
             policy=policy,
             emit=self._emit_for,
             retries=self.request.retries or 0,
+            celery_command=celery_command(self.app),
         )
         try:
             try:
