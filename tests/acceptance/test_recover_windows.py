@@ -395,3 +395,52 @@ def test_a_job_revoked_with_terminate_ends_dead_and_recover_leaves_it(
     assert broker.llen(worker_env["FENCE_T_QUEUE"]) == 0
     assert _status(fence_store, key) == "dead"
     assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("first", ["revoke recorded first", "body settled first"])
+def test_a_job_revoked_with_terminate_on_a_gevent_worker_ends_dead_and_releases_its_lease(
+    first: str,
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: redis.Redis,
+    broker: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    leases: LeaseStore,
+    worker_env: dict[str, str],
+) -> None:
+    # Given a fenced job running on a gevent-pool worker whose leases live 30 s ...
+    key = f"revoked-green:{uuid.uuid4().hex[:8]}"
+    redis_client.set(f"{prefix}:hang:{key}", 1)
+    delay = {"FENCE_T_UNRUN_DELAY": "2"} if first == "body settled first" else {}
+    spawn_worker("w", pool="gevent", concurrency=2, FENCE_T_TTL="30", FENCE_T_RENEW="5", **delay)
+    result = client_app.work.delay(key)
+    wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="body started")
+    assert not _lease_gone(leases, key)
+    # ... when it is revoked with terminate=True (GreenletExit in the body, whose settle step
+    # writes `retrying`, while the worker records the revoke: either may reach the store first),
+    client_app.app.control.revoke(result.id, terminate=True)
+    # then its job is recorded dead, reason "revoked",
+    wait_until(lambda: _status(fence_store, key) == "dead", 30, what="recorded dead")
+    # its lease released (long before its 30 s TTL), its message acked and not re-sent,
+    wait_until(lambda: _lease_gone(leases, key), 10, what="lease released")
+    history = [(t.action, t.reason) for t in fence_store.history(key)]
+    assert [reason for action, reason in history if action == "dead"] == ["revoked"]
+    if first == "body settled first":
+        assert history[:3] == [
+            ("claimed", None),
+            ("retry_scheduled", "interrupted by GreenletExit"),
+            ("dead", "revoked"),
+        ], history
+    else:  # the body's settle then finds the job dead: its retry is refused (stale)
+        assert history[:2] == [("claimed", None), ("dead", "revoked")], history
+    wait_until(lambda: not _unacked(broker, key), 10, what="message acked")
+    assert broker.llen(worker_env["FENCE_T_QUEUE"]) == 0
+    record = fence_store.get(key)
+    assert record is not None and record.status == "dead"
+    # and a recovery past the threshold does not re-send it.
+    report = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "0", "--json")))
+    assert key not in report["keys"]["stranded"]
+    assert _status(fence_store, key) == "dead"
+    assert redis_client.llen(f"{prefix}:runs:{key}") == 1

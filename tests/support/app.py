@@ -442,6 +442,20 @@ if E.get("FENCE_T_RELEASE_DELAY"):
     celery_fence.renewer.RELEASE_DELAY = float(E["FENCE_T_RELEASE_DELAY"])
 
 
+if E.get("FENCE_T_UNRUN_DELAY"):
+    # Delay the worker's record of a revoke (terminate=True included) by this many seconds, so
+    # that a terminated body's own settle step reaches the store first.
+    import celery_fence.worker
+
+    _settle_unrun = celery_fence.worker.FencedRequest._settle_unrun
+
+    def _settle_unrun_later(self: Any, why: str, terminated: bool = False) -> bool:
+        time.sleep(float(E["FENCE_T_UNRUN_DELAY"]))  # green under gevent
+        return _settle_unrun(self, why, terminated)
+
+    celery_fence.worker.FencedRequest._settle_unrun = _settle_unrun_later  # type: ignore[method-assign]
+
+
 # -- recovery with per-task settings, and workflows kept on a re-send ---------------------------
 #: The key prefix of ``own_prefix``'s leases (under the test's prefix, so its cleanup finds them).
 OWN_PREFIX = f"{PREFIX}:own"
