@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -444,3 +445,106 @@ def test_a_job_revoked_with_terminate_on_a_gevent_worker_ends_dead_and_releases_
     assert key not in report["keys"]["stranded"]
     assert _status(fence_store, key) == "dead"
     assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+
+
+def _revoked_while_waiting_for_its_retry(
+    spawn_worker: Any,
+    client_app: Any,
+    broker: redis.Redis,
+    fence_store: Store,
+    key: str,
+    countdown: float,
+    **worker: Any,
+) -> Any:
+    """A fenced job (``fence_key`` set) whose body called ``self.retry(countdown=...)``: its row
+    ``retrying``, its retry message held by the worker until its ETA (unacked, the queue empty);
+    then ``revoke(task id)`` (no terminate). Returns the worker."""
+    started = spawn_worker("w", **worker)
+    queue = started.queue
+    result = client_app.control.delay(key, kind="retry", countdown=countdown)
+    wait_until(
+        lambda: (
+            _status(fence_store, key) == "retrying"
+            and broker.llen(queue) == 0
+            and len(_unacked(broker, key)) == 1
+        ),
+        30,
+        what="the retry held by the worker",
+    )
+    client_app.app.control.revoke(result.id)
+    return started
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_revoked_retry_of_a_fenced_job_ends_it_dead_and_recover_leaves_it(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: redis.Redis,
+    broker: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    worker_env: dict[str, str],
+) -> None:
+    # Given a fenced job waiting for its retry (3 s), whose task id is revoked meanwhile ...
+    key = f"revoked-retry:{uuid.uuid4().hex[:8]}"
+    worker = _revoked_while_waiting_for_its_retry(
+        spawn_worker, client_app, broker, fence_store, key, 3.0
+    )
+    # when the worker sees the revoke (at the retry's ETA), the job is recorded dead, reason
+    # "revoked", and its message acked,
+    wait_until(lambda: _status(fence_store, key) == "dead", 30, what="recorded dead")
+    dead = [t for t in fence_store.history(key) if t.action == "dead"]
+    assert [t.reason for t in dead] == ["revoked"]
+    wait_until(lambda: not _unacked(broker, key), 10, what="message acked")
+    # and once the worker restarted (its revoked set is gone), a recovery past the threshold
+    # does not run it again.
+    worker.stop()
+    spawn_worker("w2")
+    report = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "0", "--json")))
+    assert key not in report["keys"]["stranded"]
+    assert broker.llen(worker_env["FENCE_T_QUEUE"]) == 0
+    assert _status(fence_store, key) == "dead"
+    assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("statedb", [True, False], ids=["statedb", "no-statedb"])
+def test_a_retry_revoked_then_restarted_before_the_worker_saw_it_needs_the_statedb(
+    statedb: bool,
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: redis.Redis,
+    broker: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    worker_env: dict[str, str],
+    tmp_path: Any,
+) -> None:
+    # Given a fenced job waiting for its retry (8 s), revoked, on a worker that is stopped
+    # before the retry's ETA (its message goes back to the broker unseen) ...
+    key = f"revoked-restart:{uuid.uuid4().hex[:8]}"
+    state = ("--statedb", str(tmp_path / "worker.state")) if statedb else ()
+    worker = _revoked_while_waiting_for_its_retry(
+        spawn_worker, client_app, broker, fence_store, key, 8.0, extra_args=state
+    )
+    time.sleep(1.0)  # the revoke broadcast reaches the worker
+    worker.stop()
+    assert _status(fence_store, key) == "retrying"
+    # when a worker starts again,
+    spawn_worker("w2", extra_args=state)
+    if statedb:
+        # then with --statedb (Celery keeps its revoked ids there) the job ends dead, reason
+        # "revoked", and recovery leaves it;
+        wait_until(lambda: _status(fence_store, key) == "dead", 30, what="recorded dead")
+        dead = [t for t in fence_store.history(key) if t.action == "dead"]
+        assert [t.reason for t in dead] == ["revoked"]
+        report = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "0", "--json")))
+        assert key not in report["keys"]["stranded"]
+        time.sleep(1.0)
+        assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+    else:
+        # without it the new worker never heard of the revoke (Celery keeps revoked ids in
+        # memory): the retry runs, once, and the job completes.
+        wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")
+        assert redis_client.llen(f"{prefix}:runs:{key}") == 2
+        assert _completions(fence_store, key) == 1

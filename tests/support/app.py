@@ -188,7 +188,7 @@ def overrun(self: Any, key: str, *, sleep: float, runs_overrunning: int = 1) -> 
 
 
 @app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
-def control(self: Any, key: str, *, kind: str) -> dict[str, Any]:
+def control(self: Any, key: str, *, kind: str, countdown: float = 0.2) -> dict[str, Any]:
     """Raises Celery's own control flow from the body on its first run."""
     from celery.exceptions import Ignore, Reject
 
@@ -201,7 +201,7 @@ def control(self: Any, key: str, *, kind: str) -> dict[str, Any]:
         if kind == "requeue":
             raise Reject("requeued by the test", requeue=True)
         if kind == "retry":
-            raise self.retry(countdown=0.2)
+            raise self.retry(countdown=countdown)
     return {"key": key, "runs": runs}
 
 
