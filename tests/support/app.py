@@ -248,6 +248,10 @@ if E.get("FENCE_T_FAIL_PUBLISH") == "1":
             and ledger.getdel(f"{PREFIX}:fail_publish") is not None
         ):
             raise OperationalError("simulated: the broker refused the publish")
+        if headers.get("retries") and ledger.exists(f"{PREFIX}:refuse_publish"):
+            # A broker that refuses every re-send while the flag is set (each refusal counted).
+            ledger.rpush(f"{PREFIX}:refused_publish", f"{time.time():.3f}")
+            raise OperationalError("simulated: the broker refused the publish")
         return _publish(self, body, *args, **kwargs)
 
     Producer.publish = _refusing_publish  # type: ignore[method-assign]
