@@ -428,6 +428,12 @@ class Store:
         with self.db.connect() as conn:
             return conn.execute(sql.last_exit(key)).scalar()
 
+    def resends_unclaimed(self, key: str) -> int:
+        """How many times recovery re-sent the key since its newest claim, as far as the history
+        says (0 with ``fence_record_transitions`` off)."""
+        with self.db.connect() as conn:
+            return int(conn.execute(sql.resends_unclaimed(key)).scalar() or 0)
+
     def record(
         self,
         key: str,

@@ -548,3 +548,45 @@ def test_a_retry_revoked_then_restarted_before_the_worker_saw_it_needs_the_state
         wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")
         assert redis_client.llen(f"{prefix}:runs:{key}") == 2
         assert _completions(fence_store, key) == 1
+
+
+def test_recover_does_not_re_send_a_backlogged_job_once_per_pass(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: redis.Redis,
+    broker: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    worker_env: dict[str, str],
+) -> None:
+    from celery_fence.recovery import recover
+
+    # Given a job left running by a worker that died (no lease), and no worker consuming its
+    # queue (a backlog: every re-send waits there) ...
+    queue = worker_env["FENCE_T_QUEUE"]
+    key = f"backlog:{uuid.uuid4().hex[:8]}"
+    request = {
+        "task": client_app.work.name,
+        "id": uuid.uuid4().hex,
+        "args": [key],
+        "kwargs": {},
+        "options": {"routing_key": queue, "exchange": "", "priority": None},
+    }
+    fence_store.register(
+        key, generation=1, attempt_id="gone", task_name=request["task"], request=request
+    )
+    # when recovery runs every 1.1 s with a 1 s threshold, six times,
+    sent = 0
+    for _ in range(6):
+        time.sleep(1.1)
+        sent += len(recover(client_app.app, older_than=1.0).sent)
+    # then the re-sent message, still waiting in the queue, is not re-sent at every pass: each
+    # re-send nobody claimed doubles the wait before the next (1, 2, 4 thresholds),
+    assert broker.llen(queue) == sent
+    assert sent <= 3, sent
+    # and once a worker consumes the backlog, the job completes once (the others replay).
+    spawn_worker("w")
+    wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")
+    wait_until(lambda: broker.llen(queue) == 0 and not _unacked(broker, key), 30, what="drained")
+    assert _completions(fence_store, key) == 1
+    assert redis_client.llen(f"{prefix}:runs:{key}") == 1
