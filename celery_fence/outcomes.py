@@ -43,6 +43,8 @@ class Attempt:
     #: is written by its completion, or registered late by any other outcome.
     deferred: bool = False
     request_json: str | None = None
+    #: ``celery -A <app>`` as the operator types it, for the hints of the errors a job ends with.
+    celery_command: str = "celery -A <app>"
 
 
 # -- outcomes ------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from celery import shared_task
 from .actions import Action
 from .errors import FenceError
 from .records import EXECUTION_OPTIONS
+from .schema import PENDING
 from .scope import Scope
 from .store import JobRecord, Store
 from .transitions import emit_transition
@@ -103,9 +104,31 @@ def stranded_jobs(
     for database in scope.databases():
         candidates = database.store.stranded(older_than=floor, limit=limit, task_name=task_name)
         for record in candidates:
-            if scope.quiet_enough(record, older_than) and not scope.lease_held(record):
+            if (
+                scope.quiet_enough(record, older_than)
+                and not scope.lease_held(record)
+                and _resend_due(scope, database.store, record, older_than)
+            ):
                 found.append((database.store, record))
     return found[:limit]
+
+
+#: A job recovery re-sent that nobody claimed since waits 2, 4, 8, 16 thresholds (at most)
+#: before its next re-send: its message may only be waiting in a long queue.
+MAX_RESEND_DOUBLINGS = 4
+
+
+def _resend_due(scope: Scope, store: Store, record: JobRecord, older_than: float | None) -> bool:
+    """Whether a stranded ``pending`` job is due for a re-send: the n-th re-send in a row that
+    nobody claimed waits 2**n thresholds (n at most :data:`MAX_RESEND_DOUBLINGS`)."""
+    if record.status != PENDING:
+        return True
+    unclaimed = store.resends_unclaimed(record.key)
+    if unclaimed == 0:
+        return True
+    windows = 2 ** min(unclaimed, MAX_RESEND_DOUBLINGS)
+    threshold = scope.config_of(record).recover_after_seconds if older_than is None else older_than
+    return scope.quiet_enough(record, threshold * windows)
 
 
 def task_id_for(app: Any, record: JobRecord) -> str:
@@ -316,6 +339,7 @@ def recover_task(self: Any, older_than: float | None = None) -> dict[str, Any]:
 __all__ = [
     "DEFAULT_LIMIT",
     "KEY_HEADER",
+    "MAX_RESEND_DOUBLINGS",
     "RECOVER_TASK",
     "NotResendable",
     "RecoveryReport",

@@ -295,6 +295,9 @@ class AppState:
     #: Whether the worker sends task events (``-E`` sets the worker's flag, not ``app.conf``);
     #: None until ``worker_init`` says (see :func:`celery_fence.events.task_events_enabled`).
     task_events: bool | None = None
+    #: What the worker was started with, as an operator types it again: ``celery -A proj``;
+    #: None until ``worker_init`` says (see :func:`celery_fence.worker.celery_command`).
+    celery_command: str | None = None
 
 
 _STATE_ATTRIBUTE = "_fence_state"

@@ -169,8 +169,8 @@ def _already_dead(a: Attempt, o: AlreadyDead) -> CeleryAction:
     error = o.record.error_type if o.record else "unknown error"
     return Fail(
         JobDead(
-            f"job {a.key!r} is dead ({error}); requeue it with: celery -A <app> fence requeue "
-            f"{a.key}"
+            f"job {a.key!r} is dead ({error}); requeue it with: {a.celery_command} fence "
+            f"requeue {a.key}"
         )
     )
 

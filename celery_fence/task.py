@@ -46,7 +46,7 @@ from .records import request_text
 from .runtime import Backends, app_state, runtime
 from .schema import KEY_LENGTH
 from .store.engine import refusal_reason
-from .worker import FENCED_REQUEST
+from .worker import FENCED_REQUEST, celery_command
 
 logger = logging.getLogger("celery_fence")
 
@@ -58,6 +58,10 @@ NUL_ESCAPE = "\\u0000"
 
 #: Seconds before a message is re-sent when the settings are invalid (fix them and restart).
 CONFIG_ERROR_COUNTDOWN = 30.0
+
+#: Bounds (seconds) of the pause before a message whose re-send the broker refused goes back to
+#: the broker: the re-send's countdown, at least the first, at most the second.
+REFUSED_RESEND_PAUSE = (1.0, 10.0)
 
 
 class FencedTask(Task):
@@ -170,6 +174,7 @@ class FencedTask(Task):
             policy=policy,
             emit=self._emit_for,
             retries=self.request.retries or 0,
+            celery_command=celery_command(self.app),
         )
         try:
             try:
@@ -399,21 +404,33 @@ class FencedTask(Task):
         """Celery's ``retry``, except when the broker refuses the retry message: Celery would
         reject the original message for good (``Reject(requeue=False)``, the message dropped);
         here it goes back to the broker instead (:class:`RetryNotSent`, a requeue), and the
-        settle step records the job ``retrying``, so the next delivery runs it."""
+        settle step records the job ``retrying``, so the next delivery runs it. The message
+        goes back after a pause (the retry's countdown within :data:`REFUSED_RESEND_PAUSE`): a
+        broker that refuses every publish must not make the worker redeliver, claim and re-send
+        in a tight loop."""
         try:
             return super().retry(*args, **kwargs)
         except Reject as rejected:
             if rejected.requeue:
                 raise
             # Celery turns a failed publish of the retry message into Reject(requeue=False).
+            countdown = kwargs.get("countdown")
+            if countdown is None:
+                countdown = (
+                    REFUSED_RESEND_PAUSE[1] if kwargs.get("eta") else self.default_retry_delay
+                )
+            low, high = REFUSED_RESEND_PAUSE
+            pause = min(max(float(countdown or 0.0), low), high)
             logger.error(
                 "fence could not publish the retry of task=%s id=%s (%s); the original message "
-                "goes back to the broker",
+                "goes back to the broker in %.1fs",
                 self.name,
                 self.request.id,
                 type(rejected.reason).__name__,
+                pause,
                 extra={"action": "requeue", "reason": "retry publish failed"},
             )
+            time.sleep(pause)  # the message stays unacked meanwhile; the lease is renewed
             raise RetryNotSent(rejected.reason) from None
 
     # -- transitions -----------------------------------------------------------------------------

@@ -18,8 +18,10 @@ Three ways a fenced message can end without its task body's settle step running:
   when the message takes the key's first generation: after any claim, that attempt owns the
   job); a job whose only message this is (the default key, the Celery task id) and that is
   waiting for it (``retrying``/``pending``) goes ``dead`` the same way. A job under a
-  ``fence_key`` that other messages may share keeps its state and gets a transition row. If the
-  store cannot be written, the message is given back.
+  ``fence_key`` that other messages may share goes ``dead`` only when it waits for this very
+  message (its stored request has this task id: its own retry, re-send or requeue); otherwise it
+  keeps its state and gets a transition row. If the store cannot be written, the message is
+  given back.
 - **Revoked with ``terminate=True`` while it ran.** The pool kills the attempt and Celery acks
   the message. Here the job is recorded ``dead``, reason "revoked", when its row is still
   unfinished under this message (its stored request has this task id; a row that has completed
@@ -31,6 +33,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import click
 from billiard.exceptions import TimeLimitExceeded
 from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
 from celery.worker.request import Request
@@ -38,7 +41,7 @@ from celery.worker.request import Request
 from .actions import Action
 from .errors import ConfigurationError
 from .records import encode_request
-from .runtime import runtime
+from .runtime import app_state, runtime
 from .transitions import emit_transition
 
 logger = logging.getLogger("celery_fence")
@@ -133,6 +136,7 @@ class FencedRequest(Request):
                 only_insert=shared_key,
                 terminated_id=self.id if terminated else None,
                 insert=first,
+                message_id=self.id,
             )
         except Exception as exc:
             logger.error(
@@ -163,6 +167,27 @@ def _release_on_shutdown(**_: Any) -> None:
     main process on every pool (``worker_shutdown``: solo, threads and gevent run their tasks
     there). Safe to run twice: a second call finds nothing left to send."""
     runtime().shutdown()
+
+
+def celery_command(app: Any) -> str:
+    """``celery -A <app>`` as this worker's operator would type it, for the hints a worker's
+    messages print: the ``-A`` value the worker was started with, else the app's ``main`` name."""
+    known = app_state(app).celery_command
+    if known:
+        return known
+    main = getattr(app, "main", None)
+    return f"celery -A {main if main and main != '__main__' else '<app>'}"
+
+
+@worker_init.connect(weak=False)
+def _remember_celery_command(sender: Any = None, **_: Any) -> None:
+    """Remember the ``-A`` value of ``celery -A proj worker`` (the command line's, read in the
+    main process before the pool forks, so prefork children inherit it)."""
+    app = getattr(sender, "app", None)
+    ctx = click.get_current_context(silent=True)
+    given = ctx.find_root().params.get("app") if ctx is not None else None
+    if app is not None and isinstance(given, str) and given:
+        app_state(app).celery_command = f"celery -A {given}"
 
 
 @worker_init.connect(weak=False)

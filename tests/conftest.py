@@ -128,6 +128,7 @@ def spawn_worker(tmp_path: Path, worker_env: dict[str, str]) -> Iterator[Any]:
         concurrency: int = 1,
         pool: str = "prefork",
         loglevel: str = "INFO",
+        extra_args: tuple[str, ...] = (),
         **env: str,
     ) -> Worker:
         w = Worker(
@@ -139,6 +140,7 @@ def spawn_worker(tmp_path: Path, worker_env: dict[str, str]) -> Iterator[Any]:
             concurrency=concurrency,
             pool=pool,
             loglevel=loglevel,
+            extra_args=extra_args,
         )
         started.append(w)
         w.start()

@@ -14,7 +14,7 @@ from celery.bin.base import CeleryOption
 
 from .. import migrate, recovery
 from ..actions import Action
-from ..errors import StaleGeneration
+from ..requeue import SendFailed, requeue_finished
 from ..schema import COMPLETED, DEAD
 from ..scope import Scope
 from ..store import JobRecord, Store
@@ -94,29 +94,22 @@ def requeue(ctx: click.Context, key: str, force: bool, completed: bool) -> None:
                 )
             _force_requeue(ctx, scope, store, record)
             return
-    if not record.request:
-        raise FenceCLIError(
-            f"job {key!r} has no stored request (its arguments or workflow were not JSON): "
-            "re-send it from your code"
-        )
-    before = store.requeue(key, completed=completed)  # durable first: pending, fresh budget
+    reason = "completed job re-run by operator" if completed else "requeued by operator"
     try:
-        task_id = recovery.send_stored(app, before)
-    except Exception as exc:
-        reason = f"send failed ({type(exc).__name__})"
-        try:
-            store.restore_finished(before, reason=reason)
-        except StaleGeneration:
+        done = requeue_finished(app, store, key, completed=completed, reason=reason)
+    except recovery.NotResendable as exc:
+        raise FenceCLIError(str(exc)) from None
+    except SendFailed as failed:
+        if not failed.restored:
             raise FenceCLIError(
-                f"could not confirm the send of {key!r} ({describe(exc)}), and an attempt has "
-                "claimed it since: left as it is"
+                f"could not confirm the send of {key!r} ({describe(failed.cause)}), and an "
+                "attempt has claimed it since: left as it is"
             ) from None
         raise FenceCLIError(
-            f"could not send {key!r} ({describe(exc)}); it is {before.status} again, retry the "
-            "requeue"
+            f"could not send {key!r} ({describe(failed.cause)}); it is {failed.record.status} "
+            "again, retry the requeue"
         ) from None
-    reason = "completed job re-run by operator" if completed else "requeued by operator"
-    _requeued(ctx, before, task_id, Action.REQUEUED, reason)
+    _requeued(ctx, done.record, done.task_id)
 
 
 def _force_requeue(ctx: click.Context, scope: Scope, store: Store, record: JobRecord) -> None:
@@ -137,26 +130,24 @@ def _force_requeue(ctx: click.Context, scope: Scope, store: Store, record: JobRe
         ) from None
     if task_id is None:
         raise FenceCLIError(f"job {record.key!r} changed while it was requeued: look again")
-    _requeued(ctx, record, task_id, Action.RECOVERED, "forced requeue by operator")
-
-
-def _requeued(
-    ctx: click.Context, record: JobRecord, task_id: str, action: Action, reason: str
-) -> None:
-    """Announce the re-send as the transition the store recorded (``requeued``, or ``recovered``
-    for a forced requeue)."""
-    app = ctx.obj.app
     task_name = str((record.request or {}).get("task") or record.task_name)
-    emit_transition(
-        action,
-        app.tasks.get(task_name, task_name),
+    emit_transition(  # the transition the store recorded for it
+        Action.RECOVERED,
+        ctx.obj.app.tasks.get(task_name, task_name),
         key=record.key,
         attempt_id=None,
         generation=record.generation,
-        reason=reason,
+        reason="forced requeue by operator",
         countdown=0.0,
-        attempts=0 if record.status in (DEAD, COMPLETED) else record.attempts,
+        attempts=record.attempts,
     )
+    _requeued(ctx, record, task_id)
+
+
+def _requeued(ctx: click.Context, record: JobRecord, task_id: str) -> None:
+    """Say where the re-send went."""
+    app = ctx.obj.app
+    task_name = str((record.request or {}).get("task") or record.task_name)
     routing = recovery.routing_for(record, app)
     where = (
         f"exchange {routing['exchange']} with routing key {routing['routing_key']}"

@@ -365,6 +365,7 @@ class Store:
         only_insert: bool = False,
         terminated_id: str | None = None,
         insert: bool = True,
+        message_id: str | None = None,
     ) -> None:
         """Settle the job of a message Celery acks without running it to its end (expired,
         revoked, or revoked with ``terminate=True`` while it ran).
@@ -372,10 +373,11 @@ class Store:
         No row yet: the job is recorded ``dead`` with its request, unless not ``insert`` (an
         attempt that claimed the key before this message may still write its row). A row that
         waits for this message (``retrying`` or ``pending``) goes ``dead`` by compare-and-set on
-        the state just read, unless ``only_insert`` (other messages may share the key).
-        ``terminated_id``: the Celery task id of a message whose attempt was terminated; a row
-        still unfinished under that message (its stored request has that id) goes ``dead`` too,
-        whatever ``only_insert`` says. Any other row keeps its state; the transition is recorded.
+        the state just read; with ``only_insert`` (other messages may share the key), only when
+        its stored request has this message's task id ``message_id`` (the job's own message,
+        e.g. its retry). ``terminated_id``: the Celery task id of a message whose attempt was
+        terminated; a row still unfinished under that message (its stored request has that id)
+        goes ``dead`` too. Any other row keeps its state; the transition is recorded.
         """
         from ..errors import JobDead
 
@@ -388,7 +390,9 @@ class Store:
             return
         for _ in range(3):  # a claim or registration may move the row between read and write
             before = self.get(key)
-            if before is None or not self._waits_for(before, only_insert, terminated_id):
+            if before is None or not self._waits_for(
+                before, only_insert, terminated_id, message_id
+            ):
                 break
             params = self._owner(
                 key,
@@ -406,11 +410,16 @@ class Store:
         self.record(key, action=reason, reason=note)
 
     @staticmethod
-    def _waits_for(record: JobRecord, only_insert: bool, terminated_id: str | None) -> bool:
+    def _waits_for(
+        record: JobRecord, only_insert: bool, terminated_id: str | None, message_id: str | None
+    ) -> bool:
         """Whether ``record`` is the job of the message :meth:`end_unrun` settles."""
+        stored_id = (record.request or {}).get("id")
         if terminated_id is not None and record.status in (RUNNING, RETRYING, PENDING):
-            return (record.request or {}).get("id") == terminated_id
-        return not only_insert and record.status in (RETRYING, PENDING)
+            return stored_id == terminated_id
+        if record.status not in (RETRYING, PENDING):
+            return False
+        return not only_insert or (message_id is not None and stored_id == message_id)
 
     def last_exit(self, key: str) -> str | None:
         """How the key's latest attempt before this one ended, as far as the history says: the
@@ -418,6 +427,12 @@ class Store:
         one)."""
         with self.db.connect() as conn:
             return conn.execute(sql.last_exit(key)).scalar()
+
+    def resends_unclaimed(self, key: str) -> int:
+        """How many times recovery re-sent the key since its newest claim, as far as the history
+        says (0 with ``fence_record_transitions`` off)."""
+        with self.db.connect() as conn:
+            return int(conn.execute(sql.resends_unclaimed(key)).scalar() or 0)
 
     def record(
         self,

@@ -374,6 +374,21 @@ def last_exit(key: str) -> sa.Select[Any]:
     )
 
 
+def resends_unclaimed(key: str) -> sa.Select[Any]:
+    """How many times recovery re-sent the key since its newest claim (or ever, if never
+    claimed): the re-sent messages nobody has taken yet."""
+    claimed = (
+        sa.select(sa.func.max(transitions.c.id))
+        .where((transitions.c.key == key) & (transitions.c.action == Action.CLAIMED.value))
+        .scalar_subquery()
+    )
+    return sa.select(sa.func.count()).where(
+        (transitions.c.key == key)
+        & (transitions.c.action == Action.RECOVERED.value)
+        & (transitions.c.id > sa.func.coalesce(claimed, 0))
+    )
+
+
 def list_jobs(*, status: str | None, task_name: str | None, limit: int) -> sa.Select[Any]:
     query = sa.select(jobs).order_by(jobs.c.updated_at.desc()).limit(limit)
     if status is not None:

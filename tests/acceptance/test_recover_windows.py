@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -405,4 +406,198 @@ def test_a_job_revoked_with_terminate_ends_dead_and_recover_leaves_it(
     assert key not in report["keys"]["stranded"]
     assert broker.llen(worker_env["FENCE_T_QUEUE"]) == 0
     assert _status(fence_store, key) == "dead"
+    assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("first", ["revoke recorded first", "body settled first"])
+def test_a_job_revoked_with_terminate_on_a_gevent_worker_ends_dead_and_releases_its_lease(
+    first: str,
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: redis.Redis,
+    broker: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    leases: LeaseStore,
+    worker_env: dict[str, str],
+) -> None:
+    # Given a fenced job running on a gevent-pool worker whose leases live 30 s ...
+    key = f"revoked-green:{uuid.uuid4().hex[:8]}"
+    redis_client.set(f"{prefix}:hang:{key}", 1)
+    delay = {"FENCE_T_UNRUN_DELAY": "2"} if first == "body settled first" else {}
+    spawn_worker("w", pool="gevent", concurrency=2, FENCE_T_TTL="30", FENCE_T_RENEW="5", **delay)
+    result = client_app.work.delay(key)
+    wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="body started")
+    assert not _lease_gone(leases, key)
+    # ... when it is revoked with terminate=True (GreenletExit in the body, whose settle step
+    # writes `retrying`, while the worker records the revoke: either may reach the store first),
+    client_app.app.control.revoke(result.id, terminate=True)
+    # then its job is recorded dead, reason "revoked",
+    wait_until(lambda: _status(fence_store, key) == "dead", 30, what="recorded dead")
+    # its lease released (long before its 30 s TTL), its message acked and not re-sent,
+    wait_until(lambda: _lease_gone(leases, key), 10, what="lease released")
+    history = [(t.action, t.reason) for t in fence_store.history(key)]
+    assert [reason for action, reason in history if action == "dead"] == ["revoked"]
+    if first == "body settled first":
+        assert history[:3] == [
+            ("claimed", None),
+            ("retry_scheduled", "interrupted by GreenletExit"),
+            ("dead", "revoked"),
+        ], history
+    else:  # the body's settle then finds the job dead: its retry is refused (stale)
+        assert history[:2] == [("claimed", None), ("dead", "revoked")], history
+    wait_until(lambda: not _unacked(broker, key), 10, what="message acked")
+    assert broker.llen(worker_env["FENCE_T_QUEUE"]) == 0
+    record = fence_store.get(key)
+    assert record is not None and record.status == "dead"
+    # and a recovery past the threshold does not re-send it.
+    report = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "0", "--json")))
+    assert key not in report["keys"]["stranded"]
+    assert _status(fence_store, key) == "dead"
+    assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+
+
+def _revoked_while_waiting_for_its_retry(
+    spawn_worker: Any,
+    client_app: Any,
+    broker: redis.Redis,
+    fence_store: Store,
+    key: str,
+    countdown: float,
+    **worker: Any,
+) -> Any:
+    """A fenced job (``fence_key`` set) whose body called ``self.retry(countdown=...)``: its row
+    ``retrying``, its retry message held by the worker until its ETA (unacked, the queue empty);
+    then ``revoke(task id)`` (no terminate). Returns the worker."""
+    started = spawn_worker("w", **worker)
+    queue = started.queue
+    result = client_app.control.delay(key, kind="retry", countdown=countdown)
+    wait_until(
+        lambda: (
+            _status(fence_store, key) == "retrying"
+            and broker.llen(queue) == 0
+            and len(_unacked(broker, key)) == 1
+        ),
+        30,
+        what="the retry held by the worker",
+    )
+    client_app.app.control.revoke(result.id)
+    return started
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_revoked_retry_of_a_fenced_job_ends_it_dead_and_recover_leaves_it(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: redis.Redis,
+    broker: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    worker_env: dict[str, str],
+) -> None:
+    # Given a fenced job waiting for its retry (3 s), whose task id is revoked meanwhile ...
+    key = f"revoked-retry:{uuid.uuid4().hex[:8]}"
+    worker = _revoked_while_waiting_for_its_retry(
+        spawn_worker, client_app, broker, fence_store, key, 3.0
+    )
+    # when the worker sees the revoke (at the retry's ETA), the job is recorded dead, reason
+    # "revoked", and its message acked,
+    wait_until(lambda: _status(fence_store, key) == "dead", 30, what="recorded dead")
+    dead = [t for t in fence_store.history(key) if t.action == "dead"]
+    assert [t.reason for t in dead] == ["revoked"]
+    wait_until(lambda: not _unacked(broker, key), 10, what="message acked")
+    # and once the worker restarted (its revoked set is gone), a recovery past the threshold
+    # does not run it again.
+    worker.stop()
+    spawn_worker("w2")
+    report = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "0", "--json")))
+    assert key not in report["keys"]["stranded"]
+    assert broker.llen(worker_env["FENCE_T_QUEUE"]) == 0
+    assert _status(fence_store, key) == "dead"
+    assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("statedb", [True, False], ids=["statedb", "no-statedb"])
+def test_a_retry_revoked_then_restarted_before_the_worker_saw_it_needs_the_statedb(
+    statedb: bool,
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: redis.Redis,
+    broker: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    worker_env: dict[str, str],
+    tmp_path: Any,
+) -> None:
+    # Given a fenced job waiting for its retry (8 s), revoked, on a worker that is stopped
+    # before the retry's ETA (its message goes back to the broker unseen) ...
+    key = f"revoked-restart:{uuid.uuid4().hex[:8]}"
+    state = ("--statedb", str(tmp_path / "worker.state")) if statedb else ()
+    worker = _revoked_while_waiting_for_its_retry(
+        spawn_worker, client_app, broker, fence_store, key, 8.0, extra_args=state
+    )
+    time.sleep(1.0)  # the revoke broadcast reaches the worker
+    worker.stop()
+    assert _status(fence_store, key) == "retrying"
+    # when a worker starts again,
+    spawn_worker("w2", extra_args=state)
+    if statedb:
+        # then with --statedb (Celery keeps its revoked ids there) the job ends dead, reason
+        # "revoked", and recovery leaves it;
+        wait_until(lambda: _status(fence_store, key) == "dead", 30, what="recorded dead")
+        dead = [t for t in fence_store.history(key) if t.action == "dead"]
+        assert [t.reason for t in dead] == ["revoked"]
+        report = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "0", "--json")))
+        assert key not in report["keys"]["stranded"]
+        time.sleep(1.0)
+        assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+    else:
+        # without it the new worker never heard of the revoke (Celery keeps revoked ids in
+        # memory): the retry runs, once, and the job completes.
+        wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")
+        assert redis_client.llen(f"{prefix}:runs:{key}") == 2
+        assert _completions(fence_store, key) == 1
+
+
+def test_recover_does_not_re_send_a_backlogged_job_once_per_pass(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: redis.Redis,
+    broker: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    worker_env: dict[str, str],
+) -> None:
+    from celery_fence.recovery import recover
+
+    # Given a job left running by a worker that died (no lease), and no worker consuming its
+    # queue (a backlog: every re-send waits there) ...
+    queue = worker_env["FENCE_T_QUEUE"]
+    key = f"backlog:{uuid.uuid4().hex[:8]}"
+    request = {
+        "task": client_app.work.name,
+        "id": uuid.uuid4().hex,
+        "args": [key],
+        "kwargs": {},
+        "options": {"routing_key": queue, "exchange": "", "priority": None},
+    }
+    fence_store.register(
+        key, generation=1, attempt_id="gone", task_name=request["task"], request=request
+    )
+    # when recovery runs every 1.1 s with a 1 s threshold, six times,
+    sent = 0
+    for _ in range(6):
+        time.sleep(1.1)
+        sent += len(recover(client_app.app, older_than=1.0).sent)
+    # then the re-sent message, still waiting in the queue, is not re-sent at every pass: each
+    # re-send nobody claimed doubles the wait before the next (1, 2, 4 thresholds),
+    assert broker.llen(queue) == sent
+    assert sent <= 3, sent
+    # and once a worker consumes the backlog, the job completes once (the others replay).
+    spawn_worker("w")
+    wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")
+    wait_until(lambda: broker.llen(queue) == 0 and not _unacked(broker, key), 30, what="drained")
+    assert _completions(fence_store, key) == 1
     assert redis_client.llen(f"{prefix}:runs:{key}") == 1

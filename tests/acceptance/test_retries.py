@@ -110,6 +110,24 @@ def test_a_permanent_error_is_dead_after_one_attempt(
     assert len(_runs(redis_client, prefix, key)) == 1
 
 
+def test_a_delivery_of_a_dead_job_fails_with_a_requeue_hint_naming_the_worker_app(
+    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+) -> None:
+    # Given a dead job, on a worker started as `celery -A tests.support.app worker` ...
+    spawn_worker("w")
+    key = f"dead-hint:{uuid.uuid4().hex[:8]}"
+    client_app.work.delay(key, fail="permanent")
+    _wait_for(fence_store, key, "dead", timeout=60)
+    # ... when another message of its key is delivered,
+    again = client_app.work.delay(key)
+    # then it fails with JobDead, whose hint is the command the operator can run as it is.
+    with pytest.raises(Exception) as failed:
+        again.get(timeout=30)
+    assert type(failed.value).__name__ == "JobDead"
+    assert f"requeue it with: celery -A tests.support.app fence requeue {key}" in str(failed.value)
+    assert len(_runs(redis_client, prefix, key)) == 1
+
+
 def test_success_after_two_transient_failures_completes_on_the_third_attempt(
     spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
 ) -> None:

@@ -23,6 +23,7 @@ from tests.acceptance.test_settle_edges import (  # noqa: F401 - the broker fixt
     broker,
     worker_env,
 )
+from tests.support.worker import wait_until
 
 pytestmark = pytest.mark.acceptance
 
@@ -152,4 +153,42 @@ def test_a_retry_the_broker_refuses_to_publish_gives_the_message_back(
     assert record.attempts == 2
     reasons = [t.reason for t in fence_store.history(key)]
     assert "the task's retry could not be sent; the message goes back" in reasons
+    _broker_drained(client_app)
+
+
+@BOTH_BROKERS
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # not a store matter
+def test_a_busy_reschedule_the_broker_refuses_does_not_spin_and_loses_nothing(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    fence_store: Store,
+    leases: LeaseStore,
+) -> None:
+    # Given a job held by a running attempt (its lease renewed, 30 s TTL) ...
+    spawn_worker("w", concurrency=2, FENCE_T_FAIL_PUBLISH="1", FENCE_T_TTL="30", FENCE_T_RENEW="5")
+    key = f"busy-refused:{uuid.uuid4().hex[:8]}"
+    redis_client.set(f"{prefix}:hang:{key}", 1)
+    client_app.work.delay(key)
+    wait_until(lambda: _runs(redis_client, prefix, key) == 1, 30, what="the holder runs")
+    # ... and a broker that refuses every re-send,
+    redis_client.set(f"{prefix}:refuse_publish", 1)
+    # when a second message of the key arrives (busy: its re-send is refused, again and again),
+    duplicate = client_app.work.delay(key)
+    wait_until(
+        lambda: redis_client.llen(f"{prefix}:refused_publish") >= 1, 30, what="a refused re-send"
+    )
+    time.sleep(6.0)
+    # then the worker does not spin: a few re-sends tried in 6 s, not one per round trip,
+    refused = [float(t) for t in redis_client.lrange(f"{prefix}:refused_publish", 0, -1)]
+    assert len(refused) <= 6, f"{len(refused)} refused re-sends in {refused[-1] - refused[0]:.1f}s"
+    # and once the broker takes publishes again and the holder ends, nothing was lost: the
+    # job completes once, the duplicate answers with its result, the broker drains.
+    redis_client.delete(f"{prefix}:refuse_publish")
+    redis_client.set(f"{prefix}:unhang:{key}", 1)
+    record = _ended(fence_store, key, timeout=60)
+    assert record.status == "completed", record
+    assert duplicate.get(timeout=60) == record.result
+    assert _runs(redis_client, prefix, key) == 1
     _broker_drained(client_app)

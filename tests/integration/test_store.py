@@ -457,3 +457,32 @@ def test_a_message_kept_dead_keeps_a_request_the_database_refuses_encoded(store:
     record = store.get(key)
     assert record is not None and record.status == "dead"
     assert record.request == request
+
+
+def test_a_revoked_message_of_a_shared_key_ends_the_job_only_when_the_job_waits_for_it(
+    store: Store,
+) -> None:
+    # Given two fenced jobs (a fence_key other messages may share) waiting for their retry, each
+    # registered by the message with task id "m1" ...
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=5)
+    own, other = _key(), _key()
+    for key in (own, other):
+        request = {"task": "t", "id": "m1", "args": [key], "kwargs": {}}
+        store.register(key, generation=1, attempt_id="A", task_name="t", request=request)
+        store.schedule_retry(
+            key, generation=1, attempt_id="A", error=None, retry_at=later, reason="r"
+        )
+    # When the revoked message is the job's own retry (task id "m1"), the job goes dead;
+    store.end_unrun(
+        own, task_name="t", request=None, reason="revoked", only_insert=True, message_id="m1"
+    )
+    # when it is another message of the key ("m2"), the job keeps waiting for its own.
+    store.end_unrun(
+        other, task_name="t", request=None, reason="revoked", only_insert=True, message_id="m2"
+    )
+    assert [_state(store, k)[0] for k in (own, other)] == ["dead", "retrying"]
+    assert [t.action for t in store.history(own)][-1] == "dead"
+    assert [(t.action, t.reason) for t in store.history(other)][-1] == (
+        "revoked",
+        "message not run",
+    )

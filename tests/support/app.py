@@ -188,7 +188,7 @@ def overrun(self: Any, key: str, *, sleep: float, runs_overrunning: int = 1) -> 
 
 
 @app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
-def control(self: Any, key: str, *, kind: str) -> dict[str, Any]:
+def control(self: Any, key: str, *, kind: str, countdown: float = 0.2) -> dict[str, Any]:
     """Raises Celery's own control flow from the body on its first run."""
     from celery.exceptions import Ignore, Reject
 
@@ -201,7 +201,7 @@ def control(self: Any, key: str, *, kind: str) -> dict[str, Any]:
         if kind == "requeue":
             raise Reject("requeued by the test", requeue=True)
         if kind == "retry":
-            raise self.retry(countdown=0.2)
+            raise self.retry(countdown=countdown)
     return {"key": key, "runs": runs}
 
 
@@ -247,6 +247,10 @@ if E.get("FENCE_T_FAIL_PUBLISH") == "1":
             and headers.get("retries")
             and ledger.getdel(f"{PREFIX}:fail_publish") is not None
         ):
+            raise OperationalError("simulated: the broker refused the publish")
+        if headers.get("retries") and ledger.exists(f"{PREFIX}:refuse_publish"):
+            # A broker that refuses every re-send while the flag is set (each refusal counted).
+            ledger.rpush(f"{PREFIX}:refused_publish", f"{time.time():.3f}")
             raise OperationalError("simulated: the broker refused the publish")
         return _publish(self, body, *args, **kwargs)
 
@@ -447,6 +451,20 @@ if E.get("FENCE_T_RELEASE_DELAY"):
     import celery_fence.renewer
 
     celery_fence.renewer.RELEASE_DELAY = float(E["FENCE_T_RELEASE_DELAY"])
+
+
+if E.get("FENCE_T_UNRUN_DELAY"):
+    # Delay the worker's record of a revoke (terminate=True included) by this many seconds, so
+    # that a terminated body's own settle step reaches the store first.
+    import celery_fence.worker
+
+    _settle_unrun = celery_fence.worker.FencedRequest._settle_unrun
+
+    def _settle_unrun_later(self: Any, why: str, terminated: bool = False) -> bool:
+        time.sleep(float(E["FENCE_T_UNRUN_DELAY"]))  # green under gevent
+        return _settle_unrun(self, why, terminated)
+
+    celery_fence.worker.FencedRequest._settle_unrun = _settle_unrun_later  # type: ignore[method-assign]
 
 
 # -- recovery with per-task settings, and workflows kept on a re-send ---------------------------

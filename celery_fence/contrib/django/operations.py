@@ -1,17 +1,15 @@
-"""What the admin's actions do, through the same store and recovery functions as
-``celery fence requeue`` and ``celery fence recover``."""
+"""What the admin's actions do, through the same functions as ``celery fence requeue``
+(:func:`celery_fence.requeue.requeue_finished`) and ``celery fence recover``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ... import recovery
-from ...actions import Action
 from ...config import FenceConfig
-from ...errors import StaleGeneration
+from ...requeue import SendFailed, requeue_finished
 from ...schema import DEAD
 from ...store import store_for
-from ...transitions import emit_transition
 
 
 def current_celery_app() -> Any:
@@ -30,29 +28,16 @@ def requeue_dead(app: Any, key: str) -> str:
         return f"{key}: no such job"
     if record.status != DEAD:
         return f"{key}: {record.status}, not dead; left alone"
-    if not record.request:
-        return f"{key}: no stored request (its arguments were not JSON); re-send it from your code"
-    before = store.requeue(key)  # durable first: pending, with a fresh budget
     try:
-        task_id = recovery.send_stored(app, before)
-    except Exception as exc:
-        try:
-            store.restore_finished(before, reason=f"send failed ({type(exc).__name__})")
-        except StaleGeneration:
-            return f"{key}: the send failed ({type(exc).__name__}) and an attempt claimed it since"
-        return f"{key}: the send failed ({type(exc).__name__}); it is dead again"
-    task_name = str((before.request or {}).get("task") or before.task_name)
-    emit_transition(
-        Action.REQUEUED,
-        app.tasks.get(task_name, task_name),
-        key=key,
-        attempt_id=None,
-        generation=before.generation,
-        reason="requeued by operator (admin)",
-        countdown=0.0,
-        attempts=0,
-    )
-    return f"{key}: requeued as {task_id}"
+        done = requeue_finished(app, store, key, reason="requeued by operator (admin)")
+    except recovery.NotResendable:
+        return f"{key}: no stored request (its arguments were not JSON); re-send it from your code"
+    except SendFailed as failed:
+        name = type(failed.cause).__name__
+        if not failed.restored:
+            return f"{key}: the send failed ({name}) and an attempt claimed it since"
+        return f"{key}: the send failed ({name}); it is dead again"
+    return f"{key}: requeued as {done.task_id}"
 
 
 def recover_stranded(app: Any) -> str:
