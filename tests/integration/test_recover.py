@@ -187,8 +187,10 @@ def test_ls_stuck_and_recover_resend_stranded_jobs_under_their_key(
     # ls --stuck lists exactly the stranded ones (not the one a lease holds)
     listed = json.loads(ok(fence_cli(worker_env, "ls", "--stuck", "--older-than", "0", "--json")))
     assert {j["key"] for j in listed} & ours == {running.key, retrying.key, requeued.key}
-    # nothing has moved for 10 x TTL yet
-    default = json.loads(ok(fence_cli(worker_env, "ls", "--stuck", "--json")))
+    # nothing has moved for 10 x TTL yet (TTL 30 s here: a slow CLI start on a loaded machine
+    # must not age the rows past the default threshold)
+    slow = {**worker_env, "FENCE_T_TTL": "30"}
+    default = json.loads(ok(fence_cli(slow, "ls", "--stuck", "--json")))
     assert not {j["key"] for j in default} & ours
 
     # --dry-run sends nothing and changes nothing
