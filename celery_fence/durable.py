@@ -18,10 +18,12 @@ removes. :func:`enqueue` closes both windows::
   found (``created`` false, its ``status``; a completed one's result is in the store, a dead one
   waits for ``fence requeue``).
 
-``conn`` is an SQLAlchemy ``Connection`` in a transaction (``engine.begin()``), or an ORM
-``Session`` (a ``scoped_session`` such as Flask-SQLAlchemy's ``db.session`` too); either on the
-store's database, which is what makes the row part of your
-transaction (anything else is refused with :class:`ConfigurationError`).
+``conn`` is an SQLAlchemy ``Connection`` in a transaction (``engine.begin()``), an ORM
+``Session`` (a ``scoped_session`` such as Flask-SQLAlchemy's ``db.session`` too), or ``None``:
+Django's connection for the store's alias, inside ``transaction.atomic()``
+(:mod:`celery_fence.contrib.django.durable`). Each must be on the store's database, which is what
+makes the row part of your transaction (anything else is refused with
+:class:`ConfigurationError`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, scoped_session
@@ -75,7 +77,7 @@ class _Send:
 
 
 def enqueue(
-    conn: sa.Connection | Session | scoped_session[Any],
+    conn: sa.Connection | Session | scoped_session[Any] | None,
     task: Any,
     args: Iterable[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
@@ -96,8 +98,12 @@ def enqueue(
     task_id = str(options.pop("task_id", None) or uuid.uuid4())
     key = task.logical_key(args, kwargs, task_id)
     store = task._fence_backends().store
-    connection = _connection_of(conn)
-    _check_same_database(store.url, connection.engine.url)
+    if conn is None:  # Django's connection; Django is optional, so imported only when asked for
+        from .contrib.django.durable import django_target
+
+        target: _Target = django_target(task, store)
+    else:
+        target = _SqlAlchemyTarget(conn, store)
     request = encode_request(
         task.name, args, kwargs, _context(task, args, kwargs, task_id, options)
     )
@@ -106,18 +112,51 @@ def enqueue(
             f"enqueue({task.name}): the arguments are not JSON, so the job cannot be stored to "
             "be re-sent; pass plain dicts, lists, str, int, float, bool or None"
         )
-    created, existing = store.insert_pending(connection, key, task_name=task.name, request=request)
+    created, status, stored = target.insert(key, task.name, request)
     if not created:
-        stored_id = (existing.request or {}).get("id") if existing is not None else None
+        stored_id = (stored or {}).get("id")
         return Enqueued(
             key=key,
             task_id=str(stored_id or task_id),
             created=False,
-            status=existing.status if existing is not None else "unknown",
+            status=status or "unknown",
             task=task,
         )
-    _after_commit(conn, _Send(task, key, task_id, args, kwargs, options))
+    target.after_commit(_Send(task, key, task_id, args, kwargs, options))
     return Enqueued(key=key, task_id=task_id, created=True, status="pending", task=task)
+
+
+class _Target(Protocol):
+    """Where the job's row is written, and what sends its message after the commit."""
+
+    def insert(
+        self, key: str, task_name: str, request: Mapping[str, Any]
+    ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
+        """``(True, None, None)``: written; ``(False, status, request)``: the key's job."""
+
+    def after_commit(self, send: _Send) -> None:
+        """Send once the transaction commits; forget it when it rolls back."""
+
+
+class _SqlAlchemyTarget:
+    def __init__(self, conn: Any, store: Any) -> None:
+        self.conn = conn
+        self.store = store
+        self.connection = _connection_of(conn)
+        _check_same_database(store.url, self.connection.engine.url)
+
+    def insert(
+        self, key: str, task_name: str, request: Mapping[str, Any]
+    ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
+        created, existing = self.store.insert_pending(
+            self.connection, key, task_name=task_name, request=request
+        )
+        if created or existing is None:
+            return created, None, None
+        return False, existing.status, existing.request
+
+    def after_commit(self, send: _Send) -> None:
+        _after_commit(self.conn, send)
 
 
 def _connection_of(conn: Any) -> sa.Connection:
@@ -215,6 +254,12 @@ def _listening(target: Any) -> bool:
 def _drain(target: Any) -> list[_Send]:
     with _LOCK:
         return _WAITING.pop(target, None) or []
+
+
+def publish(sends: list[_Send]) -> None:
+    """Send each job now (its transaction has committed); a failed send leaves the row
+    ``pending`` for recovery."""
+    _publish(sends)
 
 
 def _publish(sends: list[_Send]) -> None:

@@ -23,6 +23,7 @@ from ..records import (
     JobRecord,
     Registration,
     Transition,
+    decode_request,
     dumps_strict,
     job_record,
 )
@@ -446,6 +447,25 @@ class Store:
             return True, None
         row = conn.execute(sql.get_job(key)).first()
         return False, None if row is None else job_record(row)
+
+    def insert_pending_cursor(
+        self, cursor: Any, key: str, *, task_name: str, request: Mapping[str, Any]
+    ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
+        """:meth:`insert_pending` on a DB-API cursor that is not SQLAlchemy's (a Django cursor on
+        the store's database, in the caller's transaction), the same statement in ``%s`` style:
+        ``(True, None, None)``, or ``(False, status, request)`` of the key's existing job."""
+        statement = sql.insert_pending(
+            self.dialect, key=key, task_name=task_name, request=dict(request), now=utcnow()
+        )
+        cursor.execute(*sql.format_style(statement, self.dialect))
+        if cursor.fetchone() is not None:
+            return True, None, None
+        cursor.execute(*sql.format_style(sql.status_and_request(key), self.dialect))
+        row = cursor.fetchone()
+        if row is None:
+            return False, None, None
+        stored = json.loads(row[1]) if isinstance(row[1], (str, bytes)) else row[1]
+        return False, str(row[0]), decode_request(stored)
 
     def get(self, key: str) -> JobRecord | None:
         with self.db.connect() as conn:

@@ -352,6 +352,10 @@ def get_job(key: str) -> sa.Select[Any]:
     return sa.select(jobs).where(jobs.c.key == key)
 
 
+def status_and_request(key: str) -> sa.Select[Any]:
+    return sa.select(jobs.c.status, jobs.c.request).where(jobs.c.key == key)
+
+
 def history(key: str) -> sa.Select[Any]:
     return sa.select(transitions).where(transitions.c.key == key).order_by(transitions.c.id)
 
