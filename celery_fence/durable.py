@@ -12,8 +12,10 @@ removes. :func:`enqueue` closes both windows::
   on ``conn``, so it commits or rolls back with your data: rolled back, no row and no message.
 - The message is published **after** the commit. If the process dies first, or the publish
   fails, the row stays ``pending``: ``celery fence recover`` (and its beat task) sends it once it
-  has not moved for ``fence_recover_after`` seconds. A broker that loses queued messages loses
-  nothing either: the row is the record, and recovery re-sends it.
+  has not moved for ``fence_recover_pending_after`` seconds (60 by default; a countdown or eta
+  is waited for). A broker that loses queued messages loses nothing either: the row is the
+  record, and recovery re-sends it (one still in a long backlog is sent twice; the copies are
+  fenced on the key, so it completes once).
 - The same key twice: one job. The second call writes and sends nothing and returns the job it
   found (``created`` false, its ``status``; a completed one's result is in the store, a dead one
   waits for ``fence requeue``).
@@ -28,6 +30,7 @@ makes the row part of your transaction (anything else is refused with
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import uuid
@@ -43,6 +46,7 @@ from sqlalchemy.orm import Session, scoped_session
 from .errors import ConfigurationError, FenceError
 from .records import encode_request
 from .recovery import KEY_HEADER
+from .schema import utcnow
 from .task import FencedTask
 from .transaction import different_database
 
@@ -112,7 +116,7 @@ def enqueue(
             f"enqueue({task.name}): the arguments are not JSON, so the job cannot be stored to "
             "be re-sent; pass plain dicts, lists, str, int, float, bool or None"
         )
-    created, status, stored = target.insert(key, task.name, request)
+    created, status, stored = target.insert(key, task.name, request, _due(options))
     if not created:
         stored_id = (stored or {}).get("id")
         return Enqueued(
@@ -130,7 +134,7 @@ class _Target(Protocol):
     """Where the job's row is written, and what sends its message after the commit."""
 
     def insert(
-        self, key: str, task_name: str, request: Mapping[str, Any]
+        self, key: str, task_name: str, request: Mapping[str, Any], due: dt.datetime | None
     ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
         """``(True, None, None)``: written; ``(False, status, request)``: the key's job."""
 
@@ -146,10 +150,10 @@ class _SqlAlchemyTarget:
         _check_same_database(store.url, self.connection.engine.url)
 
     def insert(
-        self, key: str, task_name: str, request: Mapping[str, Any]
+        self, key: str, task_name: str, request: Mapping[str, Any], due: dt.datetime | None
     ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
         created, existing = self.store.insert_pending(
-            self.connection, key, task_name=task_name, request=request
+            self.connection, key, task_name=task_name, request=request, due=due
         )
         if created or existing is None:
             return created, None, None
@@ -157,6 +161,19 @@ class _SqlAlchemyTarget:
 
     def after_commit(self, send: _Send) -> None:
         _after_commit(self.conn, send)
+
+
+def _due(options: Mapping[str, Any]) -> dt.datetime | None:
+    """When the message's countdown or eta lets it run (UTC), or None: recovery does not send a
+    job early."""
+    if options.get("countdown") is not None:
+        return utcnow() + dt.timedelta(seconds=float(options["countdown"]))
+    eta = options.get("eta")
+    if isinstance(eta, str):
+        eta = dt.datetime.fromisoformat(eta)
+    if isinstance(eta, dt.datetime):
+        return eta if eta.tzinfo is not None else eta.replace(tzinfo=dt.timezone.utc)
+    return None
 
 
 def _connection_of(conn: Any) -> sa.Connection:

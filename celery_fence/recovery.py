@@ -5,7 +5,11 @@ purged queue, a broker that lost messages, a ``fence requeue`` that died between
 its send, a worker killed while the Redis broker's visibility timeout is still hours away.
 Such a row is **stranded** when no live lease holds its key in Redis and it has not moved for
 ``fence_recover_after`` seconds (default: 10 x ``fence_lease_ttl``) — for a ``retrying`` job,
-counted from its ``retry_at`` too. Each job is judged with its own task's settings
+counted from its ``retry_at`` too. A job :func:`~celery_fence.enqueue` wrote and no attempt has
+claimed (``pending``, generation 0) has no attempt to wait out: its threshold is the shorter
+``fence_recover_pending_after`` (counted from its countdown or eta, if it has one). One whose
+message is still waiting in a long broker backlog is then sent twice; the claim fences both
+copies on the key, so it completes once. Each job is judged with its own task's settings
 (:class:`~celery_fence.scope.Scope`): its lease is looked up under its task's Redis and key
 prefix, its threshold is its task's ``fence_recover_after``, and every database the app's fenced
 tasks write to is scanned.

@@ -435,13 +435,25 @@ class Store:
     # -- reads --------------------------------------------------------------------------------
 
     def insert_pending(
-        self, conn: sa.Connection, key: str, *, task_name: str, request: Mapping[str, Any]
+        self,
+        conn: sa.Connection,
+        key: str,
+        *,
+        task_name: str,
+        request: Mapping[str, Any],
+        due: dt.datetime | None = None,
     ) -> tuple[bool, JobRecord | None]:
         """Write an enqueued job as ``pending`` on the caller's ``conn``, in the caller's
-        transaction: ``(True, None)``; or, when the key already has a job, nothing and
-        ``(False, that job)`` as this transaction sees it."""
+        transaction (``due``: when its countdown or eta ends; recovery waits for it):
+        ``(True, None)``; or, when the key already has a job, nothing and ``(False, that job)``
+        as this transaction sees it."""
         statement = sql.insert_pending(
-            self.dialect, key=key, task_name=task_name, request=dict(request), now=utcnow()
+            self.dialect,
+            key=key,
+            task_name=task_name,
+            request=dict(request),
+            now=utcnow(),
+            due=due,
         )
         if conn.execute(statement).first() is not None:
             return True, None
@@ -449,13 +461,24 @@ class Store:
         return False, None if row is None else job_record(row)
 
     def insert_pending_cursor(
-        self, cursor: Any, key: str, *, task_name: str, request: Mapping[str, Any]
+        self,
+        cursor: Any,
+        key: str,
+        *,
+        task_name: str,
+        request: Mapping[str, Any],
+        due: dt.datetime | None = None,
     ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
         """:meth:`insert_pending` on a DB-API cursor that is not SQLAlchemy's (a Django cursor on
         the store's database, in the caller's transaction), the same statement in ``%s`` style:
         ``(True, None, None)``, or ``(False, status, request)`` of the key's existing job."""
         statement = sql.insert_pending(
-            self.dialect, key=key, task_name=task_name, request=dict(request), now=utcnow()
+            self.dialect,
+            key=key,
+            task_name=task_name,
+            request=dict(request),
+            now=utcnow(),
+            due=due,
         )
         cursor.execute(*sql.format_style(statement, self.dialect))
         if cursor.fetchone() is not None:

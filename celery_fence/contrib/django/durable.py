@@ -16,6 +16,7 @@ the job the promise is about (data committed, no row). Wrap the writes and the e
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -39,11 +40,11 @@ class DjangoTarget:
         self.connection = connections[alias]
 
     def insert(
-        self, key: str, task_name: str, request: Mapping[str, Any]
+        self, key: str, task_name: str, request: Mapping[str, Any], due: dt.datetime | None
     ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
         with self.connection.cursor() as cursor:
             return self.store.insert_pending_cursor(
-                cursor, key, task_name=task_name, request=request
+                cursor, key, task_name=task_name, request=request, due=due
             )
 
     def after_commit(self, send: Any) -> None:
