@@ -503,9 +503,18 @@ class Store:
         ]
 
     def list(
-        self, *, status: str | None = None, task_name: str | None = None, limit: int = 50
+        self,
+        *,
+        status: str | None = None,
+        task_name: str | None = None,
+        limit: int = 50,
+        never_claimed: bool = False,
     ) -> list[JobRecord]:
-        query = sql.list_jobs(status=status, task_name=task_name, limit=limit)
+        """Jobs, most recently updated first (``never_claimed``: only ``pending`` ones at
+        generation 0, enqueued and not yet claimed)."""
+        query = sql.list_jobs(
+            status=status, task_name=task_name, limit=limit, never_claimed=never_claimed
+        )
         with self.db.connect() as conn:
             return [job_record(r) for r in conn.execute(query).all()]
 

@@ -386,8 +386,12 @@ def last_exit(key: str) -> sa.Select[Any]:
     )
 
 
-def list_jobs(*, status: str | None, task_name: str | None, limit: int) -> sa.Select[Any]:
+def list_jobs(
+    *, status: str | None, task_name: str | None, limit: int, never_claimed: bool = False
+) -> sa.Select[Any]:
     query = sa.select(jobs).order_by(jobs.c.updated_at.desc()).limit(limit)
+    if never_claimed:
+        query = query.where((jobs.c.status == Status.PENDING.value) & (jobs.c.generation == 0))
     if status is not None:
         query = query.where(jobs.c.status == status)
     if task_name is not None:

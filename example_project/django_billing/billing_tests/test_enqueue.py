@@ -96,3 +96,15 @@ def test_outside_atomic_or_on_another_database_is_refused(fence_env, fence_store
 
     with transaction.atomic(), pytest.raises(ConfigurationError, match="not the fence store's"):
         enqueue(None, elsewhere)
+
+
+def test_the_admin_marks_and_filters_never_claimed_jobs(fence_env, fence_store, admin_client):
+    # Given an invoice enqueued and no worker running, and a job a worker has claimed
+    waiting = open_invoice("acme")
+    claimed = f"invoice:{waiting.pk + 1}"
+    fence_store.register(claimed, generation=1, attempt_id="a1", task_name=bill_invoice.name)
+    # Then the admin shows the enqueued one as never claimed, and its filter lists only it
+    listed = admin_client.get("/admin/celery_fence/job/").content.decode()
+    assert "pending (never claimed)" in listed and claimed in listed
+    only = admin_client.get("/admin/celery_fence/job/?never_claimed=yes").content.decode()
+    assert f"invoice:{waiting.pk}" in only and claimed not in only
