@@ -55,6 +55,12 @@ DEFAULT_GENERATION_TTL = 600.0
 #: ``fence recover`` / the recover task: a non-terminal job whose lease is gone counts as
 #: stranded once it has not moved for this many lease TTLs (unless ``fence_recover_after`` is set).
 RECOVER_AFTER_TTLS = 10
+#: ``fence recover`` / the recover task: a job enqueued with :func:`~celery_fence.enqueue` and
+#: never claimed (``pending``, generation 0) counts as stranded once it has not moved for this many
+#: seconds (``fence_recover_pending_after``): no attempt has a lease on it to wait out. One still
+#: waiting in a long broker backlog is sent a second time; the claim fences the two copies on
+#: the key, so it completes once.
+DEFAULT_RECOVER_PENDING_AFTER = 60.0
 #: ``fence_retention``'s floor, seconds: a completed job's row must outlive any late redelivery.
 MIN_RETENTION = 3600.0
 #: PostgreSQL: seconds a store statement (a registration, a completion) waits for a row lock,
@@ -164,6 +170,7 @@ class FenceConfig:
     database_timeout: float = DEFAULT_DATABASE_TIMEOUT
     generation_ttl: float = DEFAULT_GENERATION_TTL
     recover_after: float | None = None  # None: RECOVER_AFTER_TTLS x lease_ttl
+    recover_pending_after: float = DEFAULT_RECOVER_PENDING_AFTER
     max_runtime: float | None = None  # None: the task's hard time limit, if it has one
     retention: float | None = None  # None: finished jobs are kept until purged by hand
 
@@ -185,6 +192,12 @@ class FenceConfig:
         if self.recover_after is not None:
             return self.recover_after
         return RECOVER_AFTER_TTLS * self.lease_ttl
+
+    @property
+    def recover_pending_after_seconds(self) -> float:
+        """Seconds without movement after which a never-claimed enqueued job is stranded (never
+        more than :attr:`recover_after_seconds`)."""
+        return min(self.recover_pending_after, self.recover_after_seconds)
 
     def validate(self) -> None:
         if self.lease_ttl <= 0:
@@ -247,6 +260,12 @@ class FenceConfig:
                 f"fence_recover_after={self.recover_after} must be at least twice "
                 f"fence_lease_ttl={self.lease_ttl} (a job is stranded only once its lease is long "
                 f"gone), e.g. {RECOVER_AFTER_TTLS * self.lease_ttl:g}."
+            )
+        if not self.recover_pending_after > 0:
+            raise ConfigurationError(
+                f"fence_recover_pending_after={self.recover_pending_after} must be a positive "
+                "number of seconds (how long a never-claimed enqueued job may wait for its first "
+                f"claim before recovery sends it again), e.g. {DEFAULT_RECOVER_PENDING_AFTER:g}."
             )
         if self.max_runtime is not None and not self.max_runtime > 0:
             raise ConfigurationError(
@@ -347,6 +366,7 @@ _FLOATS = {
     "database_timeout",
     "generation_ttl",
     "lock_timeout",
+    "recover_pending_after",
 }
 _OPTIONAL_FLOATS = {"recover_after", "max_runtime", "retention"}
 _INTS = {"max_attempts", "retry_budget_floor", "error_message_length"}

@@ -12,20 +12,25 @@ removes. :func:`enqueue` closes both windows::
   on ``conn``, so it commits or rolls back with your data: rolled back, no row and no message.
 - The message is published **after** the commit. If the process dies first, or the publish
   fails, the row stays ``pending``: ``celery fence recover`` (and its beat task) sends it once it
-  has not moved for ``fence_recover_after`` seconds. A broker that loses queued messages loses
-  nothing either: the row is the record, and recovery re-sends it.
+  has not moved for ``fence_recover_pending_after`` seconds (60 by default; a countdown or eta
+  is waited for). A broker that loses queued messages loses nothing either: the row is the
+  record, and recovery re-sends it (one still in a long backlog is sent twice; the copies are
+  fenced on the key, so it completes once).
 - The same key twice: one job. The second call writes and sends nothing and returns the job it
   found (``created`` false, its ``status``; a completed one's result is in the store, a dead one
   waits for ``fence requeue``).
 
-``conn`` is an SQLAlchemy ``Connection`` in a transaction (``engine.begin()``), or an ORM
-``Session`` (a ``scoped_session`` such as Flask-SQLAlchemy's ``db.session`` too); either on the
-store's database, which is what makes the row part of your
-transaction (anything else is refused with :class:`ConfigurationError`).
+``conn`` is an SQLAlchemy ``Connection`` in a transaction (``engine.begin()``), an ORM
+``Session`` (a ``scoped_session`` such as Flask-SQLAlchemy's ``db.session`` too), or ``None``:
+Django's connection for the store's alias, inside ``transaction.atomic()``
+(:mod:`celery_fence.contrib.django.durable`). Each must be on the store's database, which is what
+makes the row part of your transaction (anything else is refused with
+:class:`ConfigurationError`).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import uuid
@@ -33,7 +38,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, scoped_session
@@ -41,6 +46,7 @@ from sqlalchemy.orm import Session, scoped_session
 from .errors import ConfigurationError, FenceError
 from .records import encode_request
 from .recovery import KEY_HEADER
+from .schema import utcnow
 from .task import FencedTask
 from .transaction import different_database
 
@@ -75,7 +81,7 @@ class _Send:
 
 
 def enqueue(
-    conn: sa.Connection | Session | scoped_session[Any],
+    conn: sa.Connection | Session | scoped_session[Any] | None,
     task: Any,
     args: Iterable[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
@@ -96,8 +102,12 @@ def enqueue(
     task_id = str(options.pop("task_id", None) or uuid.uuid4())
     key = task.logical_key(args, kwargs, task_id)
     store = task._fence_backends().store
-    connection = _connection_of(conn)
-    _check_same_database(store.url, connection.engine.url)
+    if conn is None:  # Django's connection; Django is optional, so imported only when asked for
+        from .contrib.django.durable import django_target
+
+        target: _Target = django_target(task, store)
+    else:
+        target = _SqlAlchemyTarget(conn, store)
     request = encode_request(
         task.name, args, kwargs, _context(task, args, kwargs, task_id, options)
     )
@@ -106,18 +116,64 @@ def enqueue(
             f"enqueue({task.name}): the arguments are not JSON, so the job cannot be stored to "
             "be re-sent; pass plain dicts, lists, str, int, float, bool or None"
         )
-    created, existing = store.insert_pending(connection, key, task_name=task.name, request=request)
+    created, status, stored = target.insert(key, task.name, request, _due(options))
     if not created:
-        stored_id = (existing.request or {}).get("id") if existing is not None else None
+        stored_id = (stored or {}).get("id")
         return Enqueued(
             key=key,
             task_id=str(stored_id or task_id),
             created=False,
-            status=existing.status if existing is not None else "unknown",
+            status=status or "unknown",
             task=task,
         )
-    _after_commit(conn, _Send(task, key, task_id, args, kwargs, options))
+    target.after_commit(_Send(task, key, task_id, args, kwargs, options))
     return Enqueued(key=key, task_id=task_id, created=True, status="pending", task=task)
+
+
+class _Target(Protocol):
+    """Where the job's row is written, and what sends its message after the commit."""
+
+    def insert(
+        self, key: str, task_name: str, request: Mapping[str, Any], due: dt.datetime | None
+    ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
+        """``(True, None, None)``: written; ``(False, status, request)``: the key's job."""
+
+    def after_commit(self, send: _Send) -> None:
+        """Send once the transaction commits; forget it when it rolls back."""
+
+
+class _SqlAlchemyTarget:
+    def __init__(self, conn: Any, store: Any) -> None:
+        self.conn = conn
+        self.store = store
+        self.connection = _connection_of(conn)
+        _check_same_database(store.url, self.connection.engine.url)
+
+    def insert(
+        self, key: str, task_name: str, request: Mapping[str, Any], due: dt.datetime | None
+    ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
+        created, existing = self.store.insert_pending(
+            self.connection, key, task_name=task_name, request=request, due=due
+        )
+        if created or existing is None:
+            return created, None, None
+        return False, existing.status, existing.request
+
+    def after_commit(self, send: _Send) -> None:
+        _after_commit(self.conn, send)
+
+
+def _due(options: Mapping[str, Any]) -> dt.datetime | None:
+    """When the message's countdown or eta lets it run (UTC), or None: recovery does not send a
+    job early."""
+    if options.get("countdown") is not None:
+        return utcnow() + dt.timedelta(seconds=float(options["countdown"]))
+    eta = options.get("eta")
+    if isinstance(eta, str):
+        eta = dt.datetime.fromisoformat(eta)
+    if isinstance(eta, dt.datetime):
+        return eta if eta.tzinfo is not None else eta.replace(tzinfo=dt.timezone.utc)
+    return None
 
 
 def _connection_of(conn: Any) -> sa.Connection:
@@ -215,6 +271,12 @@ def _listening(target: Any) -> bool:
 def _drain(target: Any) -> list[_Send]:
     with _LOCK:
         return _WAITING.pop(target, None) or []
+
+
+def publish(sends: list[_Send]) -> None:
+    """Send each job now (its transaction has committed); a failed send leaves the row
+    ``pending`` for recovery."""
+    _publish(sends)
 
 
 def _publish(sends: list[_Send]) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import ResultNotSerializable
+from .schema import PENDING
 
 Outcome = Literal["registered", "completed", "dead", "stale"]
 
@@ -35,6 +36,12 @@ class JobRecord:
     updated_at: dt.datetime
     finished_at: dt.datetime | None
     retry_at: dt.datetime | None
+
+
+def never_claimed(record: JobRecord) -> bool:
+    """True for a job no attempt has claimed yet: enqueued (:func:`celery_fence.enqueue`) and
+    waiting for its first run, ``pending`` at generation 0."""
+    return record.status == PENDING and record.generation == 0
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,11 @@ purged queue, a broker that lost messages, a ``fence requeue`` that died between
 its send, a worker killed while the Redis broker's visibility timeout is still hours away.
 Such a row is **stranded** when no live lease holds its key in Redis and it has not moved for
 ``fence_recover_after`` seconds (default: 10 x ``fence_lease_ttl``) — for a ``retrying`` job,
-counted from its ``retry_at`` too. Each job is judged with its own task's settings
+counted from its ``retry_at`` too. A job :func:`~celery_fence.enqueue` wrote and no attempt has
+claimed (``pending``, generation 0) has no attempt to wait out: its threshold is the shorter
+``fence_recover_pending_after`` (counted from its countdown or eta, if it has one). One whose
+message is still waiting in a long broker backlog is then sent twice; the claim fences both
+copies on the key, so it completes once. Each job is judged with its own task's settings
 (:class:`~celery_fence.scope.Scope`): its lease is looked up under its task's Redis and key
 prefix, its threshold is its task's ``fence_recover_after``, and every database the app's fenced
 tasks write to is scanned.
@@ -95,10 +99,13 @@ def stranded_jobs(
     older_than: float | None = None,
     limit: int = DEFAULT_LIMIT,
     task_name: str | None = None,
+    resend_backoff: bool = True,
 ) -> list[tuple[Store, JobRecord]]:
     """Unfinished jobs, in every database of the app's fenced tasks, that have not moved for
     ``older_than`` seconds (None: each for its own task's ``fence_recover_after``) and whose
-    lease is gone from their own task's Redis and prefix; oldest first within a database."""
+    lease is gone from their own task's Redis and prefix; oldest first within a database.
+    ``resend_backoff``: leave out a job whose last re-send is not yet due again
+    (:func:`_resend_due`); listing (``fence ls --stuck``) shows every stranded job."""
     found: list[tuple[Store, JobRecord]] = []
     floor = scope.min_threshold(older_than)
     for database in scope.databases():
@@ -107,7 +114,7 @@ def stranded_jobs(
             if (
                 scope.quiet_enough(record, older_than)
                 and not scope.lease_held(record)
-                and _resend_due(scope, database.store, record, older_than)
+                and (not resend_backoff or _resend_due(scope, database.store, record, older_than))
             ):
                 found.append((database.store, record))
     return found[:limit]
@@ -127,8 +134,7 @@ def _resend_due(scope: Scope, store: Store, record: JobRecord, older_than: float
     if unclaimed == 0:
         return True
     windows = 2 ** min(unclaimed, MAX_RESEND_DOUBLINGS)
-    threshold = scope.config_of(record).recover_after_seconds if older_than is None else older_than
-    return scope.quiet_enough(record, threshold * windows)
+    return scope.quiet_enough(record, scope.threshold(record, older_than) * windows)
 
 
 def task_id_for(app: Any, record: JobRecord) -> str:

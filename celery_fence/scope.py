@@ -23,9 +23,9 @@ from typing import Any
 
 from .config import FenceConfig
 from .lease import LeaseStore, make_redis_client
-from .records import JobRecord
+from .records import JobRecord, never_claimed
 from .runtime import client_identity
-from .schema import RETRYING
+from .schema import PENDING, RETRYING
 from .store import Store, store_for
 from .task import FencedTask
 
@@ -120,21 +120,30 @@ class Scope(contextlib.AbstractContextManager["Scope"]):
         self, record: JobRecord, older_than: float | None, now: dt.datetime | None = None
     ) -> bool:
         """True when the job has not moved for ``older_than`` seconds, or, when None, for its own
-        task's ``fence_recover_after`` (a ``retrying`` job: counted from its retry time too)."""
-        threshold = (
-            self.config_of(record).recover_after_seconds if older_than is None else older_than
-        )
+        task's ``fence_recover_after`` (``fence_recover_pending_after`` for a job never claimed);
+        a ``retrying`` job, or a ``pending`` one enqueued with a countdown or eta, is counted from
+        its due time too."""
+        threshold = self.threshold(record, older_than)
         cutoff = (now or dt.datetime.now(dt.timezone.utc)) - dt.timedelta(seconds=threshold)
         moved = _utc(record.updated_at)
-        if record.status == RETRYING and record.retry_at is not None:
+        if record.status in (RETRYING, PENDING) and record.retry_at is not None:
             moved = max(moved, _utc(record.retry_at))
         return moved < cutoff
+
+    def threshold(self, record: JobRecord, older_than: float | None) -> float:
+        """``older_than``, or the job's own task's threshold: ``fence_recover_pending_after`` for
+        a job never claimed, ``fence_recover_after`` otherwise."""
+        if older_than is not None:
+            return older_than
+        if never_claimed(record):
+            return self.config_of(record).recover_pending_after_seconds
+        return self.config_of(record).recover_after_seconds
 
     def min_threshold(self, older_than: float | None) -> float:
         """The smallest quiet time any job may be stranded after (the database scan's)."""
         if older_than is not None:
             return older_than
-        return min(config.recover_after_seconds for config in self.configs())
+        return min(config.recover_pending_after_seconds for config in self.configs())
 
     def close(self) -> None:
         for client in self._clients.values():

@@ -79,22 +79,29 @@ def request_export(email: str, export_id: str | None = None) -> ExportRequest:
 
     Calling it again with the same ``export_id`` returns the stored request (no second export).
     """
-    export_id = export_id or uuid.uuid4().hex[:12]
     with engine().begin() as conn:
-        version = conn.execute(sa.select(sa.func.coalesce(sa.func.max(orders.c.id), 0))).scalar()
-        conn.execute(
-            sa.insert(exports)
-            .prefix_with("OR IGNORE", dialect="sqlite")
-            .values(
-                id=export_id,
-                email=email,
-                input_version=version,
-                requested_at=dt.datetime.now(dt.timezone.utc),
-            )
-        )
+        export_id = store_export(conn, email, export_id)
     found = get_export(export_id)
     assert found is not None
     return found
+
+
+def store_export(conn: sa.Connection, email: str, export_id: str | None = None) -> str:
+    """Write an export request in ``conn``'s transaction (the caller enqueues its job in the same
+    one: ``enqueue(conn, generate_export, args=(export_id,))``); returns its id."""
+    export_id = export_id or uuid.uuid4().hex[:12]
+    version = conn.execute(sa.select(sa.func.coalesce(sa.func.max(orders.c.id), 0))).scalar()
+    conn.execute(
+        sa.insert(exports)
+        .prefix_with("OR IGNORE", dialect="sqlite")
+        .values(
+            id=export_id,
+            email=email,
+            input_version=version,
+            requested_at=dt.datetime.now(dt.timezone.utc),
+        )
+    )
+    return export_id
 
 
 def get_export(export_id: str) -> ExportRequest | None:

@@ -161,7 +161,7 @@ class Demo:
             provider.stop()
 
     def _story(self, redis_url: str, provider: Any, env: dict[str, str]) -> dict[str, Any]:
-        from celery_fence import get_store, idempotency_key
+        from celery_fence import enqueue, get_store, idempotency_key
 
         from . import db, storage
         from .app import app
@@ -176,17 +176,24 @@ class Demo:
         )
         report_id = "2026-q3"
         report_key = f"report:{report_id}"
-        export = db.request_export("alice@example.com")
-        export_key = f"export:{export.id}"
+        # The export request and its job commit together: the job cannot be lost between them.
+        with db.engine().begin() as conn:
+            export_id = db.store_export(conn, "alice@example.com")
+            export_job = enqueue(conn, generate_export, args=(export_id,))
+        export = db.get_export(export_id)
+        assert export is not None
+        export_key = export_job.key
         # The provider will do the first email's work, then answer too late for the client.
         provider.delay_next(2.5, path="/emails")
         self.say(f"store {env['EXAMPLE_DATABASE_URL']}, redis {redis_url}, provider {provider.url}")
-        self.say(f"export request {export.id} stored first: input version {export.input_version}")
+        self.say(
+            f"export request {export.id} stored with its job (enqueue, one transaction): "
+            f"input version {export.input_version}"
+        )
 
         # 1. A takes both jobs (generation 1); the export writes its object.
         a = self.start_worker("A", env, QUEUE)
         report_msg = build_report.delay(report_id)
-        export_msg = generate_export.delay(export.id)
         for key in (report_key, export_key):
             record = wait_for(partial(_running, store, key, 1), 30, f"A to claim {key}")
             self.say(f"A claimed {key}: generation 1, attempt {_short(record.attempt_id)}")
@@ -201,7 +208,7 @@ class Demo:
         time.sleep(max(0.0, self.args.lease_ttl + 0.3 - (time.monotonic() - paused_at)))
         self.say("the jobs are handed out again (as a broker redelivers an unacked message)")
         build_report.apply_async((report_id,), task_id=report_msg.id)
-        generate_export.apply_async((export.id,), task_id=export_msg.id)
+        generate_export.apply_async((export.id,), task_id=export_job.task_id)
         for key in (report_key, export_key):
             record = wait_for(partial(_completed, store, key), 40, f"B to complete {key}")
             self.say(
@@ -231,9 +238,11 @@ class Demo:
 
         # 4. New data, new export request: a new input version, a new object.
         db.add_orders([{"customer": "customer-new", "amount_cents": 99_00}])
-        export2 = db.request_export("alice@example.com")
-        generate_export.delay(export2.id)
-        export2_key = f"export:{export2.id}"
+        with db.engine().begin() as conn:
+            export2_id = db.store_export(conn, "alice@example.com")
+            export2_key = enqueue(conn, generate_export, args=(export2_id,)).key
+        export2 = db.get_export(export2_id)
+        assert export2 is not None
         wait_for(lambda: _completed(store, export2_key), 40, f"{export2_key} to complete")
         wait_for(lambda: _delivered(store, export2_key), 40, f"{export2_key}'s email")
         self.say(f"new export {export2.id}: input version {export2.input_version}, new object")

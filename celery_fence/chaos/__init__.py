@@ -102,6 +102,13 @@ Scenarios (faults counted per run):
   ``celery_fence.recover`` (as beat would) to a fresh worker: ``a`` is re-sent with its stored
   workflow and must complete once (attempts 2, body starts 2), and ``b`` must then run and
   complete (attempts 1, body starts 1). 1 fault.
+- ``enqueue-crash``: a child process (the app's side) writes 3 orders and enqueues their jobs
+  with :func:`celery_fence.enqueue` in one transaction, and is SIGKILLed between its commit and
+  its publish; then a worker starts and ``celery_fence.recover`` is sent (as beat would, with
+  ``older_than`` one TTL): each job must complete once (attempts 1, body starts 1). 1 fault.
+- ``broker-loss``: the child enqueues 100 jobs and publishes them; the broker's queue is
+  deleted before any worker runs; then a worker starts and ``celery_fence.recover`` is sent:
+  all 100 must complete once. Faults: the messages deleted.
 
 Columns (per scenario, summed over its runs). The transitions table is written in the same
 statement or transaction as the state change it records, so its ``id`` order for a key is the
@@ -189,7 +196,9 @@ lost jobs > 0 in each (rows left ``running`` or ``retrying`` with no message, jo
 which is the proof that the settle step is what keeps those rows at zero. In ``recovered-chain``
 the harness then re-sends the stranded step itself as a bare message (task, args, kwargs and
 key: what a re-send kept before the workflow was stored): ``a`` completes, ``b`` never runs, one
-lost job a run. A lost job is only
+lost job a run. In ``enqueue-crash`` and ``broker-loss`` the child uses plain Celery's pattern
+instead, ``.delay()`` after the commit: the crashed child's 3 jobs and the deleted queue's 100 are
+recorded nowhere, and recovery finds nothing to send (lost jobs 3 and 100 a run). A lost job is only
 known lost when ``--converge-timeout`` runs out, so give the control arm a short one.
 
 The code, one concept a module: :mod:`~celery_fence.chaos.options` (the scenario names and a

@@ -23,11 +23,13 @@ SCENARIOS = (
     "refused-arg",
     "recovered-chain",
     "interrupted",
+    "enqueue-crash",
+    "broker-loss",
 )
 #: Scenarios that run against PostgreSQL whatever the store (a throwaway database if need be).
 POSTGRESQL_ONLY = ("db-outage", "refused-arg")
 #: Scenarios that start their own workers in each run (none are running in between).
-OWN_WORKERS = ("misconfig", "recovered-chain", "interrupted")
+OWN_WORKERS = ("misconfig", "recovered-chain", "interrupted", "enqueue-crash", "broker-loss")
 
 
 @dataclass

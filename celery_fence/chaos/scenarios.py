@@ -21,6 +21,7 @@ from . import CHARGE, TASK_NAME
 from .checker import Job
 from .processes import wait_until
 from .scenario import Scenario
+from .scenarios_enqueue import RUNS as ENQUEUE_RUNS
 
 #: Where the ``kill`` scenario SIGKILLs the pool process, one job per window.
 KILL_WINDOWS = ("before_effect", "before_commit", "after_commit")
@@ -410,4 +411,5 @@ RUNS: dict[str, Run] = {
     "misconfig": run_misconfig,
     "refused-arg": run_refused_arg,
     "recovered-chain": run_recovered_chain,
+    **ENQUEUE_RUNS,
 }

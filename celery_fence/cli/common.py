@@ -14,6 +14,7 @@ from celery.exceptions import CeleryCommandException
 
 from ..config import FenceConfig
 from ..errors import FenceError
+from ..records import never_claimed
 from ..scope import Scope
 from ..store import JobRecord, Store, store_for
 
@@ -146,6 +147,7 @@ def record_json(record: JobRecord) -> dict[str, Any]:
         "key": record.key,
         "task": record.task_name,
         "status": record.status,
+        "never_claimed": never_claimed(record),
         "generation": record.generation,
         "attempt_id": record.attempt_id,
         "attempts": record.attempts,

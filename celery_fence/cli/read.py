@@ -12,6 +12,7 @@ from celery.bin.base import CeleryOption
 
 from .. import migrate, recovery
 from ..lease import make_redis_client
+from ..records import never_claimed as unclaimed
 from ..schema import STATUSES
 from ..store import COMPLETED, UNFINISHED, JobRecord, Store, Transition
 from ..store.engine import sqlstate
@@ -149,7 +150,14 @@ def _write_fix(exc: BaseException, store: Store, celery: str) -> str:
     default=None,
     help_group="Filter Options",
     help="With --stuck: seconds without movement (default: each job's task's fence_recover_after, "
-    "10 x its lease TTL).",
+    "10 x its lease TTL; fence_recover_pending_after for a never-claimed one).",
+)
+@click.option(
+    "--never-claimed",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Filter Options",
+    help="Only jobs enqueued and not yet claimed by any worker (pending, generation 0).",
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
 @click.pass_context
@@ -160,9 +168,11 @@ def ls(
     limit: int,
     stuck: bool,
     older_than: float | None,
+    never_claimed: bool,
     as_json: bool,
 ) -> None:
-    """List jobs, most recently updated first (--stuck: stranded jobs, oldest first)."""
+    """List jobs, most recently updated first (--stuck: stranded jobs, oldest first). A job
+    enqueued and not yet claimed shows as ``pending (never claimed)``."""
     if status is not None and status not in STATUSES:
         raise FenceCLIError(
             f"bad --status {status!r}: use one of {', '.join(STATUSES)}", exit_code=EX_USAGE
@@ -177,15 +187,21 @@ def ls(
             )
         with scope_of(ctx) as scope:
             found = recovery.stranded_jobs(
-                scope, older_than=older_than, limit=limit, task_name=task
+                scope, older_than=older_than, limit=limit, task_name=task, resend_backoff=False
             )
-        records = [r for _, r in found if status is None or r.status == status]
+        records = [
+            r
+            for _, r in found
+            if (status is None or r.status == status) and (not never_claimed or unclaimed(r))
+        ]
     else:
         with scope_of(ctx) as scope:
             listed = [
                 r
                 for db in scope.databases()
-                for r in db.store.list(status=status, task_name=task, limit=limit)
+                for r in db.store.list(
+                    status=status, task_name=task, limit=limit, never_claimed=never_claimed
+                )
             ]
         records = sorted(listed, key=lambda r: utc(r.updated_at), reverse=True)[:limit]
     if as_json:
@@ -198,7 +214,7 @@ def ls(
         (
             r.key,
             r.task_name,
-            r.status,
+            r.status + (" (never claimed)" if unclaimed(r) else ""),
             str(r.attempts),
             str(r.generation),
             utc_text(r.updated_at),

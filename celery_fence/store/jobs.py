@@ -23,6 +23,7 @@ from ..records import (
     JobRecord,
     Registration,
     Transition,
+    decode_request,
     dumps_strict,
     job_record,
 )
@@ -449,18 +450,60 @@ class Store:
     # -- reads --------------------------------------------------------------------------------
 
     def insert_pending(
-        self, conn: sa.Connection, key: str, *, task_name: str, request: Mapping[str, Any]
+        self,
+        conn: sa.Connection,
+        key: str,
+        *,
+        task_name: str,
+        request: Mapping[str, Any],
+        due: dt.datetime | None = None,
     ) -> tuple[bool, JobRecord | None]:
         """Write an enqueued job as ``pending`` on the caller's ``conn``, in the caller's
-        transaction: ``(True, None)``; or, when the key already has a job, nothing and
-        ``(False, that job)`` as this transaction sees it."""
+        transaction (``due``: when its countdown or eta ends; recovery waits for it):
+        ``(True, None)``; or, when the key already has a job, nothing and ``(False, that job)``
+        as this transaction sees it."""
         statement = sql.insert_pending(
-            self.dialect, key=key, task_name=task_name, request=dict(request), now=utcnow()
+            self.dialect,
+            key=key,
+            task_name=task_name,
+            request=dict(request),
+            now=utcnow(),
+            due=due,
         )
         if conn.execute(statement).first() is not None:
             return True, None
         row = conn.execute(sql.get_job(key)).first()
         return False, None if row is None else job_record(row)
+
+    def insert_pending_cursor(
+        self,
+        cursor: Any,
+        key: str,
+        *,
+        task_name: str,
+        request: Mapping[str, Any],
+        due: dt.datetime | None = None,
+    ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
+        """:meth:`insert_pending` on a DB-API cursor that is not SQLAlchemy's (a Django cursor on
+        the store's database, in the caller's transaction), the same statement in ``%s`` style:
+        ``(True, None, None)``, or ``(False, status, request)`` of the key's existing job."""
+        statement = sql.insert_pending(
+            self.dialect,
+            key=key,
+            task_name=task_name,
+            request=dict(request),
+            now=utcnow(),
+            due=due,
+        )
+        cursor.execute(*sql.format_style(statement, self.dialect))
+        if cursor.fetchone() is not None:
+            return True, None, None
+        cursor.execute(*sql.format_style(sql.status_and_request(key), self.dialect))
+        row = cursor.fetchone()
+        if row is None:
+            return False, None, None
+        stored = json.loads(row[1]) if isinstance(row[1], (str, bytes)) else row[1]
+        return False, str(row[0]), decode_request(stored)
 
     def get(self, key: str) -> JobRecord | None:
         with self.db.connect() as conn:
@@ -475,9 +518,18 @@ class Store:
         ]
 
     def list(
-        self, *, status: str | None = None, task_name: str | None = None, limit: int = 50
+        self,
+        *,
+        status: str | None = None,
+        task_name: str | None = None,
+        limit: int = 50,
+        never_claimed: bool = False,
     ) -> list[JobRecord]:
-        query = sql.list_jobs(status=status, task_name=task_name, limit=limit)
+        """Jobs, most recently updated first (``never_claimed``: only ``pending`` ones at
+        generation 0, enqueued and not yet claimed)."""
+        query = sql.list_jobs(
+            status=status, task_name=task_name, limit=limit, never_claimed=never_claimed
+        )
         with self.db.connect() as conn:
             return [job_record(r) for r in conn.execute(query).all()]
 

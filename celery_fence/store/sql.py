@@ -321,10 +321,17 @@ def pg_with_records(
 
 
 def insert_pending(
-    dialect: str, *, key: str, task_name: str, request: Any, now: dt.datetime
+    dialect: str,
+    *,
+    key: str,
+    task_name: str,
+    request: Any,
+    now: dt.datetime,
+    due: dt.datetime | None = None,
 ) -> Any:
     """A job enqueued with the caller's data: a ``pending`` row never claimed (generation 0,
-    attempt ``-``), unless the key already has a job (then nothing; RETURNING says which)."""
+    attempt ``-``; ``retry_at`` its countdown or eta, which recovery waits for), unless the key
+    already has a job (then nothing; RETURNING says which)."""
     insert = pg_dialect.insert(jobs) if dialect == "postgresql" else sqlite_dialect.insert(jobs)
     return (
         insert.values(
@@ -335,6 +342,7 @@ def insert_pending(
             attempt_id=NEVER_CLAIMED,
             attempts=0,
             request=request,
+            retry_at=due,
             created_at=now,
             updated_at=now,
         )
@@ -350,6 +358,10 @@ NEVER_CLAIMED = "-"
 
 def get_job(key: str) -> sa.Select[Any]:
     return sa.select(jobs).where(jobs.c.key == key)
+
+
+def status_and_request(key: str) -> sa.Select[Any]:
+    return sa.select(jobs.c.status, jobs.c.request).where(jobs.c.key == key)
 
 
 def history(key: str) -> sa.Select[Any]:
@@ -389,8 +401,12 @@ def resends_unclaimed(key: str) -> sa.Select[Any]:
     )
 
 
-def list_jobs(*, status: str | None, task_name: str | None, limit: int) -> sa.Select[Any]:
+def list_jobs(
+    *, status: str | None, task_name: str | None, limit: int, never_claimed: bool = False
+) -> sa.Select[Any]:
     query = sa.select(jobs).order_by(jobs.c.updated_at.desc()).limit(limit)
+    if never_claimed:
+        query = query.where((jobs.c.status == Status.PENDING.value) & (jobs.c.generation == 0))
     if status is not None:
         query = query.where(jobs.c.status == status)
     if task_name is not None:
@@ -438,12 +454,14 @@ def format_style(statement: Any, dialect: str) -> tuple[str, list[Any]]:
 def stranded(
     *, unfinished: Sequence[str], cutoff: dt.datetime, limit: int, task_name: str | None
 ) -> sa.Select[Any]:
-    """Unfinished jobs unchanged since ``cutoff`` (a ``retrying`` one: due since then too)."""
+    """Unfinished jobs unchanged since ``cutoff`` (a ``retrying`` one, or a ``pending`` one
+    enqueued with a countdown or eta: due since then too)."""
     still = jobs.c.status.in_(tuple(unfinished)) & (jobs.c.updated_at < cutoff)
     retry_due = jobs.c.retry_at.is_(None) | (jobs.c.retry_at < cutoff)
+    waits = jobs.c.status.in_((Status.RETRYING.value, Status.PENDING.value))
     query = (
         sa.select(jobs)
-        .where(still & ((jobs.c.status != Status.RETRYING.value) | retry_due))
+        .where(still & (sa.not_(waits) | retry_due))
         .order_by(jobs.c.updated_at)
         .limit(limit)
     )

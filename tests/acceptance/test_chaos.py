@@ -49,6 +49,8 @@ MIN_FAULTS = {
     "refused-arg": RUNS,
     "recovered-chain": RUNS,
     "interrupted": RUNS,
+    "enqueue-crash": RUNS,
+    "broker-loss": 100 * RUNS,
 }
 #: Celery's own exits, and the jobs each run loses when Celery's own exits are left unsettled.
 UNSETTLED_LOSSES = {
@@ -57,6 +59,9 @@ UNSETTLED_LOSSES = {
     "misconfig": 3,
     "refused-arg": 1,
     "interrupted": 1,
+    # the control arm of the enqueue scenarios: plain .delay() after the commit
+    "enqueue-crash": 3,
+    "broker-loss": 100,
 }
 
 

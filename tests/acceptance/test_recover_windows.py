@@ -595,6 +595,10 @@ def test_recover_does_not_re_send_a_backlogged_job_once_per_pass(
     # re-send nobody claimed doubles the wait before the next (1, 2, 4 thresholds),
     assert broker.llen(queue) == sent
     assert sent <= 3, sent
+    # while fence ls --stuck lists it all along (the back-off is for re-sends only),
+    time.sleep(1.1)
+    stuck = json.loads(ok(fence_cli(worker_env, "ls", "--stuck", "--older-than", "1", "--json")))
+    assert key in {j["key"] for j in stuck}
     # and once a worker consumes the backlog, the job completes once (the others replay).
     spawn_worker("w")
     wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")

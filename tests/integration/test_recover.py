@@ -374,6 +374,44 @@ def test_recover_scans_a_task_s_own_database_and_judges_each_job_by_its_task_s_t
     own_store.dispose()
 
 
+def test_a_never_claimed_enqueued_job_is_recovered_after_the_shorter_pending_threshold(
+    client_app: Any, db_url: str, fence_store: Store, worker_env: dict[str, str], broker: Any
+) -> None:
+    import sqlalchemy as sa
+
+    from celery_fence import enqueue
+
+    queue = worker_env["FENCE_T_QUEUE"]
+    # (a 30 s lease TTL: the running job's threshold is 10 x 30 s, however slow the CLI runs)
+    env = {**worker_env, "FENCE_T_RECOVER_PENDING_AFTER": "1", "FENCE_T_TTL": "30"}
+    # Given, with no worker, two enqueued jobs whose messages are lost, one of them due in an
+    # hour (countdown), and a running job whose lease is gone,
+    never, later = (f"never:{uuid.uuid4().hex[:8]}" for _ in range(2))
+    with sa.create_engine(db_url).begin() as conn:
+        enqueue(conn, client_app.work, args=(never,))
+        enqueue(conn, client_app.work, args=(later,), countdown=3600)
+    broker.delete(queue)
+    running = _stranded(fence_store, queue, "running").key
+    # (fence ls shows the enqueued ones as never claimed, and lists only them when asked)
+    table = ok(fence_cli(env, "ls", "--task", WORK)).splitlines()
+    assert {line.split()[0] for line in table if "pending (never claimed)" in line} >= {
+        never,
+        later,
+    }
+    listed = json.loads(ok(fence_cli(env, "ls", "--never-claimed", "--json")))
+    assert {never, later} <= {j["key"] for j in listed} and running not in str(listed)
+    assert all(j["never_claimed"] for j in listed)
+    time.sleep(1.2)  # past fence_recover_pending_after=1: a clock, no event to wait on
+    # when recover runs with each job's own threshold,
+    report = json.loads(ok(fence_cli(env, "recover", "--json")))
+    # then only the never-claimed job is sent again: the running one waits for its own
+    # threshold, the one with a countdown for its due time
+    assert report["keys"]["sent"] == [never]
+    assert [m["body"][0][0] for m in _messages(broker, queue)] == [never]
+    assert (fence_store.get(running) or pytest.fail()).status == "running"
+    assert (fence_store.get(later) or pytest.fail()).generation == 0
+
+
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_recover_re_sends_the_stored_workflow_with_the_message(
     fence_store: Store, worker_env: dict[str, str], broker: redis.Redis

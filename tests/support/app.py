@@ -426,6 +426,7 @@ def _upsert(bind: Any, key: str, gen: int, attempt: str) -> Any:
 
 app.conf.fence_lock_timeout = float(E.get("FENCE_T_LOCK_TIMEOUT", "5"))
 app.conf.fence_database_timeout = float(E.get("FENCE_T_DB_TIMEOUT", "10"))
+app.conf.fence_recover_pending_after = float(E.get("FENCE_T_RECOVER_PENDING_AFTER", "60"))
 
 
 # -- exits that are not Exceptions: SystemExit, CancelledError, the gevent pool's time limit ------

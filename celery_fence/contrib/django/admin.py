@@ -1,4 +1,5 @@
-"""A read-only admin of the fenced jobs: status, key, generation, attempts, last error, each
+"""A read-only admin of the fenced jobs: status (``pending (never claimed)`` for an enqueued job
+no worker has claimed yet, with a filter for those), key, generation, attempts, last error, each
 job's history; actions for what the CLI does (requeue a dead job, recover stranded ones). Every
 change goes through the store (fenced), never through these models."""
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 
+from ...schema import PENDING
 from .models import Job, Transition
 from .operations import current_celery_app, recover_stranded, requeue_dead
 from .settings import fence_alias
@@ -35,18 +37,33 @@ class TransitionInline(ReadOnly, admin.TabularInline):
     ordering = ("id",)
 
 
+class NeverClaimedFilter(admin.SimpleListFilter):
+    """Jobs enqueued and not yet claimed by any worker (``pending``, generation 0)."""
+
+    title = "claimed"
+    parameter_name = "never_claimed"
+
+    def lookups(self, request: Any, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "never claimed")]
+
+    def queryset(self, request: Any, queryset: Any) -> Any:
+        if self.value() == "yes":
+            return queryset.filter(status=PENDING, generation=0)
+        return queryset
+
+
 @admin.register(Job)
 class JobAdmin(ReadOnly, admin.ModelAdmin):
     list_display = (
         "key",
-        "status",
+        "shown_status",
         "task_name",
         "generation",
         "attempts",
         "updated_at",
         "error_type",
     )
-    list_filter = ("status", "task_name")
+    list_filter = ("status", NeverClaimedFilter, "task_name")
     search_fields = ("key",)
     readonly_fields = (
         "key",
@@ -66,6 +83,12 @@ class JobAdmin(ReadOnly, admin.ModelAdmin):
     )
     inlines = (TransitionInline,)
     actions = ("requeue_dead", "recover_stranded")
+
+    @admin.display(description="status", ordering="status")
+    def shown_status(self, job: Job) -> str:
+        """``pending (never claimed)`` for a job no worker has claimed yet (enqueued)."""
+        never = job.status == PENDING and job.generation == 0
+        return f"{job.status} (never claimed)" if never else job.status
 
     def get_queryset(self, request: Any) -> Any:
         return super().get_queryset(request).using(fence_alias() or "default")

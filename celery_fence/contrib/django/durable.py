@@ -1,0 +1,81 @@
+"""``enqueue(None, task, ...)``: the job's ``pending`` row on Django's own connection, in your
+``transaction.atomic()``, its message sent by ``transaction.on_commit``.
+
+The connection is Django's for the store's alias (``CELERY_FENCE_DATABASE``, else ``default``),
+which must be the store's database: the row is written through Django's cursor (the store's own
+statement, in ``%s`` style), so it commits or rolls back with your ORM writes, a rolled-back
+savepoint (a nested ``atomic()``) included: Django discards the savepoint's ``on_commit`` send with
+it. The publish runs after the outermost commit; a process that dies first leaves the row
+``pending`` for ``fence recover``.
+
+Outside an atomic block (autocommit) :func:`~celery_fence.enqueue` refuses: each of your ORM
+writes would already be committed on its own, so a crash between them and the enqueue would lose
+the job the promise is about (data committed, no row). Wrap the writes and the enqueue in
+``transaction.atomic()`` (``ATOMIC_REQUESTS`` does it for a view).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import transaction as django_transaction
+
+from ... import durable
+from ...errors import ConfigurationError
+from .database import same_database_problem
+
+if TYPE_CHECKING:
+    from ...store import Store
+
+
+class DjangoTarget:
+    """The job's row on Django's ``alias`` connection, its send on that alias's commit."""
+
+    def __init__(self, alias: str, store: Store) -> None:
+        self.alias = alias
+        self.store = store
+        self.connection = connections[alias]
+
+    def insert(
+        self, key: str, task_name: str, request: Mapping[str, Any], due: dt.datetime | None
+    ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
+        with self.connection.cursor() as cursor:
+            return self.store.insert_pending_cursor(
+                cursor, key, task_name=task_name, request=request, due=due
+            )
+
+    def after_commit(self, send: Any) -> None:
+        django_transaction.on_commit(lambda: durable.publish([send]), using=self.alias)
+
+
+def django_target(task: Any, store: Store) -> DjangoTarget:
+    """Django's connection for the store's alias, checked: on the store's database, inside
+    ``transaction.atomic()``."""
+    alias = task.fence_config().database or DEFAULT_DB_ALIAS
+    if alias not in connections.settings:
+        raise ConfigurationError(
+            f"enqueue(None, ...) writes on Django's {alias!r} database, which is not in "
+            "DATABASES: set CELERY_FENCE_DATABASE to the alias of your app's database"
+        )
+    connection = connections[alias]
+    problem = same_database_problem(store.url, alias, connection.settings_dict)
+    if problem is not None:
+        raise ConfigurationError(
+            f"enqueue(None, ...): Django's {alias!r} database is not the fence store's "
+            f"({problem}). The job's row is written in your transaction, so both live in one "
+            f"database: set CELERY_FENCE_DATABASE = {alias!r} (and run manage.py migrate), or "
+            "drop CELERY_FENCE_DATABASE_URL."
+        )
+    if not connection.in_atomic_block:
+        raise ConfigurationError(
+            f"enqueue(None, ...) outside transaction.atomic() (Django's {alias!r} connection is "
+            "in autocommit): the job's row must commit with your data, so wrap both in "
+            f"`with transaction.atomic(using={alias!r}):` (ATOMIC_REQUESTS does it for a view)"
+        )
+    return DjangoTarget(alias, store)
+
+
+__all__ = ["DjangoTarget", "django_target"]

@@ -1,0 +1,18 @@
+"""Opening an invoice: the row and its billing job commit together (``enqueue(None, ...)``)."""
+
+from django.db import transaction
+
+from celery_fence import enqueue
+
+from .models import Invoice
+from .tasks import bill_invoice
+
+
+def open_invoice(customer: str) -> Invoice:
+    """A new invoice, billed by a worker once it is committed. The job's row is written in this
+    transaction: rolled back, neither exists; committed, the job is sent (or, if this process
+    dies first, ``celery fence recover`` sends it)."""
+    with transaction.atomic():
+        inv = Invoice.objects.create(customer=customer)
+        enqueue(None, bill_invoice, args=(inv.pk,))
+    return inv
