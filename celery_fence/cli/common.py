@@ -30,8 +30,9 @@ class FenceCLIError(CeleryCommandException):
         super().__init__(message=" ".join(message.split()), exit_code=exit_code)
 
 
-def describe(exc: BaseException) -> str:
-    """A one-line description of an error from the store, Redis or the broker (no payloads)."""
+def describe(exc: BaseException, command: str = "celery -A <app>") -> str:
+    """A one-line description of an error from the store, Redis or the broker (no payloads);
+    ``command`` is how the hints spell ``celery -A proj``."""
     import kombu.exceptions
     import redis.exceptions
 
@@ -40,7 +41,7 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, sa.exc.DBAPIError):
         detail = str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else ""
         if "no such table" in detail or "does not exist" in detail:
-            return f"the celery-fence tables are missing ({detail}): run 'celery fence init-db'"
+            return f"the celery-fence tables are missing ({detail}): run '{command} fence init-db'"
         return f"database error ({type(exc.orig).__name__}): {detail}"
     if isinstance(exc, sa.exc.SQLAlchemyError):
         return f"database error ({type(exc).__name__}): {str(exc).splitlines()[0]}"
@@ -64,7 +65,7 @@ class FenceGroup(click.Group):
         except click.ClickException as exc:
             raise FenceCLIError(exc.format_message(), exc.exit_code) from None
         except Exception as exc:
-            raise FenceCLIError(describe(exc)) from None
+            raise FenceCLIError(describe(exc, celery_command(ctx))) from None
 
 
 @click.group(cls=FenceGroup, name="fence")
@@ -82,7 +83,8 @@ def config_of(ctx: click.Context) -> FenceConfig:
 def celery_command(ctx: click.Context) -> str:
     """``celery -A <the app this command was given>`` for the hints a message prints."""
     given = ctx.find_root().params.get("app")
-    name = given if isinstance(given, str) and given else getattr(ctx.obj.app, "main", None)
+    app = getattr(ctx.obj, "app", None)
+    name = given if isinstance(given, str) and given else getattr(app, "main", None)
     return f"celery -A {name or '<app>'}"
 
 

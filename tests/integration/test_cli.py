@@ -138,6 +138,16 @@ def _tables(url: str) -> set[str]:
         engine.dispose()
 
 
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("fresh_db_url", ["postgresql"], indirect=True)  # (SQLite makes its own)
+def test_a_store_without_tables_names_init_db_for_this_app(
+    fresh_db_url: str, worker_env: dict[str, str]
+) -> None:
+    proc = fence_cli({**worker_env, "FENCE_T_DB": fresh_db_url}, "ls")
+    assert proc.returncode != 0
+    assert f"run 'celery -A {APP} fence init-db'" in proc.stderr + proc.stdout, proc.stderr
+
+
 def test_init_db_creates_exactly_the_schema_then_is_idempotent(
     fresh_db_url: str, worker_env: dict[str, str]
 ) -> None:
