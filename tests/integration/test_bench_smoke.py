@@ -160,3 +160,24 @@ def test_scale_mode_explains_both_statements_and_purge_bounds_the_table(tmp_path
     assert purge["deleted"] == 1000
     assert purge["jobs_after"] == purge["jobs_before"] - 1000
     assert purge["transitions_after"] < purge["transitions_before"] - 1000
+
+
+@pytest.mark.timeout(600)
+def test_latency_mode_times_every_variant_from_publish_to_stored_result(tmp_path: Path) -> None:
+    # Given a tiny latency run: one round, 12 tasks of 50 ms a variant at 20 a second
+    stdout, result = _bench(
+        tmp_path, "--latency", "--rounds", "1", "--latency-tasks", "12", "--latency-rate", "20"
+    )
+
+    # Then every variant has its percentiles, none below the body's 50 ms, and a row in the
+    # percentile table; the added latency is taken against plain Celery with a result backend
+    for name in ("plain", "fenced-pg", "fenced-sqlite", "redis-lock", "fenced-pg-defer"):
+        entry = result["variants"][name]
+        assert entry["n"] == 12
+        assert 50.0 <= entry["p50_ms"] <= entry["p90_ms"] <= entry["p99_ms"] <= entry["max_ms"]
+        assert entry["runtime_p50_ms"] >= 50.0
+        assert entry["added_p50_ms"] == pytest.approx(
+            entry["p50_ms"] - result["variants"]["plain"]["p50_ms"]
+        )
+        assert stdout.count(f"| {name} ") == 2, f"{name} missing from a table:\n{stdout}"
+    assert "## Latency, publish -> result stored" in stdout
