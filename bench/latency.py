@@ -23,7 +23,11 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import redis
+import sqlalchemy as sa
 
 from bench.harness import BenchWorker, Services
 from bench.report import table
@@ -64,6 +68,64 @@ def pct(values: list[float], q: float) -> float:
     """The ``q`` quantile of ``values`` (nearest rank)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def switches(pids: list[int]) -> int:
+    """Voluntary context switches so far of every thread of ``pids``: each is a thread going to
+    sleep (a blocking round trip, a wait for another thread), so the per-task difference counts
+    the wake-ups the task costs, whatever else the machine runs."""
+    total = 0
+    for pid in pids:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                for line in (task / "status").read_text().splitlines():
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total
+
+
+def floor_probe(svc: Services, n: int, gap: float) -> dict[str, list[float]]:
+    """What one round trip costs after ``gap`` s idle, as the fenced path meets it: a lease-Redis
+    ``PING``, a PostgreSQL ``SELECT 1``, and a one-row ``INSERT`` committed synchronously (its
+    WAL flushed, as every fence commit is) and asynchronously (``synchronous_commit=off``: the
+    same statement without waiting for the flush), ms."""
+    client = redis.Redis.from_url(svc.lease_redis.url)
+    engine = sa.create_engine(svc.pg_url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    out: dict[str, list[float]] = {"redis PING": [], "pg SELECT 1": [], "pg commit": []}
+    out["pg commit, no flush wait"] = []
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS bench_probe (at timestamptz)")
+            client.ping()
+            for _ in range(n):
+                for name, call in (
+                    ("redis PING", client.ping),
+                    ("pg SELECT 1", lambda: conn.exec_driver_sql("SELECT 1")),
+                    (
+                        "pg commit",
+                        lambda: conn.exec_driver_sql("INSERT INTO bench_probe VALUES (now())"),
+                    ),
+                ):
+                    time.sleep(gap)
+                    t0 = time.perf_counter()
+                    call()
+                    out[name].append((time.perf_counter() - t0) * 1000)
+                conn.exec_driver_sql("SET synchronous_commit TO off")
+                time.sleep(gap)
+                t0 = time.perf_counter()
+                conn.exec_driver_sql("INSERT INTO bench_probe VALUES (now())")
+                out["pg commit, no flush wait"].append((time.perf_counter() - t0) * 1000)
+                conn.exec_driver_sql("SET synchronous_commit TO on")
+    finally:
+        engine.dispose()
+        client.close()
+    return out
 
 
 class Observer:
@@ -245,6 +307,8 @@ def run(
     }
     samples: dict[str, list[float]] = {v.name: [] for v in variants}
     delivery: dict[str, list[float]] = {v.name: [] for v in variants}
+    wakeups: dict[str, int] = {v.name: 0 for v in variants}
+    probes: dict[str, list[float]] = {}
     runtime: dict[str, list[float]] = {v.name: [] for v in variants}
     medians: dict[str, list[float]] = {v.name: [] for v in variants}
     observer = Observer(control).start()
@@ -266,7 +330,10 @@ def run(
             row = {}
             for v in variants:
                 w = workers[v.experimental]
+                children = w.children()
+                before = switches(children)
                 timed = paced_run(control, observer, v.task, w.queue, tasks, rate=rate, sleep=sleep)
+                wakeups[v.name] += switches(children) - before
                 values = [t[0] for t in timed]
                 samples[v.name] += values
                 delivery[v.name] += [t[1] for t in timed]
@@ -278,6 +345,8 @@ def run(
                 file=out,
                 flush=True,
             )
+            for name, values in floor_probe(svc, 20, 1.0 / rate).items():
+                probes.setdefault(name, []).extend(values)
     finally:
         observer.stop()
         for w in workers.values():
@@ -297,6 +366,7 @@ def run(
             "to_worker_p50_ms": pct(delivery[v.name], 0.5),
             "runtime_p50_ms": pct(runtime[v.name], 0.5),
             "runtime_p99_ms": pct(runtime[v.name], 0.99),
+            "switches_per_task": wakeups[v.name] / len(values),
         }
         entry["added_p50_ms"] = entry["p50_ms"] - pct(base, 0.5)
         entry["added_p99_ms"] = entry["p99_ms"] - pct(base, 0.99)
@@ -304,6 +374,10 @@ def run(
             a - b for a, b in zip(medians[v.name], medians[BASELINE], strict=True)
         ]
         result["variants"][v.name] = entry
+    result["probe"] = {
+        name: {"p50_ms": pct(values, 0.5), "p99_ms": pct(values, 0.99), "n": len(values)}
+        for name, values in probes.items()
+    }
     print_report(variants, result, out)
     return result
 
@@ -357,15 +431,43 @@ def print_report(variants: tuple[Variant, ...], result: dict[str, Any], out: Any
     for v in variants:
         e = result["variants"][v.name]
         rest = e["p50_ms"] - e["to_worker_p50_ms"] - e["runtime_p50_ms"]
-        rows.append([v.name, e["to_worker_p50_ms"], e["runtime_p50_ms"], e["runtime_p99_ms"], rest])
-    print(
-        table(["variant", "publish -> worker", "child run time", "run time p99", "rest"], rows),
-        file=out,
-    )
+        rows.append(
+            [
+                v.name,
+                e["to_worker_p50_ms"],
+                e["runtime_p50_ms"],
+                e["runtime_p99_ms"],
+                rest,
+                e["switches_per_task"],
+            ]
+        )
+    headers = [
+        "variant",
+        "publish -> worker",
+        "child run time",
+        "run time p99",
+        "rest",
+        "child wake-ups a task",
+    ]
+    print(table(headers, rows), file=out)
     print(
         "publish -> worker: to the worker's task-received event (its timestamp); child run time: "
         "the task-succeeded event's runtime (the pool child's trace: the fence's claim, "
         "registration and completion, and the body); rest: the p50 latency minus both (child -> "
-        "main process, the event to the caller).",
+        "main process, the event to the caller); wake-ups: voluntary context switches of every "
+        "thread of the pool children (/proc/<pid>/task/*/status), per task.",
+        file=out,
+    )
+    print(
+        f"\n## One round trip after {1000 / result['rate']:.0f} ms idle, on the bench's servers "
+        "(the same run, between rounds), ms",
+        file=out,
+    )
+    rows = [[name, p["p50_ms"], p["p99_ms"]] for name, p in result["probe"].items()]
+    print(table(["round trip", "p50", "p99"], rows), file=out)
+    print(
+        "pg commit: a one-row INSERT committed with its WAL flushed (each fence commit: "
+        "fenced-pg has two a task, register and complete; fenced-pg-defer one for a first "
+        "claim); no flush wait: the same with synchronous_commit off.",
         file=out,
     )
