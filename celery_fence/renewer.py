@@ -63,11 +63,11 @@ class Renewer:
         self._ensure_process()
         with self._cond:
             self._held[lease.value] = lease
-            if not self._start_locked() and self._wake_at > time.monotonic() + lease.interval:
-                # Wake the thread only when it would sleep past this lease's first renewal (a
-                # shorter interval than it uses): an idle thread's wait ends one tick after it
-                # began, so it renews a lease added meanwhile early, never late. A wake-up per
-                # task would be a thread switch in the task's way.
+            if not self._start_locked() and (
+                self._wake_at == math.inf or lease.interval < self._tick
+            ):
+                # Wake the thread only when its plan changes (it was idle, or this lease needs
+                # a shorter tick): a wake-up per task is a thread switch in the task's way.
                 self._cond.notify()
 
     def _start_locked(self) -> bool:
@@ -160,15 +160,16 @@ class Renewer:
                     if self._held and self._interval() < self._tick:  # a shorter tick arrived
                         self._tick = self._interval()
                         next_renewal = min(next_renewal, now + self._tick)
-                    if not self._held:
-                        # Idle: wake one tick from now whatever happens, so a lease added
-                        # meanwhile is renewed within its interval without a notify.
-                        next_renewal = now + self._tick
-                    wake = [next_renewal]
+                    wake = [next_renewal] if self._held else []
                     if self._releases:
                         wake.append(self._release_due)
-                    self._wake_at = min(wake)
-                    self._cond.wait(max(0.0, self._wake_at - now))
+                    self._wake_at = min(wake, default=math.inf)
+                    if wake:
+                        self._cond.wait(max(0.0, self._wake_at - now))
+                    else:  # idle until a lease is added or a release queued
+                        self._cond.wait()
+                        self._tick = self._interval()
+                        next_renewal = time.monotonic() + self._tick
                 self._wake_at = 0.0  # awake: nobody needs to notify
                 expired: list[HeldLease] = []  # past fence_max_runtime: not renewed any more
                 releases: list[tuple[str, str]] = []

@@ -50,43 +50,6 @@ def test_a_held_lease_outlives_its_ttl_while_renewed(leases: LeaseStore) -> None
     renewer.stop()
 
 
-def test_an_idle_renewer_renews_a_new_lease_within_its_interval(leases: LeaseStore) -> None:
-    # Given a renewer whose thread went idle (its only lease released) with a 0.15 s tick
-    renewer = Renewer(leases)
-    first = _hold(leases, "first")
-    renewer.add(first)
-    time.sleep(0.3)
-    renewer.discard(first)
-    renewer.flush()
-
-    # When leases are added to the idle thread: one with the same interval, then (after the
-    # thread's idle wait began again) one that needs a shorter tick than the thread's
-    lost: list[str] = []
-    same = _hold(leases, "same", lost=lost)
-    renewer.add(same)
-    time.sleep(0.9)  # 1.5 TTLs
-    same.check()
-    assert leases.client.exists(same.lease_key) == 1
-    renewer.discard(same)
-    renewer.flush()
-    ticks = renewer.ticks
-    time.sleep(0.5)  # idle again: nothing held, nothing to send
-    idle_ticks = renewer.ticks - ticks
-    shorter = _hold(leases, "shorter", ttl=0.3, interval=0.05, lost=lost)
-    renewer.add(shorter)
-    time.sleep(0.9)  # 3 TTLs
-
-    # Then each was renewed in time (never lost, still in Redis past its TTL) and the idle
-    # thread sent nothing while it waited
-    assert lost == []
-    shorter.check()
-    assert leases.client.exists(shorter.lease_key) == 1
-    assert idle_ticks == 0
-    renewer.discard(shorter)
-    renewer.flush()
-    renewer.stop()
-
-
 def test_a_lease_taken_over_is_lost_at_the_next_renewal_and_the_owner_is_told(
     leases: LeaseStore,
 ) -> None:
