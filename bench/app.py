@@ -13,7 +13,9 @@ Every variant is a task of this one app, so every variant runs under the same wo
   (``db+postgresql+psycopg2://``) on the same PostgreSQL as the fence store;
 - ``bench.once``: a celery_once ``QueueOnce`` task, locks in the lease Redis (:mod:`bench.once`);
 - ``bench.fenced_pg_redisresult``: ``bench.fenced_pg`` with a Redis result backend as well (the
-  result is written to the fence store and to Redis).
+  result is written to the fence store and to Redis);
+- ``bench.plain_redisresult`` / ``bench.rlock_redisresult``: ``bench.plain`` / ``bench.rlock``
+  with a Redis result backend (``--latency``: every variant stores its result once).
 
 Each takes ``(key, sleep=0.0)`` and sleeps ``sleep`` seconds (0: a no-op). The app has no result
 backend and ignores results (``task_ignore_result``); fenced tasks keep theirs in the fence store.
@@ -59,6 +61,9 @@ app.conf.update(
     fence_renew_interval=float(E.get("BENCH_RENEW", str(TTL / 3))),
     # --memory with a short counter lifetime shows the key count level off within one run
     fence_generation_ttl=float(E.get("BENCH_GENERATION_TTL", "600")),
+    # --latency runs its worker with -E (the caller times Celery's task-succeeded events); the
+    # fence's own events stay off there, as on a worker without -E
+    fence_send_events=E.get("BENCH_FENCE_EVENTS", "1") == "1",
 )
 
 
@@ -137,6 +142,16 @@ REDIS_RESULT = result_backend(LEASE_REDIS.rsplit("/", 1)[0] + "/1")
 @app.task(name="bench.plain_dbresult", acks_late=True, ignore_result=False, backend=DB_RESULT)
 def plain_dbresult(key: str, sleep: float = 0.0) -> None:
     _body(sleep)
+
+
+@app.task(name="bench.plain_redisresult", acks_late=True, ignore_result=False, backend=REDIS_RESULT)
+def plain_redisresult(key: str, sleep: float = 0.0) -> None:
+    _body(sleep)
+
+
+@app.task(name="bench.rlock_redisresult", acks_late=True, ignore_result=False, backend=REDIS_RESULT)
+def rlock_redisresult(key: str, sleep: float = 0.0) -> None:
+    rlock.run(key, sleep)
 
 
 @app.task(

@@ -47,6 +47,7 @@ class BenchWorker(processes.Worker):
         pool: str = "prefork",
         concurrency: int = 4,
         loglevel: str = "WARNING",
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         name = f"bench-{uuid.uuid4().hex[:6]}"
         super().__init__(
@@ -58,6 +59,7 @@ class BenchWorker(processes.Worker):
             concurrency=concurrency,
             pool=pool,
             loglevel=loglevel,
+            extra_args=extra_args,
             cwd=ROOT,
             pythonpath=[str(ROOT)],
             prefetch_multiplier=None,  # Celery's default, as a user's worker has it

@@ -13,6 +13,8 @@ Modes (default: throughput):
   sampled as it goes;
 - ``python -m bench --scale`` — register+complete latency with 10^3 .. 10^6 rows in fence_jobs,
   EXPLAIN of both statements, and purge keeping the table bounded;
+- ``python -m bench --latency`` — per task, publish -> result stored at a steady rate well below
+  saturation (50 ms tasks), plain vs fenced vs python-redis-lock: percentiles and added latency;
 - ``python -m bench --enqueue`` — what a durable ``enqueue()`` costs the caller per job, beside
   ``delay()`` and commit-then-``delay()``;
 - ``python -m bench --experiment`` — the default mode plus ``fenced-pg-exp``: candidate hot-path
@@ -40,6 +42,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument("--memory", action="store_true", help="worker RSS over many tasks")
     mode.add_argument("--scale", action="store_true", help="store latency at 10^3..10^6 rows")
     mode.add_argument("--enqueue", action="store_true", help="caller cost of a durable enqueue")
+    mode.add_argument(
+        "--latency", action="store_true", help="publish -> result stored per task, steady rate"
+    )
+    p.add_argument(
+        "--latency-rate", type=float, default=20.0, help="--latency: tasks a second (default 20)"
+    )
+    p.add_argument(
+        "--latency-tasks", type=int, default=200, help="--latency: tasks a variant a round (200)"
+    )
+    p.add_argument(
+        "--latency-sleep", type=float, default=0.05, help="--latency: body seconds (default 0.05)"
+    )
     p.add_argument("--enqueue-jobs", type=int, default=500, help="--enqueue: jobs a round (500)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of every variant (default 5)")
     p.add_argument("--tasks", type=int, default=3000, help="no-op tasks per run (default 3000)")
@@ -124,6 +138,25 @@ def main(argv: list[str] | None = None) -> int:
             from bench import enqueue
 
             result = enqueue.run(svc, jobs=args.enqueue_jobs, rounds=args.rounds, out=sys.stdout)
+        elif args.latency:
+            from bench import latency
+
+            result = latency.run(
+                svc,
+                rounds=args.rounds,
+                tasks=args.latency_tasks,
+                rate=args.latency_rate,
+                sleep=args.latency_sleep,
+                concurrency=args.concurrency,
+                loglevel=args.loglevel,
+                out=sys.stdout,
+                experiment_fence_path=(
+                    export_revision(args.experiment_rev, Path(tmp) / "experiment-rev")
+                    if args.experiment_rev
+                    else None
+                ),
+                only=frozenset(args.variants.split(",")) if args.variants else None,
+            )
         elif args.scale:
             from bench import scale
 

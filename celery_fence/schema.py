@@ -61,6 +61,7 @@ class OutboxStatus(str, Enum):
 RUNNING, RETRYING, COMPLETED, DEAD, PENDING = (s.value for s in Status)
 STATUSES = tuple(s.value for s in Status)
 FINISHED_PREDICATE = f"status IN ('{COMPLETED}', '{DEAD}')"
+UNFINISHED_PREDICATE = f"status IN ('{RUNNING}', '{RETRYING}', '{PENDING}')"
 
 jobs = sa.Table(
     "fence_jobs",
@@ -87,6 +88,13 @@ jobs = sa.Table(
         sqlite_where=sa.text(FINISHED_PREDICATE),
     ),
     sa.Index("ix_fence_jobs_task_status", "task_name", "status"),
+    # the stranded scan (recover, ls --stuck): the few unfinished jobs, oldest move first
+    sa.Index(
+        "ix_fence_jobs_unfinished",
+        "updated_at",
+        postgresql_where=sa.text(UNFINISHED_PREDICATE),
+        sqlite_where=sa.text(UNFINISHED_PREDICATE),
+    ),
 )
 
 transitions = sa.Table(

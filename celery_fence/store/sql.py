@@ -456,7 +456,12 @@ def stranded(
 ) -> sa.Select[Any]:
     """Unfinished jobs unchanged since ``cutoff`` (a ``retrying`` one, or a ``pending`` one
     enqueued with a countdown or eta: due since then too)."""
-    still = jobs.c.status.in_(tuple(unfinished)) & (jobs.c.updated_at < cutoff)
+    # The statuses as literals, so the planner matches the partial index on the unfinished
+    # jobs (a bound parameter would hide them from a generic plan).
+    statuses: Any = sa.bindparam(
+        "unfinished", tuple(unfinished), expanding=True, literal_execute=True
+    )
+    still = jobs.c.status.in_(statuses) & (jobs.c.updated_at < cutoff)
     retry_due = jobs.c.retry_at.is_(None) | (jobs.c.retry_at < cutoff)
     waits = jobs.c.status.in_((Status.RETRYING.value, Status.PENDING.value))
     query = (

@@ -144,19 +144,55 @@ def test_throughput_mode_reports_every_variant_and_counts_at_most_three_round_tr
 
 
 @pytest.mark.timeout(300)
-def test_scale_mode_explains_both_statements_and_purge_bounds_the_table(tmp_path: Path) -> None:
-    # Given the store-at-scale mode at a tiny size
+def test_scale_mode_explains_the_statements_and_purges_by_age(tmp_path: Path) -> None:
+    # Given the store-at-scale mode at a tiny size: 1,000 bulk jobs, finished 2 to 31 days ago
+    # by key (key g: 2 + g % 30 days), one in 1,000 dead, one in 10,000 left running
     stdout, result = _bench(tmp_path, "--scale", "--scale-sizes", "1000", "--scale-samples", "20")
 
     # Then the upsert is arbitrated by the primary key and the completion uses an index
     (size,) = result["sizes"]
     assert size["rows"] == 1000
+    assert size["history_rows"] >= 3000
     assert size["indexes"]["register"] == "fence_jobs_pkey"
     assert size["indexes"]["complete"] not in ("SEQ SCAN", "?")
     assert "EXPLAIN complete" in stdout
+    # And the stranded scan found the one job left running
+    assert size["scans"]["stranded"]["rows"] == 1
+    assert size["scans"]["ls_dead"]["rows"] == 1
 
-    # And purge removed the bulk rows and their history, keeping only the fresh jobs
+    # And purge deleted exactly the jobs finished more than 29.5 days ago (ages 30 and 31) with
+    # their three history rows each; the retention pass the completed ones of age 29
+    def finished(g: int) -> bool:
+        return g % 10_000 != 7
+
     purge = result["purge"]
-    assert purge["deleted"] == 1000
-    assert purge["jobs_after"] == purge["jobs_before"] - 1000
-    assert purge["transitions_after"] < purge["transitions_before"] - 1000
+    expected = sum(1 for g in range(1000) if finished(g) and 2 + g % 30 >= 30)
+    assert purge["deleted"] == expected
+    assert purge["jobs_after"] == purge["jobs_before"] - expected
+    assert purge["history_deleted"] == 3 * expected
+    retention = result["retention"]
+    dead = {g for g in range(1000) if g % 1000 == 3}
+    expected = sum(1 for g in range(1000) if finished(g) and g not in dead and 2 + g % 30 == 29)
+    assert retention["deleted"] == expected
+    assert retention["history_deleted"] == 3 * expected
+
+
+@pytest.mark.timeout(600)
+def test_latency_mode_times_every_variant_from_publish_to_stored_result(tmp_path: Path) -> None:
+    # Given a tiny latency run: one round, 12 tasks of 50 ms a variant at 20 a second
+    stdout, result = _bench(
+        tmp_path, "--latency", "--rounds", "1", "--latency-tasks", "12", "--latency-rate", "20"
+    )
+
+    # Then every variant has its percentiles, none below the body's 50 ms, and a row in the
+    # percentile table; the added latency is taken against plain Celery with a result backend
+    for name in ("plain", "fenced-pg", "fenced-sqlite", "redis-lock", "fenced-pg-defer"):
+        entry = result["variants"][name]
+        assert entry["n"] == 12
+        assert 50.0 <= entry["p50_ms"] <= entry["p90_ms"] <= entry["p99_ms"] <= entry["max_ms"]
+        assert entry["runtime_p50_ms"] >= 50.0
+        assert entry["added_p50_ms"] == pytest.approx(
+            entry["p50_ms"] - result["variants"]["plain"]["p50_ms"]
+        )
+        assert stdout.count(f"| {name} ") == 2, f"{name} missing from a table:\n{stdout}"
+    assert "## Latency, publish -> result stored" in stdout
