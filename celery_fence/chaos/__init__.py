@@ -123,14 +123,17 @@ aborted run's jobs are checked as they are (unfinished ones are lost), the scena
   store with their write and were refused (what happened, not what was planned).
 - **stale writes accepted** (safety): (w) the witness: an attempt of generation g that the store
   told its ``completed`` or ``dead`` write was accepted, for a key where an attempt of a
-  generation g' > g registered and started its body (a terminal write refuses every later
-  registration, so the newer one came first); (a) fenced store writes — transitions ``claimed``,
-  ``completed``, ``retry_scheduled``, ``dead`` — from generation g recorded after a ``claimed``
-  transition of a generation g' > g for the same key; (b) fenced store writes recorded after the
-  key's first ``completed`` or ``dead`` transition (a terminal state overwritten: only an attempt
+  generation g' > g registered and started its body before that answer was recorded (a
+  terminal write refuses every later registration, so the newer one came first); (a) fenced
+  store writes — transitions ``claimed``, ``completed``, ``retry_scheduled``, ``dead`` — from
+  generation g recorded after a ``claimed`` transition of a generation g' > g for the same key;
+  (b) fenced store writes recorded after the key's first ``completed`` or ``dead`` transition (a terminal state overwritten: only an attempt
   that lost its ownership can write then); (c) ledger side effects of generation g whose
   ``guard()`` was entered after a generation g' > g had been registered (the ``claimed``
-  transition's time precedes the effect's ``t0``).
+  transition's time precedes the effect's ``t0``). A write found by more than one of these
+  counts once (named by its attempt and action); one write can still break two rules of
+  different columns (a stale completion accepted after the newer one is also a duplicate
+  completion).
 - **stale app-table writes accepted** (safety): rows of ``chaos_app_rows`` (written through
   ``fence.transaction()``, each with the time just before its INSERT) of generation g written
   after a ``claimed`` transition of a generation g' > g for the same key: the row's commit came
