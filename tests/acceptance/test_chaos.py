@@ -51,8 +51,9 @@ MIN_FAULTS = {
     "recovered-chain": RUNS,
     "interrupted": RUNS,
 }
-#: The converge timeout of both runs of the unsettled comparison: the settled run needs at most
-#: about half of it (time-limit, misconfig); a lost job is known lost only when it runs out.
+#: The converge timeout of both runs of the unsettled comparison: well above what the settled
+#: run needs (time-limit and misconfig up to about 10 s of waiting on a loaded machine); a lost
+#: job is known lost only when it runs out.
 UNSETTLED_TIMEOUT = "30"
 #: Celery's own exits, and the jobs each run loses when Celery's own exits are left unsettled.
 UNSETTLED_LOSSES = {
