@@ -209,7 +209,9 @@ which is the proof that the settle step is what keeps those rows at zero. In ``r
 the harness then re-sends the stranded step itself as a bare message (task, args, kwargs and
 key: what a re-send kept before the workflow was stored): ``a`` completes, ``b`` never runs, one
 lost job a run. A lost job is only
-known lost when ``--converge-timeout`` runs out, so give the control arm a short one.
+known lost when ``--converge-timeout`` runs out: compare the arm with the settled run of the
+same scenarios, seed and ``--converge-timeout`` (which loses nothing), so the timeout is not
+what loses the jobs.
 
 The code, one concept a module: :mod:`~celery_fence.chaos.options` (the scenario names and a
 run's options), :mod:`~celery_fence.chaos.scenario` (one scenario's workers, queue, database and
