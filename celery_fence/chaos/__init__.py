@@ -46,8 +46,9 @@ Scenarios (faults counted per run, from what happened: the ledger, the store, th
 - ``redis-loss``: mid-body, every lease and generation counter of the run is deleted (with
   ``--own-redis``: the harness's own redis-server is SIGKILLed and restarted, empty), then the job
   is sent again, so Redis hands out a generation the store already saw. Faults: the claims
-  that took the fence's regression branch (ledger ``regressed``: the counter raised above the
-  store's, the claim made again).
+  that got a generation the store had already seen: the fence's regression branch taken (ledger
+  ``regressed``: the counter raised above the store's, the claim made again) or, where nothing
+  took it (``--unfenced``), a body started with a generation no greater than an earlier one's.
 - ``db-outage``: PostgreSQL only — a TCP proxy the harness runs on a free loopback port in front of
   ``--database-url`` (or of a throwaway database it creates through ``--pg-admin-url`` when the
   store is SQLite; skipped, with the reason, when there is none) resets every open connection and

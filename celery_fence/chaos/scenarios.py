@@ -189,9 +189,23 @@ def run_redis_loss(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]
     lost_at = time.monotonic()
     s.send(job, sleep=0.1, check=rng.random() < 0.5)
     elapsed = s.converge([job], lost_at)
-    # what happened: the claims whose generation the store had already seen (the regression
-    # branch: the counter raised above the store's, the claim made again)
-    return sum(1 for e in s.events(job.key) if e["ev"] == "regressed"), elapsed
+    return regressions(s.events(job.key)), elapsed
+
+
+def regressions(events: list[dict[str, Any]]) -> int:
+    """Claims that got a generation the store had already seen (Redis lost its counter): the
+    fence's regression branch taken (ledger ``regressed``: the counter raised above the store's,
+    the claim made again), or, where nothing took it, a body started with a generation no
+    greater than an earlier attempt's."""
+    count = sum(1 for e in events if e["ev"] == "regressed")
+    seen: dict[str, int] = {}
+    for e in events:
+        if e["ev"] != "start" or e.get("gen") is None:
+            continue
+        if any(a != e.get("attempt") and g >= e["gen"] for a, g in seen.items()):
+            count += 1
+        seen[str(e.get("attempt"))] = int(e["gen"])
+    return count
 
 
 def run_db_outage(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
