@@ -119,3 +119,15 @@ def test_a_stale_write_seen_by_the_witness_and_the_history_counts_once(tmp_path:
     result = _check(store, events)
     # then the one write counts once (it was counted by each finding).
     assert result.stale_writes == 1, result.violations
+
+
+def test_redis_loss_counts_a_lost_counter_whether_or_not_the_fence_reacts() -> None:
+    from celery_fence.chaos.scenarios import regressions
+
+    # the fence took its regression branch, then claimed generation 2
+    fenced = [_ev("start", 1, "a1"), _ev("regressed", 1, "a2"), _ev("start", 2, "a2")]
+    # no fence: the second attempt started with the generation the first one had
+    unfenced = [_ev("start", 1, "a1"), _ev("start", 1, "a2")]
+    assert regressions(fenced) == 1
+    assert regressions(unfenced) == 1
+    assert regressions([_ev("start", 1, "a1"), _ev("start", 2, "a2")]) == 0
