@@ -26,6 +26,14 @@ CHUNK = 5000
 WARM = 5000
 
 
+def _child_rss(child: int) -> int:
+    """The pool child's RSS, KiB; an error when it is gone (a replaced child would read 0)."""
+    rss = rss_kib(child)
+    if rss == 0:
+        raise RuntimeError(f"pool child {child} is gone (replaced?): its RSS cannot be followed")
+    return rss
+
+
 def run(svc: Services, *, tasks: int, loglevel: str, out: Any) -> dict[str, Any]:
     control, broker = svc.control(), svc.broker()
     worker = BenchWorker(
@@ -64,7 +72,7 @@ def run(svc: Services, *, tasks: int, loglevel: str, out: Any) -> dict[str, Any]
                 )
                 published += n
             if time.monotonic() >= next_sample:
-                rss = rss_kib(child)
+                rss = _child_rss(child)
                 samples.append((done, rss))
                 redis_samples.append((done, *redis_state()))
                 if len(samples) % 10 == 1:
@@ -76,7 +84,7 @@ def run(svc: Services, *, tasks: int, loglevel: str, out: Any) -> dict[str, Any]
             time.sleep(0.1)
         elapsed = time.monotonic() - started
         time.sleep(1.0)  # the last releases
-        samples.append((tasks, rss_kib(child)))
+        samples.append((tasks, _child_rss(child)))
         redis_end = redis_state()
         redis_samples.append((tasks, *redis_end))
         print(f"{tasks:>11}{samples[-1][1]:>10}{redis_end[0]:>12}{redis_end[1]:>14}", file=out)

@@ -204,6 +204,11 @@ def run(
                 file=out,
                 flush=True,
             )
+        # a consumed message is not a success: the redis-lock body must not have raised
+        failed = [line for line in worker.log().splitlines() if "bench.rlock[" in line]
+        failed = [line for line in failed if " raised " in line]
+        if failed:
+            raise RuntimeError(f"redis-lock: {len(failed)} tasks raised, e.g. {failed[0]}")
     finally:
         for w in workers.values():
             w.stop()

@@ -5,7 +5,7 @@ Run it against your own configuration (your Redis, broker, database and TTLs)::
     python -m celery_fence.chaos [--scenario NAME|all ...] [--runs N] [--seed S]
         [--redis-url URL] [--broker-url URL] [--database-url URL] [--pg-admin-url URL]
         [--ttl SECONDS] [--max-attempts N] [--workers N] [--own-redis] [--unfenced] [--unsettled]
-        [--provider-not-idempotent]
+        [--rerun-finished] [--provider-not-idempotent]
         [--converge-timeout SECONDS] [--json PATH] [--workdir DIR] [-q]
 
 Defaults: Redis ``redis://127.0.0.1:6379/1`` (leases under a fresh key prefix, the ledger,
@@ -26,7 +26,7 @@ writes a ledger of body starts, side effects (with generation and attempt id), e
 kills; every completed job stages one ``notify`` outbox effect delivered to a
 :class:`~celery_fence.testing.ProviderStub` that dedupes on ``Idempotency-Key``.
 
-Scenarios (faults counted per run):
+Scenarios (faults counted per run, from what happened: the ledger, the store, the broker):
 
 - ``pause``: SIGSTOP the worker running the job mid-body for 1.2-1.6 TTL (its lease expires), send
   the job again so a second worker takes over with a newer generation, SIGCONT the first one:
@@ -34,17 +34,21 @@ Scenarios (faults counted per run):
   completion meets a newer row still ``running``), odd runs after it completed. Runs cycle
   through four bodies: with or without ``guard()`` before the side effect, with or without an
   outbox effect; run 0 has neither, so the store's generation fence alone must reject the stale
-  attempt. Expected: attempts 2, body starts 2. 1 fault.
+  attempt. Expected: attempts 2, body starts 2. Faults: 1 when the paused attempt learnt it had
+  lost its lease (ledger ``lost``) or reached the store after the newer attempt started.
 - ``kill``: three jobs at once, one per window, each with a one-shot flag the body consumes (GETDEL)
   right before ``os.kill(os.getpid(), SIGKILL)``: before the side effect, after it but before the
   completion commit, after the commit but before the ack (a ``job_completed`` receiver). Faults:
   the kills that happened (3).
-- ``duplicate``: the same logical job sent 4 times at once to the workers. 3 faults.
+- ``duplicate``: the same logical job sent 4 times at once to the workers. Faults: the copies
+  that met another copy's lease or completion (ledger ``busy``, ``replayed`` or ``stale`` of
+  their task id; 3 when every copy but one did).
 - ``redis-loss``: mid-body, every lease and generation counter of the run is deleted (with
   ``--own-redis``: the harness's own redis-server is SIGKILLed and restarted, empty), then the job
   is sent again, so Redis hands out a generation the store already saw. Faults: the claims
-  that took the fence's regression branch (ledger ``regressed``: the counter raised above the
-  store's, the claim made again).
+  that got a generation the store had already seen: the fence's regression branch taken (ledger
+  ``regressed``: the counter raised above the store's, the claim made again) or, where nothing
+  took it (``--unfenced``), a body started with a generation no greater than an earlier one's.
 - ``db-outage``: PostgreSQL only — a TCP proxy the harness runs on a free loopback port in front of
   ``--database-url`` (or of a throwaway database it creates through ``--pg-admin-url`` when the
   store is SQLite; skipped, with the reason, when there is none) resets every open connection and
@@ -59,21 +63,24 @@ Scenarios (faults counted per run):
   ``self.fence.transaction()``; the worker is SIGSTOPped inside the block, after it entered and
   before its write, for 1.2-1.6 TTL; a second worker takes the job over and writes its own row;
   the first one gets SIGCONT (on SQLite, where the paused block holds the write lock, as soon as
-  the newer attempt has started or two TTLs have passed). 1 fault.
+  the newer attempt has started or two TTLs have passed). Faults: as ``pause``'s, for the
+  attempt paused (or held) in its block.
 - ``orm-binds``: ``app-write``'s windows with the row written through ``self.fence.session()``
   of an ORM session whose ``binds=`` route the app's table to an engine of its own (as
   Flask-SQLAlchemy's session does): the fenced session must run that write on the block's
-  connection, whose commit is checked. 1 fault.
+  connection, whose commit is checked. Faults: as ``app-write``'s.
 - ``django-write``: ``app-write``'s windows with the row written by Django's ORM inside
   ``self.fence.atomic()`` (a Django configured in the worker for the store's database): the
-  ownership check runs on Django's own connection before its commit. 1 fault.
+  ownership check runs on Django's own connection before its commit. Faults: as
+  ``app-write``'s.
 - ``interrupted``: a body ends with ``asyncio.CancelledError`` (an exit that is not an
   ``Exception``) on a threads-pool worker (even runs) or a gevent-pool worker (odd runs); the
   attempt must settle and release its lease, and the job completes on its second attempt. Under
-  ``--unsettled`` the exit escapes with its lease held: the job is lost. 1 fault.
+  ``--unsettled`` the exit escapes with its lease held: the job is lost. Faults: the
+  interruptions raised (ledger ``interrupt``).
 - ``poison``: a job whose input always fails permanently (``PermanentError``: dead after one
   attempt) and a job that SIGKILLs its worker every time (dead after ``fence_max_attempts`` body
-  runs). Faults: 1 + the kills.
+  runs). Faults: the permanent errors raised + the kills (ledger ``permanent``, ``kill``).
 - ``time-limit``: two jobs sent with a hard ``time_limit`` of 1-1.5 s (the prefork pool kills the
   process running the body): one overruns on its first run only (a one-shot flag) and must end
   ``completed`` on its second execution (attempts 2, body starts 2); one overruns on every run
@@ -83,25 +90,29 @@ Scenarios (faults counted per run):
   error after 1.7-2.1 s (its retry is sent after the expiry and must arrive), one that meets a
   lease the harness holds under a foreign token for 1.8-2.3 s, as a slow or paused worker would
   (its busy reschedule arrives after the expiry and must run). Both must complete (attempts and
-  body starts: 2 and 1). Faults: the busy hold + the failures that came after the expiry (2).
+  body starts: 2 and 1). Faults: a delivery that met the held lease (ledger ``busy``) + the
+  failures that came after the expiry (2).
 - ``misconfig``: no worker runs; three jobs are queued, then a worker starts with
   ``fence_renew_interval`` = 0.95-1.2 x ttl (at least ttl x (1 - ``fence_lease_margin``)): it must
   refuse to start and leave the three messages in the broker; then a correctly configured worker
   starts and must complete each (attempts 1, body starts 1). A misconfigured worker that started,
-  or took a message, is an unexpected outcome for each job. 1 fault.
+  or took a message, is an unexpected outcome for each job. Faults: 1 when the misconfigured
+  worker met the setting (its log names ``fence_renew_interval``: refused at start, or, under
+  ``--unsettled``, at a task).
 - ``refused-arg``: PostgreSQL only (``--database-url`` when it is PostgreSQL, else a throwaway
   database through ``--pg-admin-url``, as for db-outage; skipped with the reason when there is
   none — SQLite stores the NUL character): a job whose argument holds ``"\\u0000"``, which jsonb
   refuses, must end ``dead`` at once with reason "arguments refused by the database": attempts 1,
   the body never run, one generation claimed in Redis (no loop), and its stored request must
-  decode to the arguments sent (``fence show`` / ``fence requeue``). 1 fault.
+  decode to the arguments sent (``fence show`` / ``fence requeue``). Faults: the generations
+  claimed for it (each a registration the database was asked to take: 1, or a loop).
 - ``recovered-chain``: a chain ``a | b`` (``b`` immutable) whose first step's message is lost: the
   worker running ``a`` (one worker runs at a time) is SIGKILLed mid-body, main process and pool,
   and what the broker still holds for the queue is dropped (the Redis transport's unacked entry;
   on RabbitMQ the message that came back, purged). Once ``a``'s lease is gone, the harness sends
   ``celery_fence.recover`` (as beat would) to a fresh worker: ``a`` is re-sent with its stored
   workflow and must complete once (attempts 2, body starts 2), and ``b`` must then run and
-  complete (attempts 1, body starts 1). 1 fault.
+  complete (attempts 1, body starts 1). Faults: the messages dropped from the broker.
 - ``enqueue-crash``: a child process (the app's side) writes 3 orders and enqueues their jobs
   with :func:`celery_fence.enqueue` in one transaction, and is SIGKILLed between its commit and
   its publish; then a worker starts and ``celery_fence.recover`` is sent (as beat would, with
@@ -129,15 +140,17 @@ aborted run's jobs are checked as they are (unfinished ones are lost), the scena
 - **stale attempts refused**: ledger ``outcome`` entries ``stale``: attempts that reached the
   store with their write and were refused (what happened, not what was planned).
 - **stale writes accepted** (safety): (w) the witness: an attempt of generation g that the store
-  told its ``completed`` or ``dead`` write was accepted, for a key where an attempt of a
-  generation g' > g registered and started its body (a terminal write refuses every later
-  registration, so the newer one came first); (a) fenced store writes — transitions ``claimed``,
-  ``completed``, ``retry_scheduled``, ``dead`` — from generation g recorded after a ``claimed``
-  transition of a generation g' > g for the same key; (b) fenced store writes recorded after the
-  key's first ``completed`` or ``dead`` transition (a terminal state overwritten: only an attempt
-  that lost its ownership can write then); (c) ledger side effects of generation g whose
+  told its ``completed`` or ``dead`` write was accepted, for a key where an attempt of a generation
+  g' > g registered and started its body before that answer was recorded (a terminal write refuses
+  every later registration, so the newer one came first); (a) fenced store writes — transitions
+  ``claimed``, ``completed``, ``retry_scheduled``, ``dead`` — from generation g recorded after a
+  ``claimed`` transition of a generation g' > g for the same key; (b) fenced store writes recorded
+  after the key's first ``completed`` or ``dead`` transition (a terminal state overwritten: only an
+  attempt that lost its ownership can write then); (c) ledger side effects of generation g whose
   ``guard()`` was entered after a generation g' > g had been registered (the ``claimed``
-  transition's time precedes the effect's ``t0``).
+  transition's time precedes the effect's ``t0``). A write found by more than one of these counts
+  once (named by its attempt and action); one write can still break two rules of different columns
+  (a stale completion accepted after the newer one is also a duplicate completion).
 - **stale app-table writes accepted** (safety): rows of ``chaos_app_rows`` (written through
   ``fence.transaction()``, each with the time just before its INSERT) of generation g written
   after a ``claimed`` transition of a generation g' > g for the same key: the row's commit came
@@ -182,6 +195,13 @@ stale writes accepted > 0 (and usually duplicate completions and re-runs), and `
 app-write --unfenced`` stale app-table writes > 0, which is the proof that the fence is what keeps
 the other tables at zero.
 
+``--rerun-finished`` is a demonstration too: the workload's task registers through a store
+double (:class:`~celery_fence.chaos.workload.RerunsFinished`, in this package, not in the
+fence's own code path) whose registration drops its ``status NOT IN (completed, dead)`` term, so
+a newer generation takes a completed or dead job's row again. ``--scenario kill --rerun-finished``
+then shows body re-runs after completion > 0 (the message redelivered after the completion
+committed runs the body again).
+
 ``--provider-not-idempotent`` is a demonstration too: the provider stub ignores
 ``Idempotency-Key`` and performs every request, as a provider without idempotency support would.
 ``--scenario unknown-remote --provider-not-idempotent`` then shows duplicate external effects > 0
@@ -198,8 +218,10 @@ the harness then re-sends the stranded step itself as a bare message (task, args
 key: what a re-send kept before the workflow was stored): ``a`` completes, ``b`` never runs, one
 lost job a run. In ``enqueue-crash`` and ``broker-loss`` the child uses plain Celery's pattern
 instead, ``.delay()`` after the commit: the crashed child's 3 jobs and the deleted queue's 100 are
-recorded nowhere, and recovery finds nothing to send (lost jobs 3 and 100 a run). A lost job is only
-known lost when ``--converge-timeout`` runs out, so give the control arm a short one.
+recorded nowhere, and recovery finds nothing to send (lost jobs 3 and 100 a run). A lost job is
+only known lost when ``--converge-timeout`` runs out: compare the arm with the settled run of the
+same scenarios, seed and ``--converge-timeout`` (which loses nothing), so the timeout is not
+what loses the jobs.
 
 The code, one concept a module: :mod:`~celery_fence.chaos.options` (the scenario names and a
 run's options), :mod:`~celery_fence.chaos.scenario` (one scenario's workers, queue, database and

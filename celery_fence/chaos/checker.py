@@ -199,12 +199,18 @@ def _witness_stale(
 ) -> set[str]:
     """Attempts the store told "completed" (or "dead") although a newer generation had been
     registered for the key and started its body. A terminal write refuses every later
-    registration, so a newer start means the newer registration came first: the write was
-    stale whatever the row the store returned said."""
+    registration, so a newer start recorded before the answer means the newer registration
+    came first: the write was stale whatever the row the store returned said. (A newer start
+    recorded after the answer is a registration over a finished job: a re-run, not this.) Each
+    as ``attempt id:action``."""
     starts = _starts(events)
     found: set[str] = set()
     for e in _told(events, "completed", "dead"):
-        newer = [g for g, _, a in starts if g > int(e["gen"]) and a != e.get("attempt")]
+        newer = [
+            g
+            for g, at, a in starts
+            if g > int(e["gen"]) and a != e.get("attempt") and at < float(e["t"])
+        ]
         if newer:
             found.add(f"{e.get('attempt')}:{e['outcome']}")
             violations.append(
@@ -249,26 +255,29 @@ def _stale_writes(
     store: Store,
     violations: list[str],
 ) -> int:
+    """Each stale write once: a write is named by its attempt and action (``attempt:completed``,
+    ``attempt:effect``), so the witness and the store's history finding the same write count it
+    once; an outbox row no accepted completion wrote is a write of its own."""
     claims = _claims(history)
-    count = len(_witness_stale(key, events, violations)) + _orphan_effects(
-        key, history, store, violations
-    )
+    found = _witness_stale(key, events, violations)
     terminal = None
     for i, t in enumerate(history):
         if t.action not in FENCED_WRITES or t.generation is None:
             continue
+        write = f"{t.attempt_id}:{t.action}" if t.attempt_id else f"row {i}"
         if terminal is not None:
-            count += 1
-            violations.append(
-                f"stale write: {key} {t.action} (row generation {t.generation}) accepted after "
-                f"the job was {terminal.action} by generation {terminal.generation}"
-            )
+            if write not in found:
+                found.add(write)
+                violations.append(
+                    f"stale write: {key} {t.action} (row generation {t.generation}) accepted "
+                    f"after the job was {terminal.action} by generation {terminal.generation}"
+                )
             continue
         if t.action in ("completed", "dead"):
             terminal = t
         newer = [g for pos, g, _ in claims if pos < i and g > t.generation]
-        if newer:
-            count += 1
+        if newer and write not in found:
+            found.add(write)
             violations.append(
                 f"stale write: {key} {t.action} from generation {t.generation} accepted after "
                 f"generation {max(newer)} was registered"
@@ -277,13 +286,14 @@ def _stale_writes(
         if e["ev"] != "effect" or e.get("gen") is None:
             continue
         newer = [g for _, g, at in claims if g > e["gen"] and at < e["t0"]]
-        if newer:
-            count += 1
+        write = f"{e.get('attempt')}:effect:{e['t0']}"
+        if newer and write not in found:
+            found.add(write)
             violations.append(
                 f"stale effect: {key} side effect of generation {e['gen']} started after "
                 f"generation {max(newer)} was registered"
             )
-    return count
+    return len(found) + _orphan_effects(key, history, store, violations)
 
 
 def _stale_app_writes(

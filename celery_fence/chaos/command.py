@@ -80,6 +80,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "handles them; expect lost jobs",
     )
     p.add_argument(
+        "--rerun-finished",
+        action="store_true",
+        help="DEMONSTRATION ONLY: the workers' registration takes a completed or dead job's row "
+        "again (its terminal-state term dropped, in the workload's task only); expect body "
+        "re-runs after completion",
+    )
+    p.add_argument(
         "--provider-not-idempotent",
         dest="provider_idempotent",
         action="store_false",
@@ -137,6 +144,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         workers=a.workers,
         unfenced=a.unfenced,
         unsettled=a.unsettled,
+        rerun_finished=a.rerun_finished,
         provider_idempotent=a.provider_idempotent,
         own_redis=a.own_redis,
         converge_timeout=a.converge_timeout,
@@ -172,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for arm, on in (
             ("UNFENCED", opts.unfenced),
             ("UNSETTLED", opts.unsettled),
+            ("RERUN FINISHED", opts.rerun_finished),
             ("PROVIDER NOT IDEMPOTENT", not opts.provider_idempotent),
         )
         if on
@@ -202,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "ttl": opts.ttl,
                     "unfenced": opts.unfenced,
                     "unsettled": opts.unsettled,
+                    "rerun_finished": opts.rerun_finished,
+                    "provider_idempotent": opts.provider_idempotent,
                     "faults": total,
                     "safety_columns": list(checker.SAFETY_COLUMNS),
                     "scenarios": [r.as_dict() for r in results],

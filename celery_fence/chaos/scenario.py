@@ -76,6 +76,7 @@ class Scenario:
             "CHAOS_MAX_ATTEMPTS": str(self.opts.max_attempts),
             "CHAOS_UNFENCED": "1" if self.opts.unfenced else "0",
             "CHAOS_UNSETTLED": "1" if self.opts.unsettled else "0",
+            "CHAOS_RERUN_FINISHED": "1" if self.opts.rerun_finished else "0",
             "CHAOS_PROVIDER_URL": self.provider.url,
             "CHAOS_REMOTE_TIMEOUT": str(self.opts.remote_timeout),
         }

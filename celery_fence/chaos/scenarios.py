@@ -31,6 +31,24 @@ NUL_ARGUMENT = "before\x00after"
 Run = Callable[[Scenario, int, random.Random], tuple[int, float]]
 
 
+def superseded(s: Scenario, key: str, attempt: str) -> int:
+    """1 when the fault acted on ``attempt`` (the paused or held one), from the ledger: it
+    learnt it had lost its lease (``lost``), or it reached the store (an ``outcome``) after an
+    attempt of a newer generation had started; else 0."""
+    events = s.events(key)
+    own = [e for e in events if e.get("attempt") == attempt]
+    if any(e["ev"] == "lost" for e in own):
+        return 1
+    gen = next((e["gen"] for e in own if e["ev"] == "start"), None)
+    newer = [
+        e["t"]
+        for e in events
+        if e["ev"] == "start" and e.get("attempt") != attempt and (e.get("gen") or 0) > (gen or 0)
+    ]
+    reached = [e["t"] for e in own if e["ev"] == "outcome"]
+    return int(bool(newer and reached and max(reached) > min(newer)))
+
+
 def run_pause(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     """SIGSTOP the worker running the job past its TTL, let a newer attempt take over, SIGCONT.
 
@@ -56,7 +74,8 @@ def run_pause(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     if not while_running:
         wait_until(lambda: (r := s.store.get(job.key)) is not None and r.status == "completed", 30)
     a.signal(signal.SIGCONT)
-    return 1, s.converge([job], paused_at)
+    elapsed = s.converge([job], paused_at)
+    return superseded(s, job.key, first["attempt"]), elapsed
 
 
 def run_orm_binds(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
@@ -104,7 +123,8 @@ def run_app_write(
                 other=lambda e: e["attempt"] != written["attempt"],
             )
         s.ledger.set(f"{s.ledger_prefix}:go:{job.key}", 1)
-        return 1, s.converge([job], lost_at)
+        elapsed = s.converge([job], lost_at)
+        return superseded(s, job.key, written["attempt"]), elapsed
     s.send(job, app_write=True, via=via, block_sleep=ttl * 2.5, check=False, notify=notify)
     entered = s.wait_event(job.key, "tx")
     a = s.worker_of(entered["pid"])
@@ -121,7 +141,8 @@ def run_app_write(
                 ttl * 4,
             )
     a.signal(signal.SIGCONT)
-    return 1, s.converge([job], paused_at)
+    elapsed = s.converge([job], paused_at)
+    return superseded(s, job.key, entered["attempt"]), elapsed
 
 
 def run_kill(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
@@ -147,7 +168,14 @@ def run_duplicate(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     sleep = rng.uniform(0.1, 0.6)
     for _ in range(copies):
         s.send(job, sleep=sleep, check=rng.random() < 0.5)
-    return copies - 1, s.converge([job], time.monotonic())
+    elapsed = s.converge([job], time.monotonic())
+    # the copies that met another copy's lease or completion (busy, replayed, or refused stale)
+    met = {
+        e.get("task")
+        for e in s.events(job.key)
+        if e["ev"] == "busy" or (e["ev"] == "outcome" and e["outcome"] in ("replayed", "stale"))
+    }
+    return len(met & set(job.task_ids)), elapsed
 
 
 def run_redis_loss(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
@@ -162,9 +190,23 @@ def run_redis_loss(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]
     lost_at = time.monotonic()
     s.send(job, sleep=0.1, check=rng.random() < 0.5)
     elapsed = s.converge([job], lost_at)
-    # what happened: the claims whose generation the store had already seen (the regression
-    # branch: the counter raised above the store's, the claim made again)
-    return sum(1 for e in s.events(job.key) if e["ev"] == "regressed"), elapsed
+    return regressions(s.events(job.key)), elapsed
+
+
+def regressions(events: list[dict[str, Any]]) -> int:
+    """Claims that got a generation the store had already seen (Redis lost its counter): the
+    fence's regression branch taken (ledger ``regressed``: the counter raised above the store's,
+    the claim made again), or, where nothing took it, a body started with a generation no
+    greater than an earlier attempt's."""
+    count = sum(1 for e in events if e["ev"] == "regressed")
+    seen: dict[str, int] = {}
+    for e in events:
+        if e["ev"] != "start" or e.get("gen") is None:
+            continue
+        if any(a != e.get("attempt") and g >= e["gen"] for a, g in seen.items()):
+            count += 1
+        seen[str(e.get("attempt"))] = int(e["gen"])
+    return count
 
 
 def run_db_outage(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
@@ -205,8 +247,9 @@ def run_poison(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     s.send(permanent, mode="permanent")
     s.send(killer, mode="kill")
     elapsed = s.converge([permanent, killer], time.monotonic())
+    failed = sum(1 for e in s.events(permanent.key) if e["ev"] == "permanent")
     kills = sum(1 for e in s.events(killer.key) if e["ev"] == "kill")
-    return 1 + kills, elapsed
+    return failed + kills, elapsed
 
 
 def run_time_limit(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
@@ -245,7 +288,8 @@ def run_expires(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     s.send(retried, sleep=rng.uniform(1.7, 2.1), options={"expires": expires})
     elapsed = s.converge([retried, busy], time.monotonic())
     late = [e for e in s.events(retried.key) if e["ev"] == "fail" and e["t"] > sent_at + expires]
-    return 1 + len(late), elapsed
+    held = any(e["ev"] == "busy" for e in s.events(busy.key))  # a delivery met the held lease
+    return int(held) + len(late), elapsed
 
 
 def run_misconfig(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
@@ -271,11 +315,12 @@ def run_misconfig(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     if taken:
         for job in jobs:
             job.observed.append(f"the misconfigured worker took {taken} of {len(jobs)} messages")
+    met = "fence_renew_interval" in bad.log()  # refused at start, or (unsettled) at a task
     good = s.start_worker(f"good-{i}")
     good.wait_ready()
     elapsed = s.converge(jobs, started_at)
     s.stop_worker(good)
-    return 1, elapsed
+    return int(met), elapsed
 
 
 def run_refused_arg(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
@@ -298,7 +343,7 @@ def run_refused_arg(s: Scenario, i: int, rng: random.Random) -> tuple[int, float
         request = decode_request(record.request)
         if request is None or request.get("kwargs", {}).get("payload") != NUL_ARGUMENT:
             job.observed.append("the stored request does not decode to the arguments sent")
-    return 1, elapsed
+    return job.claims, elapsed  # the registrations the database was asked to take
 
 
 def run_recovered_chain(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
@@ -329,7 +374,7 @@ def run_recovered_chain(s: Scenario, i: int, rng: random.Random) -> tuple[int, f
     doomed.kill()
     lost_at = time.monotonic()
     s.stop_worker(doomed)
-    _lose_messages(s)
+    dropped = _lose_messages(s)
     rescuer = s.start_worker(f"chain-{i}-rescuer")
     rescuer.wait_ready()
     deadline = time.monotonic() + s.opts.converge_timeout
@@ -343,7 +388,7 @@ def run_recovered_chain(s: Scenario, i: int, rng: random.Random) -> tuple[int, f
             else:
                 s.client.send_task(RECOVER_TASK, kwargs={"older_than": ttl}, queue=s.queue)
         time.sleep(max(1.0, ttl))
-    return 1, s.converge([a, b], lost_at)
+    return dropped, s.converge([a, b], lost_at)
 
 
 def run_interrupted(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
@@ -360,23 +405,26 @@ def run_interrupted(s: Scenario, i: int, rng: random.Random) -> tuple[int, float
     s.wait_event(job.key, "interrupt")
     interrupted_at = time.monotonic()
     try:
-        return 1, s.converge([job], interrupted_at)
+        elapsed = s.converge([job], interrupted_at)
+        return sum(1 for e in s.events(job.key) if e["ev"] == "interrupt"), elapsed
     finally:
         s.stop_worker(worker)
 
 
-def _lose_messages(s: Scenario) -> None:
-    """Drop what the broker still holds for this scenario's queue: a lost message."""
+def _lose_messages(s: Scenario) -> int:
+    """Drop what the broker still holds for this scenario's queue (lost messages); return how
+    many were dropped."""
     with s.client.connection_for_write() as conn:
         channel: Any = conn.default_channel
         if conn.transport.driver_type != "redis":  # the killed consumer's message came back
             wait_until(lambda: s.queued() > 0, 10, interval=0.05)
-            channel.queue_purge(s.queue)
-            return
+            return int(channel.queue_purge(s.queue) or 0)
+        dropped = 0
         for tag, raw in channel.client.hgetall(channel.unacked_key).items():
             if json.loads(raw)[2] == s.queue:
-                channel.client.hdel(channel.unacked_key, tag)
+                dropped += int(channel.client.hdel(channel.unacked_key, tag))
                 channel.client.zrem(channel.unacked_index_key, tag)
+        return dropped
 
 
 def _resend_bare(s: Scenario, record: Any) -> None:

@@ -20,10 +20,14 @@ The workload writes a **ledger** of what really happened: one Redis list,
   generation and attempt id (never the row the store returned). With ``start`` (the attempt's
   generation, as the store registered it) this is the checker's witness: it compares the store's
   history with what each attempt tried and was told, not with itself;
+- ``lost``    the attempt learnt it lost its lease (the fence's ``lease_lost`` signal);
+- ``busy``    a delivery found the key's lease held by another attempt (``lease_busy``; with
+  ``task``, the message's task id, as ``outcome`` entries have it);
 - ``kill``    a one-shot fault flag was consumed and the process is about to SIGKILL itself
   (``window``: before_effect, before_commit, after_commit, or poison);
 - ``overrun`` the body starts to overrun (it sleeps until the pool's hard time limit kills it);
 - ``fail``    the body raises a transient error (``ConnectionError``) after its sleep;
+- ``permanent`` the body raises ``PermanentError`` (input that can never succeed);
 - ``regressed`` a claim got a generation the store had already seen (Redis lost its counter):
   the fence raised the counter and claimed again (its ``regressed`` log record).
 
@@ -56,7 +60,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from celery_fence import FencedTask, PermanentError
 from celery_fence import signals as fence_signals
+from celery_fence.actions import Action
 from celery_fence.outbox import Outbox, idempotency_key
+from celery_fence.store import Store
+from celery_fence.store.fenced import FencedWriter
 
 from . import APP_ROWS, CHARGE, NOTIFY, TASK_NAME
 
@@ -74,6 +81,7 @@ ENV_DEFAULTS = {
     "CHAOS_MAX_ATTEMPTS": "3",
     "CHAOS_UNFENCED": "0",
     "CHAOS_UNSETTLED": "0",
+    "CHAOS_RERUN_FINISHED": "0",
     "CHAOS_RENEW_INTERVAL": "",  # empty: ttl / 3 (the misconfig scenario sets an invalid one)
     "CHAOS_PROVIDER_URL": "",
     "CHAOS_REMOTE_TIMEOUT": "0.5",
@@ -184,7 +192,45 @@ class ExitsUnsettled(FencedTask):
             raise
 
 
-_BASE = ExitsUnsettled if S["CHAOS_UNSETTLED"] == "1" else FencedTask
+#: The registration's terminal-state term, as the store's registration statement renders it.
+TERMINAL_TERM = "fence_jobs.status NOT IN ('completed', 'dead') AND "
+
+
+class _RegistersFinished(FencedWriter):
+    """A writer whose registrations drop the terminal-state term: a completed or dead job's row
+    is taken again by any newer generation (the generation term stays)."""
+
+    def write(self, statement: str, params: dict[str, Any], **kw: Any) -> Any:
+        if kw.get("actions") == (Action.CLAIMED,):
+            if TERMINAL_TERM not in statement:  # never run the arm unbroken without saying so
+                raise RuntimeError("--rerun-finished: the registration's terminal term not found")
+            statement = statement.replace(TERMINAL_TERM, "", 1)
+        return super().write(statement, params, **kw)
+
+
+class RerunsFinished(FencedTask):
+    """The control arm of ``body re-runs after completion`` (``--rerun-finished``): this task's
+    store registers a newer generation over a completed or dead job, as a registration without
+    its ``status NOT IN (completed, dead)`` term would. A redelivered message of a completed job
+    then runs its body again."""
+
+    abstract = True
+
+    def _fence_backends(self) -> Any:
+        backends = super()._fence_backends()
+        store: Store = backends.store
+        if not isinstance(store.writer, _RegistersFinished):
+            store.writer = _RegistersFinished(
+                store.writer.db, record_transitions=store.writer.record_transitions
+            )
+        return backends
+
+
+_BASE: type[FencedTask] = FencedTask
+if S["CHAOS_UNSETTLED"] == "1":
+    _BASE = ExitsUnsettled
+elif S["CHAOS_RERUN_FINISHED"] == "1":
+    _BASE = RerunsFinished
 
 
 @app.task(base=_BASE, bind=True, name=TASK_NAME, fence_key=lambda key, **kw: key)
@@ -231,6 +277,7 @@ def op(
         record("interrupt", key, gen, attempt)
         raise asyncio.CancelledError()  # a BaseException: not an Exception
     if mode == "permanent":
+        record("permanent", key, gen, attempt)
         raise PermanentError("chaos: input that can never succeed")
     if mode == "kill":
         record("kill", key, gen, attempt, window="poison")
@@ -358,14 +405,40 @@ def _kill_after_commit(sender: Any = None, key: str = "", **kw: Any) -> None:
     _kill_once("after_commit", key, kw.get("generation"), kw.get("attempt_id"))
 
 
+def _task_id() -> str | None:
+    """The Celery task id of the message being run on this thread (None off a task's thread,
+    e.g. the renewal thread)."""
+    from celery import current_task
+
+    request = getattr(current_task, "request", None)
+    return getattr(request, "id", None)
+
+
 def _outcome(outcome: str) -> Any:
     """A receiver that records what the store answered the attempt (its own generation)."""
 
     def receiver(sender: Any = None, key: str = "", **kw: Any) -> None:
         # the attempt's own claim (the settle step's attempt), not a row the store returned
-        record("outcome", key, kw.get("generation"), kw.get("attempt_id"), outcome=outcome)
+        record(
+            "outcome",
+            key,
+            kw.get("generation"),
+            kw.get("attempt_id"),
+            outcome=outcome,
+            task=_task_id(),
+        )
 
     return receiver
+
+
+def _lost(sender: Any = None, key: str = "", **kw: Any) -> None:
+    """The attempt learnt it lost its lease (the renewal thread, or a check in the body)."""
+    record("lost", key, kw.get("generation"), kw.get("attempt_id"))
+
+
+def _busy(sender: Any = None, key: str = "", **kw: Any) -> None:
+    """A delivery found the key's lease held by another attempt (rescheduled)."""
+    record("busy", key, kw.get("generation"), kw.get("attempt_id"), task=_task_id())
 
 
 class _Regressions(logging.Handler):
@@ -392,3 +465,5 @@ for _signal, _name in (
 ):
     _signal.connect(_outcome(_name), weak=False)
 fence_signals.job_completed.connect(_kill_after_commit, weak=False)  # after its outcome entry
+fence_signals.lease_lost.connect(_lost, weak=False)
+fence_signals.lease_busy.connect(_busy, weak=False)

@@ -2,11 +2,12 @@
 through its ``--json`` output.
 
 A short run of every scenario must inject its faults and keep every safety column at zero; the
-same scenarios with one mechanism switched off (the store's generation fence, the provider's
-idempotency) must fire the columns that mechanism keeps at zero (so the zeros are its doing);
-the time-limit, expires, misconfig and refused-arg windows with Celery's own exits left
-unsettled (``--unsettled``) must lose jobs (so those zeros are the settle step's doing); Ctrl-C
-must leave no worker behind.
+same scenarios with one mechanism switched off (the store's generation fence, the
+registration's terminal-state term, the provider's idempotency) must fire the columns that
+mechanism keeps at zero (so the zeros are its doing); Celery's own exits (time-limit, expires,
+misconfig, refused-arg, interrupted) left unsettled (``--unsettled``) must lose the jobs the same
+run, settled, with the same seed and converge timeout, keeps (so those zeros are the settle
+step's doing, not the timeout's); Ctrl-C must leave no worker behind.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ MIN_FAULTS = {
     "enqueue-crash": RUNS,
     "broker-loss": 100 * RUNS,
 }
+#: The converge timeout of both runs of the unsettled comparison: well above what the settled
+#: run needs (time-limit and misconfig up to about 10 s of waiting on a loaded machine); a lost
+#: job is known lost only when it runs out.
+UNSETTLED_TIMEOUT = "30"
 #: Celery's own exits, and the jobs each run loses when Celery's own exits are left unsettled.
 UNSETTLED_LOSSES = {
     "time-limit": 2,
@@ -59,6 +64,7 @@ UNSETTLED_LOSSES = {
     "misconfig": 3,
     "refused-arg": 1,
     "interrupted": 1,
+    "recovered-chain": 1,  # under --unsettled the harness re-sends the step bare: b is lost
     # the control arm of the enqueue scenarios: plain .delay() after the commit
     "enqueue-crash": 3,
     "broker-loss": 100,
@@ -162,8 +168,7 @@ def test_app_write_on_postgresql_keeps_the_fence(tmp_path: Path, pg_url: str) ->
 
 #: The control arms: one mechanism switched off per arm, everything else as in the fenced run
 #: above (same seed, TTL, attempts and converge timeout); the scenarios each arm runs, and the
-#: safety columns it must fire. ``lost jobs`` fires in the unsettled arm below, and
-#: ``body re-runs after completion`` in the mutation check (no switch turns it on).
+#: safety columns it must fire. ``lost jobs`` fires in the unsettled arm below.
 ARMS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "--unfenced": (
         "pause,app-write,orm-binds,django-write,redis-loss",
@@ -174,6 +179,10 @@ ARMS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
             "django-write": ("stale_app_writes",),
             "redis-loss": ("generations_claimed_twice",),
         },
+    ),
+    "--rerun-finished": (
+        "kill",
+        {"kill": ("reruns_after_completion", "duplicate_completions")},
     ),
     "--provider-not-idempotent": (
         "unknown-remote",
@@ -186,7 +195,8 @@ ARMS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
 @pytest.mark.parametrize("arm", list(ARMS))
 def test_each_control_arm_fires_its_safety_columns(tmp_path: Path, arm: str) -> None:
     # Given the fenced run's scenarios, seed and timeouts with one mechanism switched off (the
-    # store's generation fence, or the provider's idempotency),
+    # store's generation fence, the registration's terminal-state term, or the provider's
+    # idempotency),
     scenarios, fires = ARMS[arm]
     code, report, output = _chaos(
         tmp_path, "--scenario", scenarios, "--runs", str(RUNS), "--seed", "7", arm
@@ -201,32 +211,36 @@ def test_each_control_arm_fires_its_safety_columns(tmp_path: Path, arm: str) -> 
     assert code == 1 and report["ok"] is False, output
 
 
-def test_the_arms_together_fire_every_safety_column_but_the_two_named() -> None:
+def test_the_arms_together_fire_every_safety_column() -> None:
     fired = {c for _, fires in ARMS.values() for columns in fires.values() for c in columns}
-    assert set(SAFETY_COLUMNS) - fired == {"lost_jobs", "reruns_after_completion"}
+    assert fired | {"lost_jobs"} == set(SAFETY_COLUMNS)  # lost_jobs: the unsettled test below
 
 
-@pytest.mark.timeout(600)
-def test_unsettled_exits_lose_the_jobs_of_the_same_windows(tmp_path: Path) -> None:
+@pytest.mark.timeout(900)
+def test_unsettled_exits_lose_the_jobs_the_settled_run_keeps(tmp_path: Path) -> None:
     # Given Celery's own exits (hard time limit, expires on a retry and on a busy reschedule, a
-    # misconfigured worker, an argument PostgreSQL refuses), one run each, but Celery's own exits
-    # handled as plain Celery handles them (--unsettled),
-    code, report, output = _chaos(
-        tmp_path,
-        "--scenario",
-        ",".join(UNSETTLED_LOSSES),
-        "--runs",
-        "1",
-        "--unsettled",
-        "--converge-timeout",
-        "6",
-    )
-    scenarios = _by_name(report)
-    # then every one of them loses its jobs (a row left running or retrying with no message, or
-    # no row at all), where the run above, settled, loses none; and the harness fails.
-    assert report["unsettled"] is True
+    # misconfigured worker, an argument PostgreSQL refuses, a cancelled body; and a chain's lost
+    # step re-sent without its workflow), one run each, run twice with the same seed and
+    # converge timeout: settled, then with Celery's own exits handled as plain Celery handles
+    # them (--unsettled),
+    args = ["--scenario", ",".join(UNSETTLED_LOSSES), "--runs", "1", "--seed", "7"]
+    args += ["--converge-timeout", UNSETTLED_TIMEOUT]
+    (tmp_path / "settled").mkdir()
+    (tmp_path / "unsettled").mkdir()
+    settled_code, settled, settled_output = _chaos(tmp_path / "settled", *args)
+    code, report, output = _chaos(tmp_path / "unsettled", *args, "--unsettled")
+    # then the settled run loses nothing within that timeout, so the timeout is not what loses
+    # a job ...
+    assert report["unsettled"] is True and settled["unsettled"] is False
+    for name in UNSETTLED_LOSSES:
+        row = _by_name(settled)[name]
+        assert row["runs"] == 1 and row["faults"] > 0, (name, row, settled_output)
+        assert row["lost_jobs"] == 0, (name, row["violations"])
+    assert settled_code == 0, settled_output
+    # ... and the unsettled one loses its jobs in every window (a row left running or retrying
+    # with no message, or no row at all); the harness fails.
     for name, lost in UNSETTLED_LOSSES.items():
-        row = scenarios[name]
+        row = _by_name(report)[name]
         assert row["skipped"] is None and row["runs"] == 1, (name, row, output)
         assert row["faults"] > 0, (name, row)
         assert row["lost_jobs"] == lost, (name, row["violations"])

@@ -123,13 +123,16 @@ def test_busy_lease_reschedules_with_the_same_task_id(
     db_url: str,
 ) -> None:
     key = f"report:{uuid.uuid4().hex[:8]}"
-    spawn_worker("w", concurrency=2)
+    w = spawn_worker("w", concurrency=2)
     first = client_app.work.delay(key, sleep=1.0)
     wait_until(lambda: len(_runs(redis_client, prefix, key)) == 1, 20, what="first body")
-    second = client_app.work.apply_async((key,), task_id=f"busy-{uuid.uuid4().hex}")
-    # the second message meets a live lease, is re-sent with its own id, and converges
+    second = client_app.work.delay(key)
+    # the second message meets a live lease and is re-sent: the worker receives its task id
+    # twice, and its result (under that id) is the one stored result.
     assert second.get(timeout=40) == first.get(timeout=40)
-    assert second.id.startswith("busy-")
+    log = w.log()
+    assert f"fence busy key={key}" in log
+    assert log.count(f"[{second.id}] received") >= 2, "the re-sent message kept its task id"
     assert len(_runs(redis_client, prefix, key)) == 1
     record = Store(db_url).get(key)
     assert record is not None and record.attempts == 1  # a busy reschedule is not an attempt

@@ -7,7 +7,6 @@ what the workload really ran (``<prefix>:runs:<key>``).
 from __future__ import annotations
 
 import re
-import time
 import uuid
 from typing import Any
 
@@ -87,8 +86,8 @@ def test_transient_errors_back_off_with_growing_jittered_delays_then_die(
     every = [d for n in delays for d in delays[n]]
     assert len(set(every)) > 1
     assert any(d < 0.9 * 0.05 * 2 ** (n - 1) for n in delays for d in delays[n])
-    # And the loop has stopped: no run after dead.
-    time.sleep(1.0)
+    # And the loop has stopped: nothing of the queue is left in the broker, no run after dead.
+    wait_until(lambda: broker_queue_length(client_app) == 0, 15, what="the broker to drain")
     assert all(len(_runs(redis_client, prefix, k)) == 6 for k in keys)
 
 
@@ -106,7 +105,8 @@ def test_a_permanent_error_is_dead_after_one_attempt(
     assert [t.action for t in history] == ["claimed", "dead"]
     assert history[-1].reason == "permanent error PermanentError"
     assert result.get(timeout=30, propagate=False) is not None and result.state == "FAILURE"
-    time.sleep(1.0)  # the message was acked: nothing runs it again
+    # the message was acked (nothing left in the broker): nothing runs it again
+    wait_until(lambda: broker_queue_length(client_app) == 0, 15, what="the broker to drain")
     assert len(_runs(redis_client, prefix, key)) == 1
 
 
@@ -162,10 +162,10 @@ def test_a_task_that_kills_its_worker_every_time_ends_dead(
     history = fence_store.history(key)
     assert [t.action for t in history].count("claimed") == 3
     assert history[-1].action == "dead" and history[-1].reason == "attempts exhausted"
-    # The loop has stopped: the message was acked, nothing runs or claims the key again.
-    time.sleep(4.0)  # two lease TTLs: a redelivery would have claimed by now
+    # The loop has stopped: the message was acked (nothing of the queue is left in the broker,
+    # ready or delivered: no delivery is left to run or claim the key again).
+    wait_until(lambda: broker_queue_length(client_app) == 0, 15, what="the broker to drain")
     assert len(_runs(redis_client, prefix, key)) == 2
-    assert broker_queue_length(client_app) == 0
     assert len(fence_store.history(key)) == len(history)
     assert worker.proc is not None and worker.proc.poll() is None  # the worker itself lives on
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import base64
 import dataclasses
 import datetime as dt
+import importlib
 import json
-import os
-import subprocess
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,11 +23,11 @@ from typing import Any
 import pytest
 import redis
 
+from celery_fence import recovery
 from celery_fence.lease import LeaseStore
 from celery_fence.store import JobRecord, Store
-from tests.integration.test_cli import APP, CELERY, assert_one_line_error, fence_cli, ok
+from tests.integration.test_cli import assert_one_line_error, fence_cli, ok
 from tests.support.env import BROKER_URL
-from tests.support.worker import ROOT
 
 WORK = "tests.support.app.work"
 
@@ -222,35 +223,53 @@ def test_ls_stuck_and_recover_resend_stranded_jobs_under_their_key(
 
 
 def test_two_recover_runs_at_once_send_each_job_once(
-    fence_store: Store, worker_env: dict[str, str], broker: redis.Redis, sqlite_url: str
+    worker_env: dict[str, str],
+    broker: redis.Redis,
+    sqlite_url: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # SQLite file of this test's own: every stranded row in it is ours
-    env = {**worker_env, "FENCE_T_DB": sqlite_url}
     store = Store(sqlite_url)
     queue = worker_env["FENCE_T_QUEUE"]
     keys = {_stranded(store, queue, "running").key for _ in range(20)}
-    # Not moved for more than 1 s; a row one run takes moves (updated now), so the other run,
-    # with the same threshold, sees it only if it read the row before the take: then the
-    # compare-and-set decides.
-    time.sleep(1.2)
-    procs = [
-        subprocess.Popen(
-            [CELERY, "-A", APP, "fence", "recover", "--older-than", "1", "--json"],
-            cwd=ROOT,
-            env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    reports = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=90)
-        assert proc.returncode == 0, err
-        reports.append(json.loads(out))
-    sent = [k for r in reports for k in r["keys"]["sent"]]
-    assert sorted(sent) == sorted(keys)  # each once, between the two runs
+    for name, value in {**worker_env, "FENCE_T_DB": sqlite_url}.items():
+        monkeypatch.setenv(name, value)
+    sys.modules.pop("tests.support.app", None)
+    app = importlib.import_module("tests.support.app").app
+    # Given two recover runs that have both read every stranded row before either takes one
+    # (each waits for the other once its scan returned), so only the compare-and-set decides,
+    both_scanned = threading.Barrier(2, timeout=60)
+    scan = recovery.stranded_jobs
+
+    def scan_then_wait(*args: Any, **kwargs: Any) -> Any:
+        found = scan(*args, **kwargs)
+        both_scanned.wait()
+        return found
+
+    monkeypatch.setattr(recovery, "stranded_jobs", scan_then_wait)
+    time.sleep(1.2)  # the rows must not have moved for 1 s (the threshold), not a wait on an event
+    reports: list[recovery.RecoveryReport] = []
+
+    def run() -> None:
+        reports.append(recovery.recover(app, older_than=1.0))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=90)
+    finally:
+        app.close()
+        sys.modules.pop("tests.support.app", None)
+    # then both found every job, each job was sent once between the two runs, and each run
+    # lost to the other exactly the jobs the other sent.
+    assert len(reports) == 2
+    assert [sorted(r.stranded) for r in reports] == [sorted(keys)] * 2
+    sent = [k for r in reports for k in r.sent]
+    assert sorted(sent) == sorted(keys)
+    assert sorted(reports[0].raced) == sorted(reports[1].sent)
+    assert sorted(reports[1].raced) == sorted(reports[0].sent)
     assert sorted(m["body"][0][0] for m in _messages(broker, queue)) == sorted(keys)
     store.dispose()
 
@@ -288,8 +307,6 @@ def test_requeue_force(
 def test_recover_routes_to_the_exchange_and_routing_key_as_delivered(
     fence_store: Store, worker_env: dict[str, str], client_app: Any
 ) -> None:
-    from celery_fence import recovery
-
     queue = worker_env["FENCE_T_QUEUE"]
     record = _stranded(fence_store, queue, "running")
 

@@ -179,38 +179,53 @@ def test_registration_after_a_counter_regression_is_rejected_then_recovered(
 
 
 def test_concurrent_completions_from_two_attempts_exactly_one_wins(store: Store) -> None:
+    # Given generation 1 running (A), and at the same moment A completing while B registers
+    # generation 2 and completes: whichever statement lands first decides, and either may,
     for _ in range(10):
         key = _key()
         store.register(key, generation=1, attempt_id="A", task_name="t")
-        store.register(key, generation=2, attempt_id="B", task_name="t")
         barrier = threading.Barrier(2)
         outcomes: dict[str, str] = {}
 
-        def finish(
-            generation: int,
-            attempt: str,
+        def finish_a(
             key: str = key,
             barrier: threading.Barrier = barrier,
             outcomes: dict[str, str] = outcomes,
         ) -> None:
             barrier.wait()
             try:
-                store.complete(key, generation=generation, attempt_id=attempt, result=attempt)
-                outcomes[attempt] = "won"
+                store.complete(key, generation=1, attempt_id="A", result="A")
+                outcomes["A"] = "won"
             except StaleGeneration:
-                outcomes[attempt] = "rejected"
+                outcomes["A"] = "rejected"
 
-        threads = [
-            threading.Thread(target=finish, args=(1, "A")),
-            threading.Thread(target=finish, args=(2, "B")),
-        ]
+        def take_over_b(
+            key: str = key,
+            barrier: threading.Barrier = barrier,
+            outcomes: dict[str, str] = outcomes,
+        ) -> None:
+            barrier.wait()
+            registration = store.register(key, generation=2, attempt_id="B", task_name="t")
+            if registration.outcome != "registered":  # A completed first: nothing to take
+                outcomes["B"] = "rejected"
+                return
+            try:
+                store.complete(key, generation=2, attempt_id="B", result="B")
+                outcomes["B"] = "won"
+            except StaleGeneration:
+                outcomes["B"] = "rejected"
+
+        threads = [threading.Thread(target=finish_a), threading.Thread(target=take_over_b)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=30)
-        assert outcomes == {"A": "rejected", "B": "won"}
+        # then exactly one of them won, its result is the stored one, completed once.
+        assert sorted(outcomes.values()) == ["rejected", "won"], outcomes
+        (winner,) = [a for a, o in outcomes.items() if o == "won"]
         record = store.get(key)
-        assert record is not None and record.result == "B"
+        assert record is not None and record.status == "completed" and record.result == winner
+        assert [t.action for t in store.history(key)].count("completed") == 1
 
 
 def test_concurrent_registrations_of_the_same_generation_one_wins(store: Store) -> None:

@@ -1,10 +1,16 @@
-"""What is left in the broker for a test's queue: ready messages plus, on the Redis transport,
-messages delivered and not yet acked (countdown retries wait there, in the worker's memory)."""
+"""What is left in the broker for a test's queue: ready messages plus messages delivered and not
+yet acked (countdown retries wait there, in the worker's memory). The Redis transport keeps the
+unacked ones in a hash of its own; AMQP counts only ready messages, so there the unacked ones
+are those the workers report holding unacknowledged (Celery's remote control: active, reserved
+and scheduled requests)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+#: Seconds each remote-control query waits for the workers' replies (AMQP only).
+INSPECT_TIMEOUT = 0.5
 
 
 def broker_queue_length(client_app: Any, queue: str | None = None) -> int:
@@ -14,7 +20,8 @@ def broker_queue_length(client_app: Any, queue: str | None = None) -> int:
     with app.connection_for_write() as conn:
         channel = conn.default_channel
         if conn.transport.driver_type != "redis":
-            return int(channel.queue_declare(queue=queue, passive=True).message_count)
+            ready = int(channel.queue_declare(queue=queue, passive=True).message_count)
+            return ready + unacked_by_workers(app, queue, conn)
         client = channel.client
         lists = [queue, *(f"{queue}{channel.sep}{p}" for p in channel.priority_steps[1:])]
         ready = sum(int(client.llen(name)) for name in lists)
@@ -26,3 +33,18 @@ def broker_queue_length(client_app: Any, queue: str | None = None) -> int:
                 continue
             unacked += routing_key == queue
         return ready + unacked
+
+
+def unacked_by_workers(app: Any, queue: str, connection: Any) -> int:
+    """Messages of ``queue`` the running workers hold delivered and not yet acked (asked over
+    ``connection``, which the caller closes)."""
+    inspect = app.control.inspect(timeout=INSPECT_TIMEOUT, connection=connection)
+    held = 0
+    for method in (inspect.active, inspect.reserved, inspect.scheduled):
+        for requests in (method() or {}).values():
+            for entry in requests:
+                request = entry.get("request", entry)  # scheduled() wraps each request
+                delivery = request.get("delivery_info") or {}
+                if delivery.get("routing_key") == queue and not request.get("acknowledged"):
+                    held += 1
+    return held

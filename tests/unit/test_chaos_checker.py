@@ -101,3 +101,33 @@ def test_a_skipped_or_aborted_scenario_is_not_safe() -> None:
     assert not ScenarioResult("s", runs=2, error="run 3 aborted").safe
     assert not ScenarioResult("s").safe  # nothing ran
     assert ScenarioResult("s", runs=1).safe
+
+
+def test_a_stale_write_seen_by_the_witness_and_the_history_counts_once(tmp_path: Path) -> None:
+    # Given a store without its fence that accepts generation 1's completion after generation 2
+    # registered: the store's history shows it (completed by 1 after claimed by 2), and so does
+    # the witness (attempt a1 told "completed" after generation 2 started),
+    store = _store(tmp_path, unfenced=True)
+    store.register("k", generation=1, attempt_id="a1", task_name="t")
+    store.register("k", generation=2, attempt_id="a2", task_name="t")
+    store.complete("k", generation=1, attempt_id="a1", result={"generation": 1})
+    events = [
+        _ev("start", 1, "a1"),
+        _ev("start", 2, "a2"),
+        _ev("outcome", 1, "a1", outcome="completed"),
+    ]
+    result = _check(store, events)
+    # then the one write counts once (it was counted by each finding).
+    assert result.stale_writes == 1, result.violations
+
+
+def test_redis_loss_counts_a_lost_counter_whether_or_not_the_fence_reacts() -> None:
+    from celery_fence.chaos.scenarios import regressions
+
+    # the fence took its regression branch, then claimed generation 2
+    fenced = [_ev("start", 1, "a1"), _ev("regressed", 1, "a2"), _ev("start", 2, "a2")]
+    # no fence: the second attempt started with the generation the first one had
+    unfenced = [_ev("start", 1, "a1"), _ev("start", 1, "a2")]
+    assert regressions(fenced) == 1
+    assert regressions(unfenced) == 1
+    assert regressions([_ev("start", 1, "a1"), _ev("start", 2, "a2")]) == 0
