@@ -7,6 +7,7 @@ publish gives the message back instead of burying the job.
 from __future__ import annotations
 
 import datetime as dt
+import time
 import uuid
 from typing import Any
 
