@@ -462,14 +462,7 @@ class Store:
         transaction (``due``: when its countdown or eta ends; recovery waits for it):
         ``(True, None)``; or, when the key already has a job, nothing and ``(False, that job)``
         as this transaction sees it."""
-        statement = sql.insert_pending(
-            self.dialect,
-            key=key,
-            task_name=task_name,
-            request=dict(request),
-            now=utcnow(),
-            due=due,
-        )
+        statement = self._pending(key, task_name, request, due)
         if conn.execute(statement).first() is not None:
             return True, None
         row = conn.execute(sql.get_job(key)).first()
@@ -487,14 +480,7 @@ class Store:
         """:meth:`insert_pending` on a DB-API cursor that is not SQLAlchemy's (a Django cursor on
         the store's database, in the caller's transaction), the same statement in ``%s`` style:
         ``(True, None, None)``, or ``(False, status, request)`` of the key's existing job."""
-        statement = sql.insert_pending(
-            self.dialect,
-            key=key,
-            task_name=task_name,
-            request=dict(request),
-            now=utcnow(),
-            due=due,
-        )
+        statement = self._pending(key, task_name, request, due)
         cursor.execute(*sql.format_style(statement, self.dialect))
         if cursor.fetchone() is not None:
             return True, None, None
@@ -504,6 +490,13 @@ class Store:
             return False, None, None
         stored = json.loads(row[1]) if isinstance(row[1], (str, bytes)) else row[1]
         return False, str(row[0]), decode_request(stored)
+
+    def _pending(
+        self, key: str, task_name: str, request: Mapping[str, Any], due: dt.datetime | None
+    ) -> Any:
+        return sql.insert_pending(
+            self.dialect, key=key, task_name=task_name, request=dict(request), now=utcnow(), due=due
+        )
 
     def get(self, key: str) -> JobRecord | None:
         with self.db.connect() as conn:
