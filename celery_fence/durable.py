@@ -44,7 +44,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, scoped_session
 
 from .errors import ConfigurationError, FenceError
-from .records import encode_request
+from .records import ENQUEUED_HEADER, encode_request
 from .recovery import KEY_HEADER
 from .schema import utcnow
 from .task import FencedTask
@@ -281,7 +281,11 @@ def publish(sends: list[_Send]) -> None:
 
 def _publish(sends: list[_Send]) -> None:
     for send in sends:
-        headers = {**dict(send.options.get("headers") or {}), KEY_HEADER: send.key}
+        headers = {
+            **dict(send.options.get("headers") or {}),
+            KEY_HEADER: send.key,
+            ENQUEUED_HEADER: 1,  # a first delivery: its deferred claim may complete the row
+        }
         options = {k: v for k, v in send.options.items() if k != "headers"}
         try:
             send.task.apply_async(

@@ -86,6 +86,9 @@ def dumps_strict(value: Any, what: str = "value") -> str:
 
 #: The stored request of a job whose arguments the database refused: ``{"encoded": "<json>"}``.
 ENCODED_REQUEST = "encoded"
+#: The header of the message :func:`celery_fence.enqueue` publishes after the caller's commit:
+#: the first delivery of a job whose ``pending`` row exists (re-sends do not carry it).
+ENQUEUED_HEADER = "fence_enqueued"
 
 
 def decode_request(request: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
@@ -156,8 +159,8 @@ def execution_options(context: Any) -> dict[str, Any]:
 def _json_headers(headers: Any) -> dict[str, Any] | None:
     out = {}
     for name, value in dict(headers or {}).items():
-        if str(name).lower().startswith("x-"):
-            continue
+        if str(name).lower().startswith("x-") or name == ENQUEUED_HEADER:
+            continue  # (a re-send is never the enqueued first delivery)
         try:
             json.dumps(value, allow_nan=False)
         except (TypeError, ValueError):

@@ -46,7 +46,7 @@ from celery import shared_task
 
 from .actions import Action
 from .errors import FenceError
-from .records import EXECUTION_OPTIONS
+from .records import ENQUEUED_HEADER, EXECUTION_OPTIONS
 from .schema import PENDING
 from .scope import Scope
 from .store import JobRecord, Store
@@ -209,7 +209,8 @@ def execution_for(record: JobRecord) -> dict[str, Any]:
     stamps: Celery's own ``Task.retry`` re-sends with the same), plus the key header."""
     stored: Mapping[str, Any] = (record.request or {}).get("execution") or {}
     options = {name: stored[name] for name in EXECUTION_OPTIONS if stored.get(name) is not None}
-    options["headers"] = {**(options.get("headers") or {}), KEY_HEADER: record.key}
+    headers = {k: v for k, v in (options.get("headers") or {}).items() if k != ENQUEUED_HEADER}
+    options["headers"] = {**headers, KEY_HEADER: record.key}  # a re-send: registers first
     stamps = options.pop("stamps", None) or {}
     for stamp in options.get("stamped_headers") or ():
         if stamp in stamps:  # a stamp travels as an option of its own name (as_execution_options)

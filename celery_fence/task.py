@@ -42,7 +42,7 @@ from .errors import (
 from .fence import Fence
 from .lease import HeldLease, LeaseStore
 from .outbox import trigger_delivery
-from .records import request_text
+from .records import ENQUEUED_HEADER, request_text
 from .runtime import Backends, app_state, runtime
 from .schema import KEY_LENGTH
 from .store.engine import refusal_reason
@@ -343,13 +343,15 @@ class FencedTask(Task):
     def _first_delivery(self) -> bool:
         """This message's first delivery: not a re-send (Celery's ``retries``: the fence's own,
         the body's ``self.retry()``), not redelivered by the broker, not re-sent by recovery or
-        requeue (a ``fence_key`` header). Only then may a first claim defer its registration: a
-        repeat may find its job completed, which only a registration sees (Redis may have lost
-        the counter). Brokers also flag a message given back unstarted (a consumer cancelled, a
+        requeue (a ``fence_key`` header without the ``fence_enqueued`` one: :func:`enqueue`'s own
+        send is a first delivery). Only then may a first claim defer its registration: a repeat
+        may find its job completed, which only a registration sees (Redis may have lost the
+        counter). Brokers also flag a message given back unstarted (a consumer cancelled, a
         warm shutdown): it registers first too, one statement more."""
         request = self.request
         redelivered = (request.delivery_info or {}).get("redelivered")
-        return not (request.retries or redelivered or request.get("fence_key"))
+        resent = request.get("fence_key") and not request.get(ENQUEUED_HEADER)
+        return not (request.retries or redelivered or resent)
 
     def _stored_request(self, args: Any, kwargs: Any) -> str | None:
         """The request as the store keeps it for a requeue (JSON text; None if not JSON)."""

@@ -171,8 +171,10 @@ def complete_sql(dialect: str, *, fenced: bool = True) -> str:
 @cache
 def complete_first_sql(dialect: str) -> str:
     """A deferred first claim's completion: the row inserted as completed, in one statement,
-    only where no row exists. Any row means a newer generation registered (or Redis lost its
-    counter and handed out 1 again): nothing is written, and the caller treats it as stale."""
+    where no row exists — or where the only row is a job :func:`insert_pending` wrote and no
+    attempt has claimed (``pending``, generation 0: nothing to fence out; its stored request
+    is kept). Any other row means a newer generation registered (or Redis lost its counter and
+    handed out 1 again): nothing is written, and the caller treats it as stale."""
     json = _json(dialect)
     return render(
         dialect,
@@ -180,7 +182,12 @@ def complete_first_sql(dialect: str) -> str:
         "request, result, created_at, updated_at, finished_at) "
         f"VALUES (:key, :task_name, '{Status.COMPLETED}', :generation, "
         f":attempt_id, 1, :request{json}, :result{json}, :now, "
-        f":now, :now) ON CONFLICT (key) DO NOTHING {RETURNING}",
+        f":now, :now) ON CONFLICT (key) DO UPDATE SET status = '{Status.COMPLETED}', "
+        "generation = excluded.generation, attempt_id = excluded.attempt_id, attempts = 1, "
+        "result = excluded.result, updated_at = excluded.updated_at, "
+        "finished_at = excluded.finished_at, retry_at = NULL, error_type = NULL, "
+        f"error_message = NULL WHERE {JOBS}.status = '{Status.PENDING}' "
+        f"AND {JOBS}.generation = 0 {RETURNING}",
     )
 
 

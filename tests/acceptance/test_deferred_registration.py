@@ -48,6 +48,48 @@ def test_a_first_completion_is_one_row_with_its_claim_and_completion(
     assert record.request is not None and record.request["args"] == [key]
 
 
+def test_an_enqueued_job_s_first_attempt_completes_its_pending_row_in_one_statement(
+    spawn_worker: Any,
+    client_app: Any,
+    redis_client: Any,
+    prefix: str,
+    db_url: str,
+    fence_store: Store,
+) -> None:
+    import sqlalchemy as sa
+
+    from celery_fence import enqueue
+
+    # Given a job enqueued in the caller's transaction (its pending row, never claimed) ...
+    key = f"defer-enqueued:{uuid.uuid4().hex[:8]}"
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:
+        enqueue(conn, client_app.work, args=(key,))
+    engine.dispose()
+    spawn_worker("w")
+    # then its deferred first attempt completes that row (nothing to fence out: no attempt
+    # claimed it), in one statement, and its body ran once; the enqueued request is kept.
+    record = _ended(fence_store, key, timeout=30)
+    assert (record.status, record.generation, record.attempts) == ("completed", 1, 1)
+    assert _runs(redis_client, prefix, key) == 1
+    history = fence_store.history(key)
+    assert [t.action for t in history] == ["claimed", "completed"]
+    assert history[0].at == history[1].at  # written by one statement, after the body
+    assert record.request is not None and record.request["args"] == [key]
+    # And a re-send of it (recovery, requeue) registers first as before: the operator's re-run
+    # of the completed key runs once more and completes it again, in two statements.
+    fence_store.requeue(key, completed=True)
+    from celery_fence.recovery import recover
+
+    assert recover(client_app.app, older_than=0).sent == [key]
+    wait_until(lambda: _runs(redis_client, prefix, key) == 2, 30, what="the re-run")
+    record = _ended(fence_store, key, timeout=30)
+    assert (record.status, record.generation) == ("completed", 2)
+    again = [t for t in fence_store.history(key) if t.generation == 2]
+    assert [t.action for t in again][-2:] == ["claimed", "completed"]
+    assert again[-2].at < again[-1].at
+
+
 def test_a_first_attempt_that_kills_its_worker_is_counted_when_the_next_registers(
     spawn_worker: Any,
     client_app: Any,
