@@ -271,7 +271,7 @@ def classify_sql(query: str) -> str:
         return f"celery {q.split(' ', 1)[0].lower()}"
     if q == "SELECT $1":  # a pool's pre-ping (Celery's database backend has pool_pre_ping on)
         return "ping"
-    if "INSERT INTO fence_jobs" in q and "ON CONFLICT (key) DO NOTHING" in q:
+    if "INSERT INTO fence_jobs" in q and "attempts, request, result, created_at" in q:
         return "first complete"  # a deferred first claim's completion: the row, as completed
     if "INSERT INTO fence_jobs" in q:
         return "register"

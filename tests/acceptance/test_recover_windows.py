@@ -344,7 +344,8 @@ def test_a_live_attempt_of_a_task_with_its_own_redis_and_prefix_is_not_taken_for
     request.addfinalizer(cleanup)
     own = LeaseStore(own_redis, prefix=client_app.OWN_PREFIX)
     redis_client.set(f"{prefix}:hang:{key}", 1)
-    spawn_worker("holder")
+    env = {**worker_env, "FENCE_T_OWN_REDIS": "1"}
+    spawn_worker("holder", FENCE_T_OWN_REDIS="1")
     client_app.own_prefix.delay(key)
     wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="body started")
     assert own.remaining(key)[0] is not None  # held, in the task's Redis, under its prefix
@@ -354,8 +355,8 @@ def test_a_live_attempt_of_a_task_with_its_own_redis_and_prefix_is_not_taken_for
         lambda: _quiet_for(fence_store, key) > 2.5, 10, what="row unchanged past the threshold"
     )
     # when recover runs, with the task's own threshold and with an explicit one,
-    first = json.loads(ok(fence_cli(worker_env, "recover", "--json")))
-    second = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "1", "--json")))
+    first = json.loads(ok(fence_cli(env, "recover", "--json")))
+    second = json.loads(ok(fence_cli(env, "recover", "--older-than", "1", "--json")))
     # then the live attempt is left alone, and completes.
     assert key not in first["keys"]["stranded"] + second["keys"]["stranded"]
     assert _status(fence_store, key) == "running"

@@ -471,8 +471,10 @@ if E.get("FENCE_T_UNRUN_DELAY"):
 # -- recovery with per-task settings, and workflows kept on a re-send ---------------------------
 #: The key prefix of ``own_prefix``'s leases (under the test's prefix, so its cleanup finds them).
 OWN_PREFIX = f"{PREFIX}:own"
-#: The Redis database of ``own_prefix``'s leases: not the app's (``fence_redis_url``).
+#: The Redis database of ``own_prefix``'s leases, not the app's (``fence_redis_url``), where the
+#: test asks for it with ``FENCE_T_OWN_REDIS=1`` (the Sentinel and Cluster tests use this app too).
 OWN_REDIS = E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1").rsplit("/", 1)[0] + "/7"
+_own_redis = {"fence_redis_url": OWN_REDIS} if E.get("FENCE_T_OWN_REDIS") == "1" else {}
 
 
 @app.task(
@@ -481,10 +483,10 @@ OWN_REDIS = E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1").rsplit("/", 1)[0]
     bind=True,
     fence_key=lambda key, **kw: key,
     fence_key_prefix=OWN_PREFIX,
-    fence_redis_url=OWN_REDIS,
     lease_ttl=1.0,
     renew_interval=0.3,
     fence_recover_after=2.0,
+    **_own_redis,
 )
 def own_prefix(self: Any, key: str) -> dict[str, Any]:
     """A task with its own lease Redis, prefix, TTL and recovery threshold; hangs once on its
