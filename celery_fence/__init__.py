@@ -4,6 +4,7 @@ A Redis lease with an owner token and an ever-increasing generation decides who 
 store fenced on that generation decides whose result counts.
 """
 
+from .backends import get_store
 from .config import FenceConfig
 from .durable import Enqueued, enqueue
 from .errors import (
@@ -23,7 +24,7 @@ from .outbox import Outbox, idempotency_key, register_handler, storage_key
 from .recovery import recover
 from .retention import purge_expired
 from .schema import metadata
-from .store import JobRecord, Store, get_store
+from .store import JobRecord, Store
 from .task import FencedTask
 
 try:  # one version, in setup.cfg: the installed distribution's metadata

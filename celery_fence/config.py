@@ -164,9 +164,6 @@ class FenceConfig:
     send_events: bool = True
     redact_celery_logs: bool = False
     defer_first_registration: bool = False
-    unfenced: bool = False  # chaos demonstration only: turns off the store's generation fence
-    # chaos demonstration only: Celery's own exits are not settled (plain Celery's behaviour)
-    unsettled: bool = False
     database_timeout: float = DEFAULT_DATABASE_TIMEOUT
     generation_ttl: float = DEFAULT_GENERATION_TTL
     recover_after: float | None = None  # None: RECOVER_AFTER_TTLS x lease_ttl
@@ -375,8 +372,6 @@ _BOOLS = {
     "record_transitions",
     "send_events",
     "redact_celery_logs",
-    "unfenced",
-    "unsettled",
     "defer_first_registration",
     "redis_cluster",
 }

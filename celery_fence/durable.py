@@ -101,7 +101,7 @@ def enqueue(
     args, kwargs = tuple(args), dict(kwargs or {})
     task_id = str(options.pop("task_id", None) or uuid.uuid4())
     key = task.logical_key(args, kwargs, task_id)
-    store = task._fence_backends().store
+    store = task.fence_backends().store
     if conn is None:  # Django's connection; Django is optional, so imported only when asked for
         from .contrib.django.durable import django_target
 

@@ -93,6 +93,10 @@ class EventSender:
         while self.pending.unfinished_tasks and time.monotonic() < end:
             time.sleep(0.01)
 
+    def shutdown(self, timeout: float) -> None:
+        """The events queued so far go out (bounded); the daemon thread stays for later ones."""
+        self.flush(timeout)
+
     def _run(self) -> None:
         while True:
             item = self.pending.get()
@@ -150,14 +154,17 @@ def send_transition_event(
         app = task.app
         if not task_events_enabled(app):
             return
-        runtime().event_sender(app, hostname).submit(type_, {"uuid": task_id, **fields})
+        sender = runtime().get("events", (id(app), hostname), lambda: EventSender(app, hostname))
+        sender.submit(type_, {"uuid": task_id, **fields})
     except Exception:  # events are a view, never a reason to fail
         logger.debug("could not queue fence event %s", type_, exc_info=True)
 
 
 def flush(timeout: float = 2.0) -> None:
     """Wait (bounded) until this process's queued fence events were published (or dropped)."""
-    runtime().flush_events(timeout)
+    end = time.monotonic() + timeout
+    for sender in runtime().items("events"):
+        sender.flush(max(0.0, end - time.monotonic()))
 
 
 @celery_signals.worker_shutdown.connect(weak=False)

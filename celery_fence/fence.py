@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     import sqlalchemy as sa
     from sqlalchemy.orm import Session
 
-    from .errors import FenceError
+    from .execution import Execution
     from .store import Store
 
 
@@ -31,17 +31,15 @@ class Fence:
     """
 
     __slots__ = (
-        "_atomic",
-        "_before_block",
-        "_blocks",
-        "_lease",
-        "_refused",
-        "_store",
         "attempt_id",
         "attempts",
+        "blocks",
+        "execution",
         "generation",
         "key",
+        "lease",
         "outbox",
+        "store",
     )
 
     def __init__(
@@ -53,29 +51,37 @@ class Fence:
         attempts: int,
         lease: HeldLease,
         store: Store | None = None,
-        before_block: Callable[[], None] | None = None,
+        execution: Execution | None = None,
     ) -> None:
         self.key = key
         self.attempt_id = attempt_id
         self.generation = generation
         self.attempts = attempts
         self.outbox = StagedEffects(key)
-        self._lease = lease
-        self._store = store
-        #: Run before a fenced block opens: registers a deferred first claim (it has no row yet,
-        #: and the block's ownership check is a statement on that row).
-        self._before_block = before_block
-        self._blocks = OpenBlocks()  # the open fence.transaction()/session() blocks
-        self._atomic: set[str] = set()  # Django aliases with an open fence.atomic() block
-        self._refused: FenceError | None = None  # a fenced commit found a newer generation
+        #: This attempt's lease, and the store its fenced blocks check ownership in.
+        self.lease = lease
+        self.store = store
+        #: The execution this fence belongs to (None: a fence made by hand, e.g. in a test).
+        self.execution = execution
+        #: The open fence.transaction()/session()/atomic() blocks, and a refused commit.
+        self.blocks = OpenBlocks()
 
     def check(self) -> None:
         """Raise ``LeaseLost`` if this attempt no longer holds its lease (decided locally)."""
-        if self._blocks.defer_loss(self._lease) or (self._atomic and self._lease.lost):
+        if self.blocks.defer_loss(self.lease):
             # While a fence block is open the loss is recorded once it has closed: on SQLite the
             # block holds the database's write lock, which the record would wait for.
             raise unrecorded_loss(self)
-        self._lease.check()
+        self.lease.check()
+
+    def prepare_block(self) -> None:
+        """Before a fenced block opens: a refused commit stays refused, a lost lease stops the
+        work (``guard()`` semantics), and a deferred first claim registers now (the block's
+        ownership check is a statement on its row)."""
+        self.blocks.raise_refused()
+        self.check()
+        if self.execution is not None:
+            self.execution.register_for_block()
 
     @contextmanager
     def guard(self) -> Iterator[Fence]:
@@ -118,11 +124,11 @@ class Fence:
     @property
     def remaining(self) -> float:
         """Seconds until the local lease deadline (negative once passed)."""
-        return self._lease.remaining()
+        return self.lease.remaining()
 
     @property
     def lost(self) -> bool:
-        return self._lease.lost
+        return self.lease.lost
 
     def __repr__(self) -> str:
         return f"<Fence key={self.key!r} generation={self.generation} attempt={self.attempt_id}>"

@@ -42,7 +42,7 @@ def session(
     scoped = _scoped(factory)
     make = factory if scoped is None else scoped.session_factory
     store = store_of(fence)
-    block = fence._blocks.current()
+    block = fence.blocks.current()
     if block is not None:  # joins the open block in a savepoint; the outer one commits
         join_block(fence, block, bind, "session")
         nested = _fenced_session(make, store, block, join_transaction_mode="create_savepoint")
@@ -178,7 +178,7 @@ def _refuse_other_connections(
         raise ConfigurationError(
             "fence.session(): the session began a transaction on a connection that is not the "
             f"fenced block's (engine {connection.engine.url.render_as_string()}): its writes "
-            "would commit unfenced. Use a session that chooses its connection through "
+            "would commit without the fence. Use a session that chooses its connection through "
             "get_bind()/binds=, on the fence store's database."
         )
 

@@ -40,12 +40,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .backends import store_for
 from .config import FenceConfig
 from .effects import StagedEffects, idempotency_key, storage_key
 from .errors import FenceError
 from .retry import backoff, give_up
 from .runtime import app_state
-from .store import OutboxRow, Store, store_for
+from .store import OutboxRow, Store
 
 logger = logging.getLogger("celery_fence.outbox")
 

@@ -1,51 +1,19 @@
-"""The values of the settle step: the :class:`Attempt` as far as it got, the :data:`Outcome` it
-ended in, and the :data:`CeleryAction` that :func:`celery_fence.settle.settle` returns for it.
+"""The values of the settle step: the :data:`Outcome` an execution ended in, and the
+:data:`CeleryAction` that :func:`celery_fence.settle.settle` returns for it.
 
-Values, no behaviour: the task fills the attempt in as it goes and builds an outcome (frozen), the
-settle step reads both, and the task's adapter turns the returned action (frozen) into Celery's
-terms (return, raise, re-send).
+Values, no behaviour: the :class:`~celery_fence.execution.Execution` builds an outcome (frozen),
+the settle step reads it, and the Celery adapters (the task, the worker's request) turn the
+returned action (frozen) into Celery's terms (return, raise, re-send, give the message back).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import FenceConfig
 from .errors import ConfigurationError, LeaseLost, StaleGeneration
-from .lease import HeldLease
 from .records import Effect, JobRecord
-from .retry import RetryPolicy
-from .store import Store
-
-
-@dataclass(eq=False)
-class Attempt:
-    """One execution of one logical job, as far as it got: the claim fills in ``generation`` and
-    ``lease``, the registration ``attempts`` (executions counted by the store, this one
-    included)."""
-
-    task_name: str
-    key: str
-    attempt_id: str
-    store: Store
-    config: FenceConfig
-    policy: RetryPolicy
-    #: ``emit(action, attempt, reason=None, **extra)``: log, signal and event for a transition.
-    emit: Callable[..., None]
-    retries: int = 0  # Celery's re-send count of this message: backs off before registration
-    generation: int | None = None
-    attempts: int = 0
-    lease: HeldLease | None = None
-    registered: bool = False
-    #: A first claim whose registration is deferred (``fence_defer_first_registration``): its row
-    #: is written by its completion, or registered late by any other outcome.
-    deferred: bool = False
-    request_json: str | None = None
-    #: ``celery -A <app>`` as the operator types it, for the hints of the errors a job ends with.
-    celery_command: str = "celery -A <app>"
-
 
 # -- outcomes ------------------------------------------------------------------------------------
 
@@ -136,6 +104,26 @@ class Unexpected:
     where: str = "fenced path"
 
 
+@dataclass(frozen=True)
+class TimeLimited:
+    """The pool killed the attempt at its hard time limit (seen by the worker's main process)."""
+
+    timeout: float | None
+
+
+@dataclass(frozen=True)
+class Unrun:
+    """Celery acks the message without running it (``why``: ``expired`` or ``revoked``), or,
+    ``terminated``, after ``revoke(terminate=True)`` killed its running attempt.
+    ``shared_key``: other messages may share the job's key (a ``fence_key``)."""
+
+    why: str
+    message_id: str | None
+    request: Mapping[str, Any] | None
+    terminated: bool
+    shared_key: bool
+
+
 Outcome = (
     Completed
     | Replayed
@@ -151,6 +139,8 @@ Outcome = (
     | Control
     | Interrupted
     | Unexpected
+    | TimeLimited
+    | Unrun
 )
 
 
@@ -192,12 +182,25 @@ class Resend:
     error: BaseException = field(compare=False)
 
 
-CeleryAction = Return | Fail | Reraise | Resend
+@dataclass(frozen=True)
+class Requeue:
+    """Give the message back to the broker unacked (the worker's request: a hard time limit, or a
+    job the store could not settle); the next delivery decides."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Acknowledge:
+    """Let Celery ack the message as it would: the store already says what happened."""
+
+
+CeleryAction = Return | Fail | Reraise | Resend | Requeue | Acknowledge
 
 
 __all__ = [
+    "Acknowledge",
     "AlreadyDead",
-    "Attempt",
     "Busy",
     "CeleryAction",
     "Completed",
@@ -210,11 +213,14 @@ __all__ = [
     "Outcome",
     "Refused",
     "Replayed",
+    "Requeue",
     "Reraise",
     "Resend",
     "Return",
     "Stale",
+    "TimeLimited",
     "Unavailable",
     "Unexpected",
     "Unkeyed",
+    "Unrun",
 ]

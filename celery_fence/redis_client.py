@@ -381,6 +381,18 @@ def target_for(config: FenceConfig) -> RedisTarget:
     )
 
 
+def client_identity(config: FenceConfig) -> tuple[Any, ...]:
+    """What makes two configurations' Redis clients interchangeable: URL, client factory,
+    cluster mode, TLS and transport options (the lease store and the retry budget share by it)."""
+    return (
+        config.redis_url,
+        config.redis_client,
+        config.redis_cluster,
+        repr(sorted((config.redis_ssl or {}).items())),
+        repr(sorted((config.redis_transport_options or {}).items())),
+    )
+
+
 def make_client(config: FenceConfig) -> Any:
     """The lease store's client: ``fence_redis_client()`` when set, else from the settings."""
     if config.redis_client is not None:

@@ -135,6 +135,11 @@ class Renewer:
                 self._cond.notify()
             time.sleep(0.005)
 
+    def shutdown(self, timeout: float) -> None:
+        """Send the queued releases, then stop the thread (a worker process that exits)."""
+        self.flush(timeout)
+        self.stop()
+
     def stop(self) -> None:
         with self._cond:
             self._stopping = True

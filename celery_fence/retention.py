@@ -21,9 +21,9 @@ from typing import Any
 
 from celery import shared_task
 
+from .backends import store_for
 from .config import FenceConfig
 from .schema import COMPLETED
-from .store import store_for
 
 logger = logging.getLogger("celery_fence.retention")
 

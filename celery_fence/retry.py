@@ -57,6 +57,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from .config import FenceConfig
 from .errors import ConfigurationError, LeaseBusy, PermanentError, ResultNotSerializable
+from .redis_client import client_identity, make_client
 from .runtime import runtime
 from .scripts import LuaScript
 
@@ -277,7 +278,9 @@ class RetryBudget:
         try:
             client = self._client
             if client is None:  # the process's client for the lease Redis
-                client = runtime().redis_client(self.config)
+                client = runtime().get(
+                    "redis", client_identity(self.config), lambda: make_client(self.config)
+                )
             granted, wait_ms = RETRY_BUDGET(
                 client,
                 [self.key(name)],

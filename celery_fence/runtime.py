@@ -3,7 +3,8 @@
 A socket, a thread or a lock belongs to one process, and Celery's prefork pool forks its children
 after the app (and often its first stores) were set up. So the process's SQL stores, Redis
 clients, lease stores, renewers, retry budgets, event senders and its one background writer live
-on one :class:`Runtime`. :func:`runtime` returns the current process's; an at-fork hook gives a
+on one :class:`Runtime`, a registry that knows none of them (:mod:`celery_fence.backends` makes
+them). :func:`runtime` returns the current process's; an at-fork hook gives a
 forked child a fresh, empty one, which builds its own on first use. The parent's objects are left
 alone in the child: its threads are not there, and its engines and clients are kept referenced
 but never used, so garbage collection does not close a socket the parent still uses.
@@ -24,18 +25,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from .watchdog import watchdog
 
 if TYPE_CHECKING:
     from .config import FenceConfig
-    from .events import EventSender
-    from .lease import LeaseStore
     from .outbox import Outbox
-    from .renewer import Renewer
-    from .retry import RetryBudget, RetryPolicy
-    from .store import Store
 
 logger = logging.getLogger("celery_fence")
 
@@ -44,158 +40,58 @@ MAX_PENDING_WRITES = 1_000
 
 WRITER_THREAD_NAME = "celery-fence-writer"
 
-#: The settings a :class:`~celery_fence.store.Store` is made with, besides the database URL:
-#: configurations equal in these share one store.
-STORE_SETTINGS = (
-    "record_transitions",
-    "unfenced",
-    "defer_first_registration",
-    "error_message_length",
-    "database_timeout",
-    "lock_timeout",
-)
-
 _T = TypeVar("_T")
 
 
-class Backends(NamedTuple):
-    """What one fenced task uses, resolved once per task and process."""
+@runtime_checkable
+class Background(Protocol):
+    """An object that runs a background thread of its own (the renewer, an event sender, the
+    background writer). Its thread starts on first use; :meth:`shutdown` finishes its queued
+    work and stops it, bounded by ``timeout``. After a fork the child never touches it: the
+    child's runtime makes its own."""
 
-    config: FenceConfig
-    store: Store
-    leases: LeaseStore
-    policy: RetryPolicy
-    renewer: Renewer
-    runtime: Runtime
-
-
-def client_identity(config: FenceConfig) -> tuple[Any, ...]:
-    """What makes two configurations' Redis clients interchangeable: URL, client factory,
-    cluster mode, TLS and transport options (the lease store and the retry budget share by it)."""
-    return (
-        config.redis_url,
-        config.redis_client,
-        config.redis_cluster,
-        repr(sorted((config.redis_ssl or {}).items())),
-        repr(sorted((config.redis_transport_options or {}).items())),
-    )
+    def shutdown(self, timeout: float) -> None: ...
 
 
 class Runtime:
-    """The process-wide objects of one process, created on first use; thread-safe."""
+    """The process-wide objects of one process, made on first use by the factory their caller
+    passes (see :mod:`celery_fence.backends`); thread-safe. A registry: it knows no kind of
+    object, only how to keep one per identity and how to stop the ones with a thread."""
 
     def __init__(self) -> None:
         #: True in a forked child for its parent's runtime: ask :func:`runtime` for the child's.
         self.forked = False
         self._parent: Runtime | None = None
-        self._lock = threading.RLock()  # creating a lease store creates its client
-        self._stores: dict[tuple[Any, ...], Store] = {}
-        self._clients: dict[tuple[Any, ...], Any] = {}
-        self._leases: dict[tuple[Any, ...], tuple[LeaseStore, Renewer]] = {}
-        self._budgets: dict[tuple[Any, ...], RetryBudget] = {}
-        self._senders: dict[tuple[int, str], EventSender] = {}
+        self._lock = threading.RLock()  # a factory may ask for another object (a store's client)
+        self._items: dict[tuple[str, Any], Any] = {}
         self.writer = BackgroundWriter()
 
-    def _get(self, cache: dict[Any, _T], ident: Any, make: Callable[[], _T]) -> _T:
-        item = cache.get(ident)
+    def get(self, kind: str, ident: Any, make: Callable[[], _T]) -> _T:
+        """The object of ``kind`` for ``ident`` in this process, made by ``make()`` once."""
+        item = self._items.get((kind, ident))
         if item is None:
             with self._lock:
-                item = cache.get(ident)
+                item = self._items.get((kind, ident))
                 if item is None:
-                    item = cache[ident] = make()
+                    item = self._items[(kind, ident)] = make()
         return item
 
-    def store(self, config: FenceConfig) -> Store:
-        """The SQL store for ``config``'s database and store settings."""
-        ident = (config.database_url, *(getattr(config, name) for name in STORE_SETTINGS))
-        return self._get(self._stores, ident, lambda: _make_store(config))
+    def items(self, kind: str) -> list[Any]:
+        """The objects of ``kind`` made so far."""
+        return [item for (k, _), item in list(self._items.items()) if k == kind]
 
-    def redis_client(self, config: FenceConfig) -> Any:
-        """The Redis client for ``config``'s lease Redis (URL, client factory, TLS, transport,
-        cluster: :func:`client_identity`); leases and the retry budget share it."""
-        return self._get(self._clients, client_identity(config), lambda: _make_client(config))
-
-    def lease_store(self, config: FenceConfig) -> LeaseStore:
-        """The lease store for ``config``'s Redis, key prefix and counter lifetime."""
-        return self._lease_pair(config)[0]
-
-    def renewer(self, config: FenceConfig) -> Renewer:
-        """The heartbeat of :meth:`lease_store`'s leases."""
-        return self._lease_pair(config)[1]
-
-    def _lease_pair(self, config: FenceConfig) -> tuple[LeaseStore, Renewer]:
-        def make() -> tuple[LeaseStore, Renewer]:
-            from .lease import LeaseStore
-            from .renewer import Renewer
-
-            leases = LeaseStore(
-                self.redis_client(config),
-                prefix=config.key_prefix,
-                generation_ttl=config.generation_ttl,
-            )
-            return leases, Renewer(leases)
-
-        ident = (client_identity(config), config.key_prefix, config.generation_ttl)
-        return self._get(self._leases, ident, make)
-
-    def retry_budget(self, config: FenceConfig) -> RetryBudget:
-        """The retry budgets (per task name) for ``config``'s Redis, prefix and budget settings."""
-
-        def make() -> RetryBudget:
-            from .retry import RetryBudget
-
-            return RetryBudget(config, redis_client=self.redis_client(config))
-
-        ident = (
-            client_identity(config),
-            config.key_prefix,
-            config.retry_budget_ratio,
-            config.retry_budget_floor,
-            config.retry_budget_window,
-        )
-        return self._get(self._budgets, ident, make)
-
-    def backends(self, config: FenceConfig) -> Backends:
-        """Everything a fenced task with settings ``config`` uses in this process."""
-        from .retry import RetryPolicy
-
-        return Backends(
-            config,
-            self.store(config),
-            self.lease_store(config),
-            RetryPolicy(config, budget=self.retry_budget(config)),
-            self.renewer(config),
-            self,
-        )
-
-    def event_sender(self, app: Any, hostname: str) -> EventSender:
-        """The Celery event sender of ``app`` as worker ``hostname``."""
-
-        def make() -> EventSender:
-            from .events import EventSender
-
-            return EventSender(app, hostname)
-
-        return self._get(self._senders, (id(app), hostname), make)
-
-    def stores(self) -> list[Store]:
+    def stores(self) -> list[Any]:
         """The SQL stores made so far (tests and fixtures dispose their connections)."""
-        return list(self._stores.values())
-
-    def flush_events(self, timeout: float) -> None:
-        """Wait (bounded) until queued fence events were published (or dropped)."""
-        end = time.monotonic() + timeout
-        for sender in list(self._senders.values()):
-            sender.flush(max(0.0, end - time.monotonic()))
+        return self.items("store")
 
     def shutdown(self, timeout: float = 2.0) -> None:
-        """Finish the background writes, send queued lease releases, stop the renewers and
-        flush the event senders, each bounded by ``timeout`` (a worker process that exits)."""
-        self.writer.drain(timeout)
-        for _, renewer in list(self._leases.values()):
-            renewer.flush(timeout)
-            renewer.stop()
-        self.flush_events(min(timeout, 1.0))
+        """Finish the background writes, then every background object's queued work (lease
+        releases, events), each bounded by ``timeout`` (a worker process that exits)."""
+        self.writer.shutdown(timeout)
+        items = sorted(self._items.items(), key=lambda entry: entry[0][0] == "events")
+        for (kind, _), item in items:  # events last: the others may still queue one
+            if isinstance(item, Background):
+                item.shutdown(min(timeout, 1.0) if kind == "events" else timeout)
 
     def reset(self) -> None:
         """Stop this runtime's threads and dispose its stores' connections, and make
@@ -207,18 +103,6 @@ class Runtime:
         with _current_lock:
             if _current is self:
                 _current = Runtime()
-
-
-def _make_store(config: FenceConfig) -> Store:
-    from .store import Store  # the store asks the runtime for itself: imported when first needed
-
-    return Store(config.database_url, **{name: getattr(config, name) for name in STORE_SETTINGS})
-
-
-def _make_client(config: FenceConfig) -> Any:
-    from .redis_client import make_client
-
-    return make_client(config)
 
 
 class BackgroundWriter:
@@ -254,6 +138,9 @@ class BackgroundWriter:
                 )
                 self._thread.start()
         return True
+
+    def shutdown(self, timeout: float) -> None:
+        self.drain(timeout)
 
     def drain(self, timeout: float) -> bool:
         """Run the queued writes and stop the thread (bounded); True when it finished."""
@@ -338,10 +225,9 @@ if hasattr(os, "register_at_fork"):
 
 __all__ = [
     "AppState",
-    "Backends",
+    "Background",
     "BackgroundWriter",
     "Runtime",
     "app_state",
-    "client_identity",
     "runtime",
 ]

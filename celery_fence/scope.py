@@ -21,12 +21,13 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
+from .backends import store_for
 from .config import FenceConfig
 from .lease import LeaseStore, make_redis_client
 from .records import JobRecord, never_claimed
-from .runtime import client_identity
+from .redis_client import client_identity
 from .schema import PENDING, RETRYING
-from .store import Store, store_for
+from .store import Store
 from .task import FencedTask
 
 

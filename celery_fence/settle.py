@@ -3,12 +3,14 @@ one action for Celery.
 
 An execution ends in an :data:`~celery_fence.outcomes.Outcome` (a value, not an exit):
 completed, replayed, failed, lease lost, stale, busy, store unavailable, refused by the database,
-the body's own Celery control flow, or anything unexpected. :func:`settle` makes the one fenced
+the body's own Celery control flow, anything unexpected, or an exit Celery drives itself (the
+hard time limit, a message expired or revoked). :func:`settle` makes the one fenced
 store write that outcome needs and returns one :data:`~celery_fence.outcomes.CeleryAction`:
 return the result, fail (after the ``dead`` state is durable), re-raise the body's control flow
-(after the store says what happened), or re-send the message with a countdown. The task's adapter
-turns that action into Celery's terms; the message is acked only after this step, so the ack
-rule reads in one place:
+(after the store says what happened), re-send the message with a countdown, give it back to the
+broker, or let Celery ack it. The Celery adapters (:mod:`celery_fence.task`,
+:mod:`celery_fence.worker`) turn that action into Celery's terms; the message is acked only after
+this step, so the ack rule reads in one place:
 
 ===================  =======================================  =============================
 outcome              store write (fenced on the attempt)      action
@@ -36,6 +38,9 @@ Interrupted          ``retrying`` if registered               Reraise if Celery 
                                                               (process exit, gevent time
                                                               limit or kill), else Resend
 Unexpected           ``retrying`` if registered               Resend with backoff
+TimeLimited          transition ``time_limit``                Requeue (the message goes back)
+Unrun                ``dead`` if the job waits for this       Acknowledge; Requeue when the
+                     message, else transition only            store cannot say
 ===================  =======================================  =============================
 
 Any write that fails (other than a fenced rejection, which means a newer generation owns the
@@ -52,13 +57,12 @@ import random
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
 from .actions import INTERRUPTED_BY, Action
-from .deferred import register_late
 from .errors import (
     JobDead,
     Rescheduled,
@@ -67,8 +71,8 @@ from .errors import (
     StaleGeneration,
 )
 from .outcomes import (
+    Acknowledge,
     AlreadyDead,
-    Attempt,
     Busy,
     CeleryAction,
     Completed,
@@ -81,16 +85,22 @@ from .outcomes import (
     Outcome,
     Refused,
     Replayed,
+    Requeue,
     Reraise,
     Resend,
     Return,
     Stale,
+    TimeLimited,
     Unavailable,
     Unexpected,
     Unkeyed,
+    Unrun,
 )
 from .retry import Decision, backoff, expected_outage
 from .schema import COMPLETED, DEAD
+
+if TYPE_CHECKING:
+    from .execution import Execution
 
 logger = logging.getLogger("celery_fence")
 
@@ -98,7 +108,7 @@ logger = logging.getLogger("celery_fence")
 # -- the step ------------------------------------------------------------------------------------
 
 
-def settle(attempt: Attempt, outcome: Outcome) -> CeleryAction:
+def settle(attempt: Execution, outcome: Outcome) -> CeleryAction:
     """Make the store write ``outcome`` needs and return the one action for Celery; never raises.
 
     A write the store could not make (unreachable, refusing, anything but a fenced rejection)
@@ -106,7 +116,7 @@ def settle(attempt: Attempt, outcome: Outcome) -> CeleryAction:
     """
     try:
         if attempt.deferred and not isinstance(outcome, _NO_ROW_NEEDED):
-            outcome = register_late(attempt) or outcome
+            outcome = attempt.register_late() or outcome
         action = _HANDLERS[type(outcome)](attempt, outcome)
     except Exception as exc:
         action = _unrecorded(attempt, exc, what=type(outcome).__name__.lower())
@@ -115,7 +125,7 @@ def settle(attempt: Attempt, outcome: Outcome) -> CeleryAction:
     return action
 
 
-def _completed(a: Attempt, o: Completed) -> CeleryAction:
+def _completed(a: Execution, o: Completed) -> CeleryAction:
     assert a.generation is not None
     try:
         if a.deferred:  # one statement: the row inserted as completed, or nothing
@@ -144,15 +154,15 @@ def _completed(a: Attempt, o: Completed) -> CeleryAction:
         if a.deferred:  # the row's request was refused, or the result: registering tells
             return _first_refused(a, exc)
         return _dead(a, refused(exc, "the task's return value"), "result refused by the database")
-    a.emit(Action.COMPLETED, a)
+    a.announce(Action.COMPLETED)
     return Return(o.result, deliver=a.key if o.effects else None)
 
 
-def _first_refused(a: Attempt, exc: sa_exc.DataError) -> CeleryAction:
+def _first_refused(a: Execution, exc: sa_exc.DataError) -> CeleryAction:
     """The database refused a deferred first completion, which writes the request and the
     result: a registration (the request alone) tells which, and settles accordingly."""
     try:
-        outcome = register_late(a)
+        outcome = a.register_late()
     except sa_exc.DataError as request_refused:
         return _refused(a, Refused(request_refused, a.request_json))
     if outcome is not None:  # completed, dead or superseded meanwhile
@@ -160,12 +170,12 @@ def _first_refused(a: Attempt, exc: sa_exc.DataError) -> CeleryAction:
     return _dead(a, refused(exc, "the task's return value"), "result refused by the database")
 
 
-def _replayed(a: Attempt, o: Replayed) -> CeleryAction:
-    a.emit(Action.REPLAYED, a, reason="already completed")
+def _replayed(a: Execution, o: Replayed) -> CeleryAction:
+    a.announce(Action.REPLAYED, reason="already completed")
     return Return(o.record.result, deliver=a.key, replay=True)
 
 
-def _already_dead(a: Attempt, o: AlreadyDead) -> CeleryAction:
+def _already_dead(a: Execution, o: AlreadyDead) -> CeleryAction:
     error = o.record.error_type if o.record else "unknown error"
     return Fail(
         JobDead(
@@ -175,7 +185,7 @@ def _already_dead(a: Attempt, o: AlreadyDead) -> CeleryAction:
     )
 
 
-def _exhausted(a: Attempt, o: Exhausted) -> CeleryAction:
+def _exhausted(a: Execution, o: Exhausted) -> CeleryAction:
     executions = a.attempts - 1  # this delivery only found the budget spent: not an execution
     last = a.store.last_exit(a.key)
     why = "time limit" if last == Action.TIME_LIMIT else "attempts exhausted"
@@ -187,7 +197,7 @@ def _exhausted(a: Attempt, o: Exhausted) -> CeleryAction:
     return _dead(a, error, why, attempts=executions)
 
 
-def _failed(a: Attempt, o: Failed) -> CeleryAction:
+def _failed(a: Execution, o: Failed) -> CeleryAction:
     try:
         decision = a.policy.decide(o.error, attempts=a.attempts, task_name=a.task_name)
     except Exception as exc:  # the retry budget's Redis is down: retry, never drop
@@ -201,14 +211,14 @@ def _failed(a: Attempt, o: Failed) -> CeleryAction:
     return _retry(a, o.error, decision.countdown, decision.reason)
 
 
-def _lost(a: Attempt, o: Lost) -> CeleryAction:
+def _lost(a: Execution, o: Lost) -> CeleryAction:
     return _retry(a, o.error, backoff(a.attempts, a.config), "lease lost")
 
 
-def _stale(a: Attempt, o: Stale) -> CeleryAction:
+def _stale(a: Execution, o: Stale) -> CeleryAction:
     """A newer generation owns the job: record it, then converge on its result."""
     stored = o.error.context.get("stored_generation")
-    a.emit(Action.STALE, a, reason=f"stored generation {stored}")
+    a.announce(Action.STALE, reason=f"stored generation {stored}")
     try:
         a.store.record(
             a.key,
@@ -229,17 +239,17 @@ def _stale(a: Attempt, o: Stale) -> CeleryAction:
     # if it dies). Never drop the message.
     countdown = a.config.lease_ttl + random.uniform(0, a.config.renew_interval)
     reason = f"newer generation {stored} still running"
-    a.emit(Action.RETRY_SCHEDULED, a, reason=reason, countdown=countdown, attempts=None)
+    a.announce(Action.RETRY_SCHEDULED, reason=reason, countdown=countdown, attempts=None)
     return Resend(countdown, reason, o.error)
 
 
-def _busy(a: Attempt, o: Busy) -> CeleryAction:
-    a.emit(Action.BUSY, a, reason=f"held for {o.remaining:.3f}s more", remaining=o.remaining)
+def _busy(a: Execution, o: Busy) -> CeleryAction:
+    a.announce(Action.BUSY, reason=f"held for {o.remaining:.3f}s more", remaining=o.remaining)
     jitter = random.uniform(0, max(0.05, a.config.renew_interval / 4))
     return Resend(o.remaining + jitter, "lease busy", Rescheduled("lease busy"))
 
 
-def _unavailable(a: Attempt, o: Unavailable) -> CeleryAction:
+def _unavailable(a: Execution, o: Unavailable) -> CeleryAction:
     if not expected_outage(o.error):
         logger.error(
             "fence %s key=%s: %s; the message is re-sent with backoff",
@@ -249,11 +259,11 @@ def _unavailable(a: Attempt, o: Unavailable) -> CeleryAction:
             extra={"action": "store_error", "fence_key": a.key, "reason": o.reason},
         )
     countdown = o.countdown if o.countdown is not None else backoff(1 + a.retries, a.config)
-    a.emit(Action.RETRY_SCHEDULED, a, reason=o.reason, countdown=countdown, attempts=None)
+    a.announce(Action.RETRY_SCHEDULED, reason=o.reason, countdown=countdown, attempts=None)
     return Resend(countdown, o.reason, o.error)
 
 
-def _refused(a: Attempt, o: Refused) -> CeleryAction:
+def _refused(a: Execution, o: Refused) -> CeleryAction:
     assert a.generation is not None
     error = refused(o.error, "the task's arguments")
     try:
@@ -273,11 +283,11 @@ def _refused(a: Attempt, o: Refused) -> CeleryAction:
         if record is not None and record.status == DEAD:
             return _already_dead(a, AlreadyDead(record))
         return _stale(a, Stale(stale))
-    a.emit(Action.DEAD, a, reason="arguments refused by the database", attempts=1)
+    a.announce(Action.DEAD, reason="arguments refused by the database", attempts=1)
     return Fail(error)
 
 
-def _unkeyed(a: Attempt, o: Unkeyed) -> CeleryAction:
+def _unkeyed(a: Execution, o: Unkeyed) -> CeleryAction:
     a.store.bury(
         a.key,
         task_name=a.task_name,
@@ -285,11 +295,11 @@ def _unkeyed(a: Attempt, o: Unkeyed) -> CeleryAction:
         error=o.error,
         reason="fence_key failed",
     )
-    a.emit(Action.DEAD, a, reason="fence_key failed", attempts=0)
+    a.announce(Action.DEAD, reason="fence_key failed", attempts=0)
     return Fail(o.error)
 
 
-def _control(a: Attempt, o: Control) -> CeleryAction:
+def _control(a: Execution, o: Control) -> CeleryAction:
     """The body's own ``Retry``/``Ignore``/``Reject``: Celery keeps its meaning, the row says it."""
     exc = o.error
     try:
@@ -312,7 +322,7 @@ def _control(a: Attempt, o: Control) -> CeleryAction:
     return Reraise(exc)
 
 
-def _unexpected(a: Attempt, o: Unexpected) -> CeleryAction:
+def _unexpected(a: Execution, o: Unexpected) -> CeleryAction:
     logger.error(
         "fence unexpected %s in the %s key=%s generation=%s attempt=%s; the message is re-sent",
         type(o.error).__name__,
@@ -328,7 +338,7 @@ def _unexpected(a: Attempt, o: Unexpected) -> CeleryAction:
     return _retry(a, o.error, backoff(max(1, a.attempts), a.config), reason)
 
 
-def _interrupted(a: Attempt, o: Interrupted) -> CeleryAction:
+def _interrupted(a: Execution, o: Interrupted) -> CeleryAction:
     """Not a failure of the job: the attempt was cut short. Retried with backoff (the store
     still counts it against ``fence_max_attempts``); never left ``running``."""
     name = type(o.error).__name__
@@ -344,6 +354,71 @@ def _interrupted(a: Attempt, o: Interrupted) -> CeleryAction:
     if not a.registered:
         return _unavailable(a, Unavailable(o.error, reason))
     return _retry(a, o.error, backoff(max(1, a.attempts), a.config), reason)
+
+
+def _time_limited(a: Execution, o: TimeLimited) -> CeleryAction:
+    """The pool killed the attempt at its hard time limit: record it (history only) and give the
+    message back; the next delivery claims once the killed attempt's lease runs out."""
+    reason = f"hard time limit {o.timeout}s"
+    try:
+        a.store.record(a.key, action=Action.TIME_LIMIT, reason=reason)
+    except Exception as exc:  # history only: the message goes back all the same
+        logger.warning(
+            "fence could not record the hard time limit key=%s: %s",
+            a.key,
+            type(exc).__name__,
+            extra={"action": "store_error", "fence_key": a.key, "reason": "time limit"},
+        )
+    a.announcer(
+        Action.TIME_LIMIT,
+        key=a.key,
+        reason=f"{reason}, task={a.task_name}: the message goes back to the broker",
+    )
+    return Requeue(reason)
+
+
+def _unrun(a: Execution, o: Unrun) -> CeleryAction:
+    """A message Celery acks without running it, or whose running attempt was terminated: the
+    job is settled first (:meth:`~celery_fence.store.Store.end_unrun`); a store that cannot say
+    gives the message back."""
+    try:
+        # A deferred first claim writes no row while it runs, so "no row" does not mean "no
+        # attempt": taking a generation does. Only a message that takes the first one may
+        # record a new row dead; after any claim, that claim's attempt owns the job. (A
+        # terminated attempt is this message's own: its job is recorded, row or none.)
+        first = (
+            o.terminated
+            or not a.config.defer_first_registration
+            or a.leases.take_generation(a.key) == 1
+        )
+        a.store.end_unrun(
+            a.key,
+            task_name=a.task_name,
+            request=o.request,
+            reason=o.why,
+            only_insert=o.shared_key,
+            terminated_id=o.message_id if o.terminated else None,
+            insert=first,
+            message_id=o.message_id,
+        )
+    except Exception as exc:
+        logger.error(
+            "fence could not settle the %s task=%s id=%s: %s; the message goes back",
+            o.why,
+            a.task_name,
+            o.message_id,
+            type(exc).__name__,
+            extra={"action": "store_error", "fence_key": a.key, "reason": o.why},
+        )
+        return Requeue(f"{o.why}: store unavailable")
+    a.announcer(
+        Action(o.why),
+        key=a.key,
+        reason=f"task={a.task_name} id={o.message_id} "
+        + ("terminated" if o.terminated else "not run")
+        + "; the job is recorded",
+    )
+    return Acknowledge()
 
 
 def propagates(error: BaseException) -> bool:
@@ -363,9 +438,19 @@ def propagates(error: BaseException) -> bool:
 
 
 #: Outcomes of a deferred first claim that write no row (the completion writes it itself).
-_NO_ROW_NEEDED = (Completed, Busy, Unavailable, Replayed, AlreadyDead, Unkeyed, Refused)
+_NO_ROW_NEEDED = (
+    Completed,
+    Busy,
+    Unavailable,
+    Replayed,
+    AlreadyDead,
+    Unkeyed,
+    Refused,
+    TimeLimited,
+    Unrun,
+)
 
-_HANDLERS: dict[type, Callable[[Attempt, Any], CeleryAction]] = {
+_HANDLERS: dict[type, Callable[[Execution, Any], CeleryAction]] = {
     Completed: _completed,
     Replayed: _replayed,
     AlreadyDead: _already_dead,
@@ -380,13 +465,15 @@ _HANDLERS: dict[type, Callable[[Attempt, Any], CeleryAction]] = {
     Control: _control,
     Interrupted: _interrupted,
     Unexpected: _unexpected,
+    TimeLimited: _time_limited,
+    Unrun: _unrun,
 }
 
 
 # -- the fenced writes -----------------------------------------------------------------------------
 
 
-def _write_retry(a: Attempt, error: BaseException, countdown: float, reason: str) -> None:
+def _write_retry(a: Execution, error: BaseException, countdown: float, reason: str) -> None:
     assert a.generation is not None
     a.store.schedule_retry(
         a.key,
@@ -396,9 +483,8 @@ def _write_retry(a: Attempt, error: BaseException, countdown: float, reason: str
         retry_at=dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=countdown),
         reason=reason,
     )
-    a.emit(
+    a.announce(
         Action.RETRY_SCHEDULED,
-        a,
         reason=reason,
         countdown=countdown,
         attempts=a.attempts,
@@ -407,7 +493,7 @@ def _write_retry(a: Attempt, error: BaseException, countdown: float, reason: str
 
 
 def _write_dead(
-    a: Attempt, error: BaseException, reason: str, *, attempts: int | None = None
+    a: Execution, error: BaseException, reason: str, *, attempts: int | None = None
 ) -> None:
     assert a.generation is not None
     a.store.mark_dead(
@@ -418,16 +504,15 @@ def _write_dead(
         reason=reason,
         attempts=attempts,
     )
-    a.emit(
+    a.announce(
         Action.DEAD,
-        a,
         reason=reason,
         attempts=a.attempts if attempts is None else attempts,
         error=error,
     )
 
 
-def _retry(a: Attempt, error: BaseException, countdown: float, reason: str) -> CeleryAction:
+def _retry(a: Execution, error: BaseException, countdown: float, reason: str) -> CeleryAction:
     try:
         _write_retry(a, error, countdown, reason)
     except StaleGeneration as stale:
@@ -436,7 +521,7 @@ def _retry(a: Attempt, error: BaseException, countdown: float, reason: str) -> C
 
 
 def _dead(
-    a: Attempt, error: BaseException, reason: str, *, attempts: int | None = None
+    a: Execution, error: BaseException, reason: str, *, attempts: int | None = None
 ) -> CeleryAction:
     try:
         _write_dead(a, error, reason, attempts=attempts)
@@ -445,7 +530,7 @@ def _dead(
     return Fail(error)
 
 
-def _unrecorded(a: Attempt, exc: Exception, *, what: str) -> CeleryAction:
+def _unrecorded(a: Execution, exc: Exception, *, what: str) -> CeleryAction:
     """The store could not record what happened: re-send; the next delivery decides again."""
     if not expected_outage(exc):
         logger.error(
@@ -458,7 +543,7 @@ def _unrecorded(a: Attempt, exc: Exception, *, what: str) -> CeleryAction:
         )
     reason = f"{what} not recorded: store unavailable ({type(exc).__name__})"
     countdown = backoff(max(a.attempts, 1 + a.retries), a.config)
-    a.emit(Action.RETRY_SCHEDULED, a, reason=reason, countdown=countdown, attempts=None)
+    a.announce(Action.RETRY_SCHEDULED, reason=reason, countdown=countdown, attempts=None)
     return Resend(countdown, reason, exc)
 
 

@@ -1,10 +1,11 @@
-"""FencedTask: the orchestration of one fenced execution, and nothing else.
+"""FencedTask: the body's side of a fenced task, an adapter between Celery and one
+:class:`~celery_fence.execution.Execution` per attempt.
 
-claim (Redis, one round trip) -> register (SQL, one statement) -> body -> settle (one fenced
-SQL statement: complete, retry, dead) -> release (batched off the critical path by the renewer)
--> Celery acks (late). Every way an execution can end is an outcome that
-:func:`celery_fence.settle.settle` turns into a store state and one action; :meth:`_act` is the
-only place that speaks Celery (return, fail, re-raise, re-send).
+``__call__`` reads what the execution needs from Celery's request (the key, whether this is the
+message's first delivery, the stored request), lets the execution claim, register, run the body
+and settle, and turns the action it returns into Celery's terms (:meth:`FencedTask._act`: return,
+raise, re-send). The exits Celery drives in the worker's main process (hard time limit, expired
+or revoked message) are :class:`~celery_fence.worker.FencedRequest`'s.
 """
 
 from __future__ import annotations
@@ -13,48 +14,34 @@ import functools
 import json
 import logging
 import time
-import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from celery import Task
 from celery.app.task import _task_stack
-from celery.exceptions import Ignore, Reject, Retry
-from sqlalchemy import exc as sa_exc
+from celery.exceptions import Reject
 
 from . import outcomes as o
-from . import settle as s
-from . import transitions
-from .actions import Action
+from .backends import Backends, backends
 from .config import FenceConfig
-from .deferred import register_deferred
 from .errors import (
     ConfigurationError,
     FenceEagerWarning,
     FenceError,
-    LeaseBusy,
-    LeaseLost,
     Rescheduled,
     RetryNotSent,
-    StaleGeneration,
 )
+from .execution import Execution
 from .fence import Fence
-from .lease import HeldLease, LeaseStore
 from .outbox import trigger_delivery
 from .records import ENQUEUED_HEADER, request_text
-from .runtime import Backends, app_state, runtime
+from .runtime import app_state
 from .schema import KEY_LENGTH
-from .store.engine import refusal_reason
+from .transitions import Announcer
 from .worker import FENCED_REQUEST, celery_command
 
 logger = logging.getLogger("celery_fence")
-
-#: How many times a claim is retried after the store showed Redis had lost its counter.
-CLAIM_ROUNDS = 3
-
-#: How JSON writes the NUL character, which PostgreSQL's jsonb refuses.
-NUL_ESCAPE = "\\u0000"
 
 #: Seconds before a message is re-sent when the settings are invalid (fix them and restart).
 CONFIG_ERROR_COUNTDOWN = 30.0
@@ -82,18 +69,43 @@ class FencedTask(Task):
     lease_ttl: float | None = None
     renew_interval: float | None = None
     max_attempts: int | None = None
+    #: What runs each attempt (the chaos harness's control arms put a demonstration one here).
+    execution_class: type[Execution] = Execution
+    #: The worker refuses to start when this task's settings are invalid (``worker_init``).
+    settings_checked_at_start = True
 
     # -- configuration ---------------------------------------------------------------------------
 
     def fence_config(self) -> FenceConfig:
-        return self._fence_backends().config
+        return self.fence_backends().config
 
-    def _fence_backends(self) -> Backends:
+    def fence_backends(self) -> Backends:
         """This task's settings and this process's backends for them (made again after a fork)."""
         cache: Backends | None = self.__dict__.get("_fence_cache")
         if cache is None or cache.runtime.forked:
-            cache = self.__dict__["_fence_cache"] = runtime().backends(FenceConfig.for_task(self))
+            cache = self.__dict__["_fence_cache"] = self.make_backends(FenceConfig.for_task(self))
         return cache
+
+    def make_backends(self, config: FenceConfig) -> Backends:
+        """This process's backends for ``config`` (a demonstration task gives another store)."""
+        return backends(config)
+
+    def fence_execution(
+        self, *, message_id: str | None = None, hostname: str | None = None, retries: int = 0
+    ) -> Execution:
+        """A new execution of this task for a message (its id and worker, for the events)."""
+        config, store, leases, policy, renewer, _ = self.fence_backends()
+        return self.execution_class(
+            task_name=self.name,
+            config=config,
+            store=store,
+            leases=leases,
+            renewer=renewer,
+            policy=policy,
+            announcer=Announcer(self, (message_id, hostname), events=config.send_events),
+            retries=retries,
+            celery_command=celery_command(self.app),
+        )
 
     def logical_key(self, args: Any, kwargs: Any, task_id: str | None) -> str:
         """The stable logical key of a call: ``fence_key(*args, **kwargs)`` or the task id."""
@@ -146,10 +158,11 @@ class FencedTask(Task):
                 _task_stack.pop()
         return self._run_fenced(args, kwargs)
 
-    # -- orchestration ---------------------------------------------------------------------------
+    # -- one attempt ---------------------------------------------------------------------------
 
     def _run_fenced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.request.is_eager:
+        request = self.request
+        if request.is_eager:
             warnings.warn(
                 FenceEagerWarning(
                     f"fenced task {self.name} ran eagerly (task_always_eager or .apply()): no "
@@ -159,186 +172,48 @@ class FencedTask(Task):
                 stacklevel=3,
             )
         try:
-            config, store, leases, policy, renewer, _ = self._fence_backends()
+            execution = self.fence_execution(
+                message_id=request.id, hostname=request.hostname, retries=request.retries or 0
+            )
         except ConfigurationError as exc:  # checked at worker start; still, lose nothing
             logger.critical("fence settings invalid for task %s: %s", self.name, exc)
-            if self.app.conf.get("fence_unsettled"):  # chaos demonstration: acked as a failure
-                raise
-            return self._act(o.Resend(CONFIG_ERROR_COUNTDOWN, "invalid fence settings", exc))
-        attempt = o.Attempt(
-            task_name=self.name,
-            key="",
-            attempt_id=uuid.uuid4().hex,
-            store=store,
-            config=config,
-            policy=policy,
-            emit=self._emit_for,
-            retries=self.request.retries or 0,
-            celery_command=celery_command(self.app),
-        )
+            return self._act(self.invalid_settings(exc))
         try:
-            try:
-                outcome = self._execute(attempt, leases, args, kwargs)
-            except Exception as exc:  # anything raised in the fenced path settles too
-                outcome = o.Unexpected(exc)
-            except BaseException as exc:  # SystemExit, CancelledError, gevent's Timeout, ...
-                outcome = o.Interrupted(exc)
-            action = s.settle(attempt, outcome)
-        finally:  # whatever ends the attempt, even an exit raised in the settle step itself
-            if attempt.lease is not None:
-                renewer.discard(attempt.lease)  # compare-and-delete, batched by the renewer
+            key = self._key_of(args, kwargs)
+        except ConfigurationError as exc:
+            if request.called_directly:
+                raise
+            stored = request_text(self.name, args, kwargs, request)
+            decoded = None if stored is None else json.loads(stored)
+            return self._act(execution.run_unkeyed(exc, request.id, decoded))
+        action = execution.run(
+            key,
+            functools.partial(self._body, args, kwargs),
+            request_json=functools.partial(request_text, self.name, args, kwargs, request),
+            first_delivery=self._first_delivery(),
+            max_runtime=self._max_runtime(execution.config),
+        )
         return self._act(action)
 
-    def _execute(
-        self, attempt: o.Attempt, leases: LeaseStore, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> o.Outcome:
-        """Key -> claim -> register -> body, as far as it gets: the outcome, never an exit."""
-        try:
-            # A recovery or requeue re-sends with the job's key in a header: keep that key.
-            override = None if self.request.called_directly else self.request.get("fence_key")
-            if isinstance(override, str) and override:
-                attempt.key = override
-            else:
-                attempt.key = self.logical_key(args, kwargs, self.request.id)
-        except ConfigurationError as exc:
-            if self.request.called_directly:
-                raise
-            attempt.key = f"unkeyed:{self.name}:{self.request.id}"
-            request = self._stored_request(args, kwargs)
-            return o.Unkeyed(exc, self.request.id, None if request is None else json.loads(request))
-        attempt.policy.budget.record_call(self.name)
-        stop = self._claim_and_register(attempt, leases, args, kwargs)
-        if stop is not None:
-            return stop
-        assert attempt.lease is not None and attempt.generation is not None
-        fence = Fence(
-            key=attempt.key,
-            attempt_id=attempt.attempt_id,
-            generation=attempt.generation,
-            attempts=attempt.attempts,
-            lease=attempt.lease,
-            store=attempt.store,
-            before_block=functools.partial(register_deferred, attempt),
-        )
+    def invalid_settings(self, error: ConfigurationError) -> o.CeleryAction:
+        """The action for a message whose task's settings are invalid: re-sent later."""
+        return o.Resend(CONFIG_ERROR_COUNTDOWN, "invalid fence settings", error)
+
+    def _key_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """This message's key: the ``fence_key`` header of a recovery's or a requeue's re-send
+        (the job's own key), else :meth:`logical_key`."""
+        override = None if self.request.called_directly else self.request.get("fence_key")
+        if isinstance(override, str) and override:
+            return override
+        return self.logical_key(args, kwargs, self.request.id)
+
+    def _body(self, args: tuple[Any, ...], kwargs: dict[str, Any], fence: Fence) -> Any:
+        """The task's own ``run``, with ``self.fence`` bound for its duration."""
         self.request.fence = fence
         try:
-            result = self.run(*args, **kwargs)
-        except (Retry, Ignore, Reject) as exc:
-            return o.Control(exc)
-        except LeaseLost as exc:
-            return o.Lost(exc)
-        except StaleGeneration as exc:
-            return o.Stale(exc)
-        except Exception as exc:
-            return o.Failed(exc)
+            return self.run(*args, **kwargs)
         finally:
             self.request.fence = None
-        return o.Completed(result, fence.outbox.staged)
-
-    def _claim_and_register(
-        self, a: o.Attempt, leases: LeaseStore, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> o.Outcome | None:
-        """Claim a generation and register it; None when the body may run, else the outcome."""
-        config, renewer = a.config, self._fence_backends().renewer
-        on_lost, on_renewed = transitions.lease_observers(
-            self, (self.request.id, self.request.hostname)
-        )
-        request_json: str | None = None
-        for _ in range(CLAIM_ROUNDS):
-            claimed_at = time.monotonic()
-            releases = renewer.take_releases()
-            try:
-                a.generation = leases.claim(
-                    a.key, a.attempt_id, config.lease_ttl_ms, releases=releases
-                )
-            except LeaseBusy as busy:
-                return o.Busy(busy.remaining)
-            except BaseException as exc:  # Redis unreachable or refusing: re-send, never drop
-                # The claim may have run with its reply lost (a timeout, a dropped connection,
-                # an exit raised while it waited): release this attempt's lease by its token,
-                # whatever its generation, so the next delivery does not find it busy for a
-                # whole TTL; the other attempts' releases it carried go back to the queue.
-                lost_claim = (leases.keys_for(a.key).lease, f"{a.attempt_id}:")
-                renewer.return_releases([*releases, lost_claim])
-                if not isinstance(exc, Exception):
-                    raise
-                return o.Unavailable(exc, f"lease store unavailable ({type(exc).__name__})")
-            a.lease = HeldLease(
-                key=a.key,
-                lease_key=leases.keys_for(a.key).lease,
-                token=a.attempt_id,
-                generation=a.generation,
-                ttl=config.lease_ttl,
-                interval=config.renew_interval,
-                margin=config.lease_margin,
-                claimed_at=claimed_at,
-                max_runtime=self._max_runtime(config),
-                on_lost=on_lost,
-                on_renewed=on_renewed,
-            )
-            renewer.add(a.lease)
-            self._emit_for(Action.CLAIMED, a)
-            if request_json is None:
-                request_json = request_text(self.name, args, kwargs, self.request) or ""
-            if (
-                a.generation == 1
-                and config.defer_first_registration
-                and self._first_delivery()
-                and NUL_ESCAPE not in request_json  # PostgreSQL refuses it: register to know
-            ):
-                # Nothing to fence out yet: the completion writes the row in one statement.
-                a.deferred, a.registered, a.attempts = True, True, 1
-                a.request_json = request_json or None
-                return None
-            try:
-                registration = a.store.register(
-                    a.key,
-                    generation=a.generation,
-                    attempt_id=a.attempt_id,
-                    task_name=self.name,
-                    request_json=request_json or None,
-                )
-            except sa_exc.DataError as exc:  # the database refuses the request: every time
-                if config.unsettled:
-                    return o.Unavailable(exc, "store refused registration")
-                return o.Refused(exc, request_json or None)
-            except sa_exc.ProgrammingError as exc:  # e.g. the tables do not exist
-                reason = refusal_reason(exc, "registration")
-                return o.Unavailable(exc, reason, max(5.0, config.retry_backoff_max / 10))
-            except Exception as exc:  # nothing was registered: re-send, never drop
-                return o.Unavailable(exc, f"store unavailable ({type(exc).__name__})")
-            a.attempts = registration.attempts
-            if registration.outcome == "registered":
-                a.registered = True
-                return o.Exhausted() if a.attempts > config.max_attempts else None
-            if registration.outcome == "completed":
-                assert registration.record is not None
-                return o.Replayed(registration.record)
-            if registration.outcome == "dead":
-                return o.AlreadyDead(registration.record)
-            # Redis handed out a generation the store already saw (its counter was lost): raise
-            # the counter above the store's and claim again. The store stays the authority.
-            renewer.discard(a.lease, release=False)
-            lease, a.lease = a.lease, None
-            leases.release(lease.lease_key, lease.value)  # now, so the re-claim does not meet it
-            logger.warning(
-                "fence generation regressed key=%s generation=%s stored=%s; raising the counter",
-                a.key,
-                a.generation,
-                registration.stored_generation,
-                extra={
-                    "action": "regressed",
-                    "fence_key": a.key,
-                    "attempt_id": a.attempt_id,
-                    "generation": a.generation,
-                    "reason": "redis counter behind the store",
-                },
-            )
-            leases.raise_generation(a.key, registration.stored_generation)
-        return o.Unavailable(
-            FenceError(f"could not claim a generation above the store's for {a.key!r}"),
-            "generation regressed on every claim round",
-        )
 
     def _first_delivery(self) -> bool:
         """This message's first delivery: not a re-send (Celery's ``retries``: the fence's own,
@@ -352,10 +227,6 @@ class FencedTask(Task):
         redelivered = (request.delivery_info or {}).get("redelivered")
         resent = request.get("fence_key") and not request.get(ENQUEUED_HEADER)
         return not (request.retries or redelivered or resent)
-
-    def _stored_request(self, args: Any, kwargs: Any) -> str | None:
-        """The request as the store keeps it for a requeue (JSON text; None if not JSON)."""
-        return request_text(self.name, args, kwargs, self.request)
 
     def _max_runtime(self, config: FenceConfig) -> float | None:
         """``fence_max_runtime``, else the hard time limit of this message or task, else None."""
@@ -375,6 +246,10 @@ class FencedTask(Task):
             return action.result
         if isinstance(action, (o.Fail, o.Reraise)):
             raise action.error
+        if isinstance(action, o.Requeue):
+            raise Reject(action.reason, requeue=True)
+        if isinstance(action, o.Acknowledge):
+            return None
         return self._resend(action)
 
     def _resend(self, action: o.Resend) -> Any:
@@ -391,16 +266,19 @@ class FencedTask(Task):
             action.reason,
             extra={"action": "reschedule", "reason": action.reason},
         )
-        options = {} if self.fence_config().unsettled else {"expires": None}
         # A publish the broker refuses raises RetryNotSent: the message goes back (requeue).
         retry = self.retry(
             exc=Rescheduled(action.reason),
             countdown=countdown,
             max_retries=None,
             throw=False,
-            **options,
+            **self.resend_options(),
         )
         raise retry from None
+
+    def resend_options(self) -> dict[str, Any]:
+        """Options of the fence's own re-send: ``expires`` is not carried over."""
+        return {"expires": None}
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's ``retry``, except when the broker refuses the retry message: Celery would
@@ -434,19 +312,3 @@ class FencedTask(Task):
             )
             time.sleep(pause)  # the message stays unacked meanwhile; the lease is renewed
             raise RetryNotSent(rejected.reason) from None
-
-    # -- transitions -----------------------------------------------------------------------------
-
-    def _emit_for(
-        self, action: Action, attempt: o.Attempt, reason: str | None = None, **extra: Any
-    ) -> None:
-        transitions.emit_transition(
-            action,
-            self,
-            key=attempt.key,
-            attempt_id=attempt.attempt_id,
-            generation=attempt.generation,
-            reason=reason,
-            origin=(self.request.id, self.request.hostname),
-            **extra,
-        )

@@ -30,20 +30,20 @@ the retry converge.
 
 A holder paused inside a block holds its transaction's locks. On PostgreSQL the block sets
 ``idle_in_transaction_session_timeout`` to the lease TTL (the server ends a session that waits that
-long between two statements, which rolls it back) and ``lock_timeout`` to :data:`LOCK_TIMEOUT_TTLS`
-TTLs, at most ``fence_database_timeout`` (a newer attempt's block waits that long for rows a paused
-holder locked, then fails and retries); the store's own statements wait ``fence_lock_timeout`` (a
-registration then fails and its message is re-sent). On SQLite nothing can end a stopped process's
-transaction: every write to the database waits until the holder resumes (its commit is then
-refused: the lease is lost) or dies.
+long between two statements, which rolls it back) and ``lock_timeout`` to
+:data:`~celery_fence.store.jobs.LOCK_TIMEOUT_TTLS` TTLs, at most ``fence_database_timeout`` (a
+newer attempt's block waits that long for rows a paused holder locked, then fails and retries); the
+store's own statements wait ``fence_lock_timeout`` (a registration then fails and its message is
+re-sent). On SQLite nothing can end a stopped process's transaction: every write to the database
+waits until the holder resumes (its commit is then refused: the lease is lost) or dies.
 
 Nested blocks share the outermost block's connection: an inner block is a SAVEPOINT (an exception
 inside it rolls back to the savepoint), and the commit — fenced — is the outermost block's. Each
 thread has its own outermost block (a connection is never shared between threads). A lease loss
 seen while a block is open is recorded once the last open block has closed (on SQLite the block
-holds the write lock the record needs). ``fence_unfenced`` (the chaos harness's control arm,
-never a production setting) turns the block into what it replaces: ``guard()`` on entry, then a
-plain transaction.
+holds the write lock the record needs). The chaos harness's store without the fence (its control
+arm, never a production setting) turns the block into what it replaces: ``guard()`` on entry,
+then a plain transaction.
 """
 
 from __future__ import annotations
@@ -70,11 +70,6 @@ if TYPE_CHECKING:
     from .lease import HeldLease
     from .store import Store
 
-#: A block's ``lock_timeout`` on PostgreSQL, in lease TTLs (at most ``fence_database_timeout``):
-#: long enough to outwait a paused holder, whose session the server ends after one TTL idle in
-#: its transaction.
-LOCK_TIMEOUT_TTLS = 2.0
-
 _LOCAL_HOSTS = frozenset({"", "localhost", "127.0.0.1", "::1"})
 
 
@@ -90,13 +85,24 @@ class Block:
 
 
 class OpenBlocks:
-    """The open outermost blocks of one attempt (one per thread at most) and a lease loss seen
-    while any of them was open, whose record waits for the last one to close."""
+    """The fenced blocks of one attempt: its open outermost ``transaction()``/``session()``
+    blocks (one per thread at most), the Django aliases with an open ``atomic()`` block, the
+    refusal of a fenced commit (every later block is refused too), and a lease loss seen while a
+    block was open, whose record waits for the last one to close."""
 
     def __init__(self) -> None:
         self._open: dict[int, Block] = {}
         self._lock = threading.Lock()
         self._loss_seen = False
+        #: Django aliases with an open ``fence.atomic()`` block.
+        self.atomic: set[str] = set()
+        #: A fenced commit found a newer generation: no later block of this attempt commits.
+        self.refused: FenceError | None = None
+
+    def raise_refused(self) -> None:
+        """Raise (a fresh copy of) the refusal of an earlier fenced commit, if any."""
+        if self.refused is not None:
+            raise _again(self.refused)
 
     def current(self) -> Block | None:
         """This thread's open block."""
@@ -113,7 +119,7 @@ class OpenBlocks:
             if self._open and lease.lost:
                 self._loss_seen = True
                 return True
-            return False
+            return bool(self.atomic) and lease.lost
 
     def remove(self, block: Block, lease: HeldLease) -> None:
         """``block`` closed (its connection holds no lock any more): the last one to close
@@ -135,7 +141,7 @@ class OpenBlocks:
 @contextlib.contextmanager
 def transaction(fence: Fence, bind: sa.Engine | None = None) -> Iterator[sa.Connection]:
     """``with self.fence.transaction() as conn:`` — see the module docstring."""
-    block = fence._blocks.current()
+    block = fence.blocks.current()
     if block is not None:
         conn = join_block(fence, block, bind, "transaction")
         with conn.begin_nested():
@@ -151,17 +157,13 @@ def transaction(fence: Fence, bind: sa.Engine | None = None) -> Iterator[sa.Conn
 @contextlib.contextmanager
 def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
     store = store_of(fence)
-    if fence._atomic:
+    if fence.blocks.atomic:
         raise FenceError(
             "fence.transaction()/session() inside an open fence.atomic() block: the two are "
             "separate connections, and a fenced commit covers one. Write through Django's ORM "
             "inside fence.atomic(), or run the blocks one after another."
         )
-    if fence._refused is not None:
-        raise _again(fence._refused)
-    fence.check()  # guard() semantics: a lost lease stops the work before the block
-    if fence._before_block is not None:
-        fence._before_block()
+    fence.prepare_block()
     engine = store.engine if bind is None else checked_bind(store, bind)
     conn = engine.connect()
     block = Block(engine, conn)
@@ -171,7 +173,7 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
         sa.event.listen(conn, "begin", functools.partial(_on_begin, fence, store))
         sa.event.listen(conn, "commit", functools.partial(_on_commit, fence, store, block))
         sa.event.listen(conn, "rollback", functools.partial(_on_rollback, store))
-        fence._blocks.add(block)
+        fence.blocks.add(block)
         _install_write_guard()
         outer, _this_thread.block = getattr(_this_thread, "block", None), block
         try:
@@ -193,7 +195,7 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
             conn.close()
         finally:
             _this_thread.block = outer
-            fence._blocks.remove(block, fence._lease)  # records a loss seen inside the block
+            fence.blocks.remove(block, fence.lease)  # records a loss seen inside the block
 
 
 _this_thread = threading.local()  # .block: this thread's open outermost block, if any
@@ -335,44 +337,26 @@ def join_block(fence: Fence, block: Block, bind: sa.Engine | None, what: str) ->
 def _on_begin(fence: Fence, store: Store, conn: sa.Connection) -> None:
     """Every transaction the block's connection begins (the block's, and one after a commit
     inside it)."""
-    if conn.dialect.name == "sqlite":
-        conn.exec_driver_sql(sql.begin("sqlite", immediate=not store.unfenced))
-    elif not store.unfenced:
-        conn.exec_driver_sql(pg_bounds(fence, store))
-
-
-def pg_bounds(fence: Fence, store: Store) -> str:
-    """A PostgreSQL block's bounds for its transaction: idle in it at most one lease TTL, a lock
-    wait and a statement at most ``fence_database_timeout`` (the lock wait 2 TTLs at most)."""
-    ttl_ms = math.ceil(fence._lease.ttl * 1000)
-    timeout_ms = math.ceil(store.database_timeout * 1000)
-    lock_ms = min(math.ceil(ttl_ms * LOCK_TIMEOUT_TTLS), timeout_ms)
-    return sql.pg_block_bounds(ttl_ms, lock_ms, timeout_ms)
+    store.block_begin(conn, fence.lease.ttl)
 
 
 def _on_commit(fence: Fence, store: Store, block: Block, conn: sa.Connection) -> None:
-    """Just before the connection commits: the ownership check, in the same transaction, then
-    the driver's COMMIT, bounded. A refusal rolls the transaction back here (SQLAlchemy would
-    otherwise leave the driver's transaction open behind a failed commit) and raises out of the
-    commit."""
-    if not store.unfenced:  # the chaos control arm: a plain commit
-        try:
-            fence.check()  # LeaseLost: paused past the lease inside the block
-            owner = store.commit_check(
-                conn, fence.key, generation=fence.generation, attempt_id=fence.attempt_id
-            )
-        except BaseException as exc:
-            _end_driver_transaction(store, conn, "rollback", quiet=True)
-            if isinstance(exc, FenceError):
-                block.refused = exc
-            raise
-        if not owner:
-            _end_driver_transaction(store, conn, "rollback", quiet=True)
-            refused = store._rejected(
-                fence.key, fence.generation, fence.attempt_id, "fenced commit"
-            )
-            block.refused = fence._refused = refused
-            raise refused
+    """Just before the connection commits: the lease check and the ownership check, in the same
+    transaction, then the driver's COMMIT, bounded. A refusal rolls the transaction back here
+    (SQLAlchemy would otherwise leave the driver's transaction open behind a failed commit) and
+    raises out of the commit."""
+    try:
+        owner = store.block_owner(conn, fence)  # LeaseLost: paused past the lease in the block
+    except BaseException as exc:
+        _end_driver_transaction(store, conn, "rollback", quiet=True)
+        if isinstance(exc, FenceError):
+            block.refused = exc
+        raise
+    if not owner:
+        _end_driver_transaction(store, conn, "rollback", quiet=True)
+        refused = store._rejected(fence.key, fence.generation, fence.attempt_id, "fenced commit")
+        block.refused = fence.blocks.refused = refused
+        raise refused
     _end_driver_transaction(store, conn, "commit")
 
 
@@ -419,7 +403,7 @@ def unrecorded_loss(fence: Fence) -> LeaseLost:
     signalled) once the blocks have closed: :meth:`OpenBlocks.remove`."""
     return LeaseLost(
         f"lease lost for key {fence.key!r} at generation {fence.generation}: "
-        f"{fence._lease.lost_reason or 'deadline passed without a confirmed renewal'}",
+        f"{fence.lease.lost_reason or 'deadline passed without a confirmed renewal'}",
         key=fence.key,
         generation=fence.generation,
     )
@@ -443,17 +427,17 @@ def _again(refused: FenceError) -> FenceError:
 
 
 def store_of(fence: Fence) -> Store:
-    if fence._store is None:
+    if fence.store is None:
         raise FenceError(
             f"fence.transaction() for {fence.key!r} has no store: it is only available inside "
             "a fenced task's body (self.fence, with @app.task(base=FencedTask, bind=True))"
         )
-    return fence._store
+    return fence.store
 
 
 def checked_bind(store: Store, bind: Any) -> sa.Engine:
     """``bind`` if it is an ``Engine`` on the store's database, else a clear
-    :class:`ConfigurationError` (never a silently unfenced write)."""
+    :class:`ConfigurationError` (never a silent write past the fence)."""
     if type(bind).__module__.startswith("django."):
         raise ConfigurationError(
             "fence.transaction(bind=...) got a Django database connection: Django's ORM writes on "

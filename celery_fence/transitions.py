@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery.utils.dispatch import Signal
 
@@ -30,6 +30,9 @@ from .events import event_type, send_transition_event
 from .lease import HeldLease
 from .renewer import RENEWER_THREAD_NAME
 from .runtime import runtime
+
+if TYPE_CHECKING:
+    from .store import Store as JobStore
 
 logger = logging.getLogger("celery_fence")
 
@@ -114,8 +117,9 @@ def emit_transition(
     error: BaseException | None = None,
     **extra: Any,
 ) -> None:
-    """Log ``action``, send its signal and, for a worker's attempt (``origin`` given, ``-E``,
-    ``fence_send_events``), queue its Celery event; never raises.
+    """Log ``action``, send its signal and, for a worker's attempt (``origin`` given: the caller
+    checked ``fence_send_events``; the worker runs with ``-E``), queue its Celery event; never
+    raises.
 
     ``sender`` is the task (or, from the CLI, its name); ``extra`` holds the signal's and the
     event's additional fields (``remaining``, ``countdown``, ``attempts``), never payloads.
@@ -166,18 +170,17 @@ def emit_transition(
             logger.exception("fence %s: a %s receiver failed key=%s", action, t.signal.name, key)
     if t.event is not None and origin is not None:
         try:
-            if sender.fence_config().send_events:
-                send_transition_event(
-                    sender,
-                    t.event,
-                    task_id=origin[0],
-                    hostname=origin[1],
-                    fence_key=key,
-                    attempt_id=attempt_id,
-                    generation=generation,
-                    reason=reason,
-                    **extra,
-                )
+            send_transition_event(
+                sender,
+                t.event,
+                task_id=origin[0],
+                hostname=origin[1],
+                fence_key=key,
+                attempt_id=attempt_id,
+                generation=generation,
+                reason=reason,
+                **extra,
+            )
         except Exception:  # events are a view, never a reason to fail
             logger.debug("could not queue the fence event of %s", action, exc_info=True)
 
@@ -197,37 +200,69 @@ def error_line(error: BaseException) -> str:
     return text if len(text) <= ERROR_LINE_LENGTH else text[: ERROR_LINE_LENGTH - 1] + "…"
 
 
+@dataclass(frozen=True)
+class Announcer:
+    """How one attempt's transitions are announced: ``sender`` (the task) sends the signals,
+    ``origin`` names the Celery message and worker for its events, sent when ``events``."""
+
+    sender: Any
+    origin: Origin | None = None
+    events: bool = False
+
+    def __call__(
+        self,
+        action: Action,
+        *,
+        key: str,
+        attempt_id: str | None = None,
+        generation: int | None = None,
+        reason: str | None = None,
+        error: BaseException | None = None,
+        **extra: Any,
+    ) -> None:
+        emit_transition(
+            action,
+            self.sender,
+            key=key,
+            attempt_id=attempt_id,
+            generation=generation,
+            reason=reason,
+            origin=self.origin if self.events else None,
+            error=error,
+            **extra,
+        )
+
+
 def lease_observers(
-    task: Any, origin: Origin
+    announcer: Announcer, store: JobStore
 ) -> tuple[Callable[[HeldLease, str], None], Callable[[HeldLease], None]]:
-    """``(on_lost, on_renewed)`` callbacks of one attempt's :class:`HeldLease`."""
+    """``(on_lost, on_renewed)`` of one attempt's :class:`HeldLease`: announce, and record a
+    loss in ``store``."""
     return (
-        functools.partial(_on_lost, task, origin),
-        functools.partial(_on_renewed, task, origin),
+        functools.partial(_on_lost, announcer, store),
+        functools.partial(_on_renewed, announcer),
     )
 
 
-def _on_lost(task: Any, origin: Origin, lease: HeldLease, reason: str) -> None:
-    emit_transition(
+def _on_lost(announcer: Announcer, store: JobStore, lease: HeldLease, reason: str) -> None:
+    announcer(
         Action.LOST,
-        task,
         key=lease.key,
         attempt_id=lease.token,
         generation=lease.generation,
         reason=reason,
-        origin=origin,
     )
     if threading.current_thread().name != RENEWER_THREAD_NAME:
-        _record_lost(task, lease, reason)  # the task noticed: record before it goes on
+        _record_lost(store, lease, reason)  # the task noticed: record before it goes on
         return
     # The renewal thread noticed: write the history row off that thread, so a slow database
     # never delays the renewal of the process's other leases.
-    runtime().writer.submit(_record_lost, task, lease, reason)
+    runtime().writer.submit(_record_lost, store, lease, reason)
 
 
-def _record_lost(task: Any, lease: HeldLease, reason: str) -> None:
+def _record_lost(store: JobStore, lease: HeldLease, reason: str) -> None:
     try:
-        task._fence_backends()[1].record(
+        store.record(
             lease.key,
             action=Action.LOST,
             generation=lease.generation,
@@ -243,15 +278,15 @@ def _record_lost(task: Any, lease: HeldLease, reason: str) -> None:
         )
 
 
-def _on_renewed(task: Any, origin: Origin, lease: HeldLease) -> None:
-    emit_transition(
-        Action.RENEWED,
-        task,
-        key=lease.key,
-        attempt_id=lease.token,
-        generation=lease.generation,
-        origin=origin,
-    )
+def _on_renewed(announcer: Announcer, lease: HeldLease) -> None:
+    announcer(Action.RENEWED, key=lease.key, attempt_id=lease.token, generation=lease.generation)
 
 
-__all__ = ["TABLE", "ActionSpec", "Origin", "emit_transition", "lease_observers"]
+__all__ = [
+    "TABLE",
+    "ActionSpec",
+    "Announcer",
+    "Origin",
+    "emit_transition",
+    "lease_observers",
+]

@@ -31,35 +31,32 @@ Three ways a fenced message can end without its task body's settle step running:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from billiard.exceptions import TimeLimitExceeded
 from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
 from celery.worker.request import Request
 
-from .actions import Action
+from . import outcomes as o
 from .errors import ConfigurationError
 from .records import encode_request
 from .runtime import app_state, runtime
-from .transitions import emit_transition
+
+if TYPE_CHECKING:
+    from .execution import Execution
 
 logger = logging.getLogger("celery_fence")
 
 
 class FencedRequest(Request):
-    """The worker-side request of a :class:`~celery_fence.FencedTask` message."""
+    """The worker-side request of a :class:`~celery_fence.FencedTask` message: the exits Celery
+    drives here are settled by an :class:`~celery_fence.execution.Execution` of the task."""
 
     _fence_time_limit_settled = False
 
-    def _unsettled(self) -> bool:
-        try:
-            return bool(self.task._fence_backends()[0].unsettled)
-        except Exception:
-            return False
-
     def on_timeout(self, soft: bool, timeout: float) -> None:
-        if not soft and not self._unsettled():
+        if not soft:
             self._settle_time_limit(timeout)
         super().on_timeout(soft, timeout)
 
@@ -70,74 +67,47 @@ class FencedRequest(Request):
         # whichever comes first gives the message back before Celery would ack it.
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
-        if isinstance(exc, TimeLimitExceeded) and not self._unsettled():
+        if isinstance(exc, TimeLimitExceeded):
             self._settle_time_limit(exc.args[0] if exc.args else None)
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> None:
+        why = "expired" if expired else "revoked"
+        self._apply(self._settle_unrun(why, terminated))
+        super()._announce_revoked(reason, terminated, signum, expired)
 
     def _settle_time_limit(self, timeout: float | None) -> None:
         if self._fence_time_limit_settled:
             return
         self._fence_time_limit_settled = True
-        task: Any = self.task
-        key = self.id
         try:
-            store = task._fence_backends()[1]
-            key = task.logical_key(self.args, self.kwargs, self.id)
-            store.record(key, action=Action.TIME_LIMIT, reason=f"hard time limit {timeout}s")
-        except Exception as exc:  # history only: the message goes back all the same
+            execution = self._execution()
+            try:
+                key = self.task.logical_key(self.args, self.kwargs, self.id)
+            except ConfigurationError:
+                key = str(self.id)
+            action = execution.settle_time_limit(key, timeout)
+        except Exception as exc:  # no execution (settings): the message goes back all the same
             logger.warning(
                 "fence could not record the hard time limit of task=%s id=%s: %s",
                 self.task_name,
                 self.id,
                 type(exc).__name__,
+                extra={"action": "store_error", "reason": "time limit"},
             )
-        emit_transition(
-            Action.TIME_LIMIT,
-            task,
-            key=key,
-            reason=f"hard time limit {timeout}s, task={self.task_name} id={self.id}: the "
-            "message goes back to the broker",
-        )
-        self.reject(requeue=True)  # Celery's own ack that follows is then a no-op
+            action = o.Requeue("hard time limit")
+        self._apply(action)  # Celery's own ack that follows is then a no-op
 
-    def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> None:
-        why = "expired" if expired else "revoked"
-        if not self._unsettled() and not self._settle_unrun(why, terminated):
-            self.reject(requeue=True)  # the store could not say: decide again on redelivery
-        super()._announce_revoked(reason, terminated, signum, expired)
-
-    def _settle_unrun(self, why: str, terminated: bool = False) -> bool:
+    def _settle_unrun(self, why: str, terminated: bool) -> o.CeleryAction:
         """Settle the job of a message Celery will not run (or, ``terminated``, whose running
-        attempt ``revoke(terminate=True)`` killed: the job is recorded ``dead``, reason
-        "revoked", so recovery leaves it alone); True when the store says what happened (or
-        nothing needed saying)."""
-        task: Any = self.task
+        attempt ``revoke(terminate=True)`` killed)."""
         try:
-            config, store, leases = task._fence_backends()[:3]
+            execution = self._execution()
             try:
-                key = task.logical_key(self.args, self.kwargs, self.id)
+                key = self.task.logical_key(self.args, self.kwargs, self.id)
             except ConfigurationError:
-                return True  # an unkeyed message that never ran: nothing to record
-            shared_key = key != self.id
-            # A deferred first claim writes no row while it runs, so "no row" does not mean "no
-            # attempt": taking a generation does. Only a message that takes the first one may
-            # record a new row dead; after any claim, that claim's attempt owns the job. (A
-            # terminated attempt is this message's own: its job is recorded, row or none.)
-            first = (
-                terminated
-                or not config.defer_first_registration
-                or leases.take_generation(key) == 1
-            )
-            store.end_unrun(
-                key,
-                task_name=self.task_name,
-                request=encode_request(self.task_name, self.args, self.kwargs, self._context),
-                reason=why,
-                only_insert=shared_key,
-                terminated_id=self.id if terminated else None,
-                insert=first,
-                message_id=self.id,
-            )
+                return o.Acknowledge()  # an unkeyed message that never ran: nothing to record
+            request = encode_request(self.task_name, self.args, self.kwargs, self._context)
         except Exception as exc:
             logger.error(
                 "fence could not settle the %s task=%s id=%s: %s; the message goes back",
@@ -147,16 +117,20 @@ class FencedRequest(Request):
                 type(exc).__name__,
                 extra={"action": "store_error", "reason": why},
             )
-            return False
-        emit_transition(
-            Action(why),
-            task,
-            key=key,
-            reason=f"task={self.task_name} id={self.id} "
-            + ("terminated" if terminated else "not run")
-            + "; the job is recorded",
+            return o.Requeue(f"{why}: settings or store unavailable")
+        return execution.settle_unrun(
+            key, why=why, message_id=self.id, request=request, terminated=terminated
         )
-        return True
+
+    def _execution(self) -> Execution:
+        task: Any = self.task
+        execution: Execution = task.fence_execution(message_id=self.id, hostname=self.hostname)
+        return execution
+
+    def _apply(self, action: o.CeleryAction) -> None:
+        """The worker's side of an action: give the message back, or let Celery ack it."""
+        if isinstance(action, o.Requeue):
+            self.reject(requeue=True)
 
 
 @worker_process_shutdown.connect(weak=False)
@@ -194,10 +168,10 @@ def _remember_celery_command(sender: Any = None, **_: Any) -> None:
 def _check_settings_at_start(sender: Any = None, **_: Any) -> None:
     """Refuse to start when a fenced task's settings are invalid: one line, nothing consumed."""
     app = getattr(sender, "app", None)
-    if app is None or app.conf.get("fence_unsettled"):  # unsettled: the chaos control arm
+    if app is None:
         return
     for task in list(app.tasks.values()):
-        if getattr(task, "Request", None) == FENCED_REQUEST:
+        if getattr(task, "settings_checked_at_start", False):
             try:
                 task.fence_config()
             except ConfigurationError as exc:

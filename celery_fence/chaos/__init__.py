@@ -187,13 +187,13 @@ aborted run's jobs are checked as they are (unfinished ones are lost), the scena
   flush, the outage; for the others the send) until every job of the run was terminal, every
   message finished and every effect delivered.
 
-``--unfenced`` is a demonstration, never a setting for production: it sets ``fence_unfenced=True``
-in the workers, which turns off only the store's generation fence (``Store(unfenced=True)``: last
-writer wins); leases, renewal and ``guard()`` stay on, and ``fence.transaction()`` becomes what it
-replaces: ``guard()`` on entry, then a plain transaction. ``--scenario pause --unfenced`` then shows
-stale writes accepted > 0 (and usually duplicate completions and re-runs), and ``--scenario
-app-write --unfenced`` stale app-table writes > 0, which is the proof that the fence is what keeps
-the other tables at zero.
+``--unfenced`` is a demonstration, never a setting for production: the workload's task takes the
+base :class:`~celery_fence.chaos.arms.UnfencedTask`, whose store has no generation fence
+(:class:`~celery_fence.chaos.arms.UnfencedStore`: last writer wins); leases, renewal and
+``guard()`` stay on, and ``fence.transaction()`` becomes what it replaces: ``guard()`` on entry,
+then a plain transaction. ``--scenario pause --unfenced`` then shows stale writes accepted > 0 (and
+usually duplicate completions and re-runs), and ``--scenario app-write --unfenced`` stale app-table
+writes > 0, which is the proof that the fence is what keeps the other tables at zero.
 
 ``--rerun-finished`` is a demonstration too: the workload's task registers through a store
 double (:class:`~celery_fence.chaos.workload.RerunsFinished`, in this package, not in the
@@ -207,8 +207,9 @@ committed runs the body again).
 ``--scenario unknown-remote --provider-not-idempotent`` then shows duplicate external effects > 0
 (the retried charge is performed twice).
 
-``--unsettled`` is a demonstration too: it sets ``fence_unsettled=True`` in the workers, which
-leaves Celery's own exits as plain Celery handles them — a hard time limit is acked, ``expires``
+``--unsettled`` is a demonstration too: the workload's task takes the base
+:class:`~celery_fence.chaos.arms.UnsettledTask`, which leaves Celery's own exits as plain Celery
+handles them — a hard time limit is acked, ``expires``
 is copied onto the fence's re-sends, the settings are not checked when the worker starts (the
 bad setting fails at the first task, acked as FAILURE), and a request the database refuses is
 re-sent in a loop. ``--scenario time-limit,expires,misconfig,refused-arg --unsettled`` then shows

@@ -68,14 +68,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     p.add_argument(
         "--unfenced",
         action="store_true",
-        help="DEMONSTRATION ONLY: fence_unfenced=True turns off the store's "
-        "generation fence (fence.transaction() becomes guard() + a plain transaction); "
-        "expect stale writes",
+        help="DEMONSTRATION ONLY: the workers' store has no generation fence "
+        "(fence.transaction() becomes guard() + a plain transaction); expect stale writes",
     )
     p.add_argument(
         "--unsettled",
         action="store_true",
-        help="DEMONSTRATION ONLY: fence_unsettled=True leaves Celery's own exits "
+        help="DEMONSTRATION ONLY: a task base that leaves Celery's own exits "
         "(hard time limit, expires, bad settings, refused arguments) as plain Celery "
         "handles them; expect lost jobs",
     )

@@ -66,6 +66,7 @@ from celery_fence.store import Store
 from celery_fence.store.fenced import FencedWriter
 
 from . import APP_ROWS, CHARGE, NOTIFY, TASK_NAME
+from .arms import UnfencedTask, UnsettledTask
 
 #: Environment variables the harness sets (all strings) and their defaults.
 ENV_DEFAULTS = {
@@ -113,8 +114,6 @@ def make_app(s: Mapping[str, str]) -> Celery:
         fence_retry_backoff_max=0.5,
         # the harness retries on purpose, many times a minute: the budget must not delay it
         fence_retry_budget_floor=100_000,
-        fence_unfenced=s["CHAOS_UNFENCED"] == "1",
-        fence_unsettled=s["CHAOS_UNSETTLED"] == "1",
     )
     return app
 
@@ -175,23 +174,6 @@ def call_provider(path: str, idem: str, payload: Any, *, timeout: float) -> dict
     return dict(json.loads(data or b"{}"))
 
 
-class ExitsUnsettled(FencedTask):
-    """The control arm of the ``interrupted`` scenario (``--unsettled``): an exit that is not an
-    ``Exception`` leaves the attempt with its lease still held and renewed, as it did before
-    every exit settled — the key stays busy for the life of the worker."""
-
-    abstract = True
-
-    def _execute(self, attempt: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super()._execute(attempt, *args, **kwargs)
-        except Exception:
-            raise
-        except BaseException:
-            attempt.lease = None  # never discarded: the renewer keeps it alive
-            raise
-
-
 #: The registration's terminal-state term, as the store's registration statement renders it.
 TERMINAL_TERM = "fence_jobs.status NOT IN ('completed', 'dead') AND "
 
@@ -216,8 +198,8 @@ class RerunsFinished(FencedTask):
 
     abstract = True
 
-    def _fence_backends(self) -> Any:
-        backends = super()._fence_backends()
+    def fence_backends(self) -> Any:
+        backends = super().fence_backends()
         store: Store = backends.store
         if not isinstance(store.writer, _RegistersFinished):
             store.writer = _RegistersFinished(
@@ -226,11 +208,23 @@ class RerunsFinished(FencedTask):
         return backends
 
 
-_BASE: type[FencedTask] = FencedTask
-if S["CHAOS_UNSETTLED"] == "1":
-    _BASE = ExitsUnsettled
-elif S["CHAOS_RERUN_FINISHED"] == "1":
-    _BASE = RerunsFinished
+def _base(s: Mapping[str, str]) -> type[FencedTask]:
+    """The task base of the arm the settings ask for (the control arms: :mod:`.arms`)."""
+    bases = [
+        base
+        for flag, base in (
+            ("CHAOS_UNFENCED", UnfencedTask),
+            ("CHAOS_UNSETTLED", UnsettledTask),
+            ("CHAOS_RERUN_FINISHED", RerunsFinished),
+        )
+        if s[flag] == "1"
+    ]
+    if len(bases) <= 1:
+        return bases[0] if bases else FencedTask
+    return type("ControlArms", tuple(bases), {"abstract": True})
+
+
+_BASE = _base(S)
 
 
 @app.task(base=_BASE, bind=True, name=TASK_NAME, fence_key=lambda key, **kw: key)

@@ -12,11 +12,12 @@ import sqlalchemy as sa
 from celery.bin.base import CeleryCommand, handle_preload_options
 from celery.exceptions import CeleryCommandException
 
+from ..backends import store_for
 from ..config import FenceConfig
 from ..errors import FenceError
 from ..records import never_claimed
 from ..scope import Scope
-from ..store import JobRecord, Store, store_for
+from ..store import JobRecord, Store
 
 EX_FAILURE = 1
 EX_USAGE = 2

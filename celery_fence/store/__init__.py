@@ -14,9 +14,6 @@ Its values (records, requests, effects) live in :mod:`celery_fence.records`.
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..config import FenceConfig
 from ..records import (
     Effect,
     JobRecord,
@@ -26,22 +23,10 @@ from ..records import (
     dumps_strict,
     encode_request,
 )
-from ..runtime import runtime
 from ..schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
 from .admin import UNFINISHED
 from .jobs import Store
 from .outbox import OutboxRow, OutboxStore
-
-
-def store_for(config: Any) -> Store:
-    """This process's store for a :class:`~celery_fence.config.FenceConfig`."""
-    return runtime().store(config)
-
-
-def get_store(app: Any) -> Store:
-    """The store an app's fenced tasks write to: ``get_store(app).get(key)``."""
-    return store_for(FenceConfig.from_app(app))
-
 
 __all__ = [
     "COMPLETED",
@@ -60,7 +45,5 @@ __all__ = [
     "decode_request",
     "dumps_strict",
     "encode_request",
-    "get_store",
-    "store_for",
     "utcnow",
 ]

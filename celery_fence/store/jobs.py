@@ -8,15 +8,16 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import json
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from .. import schema
 from ..actions import Action
 from ..config import DEFAULT_DATABASE_TIMEOUT
-from ..errors import StaleGeneration, StoreError
+from ..errors import JobDead, StaleGeneration, StoreError
 from ..records import (
     ENCODED_REQUEST,
     Effect,
@@ -33,17 +34,29 @@ from .engine import Database
 from .fenced import FencedWriter, Row
 from .outbox import OutboxStore
 
+if TYPE_CHECKING:
+    from ..fence import Fence
+
+#: A block's ``lock_timeout`` on PostgreSQL, in lease TTLs (at most ``fence_database_timeout``):
+#: long enough to outwait a paused holder, whose session the server ends after one TTL idle in
+#: its transaction.
+LOCK_TIMEOUT_TTLS = 2.0
+
 
 class Store:
     """The SQL repository of jobs, their transitions and their outbox rows. Safe to share between
     threads; re-creates its pool after fork."""
+
+    #: The fence on the task path's writes (complete, retry, dead): :data:`.sql.OWNED`.
+    owned_where = sql.OWNED
+    #: A registration's condition: a strictly newer generation of a live job.
+    register_where = sql.NEWER_LIVE
 
     def __init__(
         self,
         url: str,
         *,
         record_transitions: bool = True,
-        unfenced: bool = False,
         defer_first_registration: bool = False,
         error_message_length: int = 500,
         lock_timeout: float = 5.0,
@@ -61,7 +74,6 @@ class Store:
         self.database_timeout = database_timeout
         self.lock_timeout = lock_timeout
         self.record_transitions = record_transitions
-        self.unfenced = unfenced
         self.defer_first_registration = defer_first_registration
         self.error_message_length = error_message_length
         self.writer = FencedWriter(self.db, record_transitions=record_transitions)
@@ -113,9 +125,7 @@ class Store:
             else json.dumps(request, separators=(",", ":")),
         }
         statement = sql.register_sql(
-            self.dialect,
-            fenced=not self.unfenced,
-            deferred_first=self.defer_first_registration,
+            self.dialect, deferred_first=self.defer_first_registration, where=self.register_where
         )
         row = self.writer.write(statement, params, actions=_CLAIMED)
         if row is not None:
@@ -129,6 +139,44 @@ class Store:
             return Registration("dead", record.attempts, record.generation, record)
         return Registration("stale", record.attempts, record.generation, record)
 
+    # -- the fenced blocks (fence.transaction(), session(), atomic()) ---------------------------
+
+    def block_begin(self, conn: sa.Connection, ttl: float) -> None:
+        """Begin a fenced block's transaction on ``conn``: on SQLite ``BEGIN IMMEDIATE`` (the
+        write lock from the first statement, so no registration commits while it is open); on
+        PostgreSQL the block's bounds (:meth:`block_bounds`)."""
+        if conn.dialect.name == "sqlite":
+            conn.exec_driver_sql(sql.begin("sqlite", immediate=True))
+        else:
+            conn.exec_driver_sql(self.block_bounds(ttl))
+
+    def block_bounds(self, ttl: float) -> str:
+        """A PostgreSQL block's bounds for its transaction: idle in it at most one lease TTL
+        (``ttl`` seconds), a lock wait and a statement at most ``fence_database_timeout`` (the
+        lock wait :data:`LOCK_TIMEOUT_TTLS` TTLs at most)."""
+        ttl_ms = math.ceil(ttl * 1000)
+        timeout_ms = math.ceil(self.database_timeout * 1000)
+        lock_ms = min(math.ceil(ttl_ms * LOCK_TIMEOUT_TTLS), timeout_ms)
+        return sql.pg_block_bounds(ttl_ms, lock_ms, timeout_ms)
+
+    def block_owner(self, conn: sa.Connection, fence: Fence) -> bool:
+        """Whether ``fence``'s block may commit, just before it does: its lease (``LeaseLost``
+        when it was paused past it inside the block), then :meth:`commit_check` on its
+        connection, in its transaction."""
+        fence.check()
+        return self.commit_check(
+            conn, fence.key, generation=fence.generation, attempt_id=fence.attempt_id
+        )
+
+    def block_owner_cursor(self, cursor: Any, fence: Fence) -> bool:
+        """:meth:`block_owner` for a Django block: bounded, on its DB-API cursor."""
+        fence.check()
+        if self.dialect == "postgresql":
+            cursor.execute(sql.pg_statement_timeout(math.ceil(self.database_timeout * 1000)))
+        return self.commit_check_cursor(
+            cursor, fence.key, generation=fence.generation, attempt_id=fence.attempt_id
+        )
+
     def commit_check(
         self, conn: sa.Connection, key: str, *, generation: int, attempt_id: str
     ) -> bool:
@@ -141,7 +189,7 @@ class Store:
         registration commits before this transaction does. True when this attempt still owns the
         key.
         """
-        stmt = sql.commit_check(key, generation, attempt_id, fenced=not self.unfenced, now=utcnow())
+        stmt = sql.commit_check(key, generation, attempt_id, now=utcnow())
         return conn.execute(stmt).first() is not None
 
     def commit_check_cursor(
@@ -149,7 +197,7 @@ class Store:
     ) -> bool:
         """:meth:`commit_check` on a DB-API cursor that is not SQLAlchemy's (a Django cursor on
         the store's database, inside its open transaction): the same statement, ``%s`` style."""
-        stmt = sql.commit_check(key, generation, attempt_id, fenced=not self.unfenced, now=utcnow())
+        stmt = sql.commit_check(key, generation, attempt_id, now=utcnow())
         text, params = sql.format_style(stmt, self.dialect)
         cursor.execute(text, params)
         return cursor.fetchone() is not None
@@ -193,7 +241,7 @@ class Store:
             "attempt_id": attempt_id,
             "result": dumps_strict(result, "task's return value"),
         }
-        statement = sql.complete_sql(self.dialect, fenced=not self.unfenced)
+        statement = sql.complete_sql(self.dialect, where=self.owned_where)
         self.fenced_write("completion", statement, params, Action.COMPLETED, effects=effects)
 
     def complete_first(
@@ -268,7 +316,7 @@ class Store:
         params = self._owner(
             key, generation, attempt_id, retry_at=self.db.stamp(retry_at), **errors
         )
-        statement = sql.retry_sql(self.dialect, fenced=not self.unfenced, errors=bool(errors))
+        statement = sql.retry_sql(self.dialect, errors=bool(errors), where=self.owned_where)
         self.fenced_write("retry", statement, params, Action.RETRY_SCHEDULED, reason=reason)
 
     def mark_dead(
@@ -288,11 +336,8 @@ class Store:
         """
         errors = self._error_fields(error)
         params = self._owner(key, generation, attempt_id, attempts=attempts, **errors)
-        statement = sql.mark_dead_sql(
-            self.dialect,
-            fenced=not self.unfenced,
-            errors=bool(errors),
-            attempts=attempts is not None,
+        statement = sql.dead_sql(
+            self.dialect, where=self.owned_where, errors=bool(errors), attempts=attempts is not None
         )
         self.fenced_write("dead-letter", statement, params, Action.DEAD, reason=reason)
 
@@ -380,8 +425,6 @@ class Store:
         terminated; a row still unfinished under that message (its stored request has that id)
         goes ``dead`` too. Any other row keeps its state; the transition is recorded.
         """
-        from ..errors import JobDead
-
         error = JobDead(f"the message was {reason} before it ran; requeue the job to run it")
         if terminated_id is not None:
             error = JobDead(f"the attempt was {reason} while it ran; requeue the job to run it")

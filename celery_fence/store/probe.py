@@ -88,25 +88,21 @@ def _steps(store: Store, key: str) -> None:
     with store.db.connect() as conn:
         owner = _step("commit check", store.commit_check, conn, key, generation=2, attempt_id="a2")
         _expect(owner, "commit check", "the owner's check found no row")
-        if not store.unfenced:
-            stale = _step(
-                "commit check", store.commit_check, conn, key, generation=1, attempt_id="a1"
-            )
-            _expect(not stale, "commit check", "an older generation passed it")
-    if not store.unfenced:
-        try:
-            _step(
-                "stale completion",
-                store.complete,
-                key,
-                generation=1,
-                attempt_id="a1",
-                result="stale",
-            )
-        except StaleGeneration:
-            pass
-        else:
-            raise StoreError("the probe's stale completion was accepted: the fence is off")
+        stale = _step("commit check", store.commit_check, conn, key, generation=1, attempt_id="a1")
+        _expect(not stale, "commit check", "an older generation passed it")
+    try:
+        _step(
+            "stale completion",
+            store.complete,
+            key,
+            generation=1,
+            attempt_id="a1",
+            result="stale",
+        )
+    except StaleGeneration:
+        pass
+    else:
+        raise StoreError("the probe's stale completion was accepted: the fence is off")
     effect = Effect(name="probe", payload={"probe": True}, idempotency_key=f"{key}:probe")
     _step(
         "completion",

@@ -20,8 +20,9 @@ Statuses come from :class:`~celery_fence.schema.Status` and
 :class:`~celery_fence.actions.Action`.
 
 The outbox inserts ignore an existing idempotency key: with the fence on, a job completes once, so
-this never fires; in the ``fence_unfenced`` demonstration mode a second (stale) completion then
-overwrites the result, as a plain write would, without failing on the outbox.
+this never fires; under the chaos harness's store without the fence (``--unfenced``), a second
+(stale) completion then overwrites the result, as a plain write would, without failing on the
+outbox.
 """
 
 from __future__ import annotations
@@ -107,14 +108,18 @@ def sqlite_busy_timeout(ms: int | None = None) -> str:
 # -- the fenced writes ----------------------------------------------------------------------------
 
 
-def _owned(fenced: bool) -> str:
-    """This attempt still owns a running row (``fenced``), or just the key (demonstration mode)."""
-    if not fenced:
-        return "key = :key"
-    return (
-        "key = :key AND generation = :generation AND attempt_id = :attempt_id "
-        f"AND status = '{Status.RUNNING}'"
-    )
+#: The fence: a write of the task's path changes the job row only where this attempt still owns
+#: it, running. Every fenced write below says ``WHERE {OWNED}``.
+OWNED = (
+    "key = :key AND generation = :generation AND attempt_id = :attempt_id "
+    f"AND status = '{Status.RUNNING}'"
+)
+
+#: A registration takes the row only for a strictly greater generation of a live job.
+NEWER_LIVE = (
+    f"{JOBS}.status NOT IN ('{Status.COMPLETED}', '{Status.DEAD}') "
+    f"AND {JOBS}.generation < excluded.generation"
+)
 
 
 #: The row is still what was read (status, generation, attempt): operators' compare-and-set.
@@ -130,8 +135,9 @@ def _update(dialect: str, sets: str, where: str) -> str:
 
 
 @cache
-def register_sql(dialect: str, *, fenced: bool = True, deferred_first: bool = False) -> str:
-    """Upsert that takes the row only for a strictly greater generation of a live job.
+def register_sql(dialect: str, *, deferred_first: bool = False, where: str = NEWER_LIVE) -> str:
+    """Upsert that takes the row only for a strictly greater generation of a live job
+    (:data:`NEWER_LIVE`).
 
     ``deferred_first``: generation 1 is never registered up front (its row is written by its
     completion), so a new row at a generation above 1 also counts that first execution.
@@ -139,9 +145,6 @@ def register_sql(dialect: str, *, fenced: bool = True, deferred_first: bool = Fa
     first_attempts = "1"
     if deferred_first:  # the cast: a prepared statement must deduce one type per parameter
         first_attempts = "CASE WHEN CAST(:generation AS BIGINT) > 1 THEN 2 ELSE 1 END"
-    condition = f"{JOBS}.status NOT IN ('{Status.COMPLETED}', '{Status.DEAD}')"
-    if fenced:
-        condition += f" AND {JOBS}.generation < excluded.generation"
     return render(
         dialect,
         f"INSERT INTO {JOBS} ({_JOB_COLUMNS}) "
@@ -150,21 +153,18 @@ def register_sql(dialect: str, *, fenced: bool = True, deferred_first: bool = Fa
         "ON CONFLICT (key) DO UPDATE SET generation = excluded.generation, "
         f"attempt_id = excluded.attempt_id, status = '{Status.RUNNING}', "
         f"attempts = {JOBS}.attempts + 1, updated_at = excluded.updated_at, retry_at = NULL "
-        f"WHERE {condition} {RETURNING}",
+        f"WHERE {where} {RETURNING}",
     )
 
 
 @cache
-def complete_sql(dialect: str, *, fenced: bool = True) -> str:
+def complete_sql(dialect: str, *, where: str = OWNED, sets: str = "") -> str:
     """Result + completed, only where this attempt still owns a running row."""
-    sets = ""
-    if not fenced:  # demonstration mode: last writer wins
-        sets = ", generation = :generation, attempt_id = :attempt_id"
     return _update(
         dialect,
         f"status = '{Status.COMPLETED}', result = :result{_json(dialect)}, updated_at = :now, "
         f"finished_at = :now, error_type = NULL, error_message = NULL{sets}",
-        _owned(fenced),
+        where,
     )
 
 
@@ -192,22 +192,18 @@ def complete_first_sql(dialect: str) -> str:
 
 
 @cache
-def retry_sql(dialect: str, *, fenced: bool, errors: bool) -> str:
+def retry_sql(dialect: str, *, errors: bool, where: str = OWNED) -> str:
     """``retrying`` until ``:retry_at``, where this attempt owns the row."""
     sets = f"status = '{Status.RETRYING}', updated_at = :now, retry_at = :retry_at"
-    return _update(dialect, sets + (_ERRORS if errors else ""), _owned(fenced))
+    return _update(dialect, sets + (_ERRORS if errors else ""), where)
 
 
 @cache
 def dead_sql(dialect: str, *, where: str, errors: bool, attempts: bool = False) -> str:
-    """``dead`` where ``where`` (:func:`_owned`, :data:`SAME` or :data:`UNCHANGED`) holds;
+    """``dead`` where ``where`` (:data:`OWNED`, :data:`SAME` or :data:`UNCHANGED`) holds;
     ``attempts``: the count set to ``:attempts``."""
     sets = _DEAD + (", attempts = :attempts" if attempts else "") + (_ERRORS if errors else "")
     return _update(dialect, sets, where)
-
-
-def mark_dead_sql(dialect: str, *, fenced: bool, errors: bool, attempts: bool) -> str:
-    return dead_sql(dialect, where=_owned(fenced), errors=errors, attempts=attempts)
 
 
 #: The operator's and the recovery's writes (:func:`cas_sql`): a dead (or, on purpose, a
@@ -421,18 +417,15 @@ def list_jobs(
     return query
 
 
-def commit_check(
-    key: str, generation: int, attempt_id: str, *, fenced: bool, now: dt.datetime
-) -> Any:
-    """A fenced block's ownership check: touch the row where this attempt still owns it."""
-    where = jobs.c.key == key
-    if fenced:
-        where = (
-            where
-            & (jobs.c.generation == generation)
-            & (jobs.c.attempt_id == attempt_id)
-            & (jobs.c.status == Status.RUNNING.value)
-        )
+def commit_check(key: str, generation: int, attempt_id: str, *, now: dt.datetime) -> Any:
+    """A fenced block's ownership check: touch the row where this attempt still owns it
+    (:data:`OWNED`)."""
+    where = (
+        (jobs.c.key == key)
+        & (jobs.c.generation == generation)
+        & (jobs.c.attempt_id == attempt_id)
+        & (jobs.c.status == Status.RUNNING.value)
+    )
     return jobs.update().where(where).values(updated_at=now).returning(jobs.c.generation)
 
 

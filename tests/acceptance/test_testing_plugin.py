@@ -48,8 +48,10 @@ app = Celery("proj", broker="{BROKER_URL}")
 app.conf.update(
     fence_redis_url="{REDIS_URL}",
     fence_lease_ttl=30.0,
-    fence_unfenced=os.environ.get("PROJ_UNFENCED") == "1",  # a control arm, for one test
 )
+# a control arm, for one test: the store without the fence
+if os.environ.get("PROJ_UNFENCED") == "1":
+    from celery_fence.chaos.arms import UnfencedTask as FencedTask  # noqa: F811
 block_rows = sa.Table(
     "proj_block_rows",
     sa.MetaData(),
@@ -366,7 +368,8 @@ def test_pause_inside_block_checks_the_blocks_own_commit_on_postgresql(
 ) -> None:
     # Given a task whose fence.transaction() block inserts a row, stopped inside that block
     # (after its write, before its commit) past its lease while worker B takes the job over,
-    # with the store's fence on, or off (fence_unfenced: the block is then a plain transaction),
+    # with the store's fence on, or off (the chaos UnfencedTask: the block is then a plain
+    # transaction),
     monkeypatch.setenv("PROJ_UNFENCED", "1" if unfenced else "0")
     root = _project(tmp_path / "user", test_block=TEST_BLOCK)
     outcomes = _run(root, "-p", "no:celery", "--fence-database-url", pg_url)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from celery_fence.chaos.arms import UnfencedStore
 from celery_fence.errors import ResultNotSerializable, StaleGeneration, StoreError
 from celery_fence.lease import LeaseStore
 from celery_fence.schema import create_schema
@@ -273,8 +274,8 @@ def test_transitions_are_recorded_with_the_state_change(store: Store) -> None:
     ]
 
 
-def test_unfenced_mode_accepts_stale_writes_for_demonstration(db_url: str) -> None:
-    unfenced = Store(db_url, unfenced=True)
+def test_the_unfenced_control_arm_accepts_stale_writes(db_url: str) -> None:
+    unfenced = UnfencedStore(db_url)
     key = _key()
     unfenced.register(key, generation=1, attempt_id="A", task_name="t")
     unfenced.register(key, generation=2, attempt_id="B", task_name="t")
@@ -439,8 +440,8 @@ def test_a_connection_that_lost_its_prepared_statements_prepares_them_again(db_u
 
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"defer_first_registration": True, "record_transitions": False}, {"unfenced": True}],
-    ids=["default", "deferred-unrecorded", "unfenced"],
+    [{}, {"defer_first_registration": True, "record_transitions": False}],
+    ids=["default", "deferred-unrecorded"],
 )
 def test_the_write_probe_runs_a_tasks_writes_and_leaves_nothing(
     db_url: str, settings: dict[str, Any]
@@ -450,6 +451,15 @@ def test_the_write_probe_runs_a_tasks_writes_and_leaves_nothing(
     assert "rolled back" in store.write_probe()
     assert store.list(limit=10_000) == before
     assert [r for r in store.outbox.rows() if r.key.startswith(PROBE_KEY_PREFIX)] == []
+    store.dispose()
+
+
+def test_the_write_probe_fails_on_a_store_without_the_fence_and_leaves_nothing(db_url: str) -> None:
+    store = UnfencedStore(db_url)
+    before = store.list(limit=10_000)
+    with pytest.raises(StoreError, match="commit check: an older generation passed it"):
+        store.write_probe()
+    assert store.list(limit=10_000) == before
     store.dispose()
 
 

@@ -17,6 +17,7 @@ from celery import Celery
 from sqlalchemy.orm import registry, sessionmaker
 
 from celery_fence import FencedTask
+from celery_fence.chaos.arms import UnfencedStore
 from celery_fence.errors import (
     ConfigurationError,
     FenceError,
@@ -273,14 +274,14 @@ def test_an_exception_inside_the_block_rolls_it_back_and_goes_on_up(tables: Stor
 def test_a_lost_lease_stops_the_block_on_entry_and_at_commit(tables: Store) -> None:
     # on entry: a lease whose deadline passed (a pause) never opens the block
     fence = _attempt(tables)
-    fence._lease.deadline = time.monotonic() - 1
+    fence.lease.deadline = time.monotonic() - 1
     with pytest.raises(LeaseLost), fence.transaction():
         pytest.fail("entered a block with a lost lease")
     # at commit: the deadline passes inside the block (paused between its writes and commit)
     fence = _attempt(tables)
     with pytest.raises(LeaseLost), fence.transaction() as conn:
         _write(conn, fence)
-        fence._lease.deadline = time.monotonic() - 1
+        fence.lease.deadline = time.monotonic() - 1
     assert _writers(tables, fence.key) == []
 
 
@@ -415,7 +416,7 @@ def test_outside_a_fenced_task_there_is_no_fence(tables: Store) -> None:
         fenced.fence.transaction()
     fence = _attempt(tables)
     storeless = Fence(
-        key=fence.key, attempt_id="x", generation=1, attempts=1, lease=fence._lease, store=None
+        key=fence.key, attempt_id="x", generation=1, attempts=1, lease=fence.lease, store=None
     )
     with (
         pytest.raises(FenceError, match="only available inside a fenced task"),
@@ -424,9 +425,9 @@ def test_outside_a_fenced_task_there_is_no_fence(tables: Store) -> None:
         pass
 
 
-def test_unfenced_demonstration_mode_is_a_plain_transaction(db_url: str) -> None:
+def test_the_unfenced_control_arm_makes_the_block_a_plain_transaction(db_url: str) -> None:
     # the chaos harness's control arm: guard() on entry, then a plain commit
-    store = Store(db_url, unfenced=True)
+    store = UnfencedStore(db_url)
     metadata.create_all(store.engine)
     fence = _attempt(store)
     _takeover(store, fence)
@@ -495,7 +496,7 @@ def test_a_loss_seen_by_another_thread_while_a_block_is_open_is_recorded_once(
 def test_a_loss_noticed_by_the_renewer_during_a_block_is_recorded_once(tables: Store) -> None:
     losses: list[str] = []
     fence = _attempt(tables, on_lost=lambda lease, reason: losses.append(reason))
-    lease = fence._lease  # what the renewal thread holds
+    lease = fence.lease  # what the renewal thread holds
     with pytest.raises(LeaseLost), fence.transaction() as conn:
         _write(conn, fence)
         renewer = threading.Thread(

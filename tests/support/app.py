@@ -46,7 +46,6 @@ app.conf.update(
     fence_retry_budget_floor=int(E.get("FENCE_T_BUDGET_FLOOR", "10")),
     fence_retry_budget_ratio=float(E.get("FENCE_T_BUDGET_RATIO", "0.2")),
     fence_retry_budget_window=float(E.get("FENCE_T_BUDGET_WINDOW", "60")),
-    fence_unfenced=E.get("FENCE_T_UNFENCED", "0") == "1",
     fence_defer_first_registration=DEFER,
     # deferral needs counters that never expire (0); the default otherwise
     fence_generation_ttl=float(E.get("FENCE_T_GEN_TTL", "0" if DEFER else "600")),
@@ -461,7 +460,7 @@ if E.get("FENCE_T_UNRUN_DELAY"):
 
     _settle_unrun = celery_fence.worker.FencedRequest._settle_unrun
 
-    def _settle_unrun_later(self: Any, why: str, terminated: bool = False) -> bool:
+    def _settle_unrun_later(self: Any, why: str, terminated: bool) -> Any:
         time.sleep(float(E["FENCE_T_UNRUN_DELAY"]))  # green under gevent
         return _settle_unrun(self, why, terminated)
 

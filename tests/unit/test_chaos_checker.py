@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from celery_fence.chaos import app_metadata
+from celery_fence.chaos.arms import UnfencedStore
 from celery_fence.chaos.checker import Job, ScenarioResult, check
 from celery_fence.store import Store
 
 
-def _store(tmp_path: Path, **kw: Any) -> Store:
-    store = Store(f"sqlite:///{tmp_path / 'store.sqlite3'}", **kw)
+def _store(tmp_path: Path, store_class: type[Store] = Store, **kw: Any) -> Store:
+    store = store_class(f"sqlite:///{tmp_path / 'store.sqlite3'}", **kw)
     store.create_schema()
     app_metadata.create_all(store.engine)
     return store
@@ -107,7 +108,7 @@ def test_a_stale_write_seen_by_the_witness_and_the_history_counts_once(tmp_path:
     # Given a store without its fence that accepts generation 1's completion after generation 2
     # registered: the store's history shows it (completed by 1 after claimed by 2), and so does
     # the witness (attempt a1 told "completed" after generation 2 started),
-    store = _store(tmp_path, unfenced=True)
+    store = _store(tmp_path, UnfencedStore)
     store.register("k", generation=1, attempt_id="a1", task_name="t")
     store.register("k", generation=2, attempt_id="a2", task_name="t")
     store.complete("k", generation=1, attempt_id="a1", result={"generation": 1})

@@ -216,7 +216,7 @@ def test_task_options_override_the_retry_settings() -> None:
     @app.task(base=FencedTask, bind=True, shared=False, fence_max_attempts=7)
     def other(self: FencedTask) -> None: ...
 
-    policy = tuned._fence_backends().policy
+    policy = tuned.fence_backends().policy
     assert (policy.config.max_attempts, policy.config.retry_backoff) == (2, 0.25)
     assert (policy.config.retry_backoff_max, policy.budget.floor) == (2.0, 3)
     assert policy.decide(ConnectionError(), attempts=2, task_name=tuned.name).action == "dead"

@@ -16,8 +16,10 @@ import pytest
 from celery import Celery
 
 from celery_fence import FencedTask
+from celery_fence import backends as b
 from celery_fence.config import FenceConfig
-from celery_fence.runtime import BackgroundWriter, Runtime, app_state, client_identity, runtime
+from celery_fence.redis_client import client_identity
+from celery_fence.runtime import BackgroundWriter, Runtime, app_state, runtime
 
 
 @pytest.fixture
@@ -41,21 +43,21 @@ def test_the_same_identity_gets_the_same_objects(rt: Runtime, config: FenceConfi
     twin = FenceConfig(database_url=config.database_url, redis_url=config.redis_url)
 
     # Then every process-wide object is made once
-    assert rt.store(config) is rt.store(twin)
-    assert rt.redis_client(config) is rt.redis_client(twin)
-    assert rt.lease_store(config) is rt.lease_store(twin)
-    assert rt.renewer(config) is rt.renewer(twin)
-    assert rt.renewer(config).leases is rt.lease_store(config)
-    assert rt.retry_budget(config) is rt.retry_budget(twin)
-    assert rt.stores() == [rt.store(config)]
+    assert b.store_for(config) is b.store_for(twin)
+    assert b.redis_client(config) is b.redis_client(twin)
+    assert b.lease_store(config) is b.lease_store(twin)
+    assert b.renewer(config) is b.renewer(twin)
+    assert b.renewer(config).leases is b.lease_store(config)
+    assert b.retry_budget(config) is b.retry_budget(twin)
+    assert rt.stores() == [b.store_for(config)]
 
 
 def test_leases_and_the_retry_budget_share_one_client(rt: Runtime, config: FenceConfig) -> None:
-    client = rt.redis_client(config)
-    assert rt.lease_store(config).client is client
-    backends = rt.backends(config)
+    client = b.redis_client(config)
+    assert b.lease_store(config).client is client
+    backends = b.backends(config)
     assert backends.leases.client is client
-    assert backends.policy.budget is rt.retry_budget(config)
+    assert backends.policy.budget is b.retry_budget(config)
     assert backends.runtime is rt
 
 
@@ -67,11 +69,11 @@ def test_different_tls_settings_get_different_clients(rt: Runtime) -> None:
 
     # Then they share neither the client, nor the lease store, nor the retry budget
     assert client_identity(verified) != client_identity(unverified)
-    assert rt.redis_client(verified) is not rt.redis_client(unverified)
-    assert rt.lease_store(verified) is not rt.lease_store(unverified)
-    assert rt.retry_budget(verified) is not rt.retry_budget(unverified)
+    assert b.redis_client(verified) is not b.redis_client(unverified)
+    assert b.lease_store(verified) is not b.lease_store(unverified)
+    assert b.retry_budget(verified) is not b.retry_budget(unverified)
     transport = FenceConfig(redis_url=url, redis_transport_options={"socket_keepalive": True})
-    assert rt.redis_client(transport) is not rt.redis_client(FenceConfig(redis_url=url))
+    assert b.redis_client(transport) is not b.redis_client(FenceConfig(redis_url=url))
 
 
 def test_creation_is_thread_safe(rt: Runtime, config: FenceConfig) -> None:
@@ -80,7 +82,7 @@ def test_creation_is_thread_safe(rt: Runtime, config: FenceConfig) -> None:
 
     def get() -> None:
         barrier.wait()
-        seen.append(rt.lease_store(config))
+        seen.append(b.lease_store(config))
 
     threads = [threading.Thread(target=get) for _ in range(8)]
     for thread in threads:
@@ -96,7 +98,7 @@ def test_a_forked_child_gets_a_fresh_runtime_and_the_parent_keeps_its_own(
 ) -> None:
     # Given a parent whose runtime made a store, a lease store and a renewer, and a fenced task
     # that resolved its backends
-    store, leases, renewer = rt.store(config), rt.lease_store(config), rt.renewer(config)
+    store, leases, renewer = b.store_for(config), b.lease_store(config), b.renewer(config)
     app = Celery("runtime-fork", set_as_current=False)
     app.conf.update(fence_database_url=config.database_url, fence_redis_url=config.redis_url)
 
@@ -104,7 +106,7 @@ def test_a_forked_child_gets_a_fresh_runtime_and_the_parent_keeps_its_own(
     def noop() -> None:
         pass
 
-    assert noop._fence_backends().store is store
+    assert noop.fence_backends().store is store
     read, write = os.pipe()
 
     # When the process forks
@@ -116,12 +118,12 @@ def test_a_forked_child_gets_a_fresh_runtime_and_the_parent_keeps_its_own(
                 child is not rt,
                 rt.forked,
                 not child.forked,
-                child.store(config) is not store,
-                child.lease_store(config) is not leases,
-                child.renewer(config) is not renewer,
+                b.store_for(config) is not store,
+                b.lease_store(config) is not leases,
+                b.renewer(config) is not renewer,
                 store.engine is not None,  # the parent's store makes its own engine here
-                noop._fence_backends().runtime is child,
-                noop._fence_backends().store is child.store(config),
+                noop.fence_backends().runtime is child,
+                noop.fence_backends().store is b.store_for(config),
             ]
             os.write(write, ("ok" if all(facts) else f"bad {facts}").encode())
         finally:
@@ -134,9 +136,9 @@ def test_a_forked_child_gets_a_fresh_runtime_and_the_parent_keeps_its_own(
     # Then the child had a fresh runtime, and the parent's is untouched
     assert report == "ok"
     assert runtime() is rt and not rt.forked
-    assert rt.store(config) is store and rt.lease_store(config) is leases
-    assert rt.renewer(config) is renewer
-    assert noop._fence_backends().store is store
+    assert b.store_for(config) is store and b.lease_store(config) is leases
+    assert b.renewer(config) is renewer
+    assert noop.fence_backends().store is store
 
 
 def test_shutdown_drains_the_background_writer(rt: Runtime) -> None:

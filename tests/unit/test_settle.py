@@ -27,6 +27,7 @@ from celery_fence.errors import (
     RetryNotSent,
     StaleGeneration,
 )
+from celery_fence.execution import Execution
 from celery_fence.records import Registration
 from celery_fence.retry import RetryPolicy
 from celery_fence.store import JobRecord
@@ -111,21 +112,20 @@ class NoBudget:
         return 0.0
 
 
-def _attempt(store: FakeStore, **config: Any) -> o.Attempt:
+def _attempt(store: FakeStore, **config: Any) -> Execution:
     cfg = FenceConfig(lease_ttl=2.0, renew_interval=0.5, max_attempts=3, **config)
     emitted: list[str] = []
-    attempt = o.Attempt(
+    attempt = Execution(
         task_name="t",
-        key="k",
-        attempt_id="mine",
-        store=store,  # type: ignore[arg-type]
         config=cfg,
+        store=store,  # type: ignore[arg-type]
+        leases=None,  # type: ignore[arg-type]
+        renewer=None,  # type: ignore[arg-type]
         policy=RetryPolicy(cfg, budget=NoBudget()),  # type: ignore[arg-type]
-        emit=lambda action, a, reason=None, **extra: emitted.append(str(action)),
-        generation=7,
-        attempts=1,
-        registered=True,
+        announcer=lambda action, **_: emitted.append(str(action)),  # type: ignore[arg-type]
+        attempt_id="mine",
     )
+    attempt.key, attempt.generation, attempt.attempts, attempt.registered = "k", 7, 1, True
     attempt.emitted = emitted  # type: ignore[attr-defined]
     return attempt
 

@@ -13,7 +13,7 @@ from celery.utils.dispatch import Signal
 
 from celery_fence import signals, transitions
 from celery_fence.actions import Action
-from celery_fence.transitions import TABLE, emit_transition
+from celery_fence.transitions import TABLE, Announcer, emit_transition
 
 README = Path(__file__).resolve().parents[2] / "docs" / "operating.md"
 ROW = re.compile(r"^\| `(\w+)` \| (.+?) \| (\w+) \| `([\w.]+)` \| (.+?) \| (yes|no) \|$")
@@ -200,11 +200,13 @@ def test_no_event_without_a_worker_origin_or_with_events_off(
     queued: list[tuple[str, dict[str, Any]]],
 ) -> None:
     emit_transition(Action.COMPLETED, FakeTask(), key="k", generation=1)
-    emit_transition(
-        Action.COMPLETED, FakeTask(send_events=False), key="k", generation=1, origin=("t", "h")
-    )
+    quiet = Announcer(FakeTask(send_events=False), ("t", "h"), events=False)
+    quiet(Action.COMPLETED, key="k", generation=1)
     emit_transition(Action.REQUEUED, FakeTask(), key="k", origin=("t", "h"), countdown=0.0)
     assert queued == []
+    # (the same announcer with events on does send one: the check above can fail)
+    Announcer(FakeTask(), ("t", "h"), events=True)(Action.COMPLETED, key="k", generation=1)
+    assert [name for name, _ in queued] == ["task-fencecompleted"]
 
 
 def test_operator_transitions_log_and_signal_without_an_event(

@@ -42,7 +42,6 @@ rollback fails, and Celery's Django fix-up gives the next task a new connection.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -51,8 +50,6 @@ from django.db import transaction as django_transaction
 
 from ... import signals
 from ...errors import ConfigurationError, FenceError, LeaseLost
-from ...store import sql
-from ...transaction import _again, pg_bounds
 from .database import same_database_problem
 from .guard import refuse_uncovered_writes
 
@@ -76,19 +73,18 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
     """``with self.fence.atomic():`` — see the module docstring."""
     alias = using or DEFAULT_DB_ALIAS
     store = _store_of(fence)
-    if fence._blocks.current() is not None:
+    if fence.blocks.current() is not None:
         raise FenceError(
             "fence.atomic() inside an open fence.transaction()/session() block: the two are "
             "separate connections, and a fenced commit covers one. Use fence.atomic() alone for "
             "Django ORM writes, or run the blocks one after another."
         )
-    if alias in fence._atomic:  # a savepoint of the open fenced block; it checks at its end
+    if alias in fence.blocks.atomic:  # a savepoint of the open fenced block; it checks at its end
         fence.check()
         with django_transaction.atomic(using=alias):
             yield
         return
-    if fence._refused is not None:
-        raise _again(fence._refused)
+    fence.blocks.raise_refused()
     connection = connections[alias]
     problem = same_database_problem(store.url, alias, connection.settings_dict)
     if problem is not None:
@@ -98,13 +94,13 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
             f"writes, so both live in one database: set CELERY_FENCE_DATABASE = {alias!r} (and "
             "run manage.py migrate), or pass using= an alias on the store's database."
         )
-    fence.check()  # guard() semantics: a lost lease stops the work before the block
-    if fence._before_block is not None:
-        fence._before_block()
-    fence._atomic.add(alias)
+    fence.prepare_block()
+    fence.blocks.atomic.add(alias)
     try:
         with (
-            refuse_uncovered_writes(lambda: fence._atomic, f"fence.atomic(using={alias!r})", _fix),
+            refuse_uncovered_writes(
+                lambda: fence.blocks.atomic, f"fence.atomic(using={alias!r})", _fix
+            ),
             django_transaction.atomic(using=alias),
         ):
             _bound(fence, store, connection)
@@ -112,16 +108,16 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
             if not connection.needs_rollback:  # else Django rolls back: nothing to check
                 _check(fence, store, connection)
     except _Refused:
-        fence._atomic.discard(alias)
+        fence.blocks.atomic.discard(alias)
         refused = store._rejected(fence.key, fence.generation, fence.attempt_id, "fenced commit")
-        fence._refused = refused
+        fence.blocks.refused = refused
         raise refused from None
     except BaseException:
-        fence._atomic.discard(alias)
+        fence.blocks.atomic.discard(alias)
         _record_loss(fence)  # a loss seen inside, recorded now that the block holds no locks
         raise
     finally:
-        fence._atomic.discard(alias)
+        fence.blocks.atomic.discard(alias)
 
 
 def _fix(alias: str) -> str:
@@ -132,33 +128,26 @@ def _fix(alias: str) -> str:
 
 
 def _bound(fence: Fence, store: Store, connection: Any) -> None:
-    if connection.vendor != "postgresql" or store.unfenced:
+    if connection.vendor != "postgresql":
         return
     with connection.cursor() as cursor:
-        cursor.execute(pg_bounds(fence, store))  # the same bounds as fence.transaction()'s
+        cursor.execute(store.block_bounds(fence.lease.ttl))  # as fence.transaction()'s
 
 
 def _check(fence: Fence, store: Store, connection: Any) -> None:
-    if store.unfenced:
-        return  # the chaos control arm: a plain commit
     signals.block_committing.send(
         sender=None, key=fence.key, attempt_id=fence.attempt_id, generation=fence.generation
     )
-    fence.check()  # LeaseLost: paused past the lease inside the block
     with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute(sql.pg_statement_timeout(math.ceil(store.database_timeout * 1000)))
-        owner = store.commit_check_cursor(
-            cursor, fence.key, generation=fence.generation, attempt_id=fence.attempt_id
-        )
+        owner = store.block_owner_cursor(cursor, fence)  # LeaseLost: paused past the lease
     if not owner:
         raise _Refused
 
 
 def _store_of(fence: Fence) -> Store:
-    if fence._store is None:
+    if fence.store is None:
         raise FenceError(
             f"fence.atomic() for {fence.key!r} has no store: it is only available inside a "
             "fenced task's body (self.fence, with @shared_task(base=FencedTask, bind=True))"
         )
-    return fence._store
+    return fence.store

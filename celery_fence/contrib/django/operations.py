@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from ... import recovery
+from ...backends import store_for
 from ...config import FenceConfig
 from ...requeue import SendFailed, requeue_finished
 from ...schema import DEAD
-from ...store import store_for
 
 
 def current_celery_app() -> Any:

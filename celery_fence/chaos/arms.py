@@ -1,0 +1,144 @@
+"""The control arms: demonstrations with one safety mechanism taken out, so the chaos harness can
+show that each safety column fires without it. Never for production; nothing outside
+:mod:`celery_fence.chaos` (and the tests that prove the checks can fail) uses them.
+
+- :class:`UnfencedTask` (``--unfenced``): its store has no generation fence. Its writes match the
+  key alone (last writer wins), a registration takes any live job, and a fenced block is what it
+  replaces: ``guard()`` on entry, then a plain transaction.
+- :class:`UnsettledTask` (``--unsettled``): Celery's own exits are left as plain Celery leaves
+  them. A hard time limit, an expired or revoked message are acked without a store state; an
+  exit that is not an ``Exception`` escapes with its lease still held and renewed; invalid
+  settings fail the message instead of re-sending it (and the worker starts with them); a request
+  the database refuses is re-sent in a loop; the fence's re-send keeps ``expires``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from celery.worker.request import Request
+from sqlalchemy import exc as sa_exc
+
+from .. import outcomes as o
+from ..actions import Action
+from ..backends import Backends, backends
+from ..config import FenceConfig
+from ..errors import ConfigurationError
+from ..execution import Execution
+from ..records import Effect, dumps_strict
+from ..store import Store, sql
+from ..task import FencedTask
+from ..worker import FencedRequest
+
+if TYPE_CHECKING:
+    from ..fence import Fence
+
+
+class UnfencedStore(Store):
+    """A store without the generation fence (the ``--unfenced`` control arm)."""
+
+    owned_where = "key = :key"
+    register_where = f"{sql.JOBS}.status NOT IN ('completed', 'dead')"
+
+    def complete(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        result: Any,
+        effects: Sequence[Effect] = (),
+    ) -> None:
+        """The result written over whatever the row holds: the last writer wins."""
+        params = {
+            "key": key,
+            "generation": generation,
+            "attempt_id": attempt_id,
+            "result": dumps_strict(result, "task's return value"),
+        }
+        statement = sql.complete_sql(
+            self.dialect,
+            where=self.owned_where,
+            sets=", generation = :generation, attempt_id = :attempt_id",
+        )
+        self.fenced_write("completion", statement, params, Action.COMPLETED, effects=effects)
+
+    def block_begin(self, conn: sa.Connection, ttl: float) -> None:
+        if conn.dialect.name == "sqlite":
+            conn.exec_driver_sql(sql.begin("sqlite", immediate=False))
+
+    def block_bounds(self, ttl: float) -> str:
+        return "SELECT 1"
+
+    def block_owner(self, conn: sa.Connection, fence: Fence) -> bool:
+        return True
+
+    def block_owner_cursor(self, cursor: Any, fence: Fence) -> bool:
+        return True
+
+
+class UnfencedTask(FencedTask):
+    """A fenced task whose store has no fence (``--unfenced``)."""
+
+    abstract = True
+
+    def make_backends(self, config: FenceConfig) -> Backends:
+        return backends(config, store_class=UnfencedStore)
+
+
+class UnsettledRequest(FencedRequest):
+    """Celery's own request: the exits Celery drives are not settled (``--unsettled``)."""
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        Request.on_timeout(self, soft, timeout)
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> None:
+        Request.on_failure(self, exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> None:
+        Request._announce_revoked(self, reason, terminated, signum, expired)
+
+
+class UnsettledExecution(Execution):
+    """An execution whose non-``Exception`` exits escape with the lease held (``--unsettled``),
+    and whose refused request is re-sent in a loop instead of recorded dead."""
+
+    def _execute(self, *args: Any, **kwargs: Any) -> o.Outcome:
+        try:
+            return super()._execute(*args, **kwargs)
+        except Exception:
+            raise
+        except BaseException:
+            self.lease = None  # never discarded: the renewer keeps it alive
+            raise
+
+    def refused_registration(self, error: sa_exc.DataError) -> o.Outcome:
+        return o.Unavailable(error, "store refused registration")
+
+
+class UnsettledTask(FencedTask):
+    """A fenced task whose Celery exits are left unsettled (``--unsettled``)."""
+
+    abstract = True
+    Request = f"{__name__}:UnsettledRequest"
+    execution_class = UnsettledExecution
+    settings_checked_at_start = False
+
+    def invalid_settings(self, error: ConfigurationError) -> o.CeleryAction:
+        raise error  # acked as a failure: the job is lost
+
+    def resend_options(self) -> dict[str, Any]:
+        return {}  # the re-send keeps expires: it may expire unsettled
+
+
+__all__ = [
+    "UnfencedStore",
+    "UnfencedTask",
+    "UnsettledExecution",
+    "UnsettledRequest",
+    "UnsettledTask",
+]
