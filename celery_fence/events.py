@@ -34,7 +34,7 @@ from typing import Any
 
 from celery import signals as celery_signals
 
-from .runtime import app_state, runtime
+from .runtime import Background, app_state, runtime
 
 logger = logging.getLogger("celery_fence.events")
 
@@ -68,7 +68,7 @@ def task_events_enabled(app: Any) -> bool:
     return enabled
 
 
-class EventSender:
+class EventSender(Background):
     """One dispatcher, one connection and one daemon thread per (process, app, worker name)."""
 
     def __init__(self, app: Any, hostname: str) -> None:

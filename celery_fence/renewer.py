@@ -19,7 +19,7 @@ import threading
 import time
 
 from .lease import HeldLease, LeaseStore
-from .runtime import runtime
+from .runtime import Background, runtime
 
 logger = logging.getLogger("celery_fence.renewer")
 
@@ -36,7 +36,7 @@ RELEASE_RETRY_DELAY = 1.0
 MAX_PENDING_RELEASES = 10_000
 
 
-class Renewer:
+class Renewer(Background):
     """Renews held leases and flushes releases, one pipelined round trip per tick."""
 
     def __init__(self, leases: LeaseStore) -> None:

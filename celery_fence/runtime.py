@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .watchdog import watchdog
 
@@ -43,14 +43,15 @@ WRITER_THREAD_NAME = "celery-fence-writer"
 _T = TypeVar("_T")
 
 
-@runtime_checkable
-class Background(Protocol):
-    """An object that runs a background thread of its own (the renewer, an event sender, the
-    background writer). Its thread starts on first use; :meth:`shutdown` finishes its queued
-    work and stops it, bounded by ``timeout``. After a fork the child never touches it: the
-    child's runtime makes its own."""
+class Background:
+    """The base of an object that runs a background thread of its own (the renewer, an event
+    sender, the background writer): its thread starts on first use; :meth:`shutdown` finishes
+    its queued work and stops it, bounded by ``timeout``. After a fork the child never touches
+    it: the child's runtime makes its own. (A base class, not a protocol: a Redis client has a
+    ``shutdown`` method too, which stops the server.)"""
 
-    def shutdown(self, timeout: float) -> None: ...
+    def shutdown(self, timeout: float) -> None:
+        raise NotImplementedError
 
 
 class Runtime:
@@ -105,7 +106,7 @@ class Runtime:
                 _current = Runtime()
 
 
-class BackgroundWriter:
+class BackgroundWriter(Background):
     """One daemon thread running writes that must not happen on the caller's thread (the renewal
     thread records a lost lease here, so a slow database never delays other leases' renewals).
 

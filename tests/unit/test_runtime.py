@@ -19,7 +19,7 @@ from celery_fence import FencedTask
 from celery_fence import backends as b
 from celery_fence.config import FenceConfig
 from celery_fence.redis_client import client_identity
-from celery_fence.runtime import BackgroundWriter, Runtime, app_state, runtime
+from celery_fence.runtime import Background, BackgroundWriter, Runtime, app_state, runtime
 
 
 @pytest.fixture
@@ -193,3 +193,24 @@ def test_app_state_holds_the_settings_until_forgotten() -> None:
     app.conf.fence_lease_ttl = 13
     app_state(app).config = None
     assert FenceConfig.from_app(app).lease_ttl == 13
+
+
+def test_shutdown_stops_only_background_objects(rt: Runtime) -> None:
+    # Given the registry holds an object with a shutdown() of its own that is no background
+    # thread (a Redis client's shutdown() stops the Redis server), and a background one
+    stopped: list[str] = []
+
+    class Client:
+        def shutdown(self, timeout: float) -> None:
+            stopped.append("client")
+
+    class Thread(Background):
+        def shutdown(self, timeout: float) -> None:
+            stopped.append("background")
+
+    rt.get("redis", "x", Client)
+    rt.get("renewer", "x", Thread)
+    # When the process shuts its runtime down
+    rt.shutdown(timeout=1)
+    # Then only the background object was stopped
+    assert stopped == ["background"]
