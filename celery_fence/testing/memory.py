@@ -429,6 +429,41 @@ class MemoryStore:
                 Transition(key, generation, attempt_id, str(action), _reason(reason), self._now())
             )
 
+    def insert_pending(
+        self,
+        key: str,
+        *,
+        task_name: str,
+        request: Mapping[str, Any],
+        due: dt.datetime | None = None,
+    ) -> tuple[bool, JobRecord | None]:
+        """An enqueued job, ``pending`` and never claimed (generation 0, attempt ``-``), unless
+        the key has a job: ``(True, None)`` or ``(False, that job)``. The real store's
+        :meth:`~celery_fence.store.Store.insert_pending` without its ``conn`` (it writes in the
+        caller's transaction; here there is none)."""
+        with self._lock:
+            existing = self._jobs.get(key)
+            if existing is not None:
+                return False, self._read(existing)
+            now = self._now()
+            self._jobs[key] = JobRecord(
+                key=key,
+                task_name=task_name,
+                status=PENDING,
+                generation=0,
+                attempt_id=NEVER_CLAIMED,
+                attempts=0,
+                result=None,
+                request=_loads(_json(request)),
+                error_type=None,
+                error_message=None,
+                created_at=now,
+                updated_at=now,
+                finished_at=None,
+                retry_at=due,
+            )
+            return True, None
+
     # -- reads --------------------------------------------------------------------------------
 
     def get(self, key: str) -> JobRecord | None:
