@@ -8,6 +8,7 @@ The lease doubles run on a fake clock, advanced where the real ones sleep (a few
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -551,6 +552,36 @@ def test_without_transitions_the_state_still_moves(
     assert jobs.store.last_exit(key) is None
 
 
+def test_concurrent_completions_of_one_attempt_store_one_result(jobs: Jobs, key: str) -> None:
+    jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
+    outcomes = _race(8, lambda i: jobs.store.complete(key, generation=1, attempt_id="A", result=i))
+    assert sorted(type(o).__name__ for o in outcomes) == ["NoneType"] + ["StaleGeneration"] * 7
+    winner = outcomes.index(None)
+    row = jobs.row(key)
+    assert (row.status, row.result) == ("completed", winner)
+    assert [a for a, *_ in jobs.actions(key)] == ["claimed", "completed"]
+
+
+def _race(n: int, call: Callable[[int], Any]) -> list[Any]:
+    """``call(i)`` from ``n`` threads started together: each one's return value or exception."""
+    barrier = threading.Barrier(n)
+    outcomes: list[Any] = [None] * n
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            outcomes[i] = call(i)
+        except Exception as exc:
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return outcomes
+
+
 # -- the lease side -------------------------------------------------------------------------------
 
 
@@ -761,3 +792,15 @@ def test_a_counter_without_expiry_keeps_counting(lease_side: Leases) -> None:
     assert b.take_generation("k") == 2
     assert b.raise_generation("k", 5) == 5
     assert lease_side.raw_pttl(b.keys_for("k").generation) == -1
+
+
+def test_concurrent_claims_hand_out_one_lease(lease_side: Leases) -> None:
+    b = lease_side.backend
+    outcomes = _race(8, lambda i: b.claim("k", f"tok-{i}", 5_000))
+    assert sorted(str(o) if isinstance(o, int) else type(o).__name__ for o in outcomes) == [
+        "1",
+        *["LeaseBusy"] * 7,
+    ]
+    winner = outcomes.index(1)
+    assert lease_side.raw_get(b.keys_for("k").lease) == f"tok-{winner}:1"
+    assert lease_side.raw_get(b.keys_for("k").generation) == "1"
