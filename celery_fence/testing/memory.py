@@ -1,0 +1,741 @@
+"""In-memory doubles of the two backends, for fast unit tests of the orchestration:
+:class:`MemoryStore` (a :class:`~celery_fence.ports.JobStore`, like
+:class:`celery_fence.store.Store`) and :class:`MemoryLeaseStore` (a
+:class:`~celery_fence.ports.LeaseBackend`, like :class:`celery_fence.lease.LeaseStore`).
+
+Pure Python, no I/O, thread-safe (one lock each). Each verb is the real one's statement or Lua
+script, transcribed: the same conditions, the same returned values, the same exceptions
+(:class:`~celery_fence.errors.StaleGeneration` with the same ``context``,
+:class:`~celery_fence.errors.LeaseBusy` with ``remaining``). Values are stored as JSON and read
+back from it, as the database does. ``tests/integration/test_doubles_contract.py`` runs one set
+of tests against these and the real ones (SQLite, PostgreSQL, Redis).
+
+Not reproduced: the store's ``unfenced`` demonstration mode, its outbox processing and operator
+verbs (the staged effects of a completion are kept, see :meth:`MemoryStore.effects`), and what a
+database refuses (PostgreSQL's jsonb refuses ``\\u0000``, which :meth:`Store.bury` then keeps
+encoded; the double accepts it as is).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ..actions import INTERRUPTED_BY, Action
+from ..config import DEFAULT_GENERATION_TTL
+from ..errors import JobDead, LeaseBusy, StaleGeneration
+from ..lease import LeaseKeys
+from ..records import (
+    ENCODED_REQUEST,
+    Effect,
+    JobRecord,
+    Registration,
+    Transition,
+    decode_request,
+    dumps_strict,
+)
+from ..schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
+
+__all__ = ["MemoryLeaseStore", "MemoryStore"]
+
+#: The attempt id of a row no attempt has claimed (``celery_fence.store.sql.NEVER_CLAIMED``).
+NEVER_CLAIMED = "-"
+_UNFINISHED_WAITING = (RETRYING, PENDING)
+
+
+def _loads(text: str | None) -> Any:
+    """A JSON parameter as the database stores it and reads it back."""
+    return None if text is None else json.loads(text)
+
+
+def _json(value: Mapping[str, Any] | None) -> str | None:
+    return None if value is None else json.dumps(value, separators=(",", ":"))
+
+
+def _reason(reason: str | None) -> str | None:
+    """The transitions table keeps 255 characters of a reason, and no empty one."""
+    return (reason or "")[:255] or None
+
+
+class MemoryStore:
+    """The fenced job store in a dict: the job verbs of :class:`celery_fence.store.Store`.
+
+    ``record_transitions``, ``defer_first_registration`` and ``error_message_length`` mean what
+    the real store's settings of the same names mean. ``now``: the wall clock of its timestamps.
+    """
+
+    def __init__(
+        self,
+        *,
+        record_transitions: bool = True,
+        defer_first_registration: bool = False,
+        error_message_length: int = 500,
+        now: Callable[[], dt.datetime] = utcnow,
+    ) -> None:
+        self.record_transitions = record_transitions
+        self.defer_first_registration = defer_first_registration
+        self.error_message_length = error_message_length
+        self._now = now
+        self._lock = threading.RLock()
+        self._jobs: dict[str, JobRecord] = {}
+        self._transitions: list[Transition] = []
+        self._effects: dict[str, Effect] = {}  # by idempotency key, in insertion order
+        self._effect_keys: dict[str, str] = {}  # idempotency key -> job key
+
+    # -- the fenced path ----------------------------------------------------------------------
+
+    def register(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        task_name: str,
+        request: Mapping[str, Any] | None = None,
+        request_json: str | None = None,
+    ) -> Registration:
+        """Take the row for a strictly greater generation of a live job (``register_sql``)."""
+        text = request_json if request is None else _json(request)
+        with self._lock:
+            now = self._now()
+            row = self._jobs.get(key)
+            if row is None:
+                attempts = 2 if self.defer_first_registration and generation > 1 else 1
+                row = JobRecord(
+                    key=key,
+                    task_name=task_name,
+                    status=RUNNING,
+                    generation=generation,
+                    attempt_id=attempt_id,
+                    attempts=attempts,
+                    result=None,
+                    request=_loads(text),
+                    error_type=None,
+                    error_message=None,
+                    created_at=now,
+                    updated_at=now,
+                    finished_at=None,
+                    retry_at=None,
+                )
+            elif row.status not in (COMPLETED, DEAD) and row.generation < generation:
+                row = dataclasses.replace(
+                    row,
+                    generation=generation,
+                    attempt_id=attempt_id,
+                    status=RUNNING,
+                    attempts=row.attempts + 1,
+                    updated_at=now,
+                    retry_at=None,
+                )
+            else:
+                stored = self._read(row)
+                if row.status == COMPLETED:
+                    return Registration("completed", row.attempts, row.generation, stored)
+                if row.status == DEAD:
+                    return Registration("dead", row.attempts, row.generation, stored)
+                return Registration("stale", row.attempts, row.generation, stored)
+            self._write(row, (Action.CLAIMED,), None, (), now)
+            return Registration("registered", row.attempts, row.generation)
+
+    def complete(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        result: Any,
+        effects: Sequence[Effect] = (),
+    ) -> None:
+        """Result and ``completed`` where this attempt still owns a running row."""
+        stored = _loads(dumps_strict(result, "task's return value"))
+        with self._lock:
+            row = self._owned(key, generation, attempt_id, "completion")
+            now = self._now()
+            row = dataclasses.replace(
+                row,
+                status=COMPLETED,
+                result=stored,
+                updated_at=now,
+                finished_at=now,
+                error_type=None,
+                error_message=None,
+            )
+            self._write(row, (Action.COMPLETED,), None, effects, now)
+
+    def complete_first(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        task_name: str,
+        request_json: str | None,
+        result: Any,
+        effects: Sequence[Effect] = (),
+    ) -> None:
+        """A deferred first claim's completion: the row written as completed where no row
+        exists, or over a never-claimed ``pending`` row (generation 0; its request is kept)."""
+        stored = _loads(dumps_strict(result, "task's return value"))
+        with self._lock:
+            now = self._now()
+            row = self._jobs.get(key)
+            if row is None:
+                row = JobRecord(
+                    key=key,
+                    task_name=task_name,
+                    status=COMPLETED,
+                    generation=generation,
+                    attempt_id=attempt_id,
+                    attempts=1,
+                    result=stored,
+                    request=_loads(request_json),
+                    error_type=None,
+                    error_message=None,
+                    created_at=now,
+                    updated_at=now,
+                    finished_at=now,
+                    retry_at=None,
+                )
+            elif row.status == PENDING and row.generation == 0:
+                row = dataclasses.replace(
+                    row,
+                    status=COMPLETED,
+                    generation=generation,
+                    attempt_id=attempt_id,
+                    attempts=1,
+                    result=stored,
+                    updated_at=now,
+                    finished_at=now,
+                    retry_at=None,
+                    error_type=None,
+                    error_message=None,
+                )
+            else:
+                raise self._rejected(key, generation, attempt_id, "first completion")
+            self._write(row, (Action.CLAIMED, Action.COMPLETED), None, effects, now)
+
+    def schedule_retry(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        error: BaseException | None,
+        retry_at: dt.datetime,
+        reason: str,
+    ) -> None:
+        """``retrying`` until ``retry_at``, where this attempt owns the row."""
+        with self._lock:
+            row = self._owned(key, generation, attempt_id, "retry")
+            now = self._now()
+            row = dataclasses.replace(
+                row, status=RETRYING, updated_at=now, retry_at=retry_at, **self._errors(error)
+            )
+            self._write(row, (Action.RETRY_SCHEDULED,), reason, (), now)
+
+    def mark_dead(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        error: BaseException | None,
+        reason: str,
+        attempts: int | None = None,
+    ) -> None:
+        """The terminal ``dead`` state, where this attempt owns the row (``attempts``: the count
+        kept)."""
+        with self._lock:
+            row = self._owned(key, generation, attempt_id, "dead-letter")
+            now = self._now()
+            row = dataclasses.replace(
+                row,
+                status=DEAD,
+                attempts=row.attempts if attempts is None else attempts,
+                updated_at=now,
+                finished_at=now,
+                retry_at=None,
+                **self._errors(error),
+            )
+            self._write(row, (Action.DEAD,), reason, (), now)
+
+    def bury(
+        self,
+        key: str,
+        *,
+        task_name: str,
+        request: Mapping[str, Any] | None,
+        error: BaseException,
+        reason: str,
+    ) -> bool:
+        """A message that cannot be registered kept as a ``dead`` job; an existing row only
+        when it is ``pending``. True when the row was written."""
+        with self._lock:
+            now = self._now()
+            row = self._jobs.get(key)
+            if row is None:
+                row = JobRecord(
+                    key=key,
+                    task_name=task_name,
+                    status=DEAD,
+                    generation=0,
+                    attempt_id=NEVER_CLAIMED,
+                    attempts=0,
+                    result=None,
+                    request=_loads(_json(request)),
+                    created_at=now,
+                    updated_at=now,
+                    finished_at=now,
+                    retry_at=None,
+                    **self._errors(error, nulls=True),
+                )
+            elif row.status == PENDING:
+                row = dataclasses.replace(
+                    row,
+                    status=DEAD,
+                    updated_at=now,
+                    finished_at=now,
+                    **self._errors(error, nulls=True),
+                )
+            else:
+                return False
+            self._write(row, (Action.DEAD,), reason, (), now)
+            return True
+
+    def bury_refused(
+        self,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        task_name: str,
+        request_json: str | None,
+        error: BaseException,
+        reason: str,
+    ) -> None:
+        """A registration the database refused: ``dead`` at once, fenced like a registration,
+        the request kept encoded (``{"encoded": "..."}``)."""
+        request = None if request_json is None else {ENCODED_REQUEST: request_json}
+        with self._lock:
+            now = self._now()
+            row = self._jobs.get(key)
+            errors = self._errors(error, nulls=True)
+            if row is None:
+                row = JobRecord(
+                    key=key,
+                    task_name=task_name,
+                    status=DEAD,
+                    generation=generation,
+                    attempt_id=attempt_id,
+                    attempts=1,
+                    result=None,
+                    request=_loads(_json(request)),
+                    created_at=now,
+                    updated_at=now,
+                    finished_at=now,
+                    retry_at=None,
+                    **errors,
+                )
+            elif row.status not in (COMPLETED, DEAD) and row.generation < generation:
+                row = dataclasses.replace(
+                    row,
+                    task_name=task_name,
+                    status=DEAD,
+                    generation=generation,
+                    attempt_id=attempt_id,
+                    request=_loads(_json(request)),
+                    updated_at=now,
+                    finished_at=now,
+                    attempts=row.attempts + 1,
+                    **errors,
+                )
+            else:
+                raise self._rejected(key, generation, attempt_id, "dead-letter")
+            self._write(row, (Action.DEAD,), reason, (), now)
+
+    def end_unrun(
+        self,
+        key: str,
+        *,
+        task_name: str,
+        request: Mapping[str, Any] | None,
+        reason: str,
+        only_insert: bool = False,
+        terminated_id: str | None = None,
+        insert: bool = True,
+        message_id: str | None = None,
+    ) -> None:
+        """Settle the job of a message acked without running to its end (expired, revoked,
+        terminated): see :meth:`celery_fence.store.Store.end_unrun`."""
+        error = JobDead(f"the message was {reason} before it ran; requeue the job to run it")
+        if terminated_id is not None:
+            error = JobDead(f"the attempt was {reason} while it ran; requeue the job to run it")
+        with self._lock:
+            if insert and self.bury(
+                key, task_name=task_name, request=request, error=error, reason=reason
+            ):
+                return
+            before = self._jobs.get(key)
+            if before is not None and self._waits_for(
+                self._read(before), only_insert, terminated_id, message_id
+            ):
+                now = self._now()
+                row = dataclasses.replace(
+                    before,
+                    status=DEAD,
+                    updated_at=now,
+                    finished_at=now,
+                    retry_at=None,
+                    **self._errors(error),
+                )
+                self._write(row, (Action.DEAD,), reason, (), now)
+                return
+            note = (
+                "message not run" if terminated_id is None else "attempt terminated, job left as is"
+            )
+            self.record(key, action=reason, reason=note)
+
+    @staticmethod
+    def _waits_for(
+        record: JobRecord, only_insert: bool, terminated_id: str | None, message_id: str | None
+    ) -> bool:
+        stored_id = (record.request or {}).get("id")
+        if terminated_id is not None and record.status in (RUNNING, RETRYING, PENDING):
+            return bool(stored_id == terminated_id)
+        if record.status not in _UNFINISHED_WAITING:
+            return False
+        return not only_insert or (message_id is not None and stored_id == message_id)
+
+    def record(
+        self,
+        key: str,
+        *,
+        action: Action | str,
+        generation: int | None = None,
+        attempt_id: str | None = None,
+        reason: str | None = None,
+    ) -> None:
+        """A transition that is not a state change of the job (lease lost, stale, busy)."""
+        if not self.record_transitions:
+            return
+        with self._lock:
+            self._transitions.append(
+                Transition(key, generation, attempt_id, str(action), _reason(reason), self._now())
+            )
+
+    def insert_pending(
+        self,
+        key: str,
+        *,
+        task_name: str,
+        request: Mapping[str, Any],
+        due: dt.datetime | None = None,
+    ) -> tuple[bool, JobRecord | None]:
+        """An enqueued job, ``pending`` and never claimed (generation 0, attempt ``-``), unless
+        the key has a job: ``(True, None)`` or ``(False, that job)``. The real store's
+        :meth:`~celery_fence.store.Store.insert_pending` without its ``conn`` (it writes in the
+        caller's transaction; here there is none)."""
+        with self._lock:
+            existing = self._jobs.get(key)
+            if existing is not None:
+                return False, self._read(existing)
+            now = self._now()
+            self._jobs[key] = JobRecord(
+                key=key,
+                task_name=task_name,
+                status=PENDING,
+                generation=0,
+                attempt_id=NEVER_CLAIMED,
+                attempts=0,
+                result=None,
+                request=_loads(_json(request)),
+                error_type=None,
+                error_message=None,
+                created_at=now,
+                updated_at=now,
+                finished_at=None,
+                retry_at=due,
+            )
+            return True, None
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def get(self, key: str) -> JobRecord | None:
+        with self._lock:
+            row = self._jobs.get(key)
+            return None if row is None else self._read(row)
+
+    def history(self, key: str) -> list[Transition]:
+        with self._lock:
+            return [t for t in self._transitions if t.key == key]
+
+    def last_exit(self, key: str) -> str | None:
+        """The action of the key's newest transition that is not a claim, a lease loss or the
+        retry of an interrupted attempt. As in SQL, a ``retry_scheduled`` row without a reason
+        is skipped too (``NOT (TRUE AND NULL LIKE ...)`` is NULL, not true)."""
+        with self._lock:
+            for t in reversed(self._transitions):
+                if t.key != key or t.action in (Action.CLAIMED.value, Action.LOST.value):
+                    continue
+                if t.action == Action.RETRY_SCHEDULED.value and (
+                    t.reason is None or t.reason.startswith(f"{INTERRUPTED_BY} ")
+                ):
+                    continue
+                return t.action
+        return None
+
+    def effects(self, key: str) -> list[Effect]:
+        """The effects staged by ``key``'s completion (the outbox rows it wrote)."""
+        with self._lock:
+            return [e for ik, e in self._effects.items() if self._effect_keys[ik] == key]
+
+    def list(self) -> list[JobRecord]:
+        """Every job (a test's view; not the real store's filtered ``list``)."""
+        with self._lock:
+            return [self._read(row) for row in self._jobs.values()]
+
+    # -- internals ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _read(row: JobRecord) -> JobRecord:
+        """The row as a read returns it: the stored request decoded (as sent)."""
+        return dataclasses.replace(row, request=decode_request(row.request))
+
+    def _owned(self, key: str, generation: int, attempt_id: str, what: str) -> JobRecord:
+        """The row where this attempt owns a running row, else :class:`StaleGeneration`."""
+        row = self._jobs.get(key)
+        if (
+            row is None
+            or row.generation != generation
+            or row.attempt_id != attempt_id
+            or row.status != RUNNING
+        ):
+            raise self._rejected(key, generation, attempt_id, what)
+        return row
+
+    def _rejected(self, key: str, generation: int, attempt_id: str, what: str) -> StaleGeneration:
+        record = self._jobs.get(key)
+        if record is None:
+            detail = "no job row"
+        else:
+            detail = (
+                f"stored generation {record.generation} (attempt {record.attempt_id}), "
+                f"status {record.status}"
+            )
+        return StaleGeneration(
+            f"{what} for {key!r} from generation {generation} (attempt {attempt_id}) rejected: "
+            f"{detail}",
+            key=key,
+            generation=generation,
+            attempt_id=attempt_id,
+            stored_generation=None if record is None else record.generation,
+            stored_status=None if record is None else record.status,
+        )
+
+    def _errors(self, error: BaseException | None, *, nulls: bool = False) -> dict[str, Any]:
+        """The error columns of ``error`` (none without one; ``nulls``: NULLs without one, as
+        the statements that always set them do)."""
+        if error is None:
+            return {"error_type": None, "error_message": None} if nulls else {}
+        message = str(error)
+        if len(message) > self.error_message_length:
+            message = message[: self.error_message_length - 1] + "…"
+        return {
+            "error_type": f"{type(error).__module__}.{type(error).__qualname__}",
+            "error_message": message,
+        }
+
+    def _write(
+        self,
+        row: JobRecord,
+        actions: tuple[Action, ...],
+        reason: str | None,
+        effects: Sequence[Effect],
+        now: dt.datetime,
+    ) -> None:
+        """The row, its transition rows and its staged effects, at once (under the lock)."""
+        self._jobs[row.key] = row
+        if self.record_transitions:
+            why = _reason(reason)
+            for action in actions:
+                self._transitions.append(
+                    Transition(row.key, row.generation, row.attempt_id, action.value, why, now)
+                )
+        for e in effects:  # ON CONFLICT (idempotency_key) DO NOTHING
+            if e.idempotency_key not in self._effects:
+                payload = json.loads(json.dumps(e.payload, separators=(",", ":")))
+                self._effects[e.idempotency_key] = Effect(e.name, payload, e.idempotency_key)
+                self._effect_keys[e.idempotency_key] = row.key
+
+
+class MemoryLeaseStore:
+    """The Redis lease scripts on a dict: the operations of :class:`celery_fence.lease.LeaseStore`.
+
+    ``clock``: monotonic seconds, for the lease and counter expiries (inject a fake one to expire
+    leases without sleeping). ``generation_ttl``: seconds a generation counter lives after its
+    last claim (0: forever), as the real one's.
+    """
+
+    def __init__(
+        self,
+        *,
+        prefix: str = "fence",
+        generation_ttl: float = DEFAULT_GENERATION_TTL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.prefix = prefix
+        self.generation_ttl_ms = round(generation_ttl * 1000)
+        self._clock = clock
+        self._lock = threading.Lock()
+        #: Redis' keyspace: name -> (value, monotonic expiry or None)
+        self._data: dict[str, tuple[str, float | None]] = {}
+
+    # -- Redis commands, on the keyspace (called under the lock) ------------------------------
+
+    def _get(self, name: str) -> str | None:
+        entry = self._data.get(name)
+        if entry is None:
+            return None
+        value, expires = entry
+        if expires is not None and expires <= self._clock():
+            del self._data[name]
+            return None
+        return value
+
+    def _pttl(self, name: str) -> int:
+        """Milliseconds left (-2: no key, -1: no expiry)."""
+        if self._get(name) is None:
+            return -2
+        expires = self._data[name][1]
+        if expires is None:
+            return -1
+        return max(0, round((expires - self._clock()) * 1000))
+
+    def _set(self, name: str, value: str, px: int | None = None) -> None:
+        self._data[name] = (value, None if px is None else self._clock() + px / 1000)
+
+    def _pexpire(self, name: str, ms: int) -> None:
+        value = self._get(name)
+        if value is None:
+            return
+        if ms <= 0:
+            del self._data[name]
+        else:
+            self._set(name, value, ms)
+
+    def _incr(self, name: str) -> int:
+        """INCR: the counter plus one, its expiry kept."""
+        current = self._get(name)
+        expires = None if current is None else self._data[name][1]
+        value = int(current or 0) + 1
+        self._data[name] = (str(value), expires)
+        return value
+
+    def _release(self, lease_key: str, expected: str) -> bool:
+        """release.lua: compare-and-delete; ``"<token>:"`` matches any generation."""
+        value = self._get(lease_key)
+        if value is not None and (
+            value == expected or (expected.endswith(":") and value.startswith(expected))
+        ):
+            del self._data[lease_key]
+            return True
+        return False
+
+    def _renew(self, lease_key: str, value: str, ttl_ms: int) -> bool:
+        """renew.lua: extend only a lease still holding ``value``."""
+        if self._get(lease_key) == value:
+            self._pexpire(lease_key, ttl_ms)
+            return True
+        return False
+
+    # -- LeaseBackend -------------------------------------------------------------------------
+
+    def keys_for(self, key: str) -> LeaseKeys:
+        tag = hashlib.blake2b(key.encode("utf-8"), digest_size=12).hexdigest()
+        base = f"{self.prefix}:{{{tag}}}"
+        return LeaseKeys(lease=f"{base}:lease", generation=f"{base}:gen")
+
+    def claim(
+        self, key: str, token: str, ttl_ms: int, *, releases: Sequence[tuple[str, str]] = ()
+    ) -> int:
+        """claim.lua: the releases first, then the lease with a new generation, or
+        :class:`LeaseBusy` (``remaining`` in seconds) when a live lease exists."""
+        keys = self.keys_for(key)
+        with self._lock:
+            for lease_key, value in releases:
+                self._release(lease_key, value)
+            remaining_ms = self._pttl(keys.lease)
+            if remaining_ms == -2:
+                generation = self._incr(keys.generation)
+                if self.generation_ttl_ms > 0:
+                    self._pexpire(keys.generation, self.generation_ttl_ms)
+                self._set(keys.lease, f"{token}:{generation}", ttl_ms)
+                return generation
+        remaining = ttl_ms / 1000 if remaining_ms < 0 else remaining_ms / 1000
+        raise LeaseBusy(f"lease for {key!r} is held by another attempt", remaining=remaining)
+
+    def raise_generation(self, key: str, floor: int) -> int:
+        """raise_generation.lua: set-if-greater on the counter; its value after."""
+        counter = self.keys_for(key).generation
+        with self._lock:
+            current = int(self._get(counter) or 0)
+            if current < floor:
+                ttl = self.generation_ttl_ms
+                self._set(counter, str(floor), ttl if ttl > 0 else None)
+                return floor
+            return current
+
+    def take_generation(self, key: str) -> int:
+        """INCR without a lease (and the counter's expiry renewed)."""
+        counter = self.keys_for(key).generation
+        with self._lock:
+            generation = self._incr(counter)
+            if self.generation_ttl_ms > 0:
+                self._pexpire(counter, self.generation_ttl_ms)
+            return generation
+
+    def release(self, lease_key: str, value: str) -> bool:
+        with self._lock:
+            return self._release(lease_key, value)
+
+    def renew(self, lease_key: str, value: str, ttl_ms: int) -> bool:
+        with self._lock:
+            return self._renew(lease_key, value, ttl_ms)
+
+    def batch(
+        self,
+        renewals: Sequence[tuple[str, str, int]],
+        releases: Sequence[tuple[str, str]],
+    ) -> tuple[list[bool], list[bool]]:
+        with self._lock:
+            renewed = [self._renew(k, v, ttl) for k, v, ttl in renewals]
+            released = [self._release(k, v) for k, v in releases]
+        return renewed, released
+
+    def remaining(self, key: str) -> tuple[float | None, int | None]:
+        """(seconds left on the live lease or None, the lease's generation or None)."""
+        lease_key = self.keys_for(key).lease
+        with self._lock:
+            pttl = self._pttl(lease_key)
+            value = self._get(lease_key)
+        if value is None or pttl < 0:
+            return None, None
+        return pttl / 1000, int(value.rsplit(":", 1)[1])
+
+    # -- a test's view ------------------------------------------------------------------------
+
+    def get(self, name: str) -> str | None:
+        """The value of a key (lease or counter), as ``GET`` would return it (None: absent)."""
+        with self._lock:
+            return self._get(name)
+
+    def pttl(self, name: str) -> int:
+        """``PTTL``: milliseconds left (-2: no key, -1: no expiry)."""
+        with self._lock:
+            return self._pttl(name)
