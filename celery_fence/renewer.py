@@ -18,7 +18,8 @@ import math
 import threading
 import time
 
-from .lease import HeldLease, LeaseStore
+from .lease import HeldLease
+from .ports import LeaseBackend
 from .runtime import Background, runtime
 
 logger = logging.getLogger("celery_fence.renewer")
@@ -39,7 +40,7 @@ MAX_PENDING_RELEASES = 10_000
 class Renewer(Background):
     """Renews held leases and flushes releases, one pipelined round trip per tick."""
 
-    def __init__(self, leases: LeaseStore) -> None:
+    def __init__(self, leases: LeaseBackend) -> None:
         self.leases = leases
         self._reset()
 

@@ -32,7 +32,7 @@ from .renewer import RENEWER_THREAD_NAME
 from .runtime import runtime
 
 if TYPE_CHECKING:
-    from .store import Store as JobStore
+    from .ports import JobStore
 
 logger = logging.getLogger("celery_fence")
 
