@@ -320,7 +320,12 @@ def test_an_exit_that_is_not_an_exception_is_settled(run: Any) -> None:
 def test_a_deferred_first_claim_writes_its_row_with_its_completion(run: Any) -> None:
     r = run(defer_first_registration=True, generation_ttl=0)
     rows: list[Any] = []
-    action = r(lambda fence: rows.append(r.store.get(KEY)) or "done", first_delivery=True)
+
+    def body(fence: Fence) -> str:
+        rows.append(r.store.get(KEY))
+        return "done"
+
+    action = r(body, first_delivery=True)
     assert action == o.Return("done")
     assert rows == [None]  # nothing was written before the completion
     assert [t.action for t in r.store.history(KEY)] == ["claimed", "completed"]
