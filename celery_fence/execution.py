@@ -22,7 +22,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
 from . import outcomes as o
-from .actions import Action
+from .actions import Action, LogEvent
 from .config import FenceConfig
 from .errors import ConfigurationError, FenceError, LeaseBusy, LeaseLost, StaleGeneration
 from .fence import Fence
@@ -274,7 +274,7 @@ class Execution:
                 self.generation,
                 stored,
                 extra={
-                    "action": "regressed",
+                    "action": LogEvent.REGRESSED,
                     "fence_key": self.key,
                     "attempt_id": self.attempt_id,
                     "generation": self.generation,

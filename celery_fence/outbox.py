@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .actions import LogEvent
 from .backends import store_for
 from .config import FenceConfig
 from .effects import StagedEffects, idempotency_key, storage_key
@@ -331,7 +332,7 @@ def trigger_delivery(app: Any, key: str) -> None:
             "outbox rows committed for key=%s but the app has no Outbox: create "
             "celery_fence.outbox.Outbox(app) where the app is defined; the rows stay pending",
             key,
-            extra={"action": "outbox_no_sender", "fence_key": key},
+            extra={"action": LogEvent.OUTBOX_NO_SENDER, "fence_key": key},
         )
         return
     try:
@@ -341,7 +342,7 @@ def trigger_delivery(app: Any, key: str) -> None:
             "could not trigger outbox delivery key=%s: %s; the sweep will deliver it",
             key,
             type(exc).__name__,
-            extra={"action": "outbox_trigger_failed", "fence_key": key},
+            extra={"action": LogEvent.OUTBOX_TRIGGER_FAILED, "fence_key": key},
         )
 
 

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
-from .actions import INTERRUPTED_BY, Action
+from .actions import INTERRUPTED_BY, Action, LogEvent
 from .errors import (
     JobDead,
     Rescheduled,
@@ -256,7 +256,7 @@ def _unavailable(a: Execution, o: Unavailable) -> CeleryAction:
             o.reason,
             a.key,
             type(o.error).__name__,
-            extra={"action": "store_error", "fence_key": a.key, "reason": o.reason},
+            extra={"action": LogEvent.STORE_ERROR, "fence_key": a.key, "reason": o.reason},
         )
     countdown = o.countdown if o.countdown is not None else backoff(1 + a.retries, a.config)
     a.announce(Action.RETRY_SCHEDULED, reason=o.reason, countdown=countdown, attempts=None)
@@ -330,7 +330,7 @@ def _unexpected(a: Execution, o: Unexpected) -> CeleryAction:
         a.key,
         a.generation,
         a.attempt_id,
-        extra={"action": "unexpected", "fence_key": a.key, "generation": a.generation},
+        extra={"action": LogEvent.UNEXPECTED, "fence_key": a.key, "generation": a.generation},
     )
     reason = f"unexpected {type(o.error).__name__} in the {o.where}"
     if not a.registered:
@@ -348,7 +348,7 @@ def _interrupted(a: Execution, o: Interrupted) -> CeleryAction:
         a.key,
         a.generation,
         a.attempt_id,
-        extra={"action": "interrupted", "fence_key": a.key, "generation": a.generation},
+        extra={"action": LogEvent.INTERRUPTED, "fence_key": a.key, "generation": a.generation},
     )
     reason = f"{INTERRUPTED_BY} {name}"
     if not a.registered:
@@ -367,7 +367,7 @@ def _time_limited(a: Execution, o: TimeLimited) -> CeleryAction:
             "fence could not record the hard time limit key=%s: %s",
             a.key,
             type(exc).__name__,
-            extra={"action": "store_error", "fence_key": a.key, "reason": "time limit"},
+            extra={"action": LogEvent.STORE_ERROR, "fence_key": a.key, "reason": "time limit"},
         )
     a.announcer(
         Action.TIME_LIMIT,
@@ -408,7 +408,7 @@ def _unrun(a: Execution, o: Unrun) -> CeleryAction:
             a.task_name,
             o.message_id,
             type(exc).__name__,
-            extra={"action": "store_error", "fence_key": a.key, "reason": o.why},
+            extra={"action": LogEvent.STORE_ERROR, "fence_key": a.key, "reason": o.why},
         )
         return Requeue(f"{o.why}: store unavailable")
     a.announcer(
@@ -539,7 +539,7 @@ def _unrecorded(a: Execution, exc: Exception, *, what: str) -> CeleryAction:
             a.key,
             a.generation,
             type(exc).__name__,
-            extra={"action": "store_error", "fence_key": a.key, "generation": a.generation},
+            extra={"action": LogEvent.STORE_ERROR, "fence_key": a.key, "generation": a.generation},
         )
     reason = f"{what} not recorded: store unavailable ({type(exc).__name__})"
     countdown = backoff(max(a.attempts, 1 + a.retries), a.config)

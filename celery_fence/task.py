@@ -23,6 +23,7 @@ from celery.app.task import _task_stack
 from celery.exceptions import Reject
 
 from . import outcomes as o
+from .actions import LogEvent
 from .backends import Backends, backends
 from .config import FenceConfig
 from .errors import (
@@ -264,7 +265,7 @@ class FencedTask(Task):
             self.request.id,
             countdown,
             action.reason,
-            extra={"action": "reschedule", "reason": action.reason},
+            extra={"action": LogEvent.RESCHEDULE, "reason": action.reason},
         )
         # A publish the broker refuses raises RetryNotSent: the message goes back (requeue).
         retry = self.retry(
@@ -308,7 +309,7 @@ class FencedTask(Task):
                 self.request.id,
                 type(rejected.reason).__name__,
                 pause,
-                extra={"action": "requeue", "reason": "retry publish failed"},
+                extra={"action": LogEvent.REQUEUE, "reason": "retry publish failed"},
             )
             time.sleep(pause)  # the message stays unacked meanwhile; the lease is renewed
             raise RetryNotSent(rejected.reason) from None

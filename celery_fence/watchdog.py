@@ -27,6 +27,8 @@ import socket
 import threading
 import time
 
+from .actions import LogEvent
+
 logger = logging.getLogger(__name__)
 
 #: Seconds between the thread's looks at the armed calls (a deadline is kept within this).
@@ -99,7 +101,7 @@ class Watchdog:
             cut += 1
             logger.warning(
                 "a database call outlived fence_database_timeout: its connection was cut",
-                extra={"action": "db_timeout", "reason": "fence_database_timeout"},
+                extra={"action": LogEvent.DB_TIMEOUT, "reason": "fence_database_timeout"},
             )
         return cut
 

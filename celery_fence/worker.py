@@ -39,6 +39,7 @@ from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
 from celery.worker.request import Request
 
 from . import outcomes as o
+from .actions import LogEvent
 from .errors import ConfigurationError
 from .records import encode_request
 from .runtime import app_state, runtime
@@ -93,7 +94,7 @@ class FencedRequest(Request):
                 self.task_name,
                 self.id,
                 type(exc).__name__,
-                extra={"action": "store_error", "reason": "time limit"},
+                extra={"action": LogEvent.STORE_ERROR, "reason": "time limit"},
             )
             action = o.Requeue("hard time limit")
         self._apply(action)  # Celery's own ack that follows is then a no-op
@@ -115,7 +116,7 @@ class FencedRequest(Request):
                 self.task_name,
                 self.id,
                 type(exc).__name__,
-                extra={"action": "store_error", "reason": why},
+                extra={"action": LogEvent.STORE_ERROR, "reason": why},
             )
             return o.Requeue(f"{why}: settings or store unavailable")
         return execution.settle_unrun(
