@@ -18,6 +18,7 @@ import redis
 import sqlalchemy as sa
 
 from celery_fence.store import Store
+from celery_fence.testing import faults
 from tests.support import ledger
 from tests.support.worker import SpawnWorker, wait_until
 
@@ -217,7 +218,7 @@ def test_an_exception_inside_the_block_rolls_it_back_and_the_retry_writes(
 ) -> None:
     key = _key()
     store = Store(db_url)
-    redis_client.set(f"{prefix}:fail_inside:{key}", 1)  # the first attempt raises in its block
+    faults.arm(redis_client, prefix, "fail_inside", key)  # the first attempt raises in its block
     spawn_worker("w")
     result = client_app.write_app.delay(key, fail_inside_once=True).get(timeout=30)
     assert result["generation"] == 2

@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from celery_fence.store import Store
+from celery_fence.testing import faults
 from tests.support import ledger
 from tests.support.worker import SpawnWorker, wait_until
 
@@ -72,7 +73,7 @@ def test_sigkill_after_commit_before_ack_replays_without_rerunning_the_body(
     key = f"report:{uuid.uuid4().hex[:8]}"
     store = Store(db_url)
     # Given a worker whose pool process dies right after the completion commits (before the ack),
-    redis_client.set(f"{prefix}:kill:after_commit:{key}", 1)
+    faults.arm(redis_client, prefix, "kill", "after_commit", key)
     spawn_worker("w")
     # when the job runs,
     result = client_app.work.delay(key)
@@ -84,7 +85,7 @@ def test_sigkill_after_commit_before_ack_replays_without_rerunning_the_body(
     assert len(ledger.runs(redis_client, prefix, key)) == 1
     assert len(ledger.effects(redis_client, prefix, key)) == 1
     assert record.attempts == 1  # the replay is not a new attempt at the work
-    assert redis_client.exists(f"{prefix}:kill:after_commit:{key}") == 0  # the fault happened
+    assert not faults.armed(redis_client, prefix, "kill", "after_commit", key)  # the fault happened
 
 
 def test_two_workers_given_the_same_key_at_once_one_body_run_no_message_lost(

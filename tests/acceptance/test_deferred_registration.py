@@ -16,6 +16,7 @@ import redis
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import Store
+from celery_fence.testing import faults
 from tests.acceptance.test_core_failure_windows import (  # noqa: F401 - collected again here
     test_pause_timeline_stale_attempt_loses,
     test_sigkill_after_commit_before_ack_replays_without_rerunning_the_body,
@@ -125,7 +126,7 @@ def test_a_repeat_delivery_of_a_completed_job_replays_it_after_redis_lost_the_co
     key = f"defer-lost:{uuid.uuid4().hex[:8]}"
     # Given a first attempt killed right after its deferred completion committed (before the
     # ack), so the broker delivers the message again
-    redis_client.set(f"{prefix}:kill:after_commit:{key}", 1)
+    faults.arm(redis_client, prefix, "kill", "after_commit", key)
     result = client_app.work.delay(key)
     record = _ended(fence_store, key, timeout=30)
     assert (record.status, record.generation) == ("completed", 1)
@@ -135,7 +136,7 @@ def test_a_repeat_delivery_of_a_completed_job_replays_it_after_redis_lost_the_co
     # Then the repeat delivery registers first, finds the job completed and replays its result:
     # the body ran once
     assert result.get(timeout=30) == record.result
-    assert redis_client.exists(f"{prefix}:kill:after_commit:{key}") == 0  # the kill happened
+    assert not faults.armed(redis_client, prefix, "kill", "after_commit", key)  # the kill happened
     assert ledger.run_count(redis_client, prefix, key) == 1
     after = fence_store.get(key)
     assert after is not None and (after.status, after.generation) == ("completed", 1)
@@ -152,7 +153,7 @@ def test_a_duplicate_that_expires_while_a_deferred_first_attempt_runs_leaves_it_
     spawn_worker("w", concurrency=2)
     key = f"defer-expired:{uuid.uuid4().hex[:8]}"
     # Given a deferred first attempt running (no row written yet) ...
-    redis_client.set(f"{prefix}:hang:{key}", 1)
+    faults.arm(redis_client, prefix, "hang", key)
     first = client_app.work.delay(key)
     wait_until(
         lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="the first body to start"

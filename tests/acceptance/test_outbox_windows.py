@@ -19,7 +19,7 @@ import redis
 
 from celery_fence.outbox import SWEEP_TASK, idempotency_key
 from celery_fence.store import Store
-from celery_fence.testing import ProviderStub
+from celery_fence.testing import ProviderStub, faults
 from tests.support import ledger
 from tests.support.worker import Worker, wait_until
 
@@ -127,14 +127,16 @@ def test_sigkill_after_the_provider_accepted_redelivers_with_the_same_key(
     idem = idempotency_key(key, "notify")
     store = Store(db_url)
     # Given a sender that will be SIGKILLed after the provider accepts, before marking delivered,
-    redis_client.set(f"{prefix}:kill:after_send:{idem}", 1)
+    faults.arm(redis_client, prefix, "kill", "after_send", idem)
     spawn("w")
     result = client.publish.delay(key)
     assert result.get(timeout=30)["idempotency_key"] == idem
     # when the job completes, its effect is sent once and the sender dies,
     wait_until(lambda: provider.stats()["requests"] == 1, 20, what="the first delivery")
     wait_until(
-        lambda: not redis_client.exists(f"{prefix}:kill:after_send:{idem}"), 10, what="the kill"
+        lambda: not faults.armed(redis_client, prefix, "kill", "after_send", idem),
+        10,
+        what="the kill",
     )
     (row,) = store.outbox.rows(key=key)
     assert (row.status, row.attempts, row.delivered_at) == ("pending", 1, None)

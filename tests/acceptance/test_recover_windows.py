@@ -28,6 +28,7 @@ import redis
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import JobRecord, Store
+from celery_fence.testing import faults
 from tests.integration.test_cli import APP, CELERY, fence_cli, ok
 from tests.support import ledger
 from tests.support.env import AMQP_URL, BROKER_URL
@@ -102,7 +103,7 @@ def _claimed_then_killed(
     **kw: Any,
 ) -> Any:
     """A worker claims ``key`` and is SIGKILLed (main process and pool) while the body runs."""
-    redis_client.set(f"{prefix}:hang:{key}", 1)
+    faults.arm(redis_client, prefix, "hang", key)
     worker = spawn_worker("doomed", **kw)
     client_app.work.delay(key)
     wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="body started")
@@ -196,7 +197,7 @@ def test_a_paused_original_attempt_loses_to_the_recovery(
     env = {**worker_env, "FENCE_T_DB": pg_url}
     # Given an attempt paused (SIGSTOP) mid-body past its lease, that never checks its lease ...
     key = f"paused:{uuid.uuid4().hex[:8]}"
-    redis_client.set(f"{prefix}:hang:{key}", 1)
+    faults.arm(redis_client, prefix, "hang", key)
     paused = spawn_worker("paused", FENCE_T_DB=pg_url)
     client_app.work.delay(key, check=False)
     wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="body started")
@@ -301,7 +302,7 @@ def test_rabbitmq_topic_exchange_a_purged_job_is_recovered_to_its_queue(
         # Given a job delivered through a topic exchange, claimed, its worker killed and its
         # queue purged (RabbitMQ gave the unacked message back; the operator purged it) ...
         key = f"topic:{uuid.uuid4().hex[:8]}"
-        redis_client.set(f"{prefix}:hang:{key}", 1)
+        faults.arm(redis_client, prefix, "hang", key)
         worker = spawn_worker("doomed", **env)
         client.work.apply_async(
             (key,), exchange=f"{queue}-topic", routing_key=f"{queue}.work.eu"
@@ -357,7 +358,7 @@ def test_a_live_attempt_of_a_task_with_its_own_redis_and_prefix_is_not_taken_for
 
     request.addfinalizer(cleanup)
     own = LeaseStore(own_redis, prefix=client_app.OWN_PREFIX)
-    redis_client.set(f"{prefix}:hang:{key}", 1)
+    faults.arm(redis_client, prefix, "hang", key)
     env = {**worker_env, "FENCE_T_OWN_REDIS": "1"}
     spawn_worker("holder", FENCE_T_OWN_REDIS="1")
     client_app.own_prefix.delay(key)
@@ -404,7 +405,7 @@ def test_a_job_revoked_with_terminate_ends_dead_and_recover_leaves_it(
 ) -> None:
     # Given a fenced job running on a prefork worker ...
     key = f"revoked:{uuid.uuid4().hex[:8]}"
-    redis_client.set(f"{prefix}:hang:{key}", 1)
+    faults.arm(redis_client, prefix, "hang", key)
     spawn_worker("w")
     result = client_app.work.delay(key)
     wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="body started")
@@ -439,7 +440,7 @@ def test_a_job_revoked_with_terminate_on_a_gevent_worker_ends_dead_and_releases_
 ) -> None:
     # Given a fenced job running on a gevent-pool worker whose leases live 30 s ...
     key = f"revoked-green:{uuid.uuid4().hex[:8]}"
-    redis_client.set(f"{prefix}:hang:{key}", 1)
+    faults.arm(redis_client, prefix, "hang", key)
     delay = {"FENCE_T_UNRUN_DELAY": "2"} if first == "body settled first" else {}
     spawn_worker("w", pool="gevent", concurrency=2, FENCE_T_TTL="30", FENCE_T_RENEW="5", **delay)
     result = client_app.work.delay(key)

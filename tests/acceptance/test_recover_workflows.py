@@ -16,6 +16,7 @@ import redis
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import Store
+from celery_fence.testing import faults
 from tests.acceptance.test_recover_windows import _lease_gone, _lose_unacked, _status
 from tests.integration.test_cli import fence_cli, ok
 from tests.support import ledger
@@ -46,7 +47,7 @@ def test_a_chain_whose_first_step_message_was_lost_goes_on_after_recover(
     # Given a chain a | b whose first step's worker was killed mid-body and whose message was
     # lost (the queue purged, the unacked message gone) ...
     a, b = f"chain-a:{uuid.uuid4().hex[:8]}", f"chain-b:{uuid.uuid4().hex[:8]}"
-    redis_client.set(f"{prefix}:hang:{a}", 1)
+    faults.arm(redis_client, prefix, "hang", a)
     doomed = spawn_worker("doomed")
     (client_app.work.s(a) | client_app.follow.s(b)).apply_async()
     wait_until(lambda: ledger.run_count(redis_client, prefix, a) == 1, 30, what="a started")

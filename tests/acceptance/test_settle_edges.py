@@ -15,6 +15,7 @@ import redis
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import JobRecord, Store, decode_request
+from celery_fence.testing import faults
 from tests.support import ledger
 from tests.support.broker import broker_queue_length
 from tests.support.env import AMQP_URL, BROKER_URL
@@ -300,7 +301,7 @@ def test_an_exception_in_the_regression_branch_re_sends_and_converges(
     # Given a store that already saw generation 5 for the key (Redis lost its counter) ...
     fence_store.register(key, generation=5, attempt_id="earlier", task_name="t", request=None)
     # ... and raising the Redis counter fails once (a failover in the middle of it)
-    redis_client.set(f"{prefix}:fail_raise:{key}", 1)
+    faults.arm(redis_client, prefix, "fail_raise", key)
     spawn_worker("w", FENCE_T_FAIL_RAISE="1")
     client_app.work.delay(key)
     # Then the message is re-sent rather than acked as a failure, and the job completes once
@@ -308,7 +309,7 @@ def test_an_exception_in_the_regression_branch_re_sends_and_converges(
     assert record.status == "completed", record
     assert record.generation > 5
     assert ledger.run_count(redis_client, prefix, key) == 1
-    assert redis_client.get(f"{prefix}:fail_raise:{key}") is None  # the fault did fire
+    assert not faults.armed(redis_client, prefix, "fail_raise", key)  # the fault did fire
     _broker_drained(client_app)
 
 

@@ -16,6 +16,7 @@ import redis
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import Store, decode_request
+from celery_fence.testing import faults
 from tests.acceptance.test_settle_edges import (  # noqa: F401 - the broker fixtures
     BOTH_BROKERS,
     _broker_drained,
@@ -51,13 +52,13 @@ def test_a_refused_message_redelivered_after_its_job_went_dead_is_acked_once(
     key = f"nul-dead:{uuid.uuid4().hex[:8]}"
     # Given a message whose arguments the database refuses, and a worker killed right after it
     # recorded the job dead, before the ack: the broker redelivers the message
-    redis_client.set(f"{prefix}:kill:after_dead:{key}", 1)
+    faults.arm(redis_client, prefix, "kill", "after_dead", key)
     client_app.echo.delay(key, NUL_ARGUMENT)
     # Then the redelivery finds the job dead and is acked as such, without writing again
     record = _ended(fence_store, key, timeout=30)
     assert record.status == "dead" and record.attempts == 1
     _broker_drained(client_app, timeout=30)
-    assert redis_client.exists(f"{prefix}:kill:after_dead:{key}") == 0  # the kill happened
+    assert not faults.armed(redis_client, prefix, "kill", "after_dead", key)  # the kill happened
     # the first delivery and the redelivery, no loop
     assert _claims_stop(client_app, leases, key) == 2
     after = fence_store.get(key)
@@ -142,13 +143,13 @@ def test_a_retry_the_broker_refuses_to_publish_gives_the_message_back(
     # Given a body that calls self.retry() on its first run, and a broker that refuses that
     # retry message's publish once
     spawn_worker("w", FENCE_T_FAIL_PUBLISH="1")
-    redis_client.set(f"{prefix}:fail_publish", 1)
+    faults.arm(redis_client, prefix, "fail_publish")
     key = f"retry-refused:{uuid.uuid4().hex[:8]}"
     client_app.control.delay(key, kind="retry")
     # Then the message goes back to the broker and a later attempt completes the job
     record = _ended(fence_store, key, timeout=30)
     assert record.status == "completed", record
-    assert redis_client.exists(f"{prefix}:fail_publish") == 0  # the publish was refused
+    assert not faults.armed(redis_client, prefix, "fail_publish")  # the publish was refused
     assert ledger.run_count(redis_client, prefix, key) == 2
     assert record.attempts == 2
     reasons = [t.reason for t in fence_store.history(key)]
@@ -169,7 +170,7 @@ def test_a_busy_reschedule_the_broker_refuses_does_not_spin_and_loses_nothing(
     # Given a job held by a running attempt (its lease renewed, 30 s TTL) ...
     spawn_worker("w", concurrency=2, FENCE_T_FAIL_PUBLISH="1", FENCE_T_TTL="30", FENCE_T_RENEW="5")
     key = f"busy-refused:{uuid.uuid4().hex[:8]}"
-    redis_client.set(f"{prefix}:hang:{key}", 1)
+    faults.arm(redis_client, prefix, "hang", key)
     client_app.work.delay(key)
     wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="the holder runs")
     # ... and a broker that refuses every re-send,
