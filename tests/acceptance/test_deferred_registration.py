@@ -17,6 +17,7 @@ import redis
 from celery_fence.lease import LeaseStore
 from celery_fence.store import Store
 from celery_fence.testing import faults
+from tests.acceptance.test_celery_driven_exits import _broker_drained, _ended
 from tests.acceptance.test_core_failure_windows import (  # noqa: F401 - collected again here
     test_pause_timeline_stale_attempt_loses,
     test_sigkill_after_commit_before_ack_replays_without_rerunning_the_body,
@@ -25,7 +26,6 @@ from tests.acceptance.test_core_failure_windows import (  # noqa: F401 - collect
 from tests.acceptance.test_retries import (  # noqa: F401 - collected again here
     test_success_after_two_transient_failures_completes_on_the_third_attempt,
 )
-from tests.acceptance.test_settle_edges import _broker_drained, _ended
 from tests.support import ledger
 from tests.support.worker import SpawnWorker, wait_until
 

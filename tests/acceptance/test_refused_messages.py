@@ -17,7 +17,7 @@ import redis
 from celery_fence.lease import LeaseStore
 from celery_fence.store import Store, decode_request
 from celery_fence.testing import faults
-from tests.acceptance.test_settle_edges import (  # noqa: F401 - the broker fixtures
+from tests.acceptance.test_celery_driven_exits import (  # noqa: F401 - the broker fixtures
     BOTH_BROKERS,
     _broker_drained,
     _ended,
