@@ -14,7 +14,6 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,13 +22,7 @@ from pathlib import Path
 import redis
 
 from celery_fence.testing import processes
-
-
-def free_port() -> int:
-    """A free loopback TCP port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from celery_fence.testing.processes import free_port
 
 
 def wait_for(predicate: object, timeout: float, what: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 import pytest
 import redis
@@ -22,7 +22,7 @@ from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues
 from tests.support.env import BROKER_URL, PG_ADMIN_URL, REDIS_URL
 from tests.support.stores import DEFAULT, store_url, with_driver
-from tests.support.worker import Worker
+from tests.support.worker import SpawnWorker, Worker
 
 
 @pytest.fixture(scope="session")
@@ -118,7 +118,7 @@ def worker_env(prefix: str, db_url: str) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture
-def spawn_worker(tmp_path: Path, worker_env: dict[str, str]) -> Iterator[Any]:
+def spawn_worker(tmp_path: Path, worker_env: dict[str, str]) -> Iterator[SpawnWorker]:
     """``spawn_worker(name, **env_overrides)`` -> a started :class:`Worker`; all stopped after."""
     started: list[Worker] = []
 
@@ -152,7 +152,7 @@ def spawn_worker(tmp_path: Path, worker_env: dict[str, str]) -> Iterator[Any]:
 
 
 @pytest.fixture
-def client_app(worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def client_app(worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """The same app module as the workers, imported in the test process (to send and read)."""
     import importlib
     import sys

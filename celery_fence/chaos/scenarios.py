@@ -16,6 +16,7 @@ from celery import signature
 from celery_fence.outbox import idempotency_key
 from celery_fence.recovery import KEY_HEADER, RECOVER_TASK
 from celery_fence.store import decode_request
+from celery_fence.testing import faults
 
 from . import CHARGE, TASK_NAME
 from .checker import Job
@@ -153,7 +154,7 @@ def run_kill(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     rng.shuffle(windows)
     for window in windows:
         job = Job(s.key(i, window), expect_starts=1 if window == "after_commit" else None)
-        s.ledger.set(f"{s.ledger_prefix}:kill:{window}:{job.key}", 1)
+        faults.arm(s.ledger, s.ledger_prefix, "kill", window, job.key)
         s.send(job, sleep=rng.uniform(0.0, 0.3))
         jobs.append(job)
     started = time.monotonic()
@@ -265,7 +266,7 @@ def run_time_limit(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]
         expect_starts=s.opts.max_attempts,
         expect_reason="time limit",
     )
-    s.ledger.set(f"{s.ledger_prefix}:overrun:{once.key}", 1)
+    faults.arm(s.ledger, s.ledger_prefix, "overrun", once.key)
     s.send(once, sleep=rng.uniform(0.0, 0.2), options={"time_limit": limit})
     s.send(always, mode="overrun", options={"time_limit": limit})
     elapsed = s.converge([once, always], time.monotonic())
@@ -282,7 +283,7 @@ def run_expires(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     busy = Job(s.key(i, "busy"), expect_attempts=1, expect_starts=1)
     hold = rng.uniform(1.8, 2.3)  # another holder (a slow or paused worker) keeps the lease
     s.lease_store.claim(busy.key, f"chaos-holder-{s.run_id}", int(hold * 1000))
-    s.ledger.set(f"{s.ledger_prefix}:fail:{retried.key}", 1)
+    faults.arm(s.ledger, s.ledger_prefix, "fail", retried.key)
     sent_at = time.time()
     s.send(busy, sleep=0.1, options={"expires": expires})
     s.send(retried, sleep=rng.uniform(1.7, 2.1), options={"expires": expires})
@@ -362,7 +363,7 @@ def run_recovered_chain(s: Scenario, i: int, rng: random.Random) -> tuple[int, f
     b = Job(s.key(i, "b"), expect_attempts=1, expect_starts=1)
     live = [w for w in s.workers if not w.exited]
     doomed = live[0] if live else s.start_worker(f"chain-{i}").wait_ready()
-    s.ledger.set(f"{s.ledger_prefix}:overrun:{a.key}", 1)  # a's first run sleeps until killed
+    faults.arm(s.ledger, s.ledger_prefix, "overrun", a.key)  # a's first run sleeps until killed
     first = signature(
         TASK_NAME, args=[a.key], kwargs={"sleep": rng.uniform(0.0, 0.2)}, app=s.client
     )
@@ -400,7 +401,7 @@ def run_interrupted(s: Scenario, i: int, rng: random.Random) -> tuple[int, float
     pool = "threads" if i % 2 == 0 else "gevent"
     worker = s.start_worker(f"{pool}-{i}", pool=pool, concurrency=2).wait_ready()
     job = Job(s.key(i), expect_attempts=2, expect_starts=2)
-    s.ledger.set(f"{s.ledger_prefix}:interrupt:{job.key}", 1)
+    faults.arm(s.ledger, s.ledger_prefix, "interrupt", job.key)
     s.send(job, sleep=rng.uniform(0.0, 0.2), check=False, notify=False)
     s.wait_event(job.key, "interrupt")
     interrupted_at = time.monotonic()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -36,8 +37,27 @@ def wait_until(
     return value
 
 
-def free_port() -> int:
-    """A free loopback TCP port."""
+CLUSTER_BUS_OFFSET = 10000  # a Redis Cluster node's bus listens on its port + 10000
+
+
+def free_port(*, cluster_bus: bool = False) -> int:
+    """A free loopback TCP port; with ``cluster_bus``, one whose Redis Cluster bus port
+    (``port + 10000``) is free too (drawn from 21000-39000, so the bus port stays valid)."""
+    if not cluster_bus:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    for _ in range(500):
+        port = random.randint(21000, 39000)
+        if _bindable(port) and _bindable(port + CLUSTER_BUS_OFFSET):
+            return port
+    raise RuntimeError("no free loopback port (with a free cluster bus port) found")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

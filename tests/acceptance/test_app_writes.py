@@ -10,53 +10,66 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import pytest
+import redis
 import sqlalchemy as sa
 
 from celery_fence.store import Store
-from tests.support.worker import wait_until
+from celery_fence.testing import faults
+from tests.support import ledger
+from tests.support.worker import SpawnWorker, wait_until
 
 pytestmark = pytest.mark.acceptance
 
 TTL = 2.0
 
 
+class AppDb:
+    """Reads the app's tables (``tests.support.app``'s ``app_lines`` and ``app_reports``) back."""
+
+    def __init__(self, client_app: ModuleType, engine: sa.Engine) -> None:
+        self.client_app = client_app
+        self.engine = engine
+
+    def lines(self, key: str) -> list[tuple[int, str]]:
+        t = self.client_app.app_lines
+        with self.engine.connect() as conn:
+            query = sa.select(t.c.generation, t.c.attempt_id).where(t.c.key == key)
+            return [(r[0], r[1]) for r in conn.execute(query.order_by(t.c.id))]
+
+    def report(self, key: str) -> tuple[int, str] | None:
+        t = self.client_app.app_reports
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                sa.select(t.c.generation, t.c.attempt_id).where(t.c.key == key)
+            ).first()
+        return None if row is None else (row[0], row[1])
+
+
 @pytest.fixture
-def app_db(client_app: Any, db_url: str) -> Any:
+def app_db(client_app: ModuleType, db_url: str) -> Iterator[AppDb]:
     """The app's tables in the store's database; reads them back for the test."""
     engine = sa.create_engine(db_url)
     client_app.app_metadata.create_all(engine)
-
-    class AppDb:
-        def lines(self, key: str) -> list[tuple[int, str]]:
-            t = client_app.app_lines
-            with engine.connect() as conn:
-                query = sa.select(t.c.generation, t.c.attempt_id).where(t.c.key == key)
-                return [tuple(r) for r in conn.execute(query.order_by(t.c.id))]
-
-        def report(self, key: str) -> tuple[int, str] | None:
-            t = client_app.app_reports
-            with engine.connect() as conn:
-                row = conn.execute(
-                    sa.select(t.c.generation, t.c.attempt_id).where(t.c.key == key)
-                ).first()
-            return None if row is None else (row[0], row[1])
-
-    yield AppDb()
+    yield AppDb(client_app, engine)
     engine.dispose()
 
 
-def _at(redis_client: Any, prefix: str, key: str) -> list[str]:
-    return [v.decode() for v in redis_client.lrange(f"{prefix}:at:{key}", 0, -1)]
+def _at(redis_client: redis.Redis, prefix: str, key: str) -> list[str]:
+    return ledger.entries(redis_client, f"{prefix}:at:{key}")
 
 
 def _key() -> str:
     return f"report:{uuid.uuid4().hex[:8]}"
 
 
-def _assert_only_the_newer_attempts_rows(app_db: Any, store: Store, key: str, result: Any) -> None:
+def _assert_only_the_newer_attempts_rows(
+    app_db: AppDb, store: Store, key: str, result: Any
+) -> None:
     record = store.get(key)
     assert record is not None
     assert (record.status, record.generation) == ("completed", result["generation"])
@@ -66,10 +79,10 @@ def _assert_only_the_newer_attempts_rows(app_db: Any, store: Store, key: str, re
 
 
 def test_paused_after_its_work_before_its_block_its_rows_never_land(
-    spawn_worker: Any,
-    client_app: Any,
-    app_db: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    app_db: AppDb,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
@@ -97,10 +110,10 @@ def test_paused_after_its_work_before_its_block_its_rows_never_land(
 
 @pytest.mark.parametrize("via", ["conn", "bind", "session"])
 def test_a_newer_registration_refuses_the_commit_while_the_lease_still_looks_valid(
-    spawn_worker: Any,
-    client_app: Any,
-    app_db: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    app_db: AppDb,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
     via: str,
@@ -135,10 +148,10 @@ def test_a_newer_registration_refuses_the_commit_while_the_lease_still_looks_val
 
 
 def test_paused_inside_its_block_it_does_not_hold_up_the_takeover_and_never_commits(
-    spawn_worker: Any,
-    client_app: Any,
-    app_db: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    app_db: AppDb,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
@@ -177,10 +190,10 @@ def test_paused_inside_its_block_it_does_not_hold_up_the_takeover_and_never_comm
 
 
 def test_a_write_beside_the_block_ends_the_job_dead_naming_the_fix_and_lands_nothing(
-    spawn_worker: Any,
-    client_app: Any,
-    app_db: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    app_db: AppDb,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
@@ -200,21 +213,21 @@ def test_a_write_beside_the_block_ends_the_job_dead_naming_the_fix_and_lands_not
     dead = [t.reason for t in store.history(key) if t.action == "dead"]
     assert dead == ["permanent error ConfigurationError"]
     assert app_db.lines(key) == [] and app_db.report(key) is None
-    assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+    assert ledger.run_count(redis_client, prefix, key) == 1
     store.dispose()
 
 
 def test_an_exception_inside_the_block_rolls_it_back_and_the_retry_writes(
-    spawn_worker: Any,
-    client_app: Any,
-    app_db: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    app_db: AppDb,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
     key = _key()
     store = Store(db_url)
-    redis_client.set(f"{prefix}:fail_inside:{key}", 1)  # the first attempt raises in its block
+    faults.arm(redis_client, prefix, "fail_inside", key)  # the first attempt raises in its block
     spawn_worker("w")
     result = client_app.write_app.delay(key, fail_inside_once=True).get(timeout=30)
     assert result["generation"] == 2
@@ -227,10 +240,10 @@ def test_an_exception_inside_the_block_rolls_it_back_and_the_retry_writes(
 
 
 def test_postgresql_a_registration_behind_a_locked_job_row_is_resent_not_stuck(
-    spawn_worker: Any,
-    client_app: Any,
-    app_db: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    app_db: AppDb,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
@@ -264,10 +277,10 @@ def test_postgresql_a_registration_behind_a_locked_job_row_is_resent_not_stuck(
 
 @pytest.mark.parametrize("via", ["binds", "flask"])
 def test_a_session_routed_by_its_own_binds_never_lands_a_paused_attempts_rows(
-    spawn_worker: Any,
-    client_app: Any,
-    app_db: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    app_db: AppDb,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
     via: str,
@@ -298,10 +311,10 @@ def test_a_session_routed_by_its_own_binds_never_lands_a_paused_attempts_rows(
 
 
 def test_postgresql_a_block_whose_database_stops_answering_ends_and_its_attempt_retries(
-    spawn_worker: Any,
-    client_app: Any,
-    app_db: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    app_db: AppDb,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:

@@ -7,29 +7,24 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from types import ModuleType
 
 import pytest
+import redis
 
 from celery_fence.store import Store
-from tests.support.worker import wait_until
+from celery_fence.testing import faults
+from tests.support import ledger
+from tests.support.worker import SpawnWorker, wait_until
 
 pytestmark = pytest.mark.acceptance
 
 
-def _runs(redis_client: Any, prefix: str, key: str) -> list[str]:
-    return [v.decode() for v in redis_client.lrange(f"{prefix}:runs:{key}", 0, -1)]
-
-
-def _effects(redis_client: Any, prefix: str, key: str) -> list[str]:
-    return [v.decode() for v in redis_client.lrange(f"{prefix}:effects:{key}", 0, -1)]
-
-
 @pytest.mark.parametrize("checks", [True, False], ids=["checks", "does-not-check"])
 def test_pause_timeline_stale_attempt_loses(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
     checks: bool,
@@ -39,7 +34,9 @@ def test_pause_timeline_stale_attempt_loses(
     # Given worker A running the job (generation 1) ...
     a = spawn_worker("a")
     first = client_app.work.delay(key, sleep=4.0, check=checks)
-    wait_until(lambda: len(_runs(redis_client, prefix, key)) == 1, 20, what="A starts the body")
+    wait_until(
+        lambda: len(ledger.runs(redis_client, prefix, key)) == 1, 20, what="A starts the body"
+    )
     # ... when A pauses past its TTL (2 s) and B takes a second message for the same key,
     a.pause()
     time.sleep(2.6)
@@ -53,9 +50,9 @@ def test_pause_timeline_stale_attempt_loses(
     assert record is not None
     assert (record.status, record.generation) == ("completed", 2)
     assert record.result["generation"] == 2
-    runs = _runs(redis_client, prefix, key)
+    runs = ledger.runs(redis_client, prefix, key)
     assert [r.split(":")[0] for r in runs[:2]] == ["1", "2"]
-    effects = _effects(redis_client, prefix, key)
+    effects = ledger.effects(redis_client, prefix, key)
     if checks:
         assert effects == [runs[1]]  # the stale attempt started no side effect
     else:
@@ -67,16 +64,16 @@ def test_pause_timeline_stale_attempt_loses(
 
 
 def test_sigkill_after_commit_before_ack_replays_without_rerunning_the_body(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
     key = f"report:{uuid.uuid4().hex[:8]}"
     store = Store(db_url)
     # Given a worker whose pool process dies right after the completion commits (before the ack),
-    redis_client.set(f"{prefix}:kill:after_commit:{key}", 1)
+    faults.arm(redis_client, prefix, "kill", "after_commit", key)
     spawn_worker("w")
     # when the job runs,
     result = client_app.work.delay(key)
@@ -85,16 +82,16 @@ def test_sigkill_after_commit_before_ack_replays_without_rerunning_the_body(
     record = store.get(key)
     assert record is not None and record.status == "completed"
     assert value == record.result
-    assert len(_runs(redis_client, prefix, key)) == 1
-    assert len(_effects(redis_client, prefix, key)) == 1
+    assert len(ledger.runs(redis_client, prefix, key)) == 1
+    assert len(ledger.effects(redis_client, prefix, key)) == 1
     assert record.attempts == 1  # the replay is not a new attempt at the work
-    assert redis_client.exists(f"{prefix}:kill:after_commit:{key}") == 0  # the fault happened
+    assert not faults.armed(redis_client, prefix, "kill", "after_commit", key)  # the fault happened
 
 
 def test_two_workers_given_the_same_key_at_once_one_body_run_no_message_lost(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
@@ -109,23 +106,23 @@ def test_two_workers_given_the_same_key_at_once_one_body_run_no_message_lost(
     record = store.get(key)
     assert record is not None and record.status == "completed"
     assert all(v == record.result for v in values)
-    assert len(_runs(redis_client, prefix, key)) == 1
-    assert len(_effects(redis_client, prefix, key)) == 1
+    assert len(ledger.runs(redis_client, prefix, key)) == 1
+    assert len(ledger.effects(redis_client, prefix, key)) == 1
     actions = [t.action for t in store.history(key)]
     assert actions.count("completed") == 1
 
 
 def test_busy_lease_reschedules_with_the_same_task_id(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
     key = f"report:{uuid.uuid4().hex[:8]}"
     w = spawn_worker("w", concurrency=2)
     first = client_app.work.delay(key, sleep=1.0)
-    wait_until(lambda: len(_runs(redis_client, prefix, key)) == 1, 20, what="first body")
+    wait_until(lambda: len(ledger.runs(redis_client, prefix, key)) == 1, 20, what="first body")
     second = client_app.work.delay(key)
     # the second message meets a live lease and is re-sent: the worker receives its task id
     # twice, and its result (under that id) is the one stored result.
@@ -133,15 +130,15 @@ def test_busy_lease_reschedules_with_the_same_task_id(
     log = w.log()
     assert f"fence busy key={key}" in log
     assert log.count(f"[{second.id}] received") >= 2, "the re-sent message kept its task id"
-    assert len(_runs(redis_client, prefix, key)) == 1
+    assert len(ledger.runs(redis_client, prefix, key)) == 1
     record = Store(db_url).get(key)
     assert record is not None and record.attempts == 1  # a busy reschedule is not an attempt
 
 
 def test_a_fence_key_that_is_not_a_str_fails_clearly_and_loses_nothing(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
@@ -158,9 +155,9 @@ def test_a_fence_key_that_is_not_a_str_fails_clearly_and_loses_nothing(
 
 @pytest.mark.parametrize(("pool", "concurrency"), [("prefork", 2), ("threads", 4), ("solo", 1)])
 def test_renewal_keeps_long_tasks_alive_under_every_pool(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
     pool: str,
@@ -175,13 +172,13 @@ def test_renewal_keeps_long_tasks_alive_under_every_pool(
         assert r.get(timeout=60)["generation"] == 1
         record = Store(db_url).get(k)
         assert record is not None and (record.status, record.generation) == ("completed", 1)
-        assert len(_effects(redis_client, prefix, k)) == 1
+        assert len(ledger.effects(redis_client, prefix, k)) == 1
 
 
 def test_a_result_the_database_refuses_goes_dead_at_once_without_leaking_it(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     pg_url: str,
     worker_env: dict[str, str],

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from typing import Any
+from types import ModuleType
 
 import pytest
+import redis
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import Store
+from celery_fence.testing import faults
+from tests.acceptance.test_celery_driven_exits import _broker_drained, _ended
 from tests.acceptance.test_core_failure_windows import (  # noqa: F401 - collected again here
     test_pause_timeline_stale_attempt_loses,
     test_sigkill_after_commit_before_ack_replays_without_rerunning_the_body,
@@ -23,8 +26,8 @@ from tests.acceptance.test_core_failure_windows import (  # noqa: F401 - collect
 from tests.acceptance.test_retries import (  # noqa: F401 - collected again here
     test_success_after_two_transient_failures_completes_on_the_third_attempt,
 )
-from tests.acceptance.test_settle_edges import _broker_drained, _ended, _runs
-from tests.support.worker import wait_until
+from tests.support import ledger
+from tests.support.worker import SpawnWorker, wait_until
 
 pytestmark = pytest.mark.acceptance
 
@@ -35,8 +38,8 @@ def worker_env(worker_env: dict[str, str]) -> dict[str, str]:
 
 
 def test_a_first_completion_is_one_row_with_its_claim_and_completion(
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     fence_store: Store,
 ) -> None:
     spawn_worker("w")
@@ -49,9 +52,9 @@ def test_a_first_completion_is_one_row_with_its_claim_and_completion(
 
 
 def test_an_enqueued_job_s_first_attempt_completes_its_pending_row_in_one_statement(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
     fence_store: Store,
@@ -71,7 +74,7 @@ def test_an_enqueued_job_s_first_attempt_completes_its_pending_row_in_one_statem
     # claimed it), in one statement, and its body ran once; the enqueued request is kept.
     record = _ended(fence_store, key, timeout=30)
     assert (record.status, record.generation, record.attempts) == ("completed", 1, 1)
-    assert _runs(redis_client, prefix, key) == 1
+    assert ledger.run_count(redis_client, prefix, key) == 1
     history = fence_store.history(key)
     assert [t.action for t in history] == ["claimed", "completed"]
     assert history[0].at == history[1].at  # written by one statement, after the body
@@ -81,8 +84,10 @@ def test_an_enqueued_job_s_first_attempt_completes_its_pending_row_in_one_statem
     fence_store.requeue(key, completed=True)
     from celery_fence.recovery import recover
 
-    assert recover(client_app.app, older_than=0).sent == [key]
-    wait_until(lambda: _runs(redis_client, prefix, key) == 2, 30, what="the re-run")
+    # (recover scans the whole store: on the session's shared PostgreSQL database it may also
+    # re-send other tests' stranded rows, so only this key's re-sends are counted)
+    assert recover(client_app.app, older_than=0).sent.count(key) == 1
+    wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 2, 30, what="the re-run")
     record = _ended(fence_store, key, timeout=30)
     assert (record.status, record.generation) == ("completed", 2)
     again = [t for t in fence_store.history(key) if t.generation == 2]
@@ -91,9 +96,9 @@ def test_an_enqueued_job_s_first_attempt_completes_its_pending_row_in_one_statem
 
 
 def test_a_first_attempt_that_kills_its_worker_is_counted_when_the_next_registers(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
 ) -> None:
@@ -106,15 +111,15 @@ def test_a_first_attempt_that_kills_its_worker_is_counted_when_the_next_register
     # the attempts spent: dead, after two body runs, attempts == 2, the message acked
     record = _ended(fence_store, key, timeout=90)
     assert (record.status, record.attempts) == ("dead", 2)
-    assert _runs(redis_client, prefix, key) == 2
+    assert ledger.run_count(redis_client, prefix, key) == 2
     assert fence_store.history(key)[-1].reason == "attempts exhausted"
     _broker_drained(client_app)
 
 
 def test_a_repeat_delivery_of_a_completed_job_replays_it_after_redis_lost_the_counter(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
     leases: LeaseStore,
@@ -123,7 +128,7 @@ def test_a_repeat_delivery_of_a_completed_job_replays_it_after_redis_lost_the_co
     key = f"defer-lost:{uuid.uuid4().hex[:8]}"
     # Given a first attempt killed right after its deferred completion committed (before the
     # ack), so the broker delivers the message again
-    redis_client.set(f"{prefix}:kill:after_commit:{key}", 1)
+    faults.arm(redis_client, prefix, "kill", "after_commit", key)
     result = client_app.work.delay(key)
     record = _ended(fence_store, key, timeout=30)
     assert (record.status, record.generation) == ("completed", 1)
@@ -133,26 +138,28 @@ def test_a_repeat_delivery_of_a_completed_job_replays_it_after_redis_lost_the_co
     # Then the repeat delivery registers first, finds the job completed and replays its result:
     # the body ran once
     assert result.get(timeout=30) == record.result
-    assert redis_client.exists(f"{prefix}:kill:after_commit:{key}") == 0  # the kill happened
-    assert _runs(redis_client, prefix, key) == 1
+    assert not faults.armed(redis_client, prefix, "kill", "after_commit", key)  # the kill happened
+    assert ledger.run_count(redis_client, prefix, key) == 1
     after = fence_store.get(key)
     assert after is not None and (after.status, after.generation) == ("completed", 1)
     _broker_drained(client_app)
 
 
 def test_a_duplicate_that_expires_while_a_deferred_first_attempt_runs_leaves_it_the_job(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
 ) -> None:
     spawn_worker("w", concurrency=2)
     key = f"defer-expired:{uuid.uuid4().hex[:8]}"
     # Given a deferred first attempt running (no row written yet) ...
-    redis_client.set(f"{prefix}:hang:{key}", 1)
+    faults.arm(redis_client, prefix, "hang", key)
     first = client_app.work.delay(key)
-    wait_until(lambda: _runs(redis_client, prefix, key) == 1, 30, what="the first body to start")
+    wait_until(
+        lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="the first body to start"
+    )
     # ... when a duplicate message for the same key arrives already expired (never run)
     past = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=5)
     client_app.work.apply_async((key,), expires=past)
@@ -167,13 +174,17 @@ def test_a_duplicate_that_expires_while_a_deferred_first_attempt_runs_leaves_it_
     record = fence_store.get(key)
     assert record is not None and (record.status, record.generation) == ("completed", 1)
     assert value == record.result and value["generation"] == 1
-    assert _runs(redis_client, prefix, key) == 1  # the duplicate never ran
+    assert ledger.run_count(redis_client, prefix, key) == 1  # the duplicate never ran
     _broker_drained(client_app)
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # SQLite stores NUL
 def test_arguments_the_database_refuses_end_dead_without_a_deferred_run(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
 ) -> None:
     spawn_worker("w")
     key = f"defer-nul-args:{uuid.uuid4().hex[:8]}"
@@ -183,13 +194,17 @@ def test_arguments_the_database_refuses_end_dead_without_a_deferred_run(
     record = _ended(fence_store, key, timeout=30)
     assert (record.status, record.attempts) == ("dead", 1)
     assert record.error_message is not None and "arguments" in record.error_message
-    assert _runs(redis_client, prefix, key) == 0
+    assert ledger.run_count(redis_client, prefix, key) == 0
     _broker_drained(client_app)
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_a_result_the_database_refuses_ends_a_deferred_first_attempt_dead_at_once(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
 ) -> None:
     spawn_worker("w")
     key = f"defer-nul-result:{uuid.uuid4().hex[:8]}"
@@ -199,5 +214,5 @@ def test_a_result_the_database_refuses_ends_a_deferred_first_attempt_dead_at_onc
     record = _ended(fence_store, key, timeout=30)
     assert (record.status, record.generation, record.attempts) == ("dead", 1, 1)
     assert record.error_message is not None and "return value" in record.error_message
-    assert int(redis_client.get(f"{prefix}:nul_runs:{key}")) == 1
+    assert redis_client.get(f"{prefix}:nul_runs:{key}") == b"1"
     _broker_drained(client_app)

@@ -10,7 +10,8 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import redis
@@ -18,8 +19,9 @@ import sqlalchemy as sa
 
 from celery_fence import ConfigurationError, enqueue, recover
 from celery_fence.store import Store
+from tests.support import ledger
 from tests.support.env import BROKER_URL
-from tests.support.worker import ROOT, wait_until
+from tests.support.worker import ROOT, SpawnWorker, wait_until
 
 pytestmark = pytest.mark.acceptance
 
@@ -27,10 +29,6 @@ pytestmark = pytest.mark.acceptance
 def _queued(queue: str) -> int:
     """Messages waiting in the Redis broker's queue (its list)."""
     return int(redis.Redis.from_url(BROKER_URL).llen(queue))
-
-
-def _runs(redis_client: Any, prefix: str, key: str) -> int:
-    return int(redis_client.llen(f"{prefix}:runs:{key}"))
 
 
 def _orders(engine: sa.Engine, prefix: str) -> sa.Table:
@@ -47,9 +45,9 @@ def _status(store: Store, key: str) -> str | None:
 
 
 def test_commit_sends_once_rollback_sends_nothing_and_a_key_is_one_job(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
     fence_store: Store,
@@ -83,20 +81,20 @@ def test_commit_sends_once_rollback_sends_nothing_and_a_key_is_one_job(
     spawn_worker("w")
     # Then the committed job runs once and completes under its key and task id
     wait_until(lambda: _status(fence_store, committed) == "completed", 30, what="completed")
-    assert _runs(redis_client, prefix, committed) == 1
+    assert ledger.run_count(redis_client, prefix, committed) == 1
     assert job.async_result.get(timeout=10)["generation"] == 1
 
     # And the same key enqueued again is the same job: nothing written, nothing sent
     with engine.begin() as conn:
         again = enqueue(conn, client_app.work, args=(committed,))
     assert (again.created, again.status, again.task_id) == (False, "completed", job.task_id)
-    assert _queued(queue) == 0 and _runs(redis_client, prefix, committed) == 1
+    assert _queued(queue) == 0 and ledger.run_count(redis_client, prefix, committed) == 1
 
 
 def test_a_crash_after_the_commit_and_a_lost_queue_are_recovered(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
     fence_store: Store,
@@ -133,11 +131,11 @@ def test_a_crash_after_the_commit_and_a_lost_queue_are_recovered(
     wait_until(
         lambda: all(_status(fence_store, k) == "completed" for k in keys), 60, what="completed"
     )
-    assert [_runs(redis_client, prefix, k) for k in keys] == [1] * len(keys)
+    assert [ledger.run_count(redis_client, prefix, k) for k in keys] == [1] * len(keys)
 
 
 def test_a_connection_on_another_database_or_outside_a_transaction_is_refused(
-    client_app: Any, tmp_path: Any
+    client_app: ModuleType, tmp_path: Path
 ) -> None:
     other = sa.create_engine(f"sqlite:///{tmp_path / 'other.sqlite3'}")
     with other.begin() as conn, pytest.raises(ConfigurationError, match="fence_database_url"):
@@ -147,7 +145,7 @@ def test_a_connection_on_another_database_or_outside_a_transaction_is_refused(
 
 
 def test_an_orm_session_sends_after_its_commit_and_nothing_after_a_rollback(
-    client_app: Any, db_url: str, fence_store: Store, worker_env: dict[str, str]
+    client_app: ModuleType, db_url: str, fence_store: Store, worker_env: dict[str, str]
 ) -> None:
     from sqlalchemy.orm import scoped_session, sessionmaker
 
@@ -166,8 +164,8 @@ def test_an_orm_session_sends_after_its_commit_and_nothing_after_a_rollback(
 
 
 def test_an_enqueued_job_whose_message_expires_unrun_ends_dead_not_recovered(
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     db_url: str,
     fence_store: Store,
 ) -> None:

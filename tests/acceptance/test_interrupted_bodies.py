@@ -6,14 +6,17 @@ delivery is not busy for a TTL) and the message is not lost."""
 from __future__ import annotations
 
 import uuid
+from types import ModuleType
 from typing import Any
 
 import pytest
+import redis
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import Store
+from tests.support import ledger
 from tests.support.broker import broker_queue_length
-from tests.support.worker import wait_until
+from tests.support.worker import SpawnWorker, wait_until
 
 pytestmark = pytest.mark.acceptance
 
@@ -32,9 +35,9 @@ LONG_TTL = {"FENCE_T_TTL": "30", "FENCE_T_RENEW": "5"}
     ],
 )
 def test_an_interrupted_body_settles_releases_its_lease_and_runs_again(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
     leases: LeaseStore,
@@ -66,7 +69,7 @@ def test_an_interrupted_body_settles_releases_its_lease_and_runs_again(
     history = [(t.action, t.reason) for t in fence_store.history(key)]
     assert ("retry_scheduled", f"interrupted by {error}") in history, history
     assert "busy" not in [action for action, _ in history]
-    assert int(redis_client.llen(f"{prefix}:runs:{key}")) == 2
+    assert ledger.run_count(redis_client, prefix, key) == 2
     wait_until(
         lambda: not redis_client.exists(leases.keys_for(key).lease), 5, what="the lease to go"
     )

@@ -10,15 +10,17 @@ import importlib
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 import pytest
+import redis
 
 from celery_fence.outbox import SWEEP_TASK, idempotency_key
 from celery_fence.store import Store
-from celery_fence.testing import ProviderStub
+from celery_fence.testing import ProviderStub, faults
+from tests.support import ledger
 from tests.support.worker import Worker, wait_until
 
 pytestmark = pytest.mark.acceptance
@@ -38,7 +40,7 @@ def outbox_env(worker_env: dict[str, str], provider: ProviderStub) -> dict[str, 
 
 
 @pytest.fixture
-def spawn(tmp_path: Path, outbox_env: dict[str, str]) -> Iterator[Any]:
+def spawn(tmp_path: Path, outbox_env: dict[str, str]) -> Iterator[Callable[[str], Worker]]:
     started: list[Worker] = []
 
     def start(name: str) -> Worker:
@@ -59,7 +61,7 @@ def spawn(tmp_path: Path, outbox_env: dict[str, str]) -> Iterator[Any]:
 
 
 @pytest.fixture
-def client(outbox_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def client(outbox_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """tests.support.outbox_app imported in the test process (to send tasks and read)."""
     for k, v in outbox_env.items():
         monkeypatch.setenv(k, v)
@@ -70,15 +72,11 @@ def client(outbox_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Itera
     sys.modules.pop("tests.support.outbox_app", None)
 
 
-def _runs(redis_client: Any, prefix: str, key: str) -> list[str]:
-    return [v.decode() for v in redis_client.lrange(f"{prefix}:runs:{key}", 0, -1)]
-
-
 def test_a_stale_attempts_staged_effect_is_never_written_or_sent(
-    spawn: Any,
-    client: Any,
+    spawn: Callable[[str], Worker],
+    client: ModuleType,
     provider: ProviderStub,
-    redis_client: Any,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
@@ -88,7 +86,9 @@ def test_a_stale_attempts_staged_effect_is_never_written_or_sent(
     # Given worker A (generation 1) that has staged its "notify" effect and works on,
     a = spawn("a")
     first = client.publish.delay(key, sleep=4.0)
-    wait_until(lambda: len(_runs(redis_client, prefix, key)) == 1, 20, what="A starts the body")
+    wait_until(
+        lambda: len(ledger.runs(redis_client, prefix, key)) == 1, 20, what="A starts the body"
+    )
     # when A pauses past its lease (2 s) and B takes the job (generation 2) and completes it,
     a.pause()
     time.sleep(2.6)
@@ -116,10 +116,10 @@ def test_a_stale_attempts_staged_effect_is_never_written_or_sent(
 
 
 def test_sigkill_after_the_provider_accepted_redelivers_with_the_same_key(
-    spawn: Any,
-    client: Any,
+    spawn: Callable[[str], Worker],
+    client: ModuleType,
     provider: ProviderStub,
-    redis_client: Any,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
@@ -127,14 +127,16 @@ def test_sigkill_after_the_provider_accepted_redelivers_with_the_same_key(
     idem = idempotency_key(key, "notify")
     store = Store(db_url)
     # Given a sender that will be SIGKILLed after the provider accepts, before marking delivered,
-    redis_client.set(f"{prefix}:kill:after_send:{idem}", 1)
+    faults.arm(redis_client, prefix, "kill", "after_send", idem)
     spawn("w")
     result = client.publish.delay(key)
     assert result.get(timeout=30)["idempotency_key"] == idem
     # when the job completes, its effect is sent once and the sender dies,
     wait_until(lambda: provider.stats()["requests"] == 1, 20, what="the first delivery")
     wait_until(
-        lambda: not redis_client.exists(f"{prefix}:kill:after_send:{idem}"), 10, what="the kill"
+        lambda: not faults.armed(redis_client, prefix, "kill", "after_send", idem),
+        10,
+        what="the kill",
     )
     (row,) = store.outbox.rows(key=key)
     assert (row.status, row.attempts, row.delivered_at) == ("pending", 1, None)

@@ -5,13 +5,15 @@ the store once a newer attempt took the key over."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from types import ModuleType
 
 import pytest
+import redis
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import Store
-from tests.support.worker import wait_until
+from tests.support import ledger
+from tests.support.worker import SpawnWorker, wait_until
 
 pytestmark = [
     pytest.mark.acceptance,
@@ -19,14 +21,10 @@ pytestmark = [
 ]
 
 
-def _runs(redis_client: Any, prefix: str, key: str) -> list[str]:
-    return [v.decode() for v in redis_client.lrange(f"{prefix}:runs:{key}", 0, -1)]
-
-
 def test_on_psycopg_3_tasks_complete_retry_and_a_paused_attempt_is_refused(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     leases: LeaseStore,
     prefix: str,
     db_url: str,
@@ -38,7 +36,9 @@ def test_on_psycopg_3_tasks_complete_retry_and_a_paused_attempt_is_refused(
     # Given worker A running a job (generation 1) that never checks its fence ...
     a = spawn_worker("a")
     first = client_app.work.delay(key, sleep=4.0, check=False)
-    wait_until(lambda: len(_runs(redis_client, prefix, key)) == 1, 20, what="A starts the body")
+    wait_until(
+        lambda: len(ledger.runs(redis_client, prefix, key)) == 1, 20, what="A starts the body"
+    )
     # ... when A pauses until its lease is gone and worker B takes a second message for the key,
     a.pause()
     wait_until(lambda: leases.remaining(key)[0] is None, 10, what="A's lease expires")

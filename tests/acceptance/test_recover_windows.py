@@ -18,6 +18,8 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import kombu
@@ -26,9 +28,11 @@ import redis
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import JobRecord, Store
+from celery_fence.testing import faults
 from tests.integration.test_cli import APP, CELERY, fence_cli, ok
+from tests.support import ledger
 from tests.support.env import AMQP_URL, BROKER_URL
-from tests.support.worker import ROOT, wait_until
+from tests.support.worker import ROOT, SpawnWorker, wait_until
 
 
 @pytest.fixture
@@ -91,13 +95,18 @@ def _redeliver_unacked(broker: redis.Redis, key: str, queue: str) -> int:
 
 
 def _claimed_then_killed(
-    spawn_worker: Any, client_app: Any, redis_client: redis.Redis, prefix: str, key: str, **kw: Any
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    key: str,
+    **kw: Any,
 ) -> Any:
     """A worker claims ``key`` and is SIGKILLed (main process and pool) while the body runs."""
-    redis_client.set(f"{prefix}:hang:{key}", 1)
+    faults.arm(redis_client, prefix, "hang", key)
     worker = spawn_worker("doomed", **kw)
     client_app.work.delay(key)
-    wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="body started")
+    wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="body started")
     worker.kill()
     return worker
 
@@ -106,15 +115,15 @@ def _one_completion(store: Store, redis_client: redis.Redis, prefix: str, key: s
     record = store.get(key)
     assert record is not None and record.status == "completed"
     assert _completions(store, key) == 1
-    effects = redis_client.lrange(f"{prefix}:effects:{key}", 0, -1)
-    assert effects == [f"{record.generation}:{record.attempt_id}".encode()]
+    effects = ledger.effects(redis_client, prefix, key)
+    assert effects == [f"{record.generation}:{record.attempt_id}"]
     assert record.result["attempt_id"] == record.attempt_id
     return record
 
 
 def test_a_claimed_job_whose_worker_died_and_message_was_lost_is_recovered_once(
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     redis_client: redis.Redis,
     broker: redis.Redis,
     prefix: str,
@@ -140,14 +149,14 @@ def test_a_claimed_job_whose_worker_died_and_message_was_lost_is_recovered_once(
     wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")
     record = _one_completion(fence_store, redis_client, prefix, key)
     assert record.generation == 2 and record.attempts == 2
-    assert redis_client.llen(f"{prefix}:runs:{key}") == 2
+    assert ledger.run_count(redis_client, prefix, key) == 2
     assert "recovered" in [t.action for t in fence_store.history(key)]
     assert key not in ok(fence_cli(worker_env, "ls", "--stuck", "--older-than", "0"))
 
 
 def test_a_late_original_message_racing_the_recovery_yields_one_completion(
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     redis_client: redis.Redis,
     broker: redis.Redis,
     prefix: str,
@@ -171,13 +180,13 @@ def test_a_late_original_message_racing_the_recovery_yields_one_completion(
     wait_until(lambda: broker.llen(worker_env["FENCE_T_QUEUE"]) == 0, 30, what="both consumed")
     wait_until(lambda: not _unacked(broker, key), 30, what="both acked")
     _one_completion(store, redis_client, prefix, key)
-    assert redis_client.llen(f"{prefix}:runs:{key}") in (2, 3)  # killed run + one or both
+    assert ledger.run_count(redis_client, prefix, key) in (2, 3)  # killed run + one or both
     store.dispose()
 
 
 def test_a_paused_original_attempt_loses_to_the_recovery(
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     redis_client: redis.Redis,
     prefix: str,
     pg_url: str,
@@ -188,10 +197,10 @@ def test_a_paused_original_attempt_loses_to_the_recovery(
     env = {**worker_env, "FENCE_T_DB": pg_url}
     # Given an attempt paused (SIGSTOP) mid-body past its lease, that never checks its lease ...
     key = f"paused:{uuid.uuid4().hex[:8]}"
-    redis_client.set(f"{prefix}:hang:{key}", 1)
+    faults.arm(redis_client, prefix, "hang", key)
     paused = spawn_worker("paused", FENCE_T_DB=pg_url)
     client_app.work.delay(key, check=False)
-    wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="body started")
+    wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="body started")
     paused.pause()
     wait_until(lambda: _lease_gone(leases, key), 10, what="lease expired")
     # ... when recovery re-sends it and another worker completes it,
@@ -203,7 +212,7 @@ def test_a_paused_original_attempt_loses_to_the_recovery(
     # then the original, resumed, performs its effect (it never checks) but cannot complete.
     redis_client.set(f"{prefix}:unhang:{key}", 1)
     paused.resume()
-    wait_until(lambda: redis_client.llen(f"{prefix}:effects:{key}") == 2, 30, what="late effect")
+    wait_until(lambda: len(ledger.effects(redis_client, prefix, key)) == 2, 30, what="late effect")
     wait_until(lambda: "stale" in [t.action for t in store.history(key)], 30, what="stale rejected")
     after = store.get(key)
     assert after is not None and (after.attempt_id, after.result) == (done.attempt_id, done.result)
@@ -220,8 +229,8 @@ def _blackhole() -> socket.socket:
 
 
 def test_a_requeue_killed_between_commit_and_send_is_finished_by_recover(
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
@@ -265,7 +274,7 @@ def test_a_requeue_killed_between_commit_and_send_is_finished_by_recover(
 
 
 def test_rabbitmq_topic_exchange_a_purged_job_is_recovered_to_its_queue(
-    spawn_worker: Any,
+    spawn_worker: SpawnWorker,
     redis_client: redis.Redis,
     prefix: str,
     sqlite_url: str,
@@ -293,12 +302,12 @@ def test_rabbitmq_topic_exchange_a_purged_job_is_recovered_to_its_queue(
         # Given a job delivered through a topic exchange, claimed, its worker killed and its
         # queue purged (RabbitMQ gave the unacked message back; the operator purged it) ...
         key = f"topic:{uuid.uuid4().hex[:8]}"
-        redis_client.set(f"{prefix}:hang:{key}", 1)
+        faults.arm(redis_client, prefix, "hang", key)
         worker = spawn_worker("doomed", **env)
         client.work.apply_async(
             (key,), exchange=f"{queue}-topic", routing_key=f"{queue}.work.eu"
         )  # matches the queue's binding "<queue>.#"
-        wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="started")
+        wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="started")
         stored = store.get(key)
         assert stored is not None and stored.request is not None
         assert stored.request["options"]["exchange"] == f"{queue}-topic"
@@ -330,8 +339,8 @@ def test_rabbitmq_topic_exchange_a_purged_job_is_recovered_to_its_queue(
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_a_live_attempt_of_a_task_with_its_own_redis_and_prefix_is_not_taken_for_stranded(
     request: pytest.FixtureRequest,
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
@@ -349,11 +358,11 @@ def test_a_live_attempt_of_a_task_with_its_own_redis_and_prefix_is_not_taken_for
 
     request.addfinalizer(cleanup)
     own = LeaseStore(own_redis, prefix=client_app.OWN_PREFIX)
-    redis_client.set(f"{prefix}:hang:{key}", 1)
+    faults.arm(redis_client, prefix, "hang", key)
     env = {**worker_env, "FENCE_T_OWN_REDIS": "1"}
     spawn_worker("holder", FENCE_T_OWN_REDIS="1")
     client_app.own_prefix.delay(key)
-    wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="body started")
+    wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="body started")
     assert own.remaining(key)[0] is not None  # held, in the task's Redis, under its prefix
     assert LeaseStore(redis_client, prefix=client_app.OWN_PREFIX).remaining(key)[0] is None
     # ... and whose row has not moved for longer than the threshold (its own is 2 s),
@@ -369,7 +378,7 @@ def test_a_live_attempt_of_a_task_with_its_own_redis_and_prefix_is_not_taken_for
     redis_client.set(f"{prefix}:unhang:{key}", 1)
     wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")
     assert _completions(fence_store, key) == 1
-    assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+    assert ledger.run_count(redis_client, prefix, key) == 1
 
 
 def _quiet_for(store: Store, key: str) -> float:
@@ -385,8 +394,8 @@ def _quiet_for(store: Store, key: str) -> float:
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_a_job_revoked_with_terminate_ends_dead_and_recover_leaves_it(
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     redis_client: redis.Redis,
     broker: redis.Redis,
     prefix: str,
@@ -396,10 +405,10 @@ def test_a_job_revoked_with_terminate_ends_dead_and_recover_leaves_it(
 ) -> None:
     # Given a fenced job running on a prefork worker ...
     key = f"revoked:{uuid.uuid4().hex[:8]}"
-    redis_client.set(f"{prefix}:hang:{key}", 1)
+    faults.arm(redis_client, prefix, "hang", key)
     spawn_worker("w")
     result = client_app.work.delay(key)
-    wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="body started")
+    wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="body started")
     # ... when it is revoked with terminate=True,
     client_app.app.control.revoke(result.id, terminate=True)
     # then its job is recorded dead, reason "revoked", and its message is gone (acked),
@@ -413,15 +422,15 @@ def test_a_job_revoked_with_terminate_ends_dead_and_recover_leaves_it(
     assert key not in report["keys"]["stranded"]
     assert broker.llen(worker_env["FENCE_T_QUEUE"]) == 0
     assert _status(fence_store, key) == "dead"
-    assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+    assert ledger.run_count(redis_client, prefix, key) == 1
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 @pytest.mark.parametrize("first", ["revoke recorded first", "body settled first"])
 def test_a_job_revoked_with_terminate_on_a_gevent_worker_ends_dead_and_releases_its_lease(
     first: str,
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     redis_client: redis.Redis,
     broker: redis.Redis,
     prefix: str,
@@ -431,11 +440,11 @@ def test_a_job_revoked_with_terminate_on_a_gevent_worker_ends_dead_and_releases_
 ) -> None:
     # Given a fenced job running on a gevent-pool worker whose leases live 30 s ...
     key = f"revoked-green:{uuid.uuid4().hex[:8]}"
-    redis_client.set(f"{prefix}:hang:{key}", 1)
+    faults.arm(redis_client, prefix, "hang", key)
     delay = {"FENCE_T_UNRUN_DELAY": "2"} if first == "body settled first" else {}
     spawn_worker("w", pool="gevent", concurrency=2, FENCE_T_TTL="30", FENCE_T_RENEW="5", **delay)
     result = client_app.work.delay(key)
-    wait_until(lambda: redis_client.llen(f"{prefix}:runs:{key}") == 1, 30, what="body started")
+    wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="body started")
     assert not _lease_gone(leases, key)
     # ... when it is revoked with terminate=True (GreenletExit in the body, whose settle step
     # writes `retrying`, while the worker records the revoke: either may reach the store first),
@@ -462,12 +471,12 @@ def test_a_job_revoked_with_terminate_on_a_gevent_worker_ends_dead_and_releases_
     report = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "0", "--json")))
     assert key not in report["keys"]["stranded"]
     assert _status(fence_store, key) == "dead"
-    assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+    assert ledger.run_count(redis_client, prefix, key) == 1
 
 
 def _revoked_while_waiting_for_its_retry(
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     broker: redis.Redis,
     fence_store: Store,
     key: str,
@@ -495,8 +504,8 @@ def _revoked_while_waiting_for_its_retry(
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_a_revoked_retry_of_a_fenced_job_ends_it_dead_and_recover_leaves_it(
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     redis_client: redis.Redis,
     broker: redis.Redis,
     prefix: str,
@@ -522,21 +531,21 @@ def test_a_revoked_retry_of_a_fenced_job_ends_it_dead_and_recover_leaves_it(
     assert key not in report["keys"]["stranded"]
     assert broker.llen(worker_env["FENCE_T_QUEUE"]) == 0
     assert _status(fence_store, key) == "dead"
-    assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+    assert ledger.run_count(redis_client, prefix, key) == 1
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 @pytest.mark.parametrize("statedb", [True, False], ids=["statedb", "no-statedb"])
 def test_a_retry_revoked_then_restarted_before_the_worker_saw_it_needs_the_statedb(
     statedb: bool,
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     redis_client: redis.Redis,
     broker: redis.Redis,
     prefix: str,
     fence_store: Store,
     worker_env: dict[str, str],
-    tmp_path: Any,
+    tmp_path: Path,
 ) -> None:
     # Given a fenced job waiting for its retry (8 s), revoked, on a worker that is stopped
     # before the retry's ETA (its message goes back to the broker unseen) ...
@@ -559,18 +568,18 @@ def test_a_retry_revoked_then_restarted_before_the_worker_saw_it_needs_the_state
         report = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "0", "--json")))
         assert key not in report["keys"]["stranded"]
         time.sleep(1.0)
-        assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+        assert ledger.run_count(redis_client, prefix, key) == 1
     else:
         # without it the new worker never heard of the revoke (Celery keeps revoked ids in
         # memory): the retry runs, once, and the job completes.
         wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")
-        assert redis_client.llen(f"{prefix}:runs:{key}") == 2
+        assert ledger.run_count(redis_client, prefix, key) == 2
         assert _completions(fence_store, key) == 1
 
 
 def test_recover_does_not_re_send_a_backlogged_job_once_per_pass(
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     redis_client: redis.Redis,
     broker: redis.Redis,
     prefix: str,
@@ -612,4 +621,4 @@ def test_recover_does_not_re_send_a_backlogged_job_once_per_pass(
     wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")
     wait_until(lambda: broker.llen(queue) == 0 and not _unacked(broker, key), 30, what="drained")
     assert _completions(fence_store, key) == 1
-    assert redis_client.llen(f"{prefix}:runs:{key}") == 1
+    assert ledger.run_count(redis_client, prefix, key) == 1

@@ -8,20 +8,23 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 import redis
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import Store
+from celery_fence.testing import faults
 from tests.acceptance.test_recover_windows import _lease_gone, _lose_unacked, _status
 from tests.integration.test_cli import fence_cli, ok
-from tests.support.worker import wait_until
+from tests.support import ledger
+from tests.support.worker import SpawnWorker, wait_until
 
 
 @pytest.fixture
-def broker(worker_env: dict[str, str]) -> Any:
+def broker(worker_env: dict[str, str]) -> Iterator[redis.Redis]:
     from tests.support.env import BROKER_URL
 
     client = redis.Redis.from_url(BROKER_URL)
@@ -32,8 +35,8 @@ def broker(worker_env: dict[str, str]) -> Any:
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_a_chain_whose_first_step_message_was_lost_goes_on_after_recover(
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     redis_client: redis.Redis,
     broker: redis.Redis,
     prefix: str,
@@ -44,10 +47,10 @@ def test_a_chain_whose_first_step_message_was_lost_goes_on_after_recover(
     # Given a chain a | b whose first step's worker was killed mid-body and whose message was
     # lost (the queue purged, the unacked message gone) ...
     a, b = f"chain-a:{uuid.uuid4().hex[:8]}", f"chain-b:{uuid.uuid4().hex[:8]}"
-    redis_client.set(f"{prefix}:hang:{a}", 1)
+    faults.arm(redis_client, prefix, "hang", a)
     doomed = spawn_worker("doomed")
     (client_app.work.s(a) | client_app.follow.s(b)).apply_async()
-    wait_until(lambda: redis_client.llen(f"{prefix}:runs:{a}") == 1, 30, what="a started")
+    wait_until(lambda: ledger.run_count(redis_client, prefix, a) == 1, 30, what="a started")
     doomed.kill()
     broker.delete(worker_env["FENCE_T_QUEUE"])
     assert _lose_unacked(broker, a) == 1
@@ -64,13 +67,13 @@ def test_a_chain_whose_first_step_message_was_lost_goes_on_after_recover(
     assert first is not None and second is not None and first.status == "completed"
     assert second.result["after"] == first.attempt_id
     assert [t.action for t in fence_store.history(a)].count("completed") == 1
-    assert redis_client.llen(f"{prefix}:runs:{b}") == 1
+    assert ledger.run_count(redis_client, prefix, b) == 1
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_requeue_of_a_dead_job_keeps_its_link_and_time_limits(
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,

@@ -12,11 +12,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 import pytest
+import redis
 
 from celery_fence.store import Store
+from tests.support import ledger
 from tests.support.redis_servers import RedisServer, missing_binaries, topology_worker
 from tests.support.worker import Worker, wait_until
 
@@ -47,14 +49,6 @@ def outage_worker(
     worker.stop()
 
 
-def _runs(redis_client: Any, prefix: str, key: str) -> list[str]:
-    return [v.decode() for v in redis_client.lrange(f"{prefix}:runs:{key}", 0, -1)]
-
-
-def _effects(redis_client: Any, prefix: str, key: str) -> list[str]:
-    return [v.decode() for v in redis_client.lrange(f"{prefix}:effects:{key}", 0, -1)]
-
-
 def _restart_empty(server: RedisServer) -> RedisServer:
     """A fresh, empty redis-server on the same port: every lease and counter is gone."""
     return RedisServer(server.dir.parent / "restarted", port=server.port).start()
@@ -63,8 +57,8 @@ def _restart_empty(server: RedisServer) -> RedisServer:
 def test_redis_killed_mid_task_lease_lost_at_deadline_then_retried(
     outage_worker: Worker,
     fence_redis: RedisServer,
-    client_app: Any,
-    redis_client: Any,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
@@ -72,7 +66,7 @@ def test_redis_killed_mid_task_lease_lost_at_deadline_then_retried(
     key = f"outage:{uuid.uuid4().hex[:8]}"
     # Given a task running generation 1 (TTL 2 s), which checks its fence before its effect,
     result = client_app.work.delay(key, sleep=4.0)
-    wait_until(lambda: len(_runs(redis_client, prefix, key)) == 1, 30, what="the body starts")
+    wait_until(lambda: len(ledger.runs(redis_client, prefix, key)) == 1, 30, what="the body starts")
     # when its fence Redis dies,
     fence_redis.kill()
     # then renewals fail, the lease is lost at its deadline, check() raises before the effect,
@@ -84,11 +78,11 @@ def test_redis_killed_mid_task_lease_lost_at_deadline_then_retried(
     )
     actions = [(t.action, t.generation) for t in store.history(key)]
     assert ("lost", 1) in actions
-    assert _effects(redis_client, prefix, key) == []
+    assert ledger.effects(redis_client, prefix, key) == []
     # while Redis is unreachable the message is rescheduled (not acked as a failure), and no
     # attempt runs unfenced ...
     assert not result.ready()
-    assert len(_runs(redis_client, prefix, key)) == 1
+    assert len(ledger.runs(redis_client, prefix, key)) == 1
     # ... and once Redis is back (empty: its counter lost), the retry claims a generation above
     # the store's, runs once and completes.
     restarted = _restart_empty(fence_redis)
@@ -100,15 +94,17 @@ def test_redis_killed_mid_task_lease_lost_at_deadline_then_retried(
     record = store.get(key)
     assert record is not None
     assert (record.status, record.generation) == ("completed", value["generation"])
-    assert _effects(redis_client, prefix, key) == [f"{value['generation']}:{value['attempt_id']}"]
+    assert ledger.effects(redis_client, prefix, key) == [
+        f"{value['generation']}:{value['attempt_id']}"
+    ]
     assert ("completed", 1) not in [(t.action, t.generation) for t in store.history(key)]
 
 
 def test_redis_killed_an_unchecking_task_still_owning_the_row_completes(
     outage_worker: Worker,
     fence_redis: RedisServer,
-    client_app: Any,
-    redis_client: Any,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
@@ -116,7 +112,7 @@ def test_redis_killed_an_unchecking_task_still_owning_the_row_completes(
     key = f"owner:{uuid.uuid4().hex[:8]}"
     # Given a body that never checks its fence,
     result = client_app.work.delay(key, sleep=4.0, check=False)
-    wait_until(lambda: len(_runs(redis_client, prefix, key)) == 1, 30, what="the body starts")
+    wait_until(lambda: len(ledger.runs(redis_client, prefix, key)) == 1, 30, what="the body starts")
     # when its fence Redis dies and nobody else can claim the job meanwhile,
     fence_redis.kill()
     # then its lease is lost, but no newer generation exists: the store accepts its result.
@@ -135,8 +131,8 @@ def test_redis_killed_an_unchecking_task_still_owning_the_row_completes(
 def test_redis_killed_and_restarted_a_newer_generation_wins_the_row(
     outage_worker: Worker,
     fence_redis: RedisServer,
-    client_app: Any,
-    redis_client: Any,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
@@ -144,7 +140,7 @@ def test_redis_killed_and_restarted_a_newer_generation_wins_the_row(
     key = f"takeover:{uuid.uuid4().hex[:8]}"
     # Given attempt A (generation 1) in a long body that never checks its fence,
     first = client_app.work.delay(key, sleep=10.0, check=False)
-    wait_until(lambda: len(_runs(redis_client, prefix, key)) == 1, 30, what="A starts")
+    wait_until(lambda: len(ledger.runs(redis_client, prefix, key)) == 1, 30, what="A starts")
     # when its fence Redis dies and comes back empty (counter and lease lost),
     fence_redis.kill()
     restarted = _restart_empty(fence_redis)
@@ -165,5 +161,5 @@ def test_redis_killed_and_restarted_a_newer_generation_wins_the_row(
     actions = [(t.action, t.generation) for t in store.history(key)]
     assert ("completed", 1) not in actions
     assert ("stale", 1) in actions
-    assert _runs(redis_client, prefix, key)[0].startswith("1:")  # A did run (and its effect)
-    assert f"{b['generation']}:{b['attempt_id']}" in _effects(redis_client, prefix, key)
+    assert ledger.runs(redis_client, prefix, key)[0].startswith("1:")  # A did run (and its effect)
+    assert f"{b['generation']}:{b['attempt_id']}" in ledger.effects(redis_client, prefix, key)

@@ -8,21 +8,19 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Any
+from types import ModuleType
 
 import pytest
+import redis
 
 from celery_fence.store import JobRecord, Store, Transition
+from tests.support import ledger
 from tests.support.broker import broker_queue_length
-from tests.support.worker import wait_until
+from tests.support.worker import SpawnWorker, wait_until
 
 pytestmark = pytest.mark.acceptance
 
 RETRY_IN = re.compile(r"retry in (\d+\.\d+)s")
-
-
-def _runs(redis_client: Any, prefix: str, key: str) -> list[str]:
-    return [v.decode() for v in redis_client.lrange(f"{prefix}:runs:{key}", 0, -1)]
 
 
 def _status(store: Store, key: str) -> str | None:
@@ -42,7 +40,11 @@ def _actions(history: list[Transition], action: str) -> list[Transition]:
 
 
 def test_transient_errors_back_off_with_growing_jittered_delays_then_die(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
 ) -> None:
     # Given a task that fails transiently every time, max 6 attempts, backoff 0.05 s doubling
     # (ceilings 0.05, 0.1, 0.2, 0.4, 0.8 s), and a budget too large to interfere ...
@@ -64,7 +66,7 @@ def test_transient_errors_back_off_with_growing_jittered_delays_then_die(
         assert record.error_type == "builtins.ConnectionError"
         assert record.error_message == "simulated transient failure"
         assert record.finished_at is not None and record.retry_at is None
-        runs = _runs(redis_client, prefix, key)
+        runs = ledger.runs(redis_client, prefix, key)
         assert [int(r.split(":")[0]) for r in runs] == [1, 2, 3, 4, 5, 6]
         history = fence_store.history(key)
         claims = _actions(history, "claimed")
@@ -88,11 +90,15 @@ def test_transient_errors_back_off_with_growing_jittered_delays_then_die(
     assert any(d < 0.9 * 0.05 * 2 ** (n - 1) for n in delays for d in delays[n])
     # And the loop has stopped: nothing of the queue is left in the broker, no run after dead.
     wait_until(lambda: broker_queue_length(client_app) == 0, 15, what="the broker to drain")
-    assert all(len(_runs(redis_client, prefix, k)) == 6 for k in keys)
+    assert all(len(ledger.runs(redis_client, prefix, k)) == 6 for k in keys)
 
 
 def test_a_permanent_error_is_dead_after_one_attempt(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
 ) -> None:
     spawn_worker("w", FENCE_T_MAX_ATTEMPTS="5")
     key = f"invalid:{uuid.uuid4().hex[:8]}"
@@ -107,11 +113,15 @@ def test_a_permanent_error_is_dead_after_one_attempt(
     assert result.get(timeout=30, propagate=False) is not None and result.state == "FAILURE"
     # the message was acked (nothing left in the broker): nothing runs it again
     wait_until(lambda: broker_queue_length(client_app) == 0, 15, what="the broker to drain")
-    assert len(_runs(redis_client, prefix, key)) == 1
+    assert len(ledger.runs(redis_client, prefix, key)) == 1
 
 
 def test_a_delivery_of_a_dead_job_fails_with_a_requeue_hint_naming_the_worker_app(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
 ) -> None:
     # Given a dead job, on a worker started as `celery -A tests.support.app worker` ...
     spawn_worker("w")
@@ -125,11 +135,15 @@ def test_a_delivery_of_a_dead_job_fails_with_a_requeue_hint_naming_the_worker_ap
         again.get(timeout=30)
     assert type(failed.value).__name__ == "JobDead"
     assert f"requeue it with: celery -A tests.support.app fence requeue {key}" in str(failed.value)
-    assert len(_runs(redis_client, prefix, key)) == 1
+    assert len(ledger.runs(redis_client, prefix, key)) == 1
 
 
 def test_success_after_two_transient_failures_completes_on_the_third_attempt(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
 ) -> None:
     spawn_worker("w", FENCE_T_MAX_ATTEMPTS="5")
     key = f"flaky-then-ok:{uuid.uuid4().hex[:8]}"
@@ -140,13 +154,17 @@ def test_success_after_two_transient_failures_completes_on_the_third_attempt(
     assert record.attempts == 3
     assert (record.error_type, record.error_message) == (None, None)
     assert record.result == value and value["generation"] == 3
-    assert len(_runs(redis_client, prefix, key)) == 3
+    assert len(ledger.runs(redis_client, prefix, key)) == 3
     actions = [t.action for t in fence_store.history(key)]
     assert actions.count("retry_scheduled") == 2 and actions[-1] == "completed"
 
 
 def test_a_task_that_kills_its_worker_every_time_ends_dead(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
 ) -> None:
     # Given a message that SIGKILLs its worker process on every execution (OOM, segfault) ...
     worker = spawn_worker("w", FENCE_T_MAX_ATTEMPTS="2")
@@ -155,7 +173,7 @@ def test_a_task_that_kills_its_worker_every_time_ends_dead(
     # ... the redeliveries count as attempts: after 2 executions the next claim finds the
     # attempts spent and moves the job to dead instead of running it a third time.
     record = _wait_for(fence_store, key, "dead", timeout=120)
-    runs = _runs(redis_client, prefix, key)
+    runs = ledger.runs(redis_client, prefix, key)
     assert [int(r.split(":")[0]) for r in runs] == [1, 2]
     assert record.attempts == 2  # attempts means executions: the claim that stopped ran nothing
     assert record.error_type == "celery_fence.errors.JobDead"
@@ -165,13 +183,17 @@ def test_a_task_that_kills_its_worker_every_time_ends_dead(
     # The loop has stopped: the message was acked (nothing of the queue is left in the broker,
     # ready or delivered: no delivery is left to run or claim the key again).
     wait_until(lambda: broker_queue_length(client_app) == 0, 15, what="the broker to drain")
-    assert len(_runs(redis_client, prefix, key)) == 2
+    assert len(ledger.runs(redis_client, prefix, key)) == 2
     assert len(fence_store.history(key)) == len(history)
     assert worker.proc is not None and worker.proc.poll() is None  # the worker itself lives on
 
 
 def test_a_burst_of_failures_schedules_no_more_prompt_retries_than_the_budget(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
 ) -> None:
     # Given a budget of 2 retries per (long) window and no traffic share, shared by the two
     # processes of a worker (per-process budgets would allow 4) ...

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,13 +18,17 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
+import redis
 
 from celery_fence.store import Store
+from celery_fence.testing.processes import free_port
+from tests.support import ledger
 from tests.support.env import BROKER_URL
-from tests.support.worker import ROOT, Worker, wait_until
+from tests.support.worker import ROOT, SpawnWorker, Worker, wait_until
 
 acceptance = pytest.mark.acceptance
 sqlite_only = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -34,12 +37,9 @@ RECORD_SIGNALS = {"FENCE_T_SIGNALS": "1", "FENCE_T_SIGNALS_RAISE": "1"}
 APP = "tests.support.app.work"
 
 
-def _runs(redis_client: Any, prefix: str, key: str) -> list[tuple[int, str]]:
-    entries = [v.decode().split(":") for v in redis_client.lrange(f"{prefix}:runs:{key}", 0, -1)]
-    return [(int(generation), attempt) for generation, attempt in entries]
-
-
-def _signals(redis_client: Any, prefix: str, key: str, name: str | None = None) -> list[dict]:
+def _signals(
+    redis_client: redis.Redis, prefix: str, key: str, name: str | None = None
+) -> list[dict]:
     entries = [json.loads(v) for v in redis_client.lrange(f"{prefix}:signals", 0, -1)]
     return [e for e in entries if e["key"] == key and (name is None or e["signal"] == name)]
 
@@ -55,7 +55,11 @@ def _worker_of(pid: int, *workers: Worker) -> Worker:
 
 @acceptance
 def test_pause_scenario_signals_and_ordered_history(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, db_url: str
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    db_url: str,
 ) -> None:
     key = f"report:{uuid.uuid4().hex[:8]}"
     store = Store(db_url)
@@ -75,7 +79,7 @@ def test_pause_scenario_signals_and_ordered_history(
     a.resume()
     assert first.get(timeout=40) == second.get(timeout=1)
 
-    (gen_a, attempt_a), (gen_b, attempt_b) = _runs(redis_client, prefix, key)[:2]
+    (gen_a, attempt_a), (gen_b, attempt_b) = ledger.run_attempts(redis_client, prefix, key)[:2]
     assert (gen_a, gen_b) == (1, 2)
 
     def seen(name: str) -> list[tuple[Any, ...]]:
@@ -116,14 +120,18 @@ def test_pause_scenario_signals_and_ordered_history(
 @acceptance
 @sqlite_only
 def test_busy_replay_retry_and_dead_signals(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, db_url: str
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    db_url: str,
 ) -> None:
     busy_key, retry_key, dead_key = (f"{p}:{uuid.uuid4().hex[:8]}" for p in ("b", "r", "d"))
     spawn_worker("w", concurrency=2, **RECORD_SIGNALS)
     redis_client.set(f"{prefix}:fail_times:{retry_key}", 1)
     # Given a job running, when a second message for its key arrives, it finds the lease busy
     first = client_app.work.delay(busy_key, sleep=1.5)
-    wait_until(lambda: _runs(redis_client, prefix, busy_key), 20, what="first run")
+    wait_until(lambda: ledger.run_attempts(redis_client, prefix, busy_key), 20, what="first run")
     second = client_app.work.delay(busy_key)
     retried = client_app.work.delay(retry_key, fail="transient")
     dead = client_app.work.delay(dead_key, fail="permanent")
@@ -140,7 +148,7 @@ def test_busy_replay_retry_and_dead_signals(
     assert (replayed["generation"], replayed["reason"]) == (2, "already completed")
     assert replayed["attempt_id"] not in {busy["attempt_id"], first.get()["attempt_id"]}
 
-    (run1, _), (run2, attempt2) = _runs(redis_client, prefix, retry_key)
+    (run1, _), (run2, attempt2) = ledger.run_attempts(redis_client, prefix, retry_key)
     assert (run1, run2) == (1, 2)
     (retry,) = _signals(redis_client, prefix, retry_key, "job_retry_scheduled")
     assert (retry["generation"], retry["attempts"]) == (1, 1)
@@ -170,7 +178,7 @@ def _captured(base: Path) -> list[dict]:
 @sqlite_only
 @pytest.mark.parametrize("redact", [False, True], ids=["celery-as-is", "redacted"])
 def test_no_payload_in_logs_at_debug(
-    spawn_worker: Any, client_app: Any, tmp_path: Path, db_url: str, redact: bool
+    spawn_worker: SpawnWorker, client_app: ModuleType, tmp_path: Path, db_url: str, redact: bool
 ) -> None:
     marker = f"PAYLOAD-{uuid.uuid4().hex}"
     key, failing = f"leak:{uuid.uuid4().hex[:8]}", f"leak-fail:{uuid.uuid4().hex[:8]}"
@@ -219,12 +227,6 @@ def test_no_payload_in_logs_at_debug(
 # -- Flower -----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _http(port: int, path: str) -> str | None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
@@ -236,7 +238,7 @@ def _http(port: int, path: str) -> str | None:
 @pytest.fixture
 def flower(tmp_path: Path, worker_env: dict[str, str]) -> Iterator[int]:
     """A real Flower process on the test broker; yields its port."""
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "flower.log", "ab")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [
@@ -289,7 +291,7 @@ def _fence_event_count(port: int, event_type: str) -> float:
 @acceptance
 @sqlite_only
 def test_flower_counts_fence_events(
-    flower: int, client_app: Any, tmp_path: Path, worker_env: dict[str, str]
+    flower: int, client_app: ModuleType, tmp_path: Path, worker_env: dict[str, str]
 ) -> None:
     # Given a worker that sends task events (-E) and a Flower process listening on the broker,
     worker = Worker(

@@ -4,13 +4,14 @@ next delivery of the key is not busy for the rest of a TTL after a restart."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from types import ModuleType
 
 import pytest
+import redis
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import Store
-from tests.support.worker import wait_until
+from tests.support.worker import SpawnWorker, wait_until
 
 pytestmark = pytest.mark.acceptance
 
@@ -18,9 +19,9 @@ pytestmark = pytest.mark.acceptance
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 @pytest.mark.parametrize("pool", ["threads", "solo", "gevent"])
 def test_a_clean_stop_sends_the_pending_lease_releases(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     fence_store: Store,
     leases: LeaseStore,
     pool: str,

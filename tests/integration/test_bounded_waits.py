@@ -124,7 +124,7 @@ def test_generation_counters_expire_and_one_that_came_back_low_is_raised(
     assert 0 < redis_client.pttl(gen_key) <= 500
     assert leases.claim(key, "d", 5_000) == 3
     assert store.register(key, generation=3, attempt_id="d", task_name="t").outcome == "registered"
-    # and with a lifetime of 0 a counter never expires (the old behaviour)
+    # and with a lifetime of 0 a counter never expires (what deferred first registration needs)
     forever = LeaseStore(redis_client, prefix=prefix, generation_ttl=0)
     other = f"gen:{uuid.uuid4().hex[:8]}"
     assert forever.claim(other, "e", 5_000) == 1

@@ -15,9 +15,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
+import redis
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -27,7 +29,7 @@ from celery_fence.lease import LeaseStore
 from celery_fence.schema import metadata
 from celery_fence.store import Effect, Store
 from tests.support.env import PG_ADMIN_URL
-from tests.support.worker import ROOT, wait_until
+from tests.support.worker import ROOT, SpawnWorker, wait_until
 
 CELERY = str(ROOT / ".venv" / "bin" / "celery")
 APP = "tests.support.app"
@@ -279,9 +281,9 @@ def test_show_prints_the_stored_result_of_a_completed_job(
 
 @pytest.mark.acceptance
 def test_requeue_runs_a_dead_job_to_completion_with_a_fresh_budget(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
     worker_env: dict[str, str],
@@ -450,7 +452,7 @@ def test_an_unreachable_redis_is_one_line(
 
 
 def test_requeue_emits_job_retry_scheduled(
-    fence_store: Store, worker_env: dict[str, str], redis_client: Any, prefix: str
+    fence_store: Store, worker_env: dict[str, str], redis_client: redis.Redis, prefix: str
 ) -> None:
     """The operator's requeue is announced like a retry (recorded by the CLI process to Redis)."""
     import redis

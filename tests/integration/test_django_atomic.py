@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -25,9 +25,12 @@ from celery_fence.fence import Fence
 from celery_fence.lease import HeldLease
 from celery_fence.store import Store
 
+if TYPE_CHECKING:
+    from django.conf import LazySettings
+
 
 @pytest.fixture(scope="session")
-def django_setup(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def django_setup(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> LazySettings:
     import django
     import sqlalchemy as sa
     from django.conf import settings
@@ -62,7 +65,7 @@ def django_setup(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture
-def alias(django_setup: Any, store: Store, db_url: str) -> Iterator[str]:
+def alias(django_setup: LazySettings, store: Store, db_url: str) -> Iterator[str]:
     """The Django alias on the test's store database, with the test table."""
     from django.db import connections
 
@@ -433,7 +436,7 @@ def test_fence_atomic_on_django_with_psycopg2(tmp_path: Path) -> None:
 # -- CELERY_FENCE_DATABASE ------------------------------------------------------------------------
 
 
-def test_the_store_url_is_built_from_the_alias(django_setup: Any, pg_url: str) -> None:
+def test_the_store_url_is_built_from_the_alias(django_setup: LazySettings, pg_url: str) -> None:
     import sqlalchemy as sa
 
     from celery_fence.config import FenceConfig
@@ -452,7 +455,7 @@ def test_the_store_url_is_built_from_the_alias(django_setup: Any, pg_url: str) -
     assert explicit.database_url == "sqlite:///x.db"  # an explicit URL wins
 
 
-def test_options_pass_to_the_url_and_bad_aliases_are_clear(django_setup: Any) -> None:
+def test_options_pass_to_the_url_and_bad_aliases_are_clear(django_setup: LazySettings) -> None:
     from celery_fence.config import FenceConfig
     from celery_fence.contrib.django.database import url_for_settings
 
@@ -479,7 +482,7 @@ def test_options_pass_to_the_url_and_bad_aliases_are_clear(django_setup: Any) ->
         url_for_settings("x", {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"})
 
 
-def test_manage_py_check_reports_bad_fence_settings(django_setup: Any) -> None:
+def test_manage_py_check_reports_bad_fence_settings(django_setup: LazySettings) -> None:
     from django.test import override_settings
 
     from celery_fence.contrib.django.checks import check_settings
@@ -505,7 +508,7 @@ class NoFence:
         return False if app_label == "celery_fence" else None
 
 
-def test_migrate_makes_the_fence_tables_only_in_the_fence_alias(django_setup: Any) -> None:
+def test_migrate_makes_the_fence_tables_only_in_the_fence_alias(django_setup: LazySettings) -> None:
     import sqlalchemy as sa
     from django.core.management import call_command
     from django.db import connections

@@ -18,6 +18,8 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -305,7 +307,7 @@ def test_requeue_force(
 
 
 def test_recover_routes_to_the_exchange_and_routing_key_as_delivered(
-    fence_store: Store, worker_env: dict[str, str], client_app: Any
+    fence_store: Store, worker_env: dict[str, str], client_app: ModuleType
 ) -> None:
     queue = worker_env["FENCE_T_QUEUE"]
     record = _stranded(fence_store, queue, "running")
@@ -356,7 +358,7 @@ def _stranded_row(store: Store, key: str, task: str, queue: str, **execution: An
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_recover_scans_a_task_s_own_database_and_judges_each_job_by_its_task_s_threshold(
-    fence_store: Store, worker_env: dict[str, str], broker: redis.Redis, tmp_path: Any
+    fence_store: Store, worker_env: dict[str, str], broker: redis.Redis, tmp_path: Path
 ) -> None:
     own_url = f"sqlite:///{tmp_path / 'own.sqlite3'}"
     env = {**worker_env, "FENCE_T_OWN_DB": own_url}
@@ -392,7 +394,7 @@ def test_recover_scans_a_task_s_own_database_and_judges_each_job_by_its_task_s_t
 
 
 def test_a_never_claimed_enqueued_job_is_recovered_after_the_shorter_pending_threshold(
-    client_app: Any, db_url: str, fence_store: Store, worker_env: dict[str, str], broker: Any
+    client_app: ModuleType, db_url: str, fence_store: Store, worker_env: dict[str, str], broker: Any
 ) -> None:
     import sqlalchemy as sa
 

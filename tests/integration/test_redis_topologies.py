@@ -9,12 +9,14 @@ most a retry, never a generation at or below the store's or a stale write.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -25,6 +27,7 @@ from celery_fence.config import FenceConfig
 from celery_fence.errors import StaleGeneration
 from celery_fence.lease import LeaseStore, make_redis_client
 from celery_fence.store import Store
+from tests.support import ledger
 from tests.support.redis_servers import (
     RedisServer,
     SentinelSet,
@@ -304,8 +307,8 @@ def test_cluster_real_worker_completes_fenced_tasks_over_many_keys(
     cluster: list[RedisServer],
     tmp_path: Path,
     worker_env: dict[str, str],
-    client_app: Any,
-    redis_client: Any,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
@@ -324,7 +327,7 @@ def test_cluster_real_worker_completes_fenced_tasks_over_many_keys(
         for k in keys:
             record = store.get(k)
             assert record is not None and (record.status, record.generation) == ("completed", 1)
-            assert len(redis_client.lrange(f"{prefix}:effects:{k}", 0, -1)) == 1
+            assert len(ledger.effects(redis_client, prefix, k)) == 1
         # the leases were released on the cluster (compare-and-delete by the renewer thread)
         probe_config = FenceConfig(redis_url=url, redis_cluster=True)
         probe = LeaseStore(make_redis_client(probe_config), prefix=prefix)
@@ -421,8 +424,8 @@ def test_sentinel_failover_with_a_real_worker(
     sentinels: SentinelSet,
     tmp_path: Path,
     worker_env: dict[str, str],
-    client_app: Any,
-    redis_client: Any,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     db_url: str,
 ) -> None:
@@ -436,8 +439,8 @@ def test_sentinel_failover_with_a_real_worker(
         FENCE_T_FENCE_MASTER=s.name,
     )
     store = Store(db_url)
-    runs = lambda k: [v.decode() for v in redis_client.lrange(f"{prefix}:runs:{k}", 0, -1)]  # noqa: E731
-    effects = lambda k: [v.decode() for v in redis_client.lrange(f"{prefix}:effects:{k}", 0, -1)]  # noqa: E731
+    runs = functools.partial(ledger.runs, redis_client, prefix)
+    effects = functools.partial(ledger.effects, redis_client, prefix)
     worker.start()
     try:
         # Given tasks completed through the master,

@@ -3,8 +3,9 @@
 The workload writes a ledger of what really happened to Redis, so tests assert on effects:
 ``<prefix>:runs:<key>``     one entry per body start ("<generation>:<attempt id>")
 ``<prefix>:effects:<key>``  one entry per side effect performed
-One-shot fault flags (``<prefix>:kill:<window>:<key>``) are consumed with GETDEL before the kill,
-so a fault happens once even though the process dies.
+One-shot fault flags (``<prefix>:kill:<window>:<key>``, ``<prefix>:hang:<key>``, ...;
+:mod:`celery_fence.testing.faults`) are consumed with GETDEL before the fault, so a fault happens
+once even though the process dies.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from celery import Celery
 
 from celery_fence import FencedTask, PermanentError
 from celery_fence import signals as fence_signals
+from celery_fence.testing import faults
 
 E = os.environ
 PREFIX = E.get("FENCE_T_PREFIX", "t")
@@ -70,7 +72,7 @@ def _takes_hang_flag(key: str) -> bool:
     pause while it holds the key. Taken *before* the body's ``runs`` entry is pushed, so a test
     that saw the entry knows the flag is gone (a worker killed between the two would otherwise
     leave the flag to the rescuer, whose body would hang instead)."""
-    return ledger.getdel(f"{PREFIX}:hang:{key}") is not None
+    return faults.take(ledger, PREFIX, "hang", key)
 
 
 def _hang(key: str) -> None:
@@ -81,7 +83,7 @@ def _hang(key: str) -> None:
 
 
 def _kill_once(window: str, key: str) -> None:
-    if ledger.getdel(f"{PREFIX}:kill:{window}:{key}") is not None:
+    if faults.take(ledger, PREFIX, "kill", window, key):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -224,7 +226,7 @@ if E.get("FENCE_T_FAIL_RAISE") == "1":
     _raise_generation = LeaseStore.raise_generation
 
     def _failing_raise(self: LeaseStore, key: str, floor: int) -> int:
-        if ledger.getdel(f"{PREFIX}:fail_raise:{key}") is not None:
+        if faults.take(ledger, PREFIX, "fail_raise", key):
             raise redis.exceptions.ConnectionError("simulated failover during raise_generation")
         return _raise_generation(self, key, floor)
 
@@ -244,7 +246,7 @@ if E.get("FENCE_T_FAIL_PUBLISH") == "1":
         if (
             headers.get("task") == control.name
             and headers.get("retries")
-            and ledger.getdel(f"{PREFIX}:fail_publish") is not None
+            and faults.take(ledger, PREFIX, "fail_publish")
         ):
             raise OperationalError("simulated: the broker refused the publish")
         if headers.get("retries") and ledger.exists(f"{PREFIX}:refuse_publish"):
@@ -410,7 +412,7 @@ def write_app(
 def _inside(key: str, gen: int, pause: float, fail_once: bool) -> None:
     _at(key, "inside", gen)
     _sleep(pause)
-    if fail_once and ledger.getdel(f"{PREFIX}:fail_inside:{key}") is not None:
+    if fail_once and faults.take(ledger, PREFIX, "fail_inside", key):
         raise ValueError("simulated failure inside the block")
 
 

@@ -7,13 +7,16 @@ and scheduled requests)."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from types import ModuleType
+
+from celery import Celery
+from kombu import Connection
 
 #: Seconds each remote-control query waits for the workers' replies (AMQP only).
 INSPECT_TIMEOUT = 0.5
 
 
-def broker_queue_length(client_app: Any, queue: str | None = None) -> int:
+def broker_queue_length(client_app: ModuleType, queue: str | None = None) -> int:
     """Messages of ``queue`` (default: the app's default queue) the broker still holds."""
     app = client_app.app
     queue = queue or app.conf.task_default_queue
@@ -35,7 +38,7 @@ def broker_queue_length(client_app: Any, queue: str | None = None) -> int:
         return ready + unacked
 
 
-def unacked_by_workers(app: Any, queue: str, connection: Any) -> int:
+def unacked_by_workers(app: Celery, queue: str, connection: Connection) -> int:
     """Messages of ``queue`` the running workers hold delivered and not yet acked (asked over
     ``connection``, which the caller closes)."""
     inspect = app.control.inspect(timeout=INSPECT_TIMEOUT, connection=connection)

@@ -23,6 +23,7 @@ from celery import Celery
 
 from celery_fence import FencedTask
 from celery_fence.outbox import Outbox
+from celery_fence.testing import faults
 
 E = os.environ
 PREFIX = E.get("FENCE_T_PREFIX", "t")
@@ -67,7 +68,7 @@ def notify(payload: Any, *, idempotency_key: str) -> None:
     with urllib.request.urlopen(request, timeout=5) as response:
         response.read()
     # The provider accepted it; crash before the row is marked delivered (once, when asked).
-    if ledger.getdel(f"{PREFIX}:kill:after_send:{idempotency_key}") is not None:
+    if faults.take(ledger, PREFIX, "kill", "after_send", idempotency_key):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

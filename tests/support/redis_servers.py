@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
-import socket
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ from pathlib import Path
 import redis
 
 from celery_fence.testing import processes
+from celery_fence.testing.processes import free_port
 from tests.support.worker import Worker, wait_until
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -34,24 +33,6 @@ def missing_binaries(*names: str) -> str | None:
         if not os.access(paths[name], os.X_OK):
             return f"{name} is not installed (looked for {paths[name]})"
     return None
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(*, cluster_bus: bool = False) -> int:
-    """A free loopback port (and, for cluster nodes, its bus port ``port + 10000`` too)."""
-    for _ in range(500):
-        port = random.randint(21000, 39000)
-        if _bindable(port) and (not cluster_bus or _bindable(port + 10000)):
-            return port
-    raise RuntimeError("no free loopback port found")
 
 
 class RedisServer(processes.RedisServer):

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from celery_fence.testing import processes
 from celery_fence.testing.processes import running, wait_until
@@ -21,4 +21,12 @@ class Worker(processes.Worker):
         super().__init__(app, **kwargs)
 
 
-__all__ = ["ROOT", "Worker", "running", "wait_until"]
+class SpawnWorker(Protocol):
+    """The ``spawn_worker`` fixture: start a worker of ``tests.support.app`` named ``name`` (stopped
+    after the test). Keywords: ``concurrency`` (int), ``pool``, ``loglevel`` (str), ``extra_args``
+    (tuple of str); any other is an environment override (``FENCE_T_*``: str)."""
+
+    def __call__(self, name: str = ..., **options: Any) -> Worker: ...
+
+
+__all__ = ["ROOT", "SpawnWorker", "Worker", "running", "wait_until"]

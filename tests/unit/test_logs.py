@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, Task
 from celery.app import trace
 from celery.app.log import TaskFormatter
 from celery.app.task import _task_stack
@@ -170,7 +170,7 @@ def test_an_invalid_setting_redacts_and_says_so(caplog: pytest.LogCaptureFixture
 
 
 @pytest.fixture
-def fenced_task() -> Iterator[Any]:
+def fenced_task() -> Iterator[Task]:
     """A Celery task on the current-task stack whose request carries a running attempt."""
     app = Celery("t", set_as_current=False)
 
@@ -194,7 +194,7 @@ def _task_line(record: logging.LogRecord) -> str:
     return handler.format(record)
 
 
-def test_task_log_lines_name_the_running_attempt(fenced_task: Any) -> None:
+def test_task_log_lines_name_the_running_attempt(fenced_task: Task) -> None:
     record = _record("myapp.tasks", "collecting %d rows", 10)
     line = _task_line(record)
     assert line.endswith(
@@ -207,7 +207,7 @@ def test_task_log_lines_name_the_running_attempt(fenced_task: Any) -> None:
     )
 
 
-def test_fence_own_extras_are_not_overwritten(fenced_task: Any) -> None:
+def test_fence_own_extras_are_not_overwritten(fenced_task: Task) -> None:
     record = _record("celery_fence", "fence stale", fence_key="report:42", generation=2)
     FenceContextFilter().filter(record)
     assert record.generation == 2  # type: ignore[attr-defined]

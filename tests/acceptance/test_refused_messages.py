@@ -9,28 +9,30 @@ from __future__ import annotations
 import datetime as dt
 import time
 import uuid
-from typing import Any
+from types import ModuleType
 
 import pytest
+import redis
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import Store, decode_request
-from tests.acceptance.test_settle_edges import (  # noqa: F401 - the broker fixtures
+from celery_fence.testing import faults
+from tests.acceptance.test_celery_driven_exits import (  # noqa: F401 - the broker fixtures
     BOTH_BROKERS,
     _broker_drained,
     _ended,
-    _runs,
     broker,
     worker_env,
 )
-from tests.support.worker import wait_until
+from tests.support import ledger
+from tests.support.worker import SpawnWorker, wait_until
 
 pytestmark = pytest.mark.acceptance
 
 NUL_ARGUMENT = "before\x00after"  # valid JSON; PostgreSQL's jsonb refuses \u0000
 
 
-def _claims_stop(client_app: Any, leases: LeaseStore, key: str) -> int:
+def _claims_stop(client_app: ModuleType, leases: LeaseStore, key: str) -> int:
     """The key's generation counter, once nothing of the queue is left in the broker (ready or
     delivered and unacked): no delivery is left to claim it again, so the loop, if any, ended."""
     _broker_drained(client_app)
@@ -39,9 +41,9 @@ def _claims_stop(client_app: Any, leases: LeaseStore, key: str) -> int:
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # SQLite stores NUL
 def test_a_refused_message_redelivered_after_its_job_went_dead_is_acked_once(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
     leases: LeaseStore,
@@ -50,13 +52,13 @@ def test_a_refused_message_redelivered_after_its_job_went_dead_is_acked_once(
     key = f"nul-dead:{uuid.uuid4().hex[:8]}"
     # Given a message whose arguments the database refuses, and a worker killed right after it
     # recorded the job dead, before the ack: the broker redelivers the message
-    redis_client.set(f"{prefix}:kill:after_dead:{key}", 1)
+    faults.arm(redis_client, prefix, "kill", "after_dead", key)
     client_app.echo.delay(key, NUL_ARGUMENT)
     # Then the redelivery finds the job dead and is acked as such, without writing again
     record = _ended(fence_store, key, timeout=30)
     assert record.status == "dead" and record.attempts == 1
     _broker_drained(client_app, timeout=30)
-    assert redis_client.exists(f"{prefix}:kill:after_dead:{key}") == 0  # the kill happened
+    assert not faults.armed(redis_client, prefix, "kill", "after_dead", key)  # the kill happened
     # the first delivery and the redelivery, no loop
     assert _claims_stop(client_app, leases, key) == 2
     after = fence_store.get(key)
@@ -65,9 +67,9 @@ def test_a_refused_message_redelivered_after_its_job_went_dead_is_acked_once(
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_a_refused_message_for_a_completed_job_returns_the_stored_result(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
     leases: LeaseStore,
@@ -88,9 +90,9 @@ def test_a_refused_message_for_a_completed_job_returns_the_stored_result(
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_an_expired_message_the_database_refuses_ends_dead_and_is_acked(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
 ) -> None:
@@ -105,13 +107,13 @@ def test_an_expired_message_the_database_refuses_ends_dead_and_is_acked(
     request = decode_request(record.request)
     assert request is not None and request["args"] == [key, NUL_ARGUMENT]
     _broker_drained(client_app)
-    assert _runs(redis_client, prefix, key) == 0
+    assert ledger.run_count(redis_client, prefix, key) == 0
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_a_key_the_database_refuses_is_kept_dead_under_the_unkeyed_name(
-    spawn_worker: Any,
-    client_app: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
     fence_store: Store,
     leases: LeaseStore,
 ) -> None:
@@ -132,23 +134,23 @@ def test_a_key_the_database_refuses_is_kept_dead_under_the_unkeyed_name(
 @BOTH_BROKERS
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # not a store matter
 def test_a_retry_the_broker_refuses_to_publish_gives_the_message_back(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
 ) -> None:
     # Given a body that calls self.retry() on its first run, and a broker that refuses that
     # retry message's publish once
     spawn_worker("w", FENCE_T_FAIL_PUBLISH="1")
-    redis_client.set(f"{prefix}:fail_publish", 1)
+    faults.arm(redis_client, prefix, "fail_publish")
     key = f"retry-refused:{uuid.uuid4().hex[:8]}"
     client_app.control.delay(key, kind="retry")
     # Then the message goes back to the broker and a later attempt completes the job
     record = _ended(fence_store, key, timeout=30)
     assert record.status == "completed", record
-    assert redis_client.exists(f"{prefix}:fail_publish") == 0  # the publish was refused
-    assert _runs(redis_client, prefix, key) == 2
+    assert not faults.armed(redis_client, prefix, "fail_publish")  # the publish was refused
+    assert ledger.run_count(redis_client, prefix, key) == 2
     assert record.attempts == 2
     reasons = [t.reason for t in fence_store.history(key)]
     assert "the task's retry could not be sent; the message goes back" in reasons
@@ -158,9 +160,9 @@ def test_a_retry_the_broker_refuses_to_publish_gives_the_message_back(
 @BOTH_BROKERS
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # not a store matter
 def test_a_busy_reschedule_the_broker_refuses_does_not_spin_and_loses_nothing(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
     leases: LeaseStore,
@@ -168,9 +170,9 @@ def test_a_busy_reschedule_the_broker_refuses_does_not_spin_and_loses_nothing(
     # Given a job held by a running attempt (its lease renewed, 30 s TTL) ...
     spawn_worker("w", concurrency=2, FENCE_T_FAIL_PUBLISH="1", FENCE_T_TTL="30", FENCE_T_RENEW="5")
     key = f"busy-refused:{uuid.uuid4().hex[:8]}"
-    redis_client.set(f"{prefix}:hang:{key}", 1)
+    faults.arm(redis_client, prefix, "hang", key)
     client_app.work.delay(key)
-    wait_until(lambda: _runs(redis_client, prefix, key) == 1, 30, what="the holder runs")
+    wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="the holder runs")
     # ... and a broker that refuses every re-send,
     redis_client.set(f"{prefix}:refuse_publish", 1)
     # when a second message of the key arrives (busy: its re-send is refused, again and again),
@@ -189,5 +191,5 @@ def test_a_busy_reschedule_the_broker_refuses_does_not_spin_and_loses_nothing(
     record = _ended(fence_store, key, timeout=60)
     assert record.status == "completed", record
     assert duplicate.get(timeout=60) == record.result
-    assert _runs(redis_client, prefix, key) == 1
+    assert ledger.run_count(redis_client, prefix, key) == 1
     _broker_drained(client_app)

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from types import ModuleType
 
 import pytest
+import redis
 
 from celery_fence.lease import LeaseStore
 from celery_fence.store import JobRecord, Store, decode_request
+from celery_fence.testing import faults
+from tests.support import ledger
 from tests.support.broker import broker_queue_length
 from tests.support.env import AMQP_URL, BROKER_URL
-from tests.support.worker import wait_until
+from tests.support.worker import SpawnWorker, wait_until
 
 pytestmark = pytest.mark.acceptance
 
@@ -38,10 +41,6 @@ def worker_env(worker_env: dict[str, str], broker: str) -> dict[str, str]:
 BOTH_BROKERS = pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=True)
 
 
-def _runs(redis_client: Any, prefix: str, key: str) -> int:
-    return int(redis_client.llen(f"{prefix}:runs:{key}"))
-
-
 def _ended(store: Store, key: str, timeout: float = 60.0) -> JobRecord:
     """Wait (bounded) until the job is completed or dead; return it."""
     found: list[JobRecord] = []
@@ -57,14 +56,18 @@ def _ended(store: Store, key: str, timeout: float = 60.0) -> JobRecord:
     return found[0]
 
 
-def _broker_drained(client_app: Any, timeout: float = 15.0) -> None:
+def _broker_drained(client_app: ModuleType, timeout: float = 15.0) -> None:
     """The message was acked: nothing of this test's queue is left in the broker."""
     wait_until(lambda: broker_queue_length(client_app) == 0, timeout, what="the broker to drain")
 
 
 @BOTH_BROKERS
 def test_hard_time_limit_gives_the_message_back_and_a_later_attempt_completes(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
 ) -> None:
     # Given a prefork worker and a job whose first run overruns its hard time limit
     spawn_worker("w", concurrency=2)
@@ -74,14 +77,18 @@ def test_hard_time_limit_gives_the_message_back_and_a_later_attempt_completes(
     record = _ended(fence_store, key, timeout=60)
     # Then a later attempt completes it: two body runs, one result, nothing left in the broker
     assert record.status == "completed", record
-    assert _runs(redis_client, prefix, key) == 2
+    assert ledger.run_count(redis_client, prefix, key) == 2
     assert record.attempts == 2 and record.result["generation"] == record.generation
     assert "time_limit" in [t.action for t in fence_store.history(key)]
     _broker_drained(client_app)
 
 
 def test_hard_time_limit_on_every_attempt_ends_dead_with_reason_time_limit(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
 ) -> None:
     # Given a job that overruns its hard time limit on every run, and two attempts allowed
     spawn_worker("w", concurrency=2, FENCE_T_MAX_ATTEMPTS="2")
@@ -90,14 +97,18 @@ def test_hard_time_limit_on_every_attempt_ends_dead_with_reason_time_limit(
     # Then it ends dead, reason "time limit", after exactly two executions, its message acked
     record = _ended(fence_store, key, timeout=90)
     assert record.status == "dead", record
-    assert _runs(redis_client, prefix, key) == 2
+    assert ledger.run_count(redis_client, prefix, key) == 2
     assert record.attempts == 2
     assert fence_store.history(key)[-1].reason == "time limit"
     _broker_drained(client_app)
 
 
 def test_soft_time_limit_goes_through_the_retry_policy(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
 ) -> None:
     spawn_worker("w")
     key = f"soft:{uuid.uuid4().hex[:8]}"
@@ -106,14 +117,18 @@ def test_soft_time_limit_goes_through_the_retry_policy(
     # Then the retry policy re-sends it as a transient error and the second run completes
     record = _ended(fence_store, key)
     assert record.status == "completed", record
-    assert _runs(redis_client, prefix, key) == 2
+    assert ledger.run_count(redis_client, prefix, key) == 2
     assert "retry_scheduled" in [t.action for t in fence_store.history(key)]
     _broker_drained(client_app)
 
 
 @BOTH_BROKERS
 def test_expires_is_not_carried_onto_a_retry(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
 ) -> None:
     spawn_worker("w")
     label = f"exp-retry-{uuid.uuid4().hex[:8]}"
@@ -125,14 +140,14 @@ def test_expires_is_not_carried_onto_a_retry(
     record = _ended(fence_store, result.id)
     assert record.status == "completed", record
     assert record.result == label
-    assert _runs(redis_client, prefix, label) == 2
+    assert ledger.run_count(redis_client, prefix, label) == 2
     _broker_drained(client_app)
 
 
 def test_expires_is_not_carried_onto_a_busy_reschedule(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
     leases: LeaseStore,
@@ -145,15 +160,15 @@ def test_expires_is_not_carried_onto_a_busy_reschedule(
     # Then the busy reschedule arrives after the holder's lease although expires passed
     record = _ended(fence_store, key)
     assert record.status == "completed", record
-    assert _runs(redis_client, prefix, key) == 1
+    assert ledger.run_count(redis_client, prefix, key) == 1
     _broker_drained(client_app)
 
 
 @BOTH_BROKERS
 def test_a_message_that_expired_before_it_ran_ends_its_job_dead(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
     broker: str,
@@ -169,7 +184,7 @@ def test_a_message_that_expired_before_it_ran_ends_its_job_dead(
         # or held by the worker: a delivered message is recorded before it is acked).
         _broker_drained(client_app)
         assert fence_store.get(result.id) is None
-        assert _runs(redis_client, prefix, label) == 0
+        assert ledger.run_count(redis_client, prefix, label) == 0
         return
     # Then the job is recorded dead, reason "expired", with its request to requeue it by
     record = _ended(fence_store, result.id, timeout=30)
@@ -177,7 +192,7 @@ def test_a_message_that_expired_before_it_ran_ends_its_job_dead(
     assert fence_store.history(result.id)[-1].reason == "expired"
     request = decode_request(record.request)
     assert request is not None and request["args"] == [label]
-    assert _runs(redis_client, prefix, label) == 0
+    assert ledger.run_count(redis_client, prefix, label) == 0
     _broker_drained(client_app)
 
 
@@ -187,9 +202,9 @@ def test_a_message_that_expired_before_it_ran_ends_its_job_dead(
     indirect=["broker"],
 )
 def test_a_misconfigured_worker_refuses_to_start_and_consumes_nothing(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
     pool: str,
@@ -211,15 +226,15 @@ def test_a_misconfigured_worker_refuses_to_start_and_consumes_nothing(
     spawn_worker("good", pool=pool)
     for key in keys:
         assert _ended(fence_store, key).status == "completed"
-        assert _runs(redis_client, prefix, key) == 1
+        assert ledger.run_count(redis_client, prefix, key) == 1
     _broker_drained(client_app)
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # SQLite stores NUL
 def test_arguments_the_database_refuses_end_dead_at_once_and_stay_requeueable(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
     leases: LeaseStore,
@@ -252,9 +267,9 @@ def test_arguments_the_database_refuses_end_dead_at_once_and_stay_requeueable(
     ],
 )
 def test_celery_control_flow_from_a_body_leaves_no_running_row(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
     kind: str,
@@ -268,7 +283,7 @@ def test_celery_control_flow_from_a_body_leaves_no_running_row(
     # Then the job ends in a defined state, never left running
     record = _ended(fence_store, key, timeout=30)
     assert record.status == status, record
-    assert _runs(redis_client, prefix, key) == runs
+    assert ledger.run_count(redis_client, prefix, key) == runs
     if status == "dead":
         reason = "ignored by the task" if kind == "ignore" else "rejected by the task"
         assert fence_store.history(key)[-1].reason == reason
@@ -276,9 +291,9 @@ def test_celery_control_flow_from_a_body_leaves_no_running_row(
 
 
 def test_an_exception_in_the_regression_branch_re_sends_and_converges(
-    spawn_worker: Any,
-    client_app: Any,
-    redis_client: Any,
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
 ) -> None:
@@ -286,33 +301,39 @@ def test_an_exception_in_the_regression_branch_re_sends_and_converges(
     # Given a store that already saw generation 5 for the key (Redis lost its counter) ...
     fence_store.register(key, generation=5, attempt_id="earlier", task_name="t", request=None)
     # ... and raising the Redis counter fails once (a failover in the middle of it)
-    redis_client.set(f"{prefix}:fail_raise:{key}", 1)
+    faults.arm(redis_client, prefix, "fail_raise", key)
     spawn_worker("w", FENCE_T_FAIL_RAISE="1")
     client_app.work.delay(key)
     # Then the message is re-sent rather than acked as a failure, and the job completes once
     record = _ended(fence_store, key)
     assert record.status == "completed", record
     assert record.generation > 5
-    assert _runs(redis_client, prefix, key) == 1
-    assert redis_client.get(f"{prefix}:fail_raise:{key}") is None  # the fault did fire
+    assert ledger.run_count(redis_client, prefix, key) == 1
+    assert not faults.armed(redis_client, prefix, "fail_raise", key)  # the fault did fire
     _broker_drained(client_app)
 
 
 def test_a_body_hung_past_max_runtime_frees_its_key_and_its_late_completion_is_rejected(
-    spawn_worker: Any, client_app: Any, redis_client: Any, prefix: str, fence_store: Store
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
 ) -> None:
     # Given a threads-pool worker (no hard time limit is enforced there) and fence_max_runtime=1.5
     spawn_worker("w", pool="threads", concurrency=2, FENCE_T_MAX_RUNTIME="1.5")
     key = f"hung:{uuid.uuid4().hex[:8]}"
     # When a body hangs for 8 s without checking its lease ...
     first = client_app.overrun.delay(key, sleep=8.0)
-    wait_until(lambda: _runs(redis_client, prefix, key) == 1, 20, what="the hung body to start")
+    wait_until(
+        lambda: ledger.run_count(redis_client, prefix, key) == 1, 20, what="the hung body to start"
+    )
     # ... the renewal stops at 1.5 s, the key frees itself a TTL (2 s) later, and a second
     # message for the same key is claimed and completes while the first body still hangs
     second = client_app.overrun.delay(key, sleep=0.0)
     result = second.get(timeout=30)
     assert result["generation"] == 2
-    assert _runs(redis_client, prefix, key) == 2
+    assert ledger.run_count(redis_client, prefix, key) == 2
     # Then the hung attempt's late completion is rejected: both callers get generation 2's result
     assert first.get(timeout=30) == result
     record = fence_store.get(key)
