@@ -20,7 +20,7 @@ Statuses come from :class:`~celery_fence.schema.Status` and
 :class:`~celery_fence.actions.Action`.
 
 The outbox inserts ignore an existing idempotency key: with the fence on, a job completes once, so
-this never fires; under the chaos harness's store without the fence (``--unfenced``), a second
+this never fires; under the chaos harness's store without the fence (its control arm), a second
 (stale) completion then overwrites the result, as a plain write would, without failing on the
 outbox.
 """

@@ -10,7 +10,7 @@ script, transcribed: the same conditions, the same returned values, the same exc
 back from it, as the database does. ``tests/integration/test_doubles_contract.py`` runs one set
 of tests against these and the real ones (SQLite, PostgreSQL, Redis).
 
-Not reproduced: the store's ``unfenced`` demonstration mode, its outbox processing and operator
+Not reproduced: the chaos harness's store without the fence, its outbox processing and operator
 verbs (the staged effects of a completion are kept, see :meth:`MemoryStore.effects`), and what a
 database refuses (PostgreSQL's jsonb refuses ``\\u0000``, which :meth:`Store.bury` then keeps
 encoded; the double accepts it as is).
