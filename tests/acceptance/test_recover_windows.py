@@ -428,7 +428,7 @@ def test_a_job_revoked_with_terminate_ends_dead_and_recover_leaves_it(
     # and a recovery past the threshold does not re-send it.
     report = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "0", "--json")))
     assert key not in report["keys"]["stranded"]
-    assert broker.llen(worker_env["FENCE_T_QUEUE"]) == 0
+    assert _queued(broker, worker_env["FENCE_T_QUEUE"], key) == 0
     assert _status(fence_store, key) == "dead"
     assert ledger.run_count(redis_client, prefix, key) == 1
 
@@ -449,7 +449,12 @@ def test_a_job_revoked_with_terminate_on_a_gevent_worker_ends_dead_and_releases_
     # Given a fenced job running on a gevent-pool worker whose leases live 30 s ...
     key = f"revoked-green:{uuid.uuid4().hex[:8]}"
     faults.arm(redis_client, prefix, "hang", key)
-    delay = {"FENCE_T_UNRUN_DELAY": "2"} if first == "body settled first" else {}
+    # (each order is forced: the other side waits 2 s)
+    delay = (
+        {"FENCE_T_UNRUN_DELAY": "2"}
+        if first == "body settled first"
+        else {"FENCE_T_INTERRUPT_SETTLE_DELAY": "2"}
+    )
     spawn_worker("w", pool="gevent", concurrency=2, FENCE_T_TTL="30", FENCE_T_RENEW="5", **delay)
     result = client_app.work.delay(key)
     wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="body started")
@@ -472,7 +477,7 @@ def test_a_job_revoked_with_terminate_on_a_gevent_worker_ends_dead_and_releases_
     else:  # the body's settle then finds the job dead: its retry is refused (stale)
         assert history[:2] == [("claimed", None), ("dead", "revoked")], history
     wait_until(lambda: not _unacked(broker, key), 10, what="message acked")
-    assert broker.llen(worker_env["FENCE_T_QUEUE"]) == 0
+    assert _queued(broker, worker_env["FENCE_T_QUEUE"], key) == 0
     record = fence_store.get(key)
     assert record is not None and record.status == "dead"
     # and a recovery past the threshold does not re-send it.
@@ -500,7 +505,7 @@ def _revoked_while_waiting_for_its_retry(
     wait_until(
         lambda: (
             _status(fence_store, key) == "retrying"
-            and broker.llen(queue) == 0
+            and _queued(broker, queue, key) == 0
             and len(_unacked(broker, key)) == 1
         ),
         30,
@@ -537,7 +542,7 @@ def test_a_revoked_retry_of_a_fenced_job_ends_it_dead_and_recover_leaves_it(
     spawn_worker("w2")
     report = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "0", "--json")))
     assert key not in report["keys"]["stranded"]
-    assert broker.llen(worker_env["FENCE_T_QUEUE"]) == 0
+    assert _queued(broker, worker_env["FENCE_T_QUEUE"], key) == 0
     assert _status(fence_store, key) == "dead"
     assert ledger.run_count(redis_client, prefix, key) == 1
 
@@ -627,6 +632,8 @@ def test_recover_does_not_re_send_a_backlogged_job_once_per_pass(
     # and once a worker consumes the backlog, the job completes once (the others replay).
     spawn_worker("w")
     wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")
-    wait_until(lambda: broker.llen(queue) == 0 and not _unacked(broker, key), 30, what="drained")
+    wait_until(
+        lambda: _queued(broker, queue, key) == 0 and not _unacked(broker, key), 30, what="drained"
+    )
     assert _completions(fence_store, key) == 1
     assert ledger.run_count(redis_client, prefix, key) == 1

@@ -469,6 +469,22 @@ if E.get("FENCE_T_UNRUN_DELAY"):
     celery_fence.worker.FencedRequest._settle_unrun = _settle_unrun_later  # type: ignore[method-assign]
 
 
+if E.get("FENCE_T_INTERRUPT_SETTLE_DELAY"):
+    # Delay a body's own settle step after an interrupt (GreenletExit from revoke(terminate=True))
+    # by this many seconds, so that the worker's record of the revoke reaches the store first.
+    import celery_fence.execution
+    import celery_fence.outcomes
+
+    _settle = celery_fence.execution.Execution.settle
+
+    def _settle_interrupt_later(self: Any, outcome: Any) -> Any:
+        if isinstance(outcome, celery_fence.outcomes.Interrupted):
+            time.sleep(float(E["FENCE_T_INTERRUPT_SETTLE_DELAY"]))  # green under gevent
+        return _settle(self, outcome)
+
+    celery_fence.execution.Execution.settle = _settle_interrupt_later  # type: ignore[method-assign]
+
+
 # -- recovery with per-task settings, and workflows kept on a re-send ---------------------------
 #: The key prefix of ``own_prefix``'s leases (under the test's prefix, so its cleanup finds them).
 OWN_PREFIX = f"{PREFIX}:own"
