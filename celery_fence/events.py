@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from typing import Any
 
 from celery import signals as celery_signals
 
-from .runtime import Background, app_state, runtime
+from .background import Background
+from .config import app_state
+from .runtime import runtime
 
 logger = logging.getLogger("celery_fence.events")
 
@@ -71,21 +72,24 @@ def task_events_enabled(app: Any) -> bool:
 class EventSender(Background):
     """One dispatcher, one connection and one daemon thread per (process, app, worker name)."""
 
+    thread_name = "celery-fence-events"
+
     def __init__(self, app: Any, hostname: str) -> None:
+        super().__init__()
         self.app = app
         self.hostname = hostname
         self.pending: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue(MAX_PENDING)
         self.sent = 0
         self.dropped = 0
         self._dispatcher: Any = None
-        self._thread = threading.Thread(target=self._run, name="celery-fence-events", daemon=True)
-        self._thread.start()
 
     def submit(self, type_: str, fields: dict[str, Any]) -> None:
         try:
             self.pending.put_nowait((type_, fields))
         except queue.Full:
             self.dropped += 1
+            return
+        self.start()
 
     def flush(self, timeout: float) -> None:
         """Wait (bounded) until the queued events were handed to the broker or dropped."""
@@ -94,8 +98,16 @@ class EventSender(Background):
             time.sleep(0.01)
 
     def shutdown(self, timeout: float) -> None:
-        """The events queued so far go out (bounded); the daemon thread stays for later ones."""
+        """The events queued so far go out, then the thread stops (bounded; a later event starts
+        it again)."""
+        end = time.monotonic() + timeout
         self.flush(timeout)
+        if self.running:
+            try:
+                self.pending.put(None, timeout=max(0.0, end - time.monotonic()))
+            except queue.Full:
+                return
+            self.join(end - time.monotonic())
 
     def _run(self) -> None:
         while True:

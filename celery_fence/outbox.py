@@ -42,11 +42,10 @@ from typing import Any
 
 from .actions import LogEvent
 from .backends import store_for
-from .config import FenceConfig
+from .config import FenceConfig, app_state
 from .effects import StagedEffects, idempotency_key, storage_key
 from .errors import FenceError
 from .retry import backoff, give_up
-from .runtime import app_state
 from .store import OutboxRow, Store
 
 logger = logging.getLogger("celery_fence.outbox")

@@ -6,9 +6,8 @@ send time of its last confirmed renewal plus the TTL minus a safety margin. Once
 unconfirmed, the lease is lost, ``check()`` raises, and the owner is told through ``on_lost`` —
 a failing renewal is never silent (python-redis-lock's issue #85 is the counter-example).
 
-The thread starts lazily in the process that holds leases (prefork children included). The
-process's renewers belong to its :class:`~celery_fence.runtime.Runtime`; a renewer used in a
-forked child (whose parent's thread and lock are not there) starts over, empty.
+The thread starts lazily in the process that holds leases (prefork children included); its
+lifecycle is every background thread's (:mod:`celery_fence.background`).
 """
 
 from __future__ import annotations
@@ -19,9 +18,9 @@ import threading
 import time
 
 from .actions import LogEvent
+from .background import Background
 from .lease import HeldLease
 from .ports import LeaseBackend
-from .runtime import Background, runtime
 
 logger = logging.getLogger("celery_fence.renewer")
 
@@ -41,28 +40,21 @@ MAX_PENDING_RELEASES = 10_000
 class Renewer(Background):
     """Renews held leases and flushes releases, one pipelined round trip per tick."""
 
-    def __init__(self, leases: LeaseBackend) -> None:
-        self.leases = leases
-        self._reset()
+    thread_name = RENEWER_THREAD_NAME
 
-    def _reset(self) -> None:
-        self._process = runtime()
+    def __init__(self, leases: LeaseBackend) -> None:
+        super().__init__()
+        self.leases = leases
         self._cond = threading.Condition(threading.Lock())
         self._held: dict[str, HeldLease] = {}
         self._releases: list[tuple[str, str]] = []
         self._release_due = 0.0
         self._wake_at = math.inf  # when the thread's current wait ends (inf: idle)
         self._tick = math.inf  # the renewal interval the thread is using
-        self._thread: threading.Thread | None = None
         self._stopping = False
         self.ticks = 0  # round trips sent (for tests and the benchmark)
 
-    def _ensure_process(self) -> None:
-        if self._process.forked:  # the parent's thread and lock are not ours
-            self._reset()
-
     def add(self, lease: HeldLease) -> None:
-        self._ensure_process()
         with self._cond:
             self._held[lease.value] = lease
             if not self._start_locked() and (
@@ -74,17 +66,14 @@ class Renewer(Background):
 
     def _start_locked(self) -> bool:
         """Start the thread if it is not running (the caller holds the lock); True if started."""
-        if self._thread is not None and self._thread.is_alive():
+        if self.running:
             return False
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=RENEWER_THREAD_NAME, daemon=True)
-        self._thread.start()
-        return True
+        return self.start()
 
     def discard(self, lease: HeldLease, *, release: bool = True) -> None:
         """Stop renewing ``lease``; queue its compare-and-delete (sent with the next claim, or by
         the thread within ``RELEASE_DELAY``)."""
-        self._ensure_process()
         with self._cond:
             self._held.pop(lease.value, None)
             if release:
@@ -96,7 +85,6 @@ class Renewer(Background):
 
     def take_releases(self) -> list[tuple[str, str]]:
         """Hand queued releases to the caller, which sends them with its next claim."""
-        self._ensure_process()
         with self._cond:
             releases, self._releases = self._releases, []
             return releases
@@ -104,7 +92,6 @@ class Renewer(Background):
     @property
     def pending_releases(self) -> list[tuple[str, str]]:
         """The releases waiting to be sent (a copy)."""
-        self._ensure_process()
         with self._cond:
             return list(self._releases)
 
@@ -115,7 +102,6 @@ class Renewer(Background):
         claim, or from the thread after ``delay`` seconds. At most ``MAX_PENDING_RELEASES`` are
         kept (the oldest go first: an unreleased lease still ends at its TTL)."""
         if releases:
-            self._ensure_process()
             with self._cond:
                 if not self._releases:
                     self._release_due = time.monotonic() + delay
@@ -146,9 +132,7 @@ class Renewer(Background):
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)
+        self.join(5.0)
 
     def _interval(self) -> float:
         return min((lease.interval for lease in self._held.values()), default=1.0)

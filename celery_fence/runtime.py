@@ -2,7 +2,7 @@
 
 A socket, a thread or a lock belongs to one process, and Celery's prefork pool forks its children
 after the app (and often its first stores) were set up. So the process's SQL stores, Redis
-clients, lease stores, renewers, retry budgets, event senders and its one background writer live
+clients, lease stores, retry budgets and background threads (:mod:`celery_fence.background`) live
 on one :class:`Runtime`, a registry that knows none of them (:mod:`celery_fence.backends` makes
 them). :func:`runtime` returns the current process's; an at-fork hook gives a
 forked child a fresh, empty one, which builds its own on first use. The parent's objects are left
@@ -13,46 +13,24 @@ Whoever caches an object got from the runtime checks :attr:`Runtime.forked` (an 
 no system call) to know the copy it holds belongs to a parent.
 
 Per-app state set up at import time, before the pool forks (the settings read from ``app.conf``,
-the outbox's handlers), is not per process: :func:`app_state` keeps it on the app.
+the outbox's handlers), is not per process: :func:`celery_fence.config.app_state` keeps it on the
+app.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import queue
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from .actions import LogEvent
-from .watchdog import watchdog
-
-if TYPE_CHECKING:
-    from .config import FenceConfig
-    from .outbox import Outbox
-
-logger = logging.getLogger("celery_fence")
-
-#: Off-thread writes waiting for the background writer; beyond this they are dropped (logged).
-MAX_PENDING_WRITES = 1_000
-
-WRITER_THREAD_NAME = "celery-fence-writer"
+from .background import Background
 
 _T = TypeVar("_T")
 
-
-class Background:
-    """The base of an object that runs a background thread of its own (the renewer, an event
-    sender, the background writer): its thread starts on first use; :meth:`shutdown` finishes
-    its queued work and stops it, bounded by ``timeout``. After a fork the child never touches
-    it: the child's runtime makes its own. (A base class, not a protocol: a Redis client has a
-    ``shutdown`` method too, which stops the server.)"""
-
-    def shutdown(self, timeout: float) -> None:
-        raise NotImplementedError
+#: The order in which :meth:`Runtime.shutdown` stops background objects, by kind: the writer
+#: first, the event senders last (the others may still queue an event).
+_SHUTDOWN_ORDER = {"writer": 0, "events": 2}
 
 
 class Runtime:
@@ -66,7 +44,6 @@ class Runtime:
         self._parent: Runtime | None = None
         self._lock = threading.RLock()  # a factory may ask for another object (a store's client)
         self._items: dict[tuple[str, Any], Any] = {}
-        self.writer = BackgroundWriter()
 
     def get(self, kind: str, ident: Any, make: Callable[[], _T]) -> _T:
         """The object of ``kind`` for ``ident`` in this process, made by ``make()`` once."""
@@ -87,11 +64,11 @@ class Runtime:
         return self.items("store")
 
     def shutdown(self, timeout: float = 2.0) -> None:
-        """Finish the background writes, then every background object's queued work (lease
-        releases, events), each bounded by ``timeout`` (a worker process that exits)."""
-        self.writer.shutdown(timeout)
-        items = sorted(self._items.items(), key=lambda entry: entry[0][0] == "events")
-        for (kind, _), item in items:  # events last: the others may still queue one
+        """Stop every background object (:mod:`celery_fence.background`), each after its queued
+        work (lease releases, writes, events) and bounded by ``timeout``: a worker process that
+        exits."""
+        items = sorted(self._items.items(), key=lambda e: _SHUTDOWN_ORDER.get(e[0][0], 1))
+        for (kind, _), item in items:
             if isinstance(item, Background):
                 item.shutdown(min(timeout, 1.0) if kind == "events" else timeout)
 
@@ -107,99 +84,6 @@ class Runtime:
                 _current = Runtime()
 
 
-class BackgroundWriter(Background):
-    """One daemon thread running writes that must not happen on the caller's thread (the renewal
-    thread records a lost lease here, so a slow database never delays other leases' renewals).
-
-    :meth:`submit` never blocks: past :data:`MAX_PENDING_WRITES` a write is dropped and logged.
-    """
-
-    def __init__(self, maxsize: int = MAX_PENDING_WRITES) -> None:
-        self._queue: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...]] | None]
-        self._queue = queue.Queue(maxsize)
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self.dropped = 0
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> bool:
-        """Run ``fn(*args)`` on the writer thread; False when the queue is full (dropped)."""
-        try:
-            self._queue.put_nowait((fn, args))
-        except queue.Full:
-            self.dropped += 1
-            logger.warning(
-                "background write queue full: %s dropped",
-                getattr(fn, "__name__", "a write"),
-                extra={"action": LogEvent.WRITE_DROPPED, "reason": "queue full"},
-            )
-            return False
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name=WRITER_THREAD_NAME, daemon=True
-                )
-                self._thread.start()
-        return True
-
-    def shutdown(self, timeout: float) -> None:
-        self.drain(timeout)
-
-    def drain(self, timeout: float) -> bool:
-        """Run the queued writes and stop the thread (bounded); True when it finished."""
-        with self._lock:
-            thread = self._thread
-        if thread is None or not thread.is_alive():
-            return True
-        end = time.monotonic() + timeout
-        try:
-            self._queue.put(None, timeout=timeout)
-        except queue.Full:
-            return False
-        thread.join(max(0.0, end - time.monotonic()))
-        return not thread.is_alive()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                fn, args = item
-                try:
-                    fn(*args)
-                except Exception:
-                    logger.exception("background write %s failed", getattr(fn, "__name__", fn))
-            finally:
-                self._queue.task_done()
-
-
-@dataclass
-class AppState:
-    """Per-app state that survives the pool's fork: made in the parent, shared by the children."""
-
-    #: The app's settings (:meth:`FenceConfig.from_app`); None until first read.
-    config: FenceConfig | None = None
-    #: The app's :class:`~celery_fence.outbox.Outbox` (its handler registry), if one was made.
-    outbox: Outbox | None = None
-    #: Whether the worker sends task events (``-E`` sets the worker's flag, not ``app.conf``);
-    #: None until ``worker_init`` says (see :func:`celery_fence.events.task_events_enabled`).
-    task_events: bool | None = None
-    #: What the worker was started with, as an operator types it again: ``celery -A proj``;
-    #: None until ``worker_init`` says (see :func:`celery_fence.worker.celery_command`).
-    celery_command: str | None = None
-
-
-_STATE_ATTRIBUTE = "_fence_state"
-
-
-def app_state(app: Any) -> AppState:
-    """The celery-fence state of ``app`` (kept on the app: it lives and dies with it)."""
-    state: AppState | None = app.__dict__.get(_STATE_ATTRIBUTE)
-    if state is None:
-        state = app.__dict__.setdefault(_STATE_ATTRIBUTE, AppState())
-    return state
-
-
 _current = Runtime()
 _current_lock = threading.Lock()
 
@@ -211,25 +95,17 @@ def runtime() -> Runtime:
 
 def _after_fork_in_child() -> None:
     """The one fork hook: the child gets a fresh runtime and new locks; the parent's runtime is
-    marked forked and kept referenced (never used), and the database watchdog starts empty."""
+    marked forked and kept referenced (never used)."""
     global _current, _current_lock
     parent = _current
     parent.forked = True
     _current = Runtime()
     _current._parent = parent
     _current_lock = threading.Lock()
-    watchdog.reset()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = [
-    "AppState",
-    "Background",
-    "BackgroundWriter",
-    "Runtime",
-    "app_state",
-    "runtime",
-]
+__all__ = ["Runtime", "runtime"]

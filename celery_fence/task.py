@@ -25,7 +25,7 @@ from celery.exceptions import Reject
 from . import outcomes as o
 from .actions import LogEvent
 from .backends import Backends, backends
-from .config import FenceConfig
+from .config import FenceConfig, app_state
 from .errors import (
     ConfigurationError,
     FenceEagerWarning,
@@ -37,7 +37,6 @@ from .execution import Execution
 from .fence import Fence
 from .outbox import trigger_delivery
 from .records import ENQUEUED_HEADER, request_text
-from .runtime import app_state
 from .schema import KEY_LENGTH
 from .transitions import Announcer
 from .worker import FENCED_REQUEST, celery_command

@@ -311,11 +311,11 @@ def _watch_statements(engine: sa.Engine) -> None:
 def _arm_statement(conn: sa.Connection, cursor: Any, *_: Any) -> None:
     timeout = conn.get_execution_options().get("fence_block_timeout")
     if timeout is not None:
-        conn.info["fence_block_watch"] = watchdog.arm(cursor.connection.fileno(), timeout)
+        conn.info["fence_block_watch"] = watchdog().arm(cursor.connection.fileno(), timeout)
 
 
 def _disarm_statement(conn: sa.Connection, *_: Any) -> None:
-    watchdog.disarm(conn.info.pop("fence_block_watch", None))
+    watchdog().disarm(conn.info.pop("fence_block_watch", None))
 
 
 def _disarm_statement_on_error(context: Any) -> None:
@@ -379,7 +379,7 @@ def _end_driver_transaction(
     token = None
     try:
         if conn.dialect.name == "postgresql":
-            token = watchdog.arm(dbapi_conn.fileno(), store.database_timeout)
+            token = watchdog().arm(dbapi_conn.fileno(), store.database_timeout)
         getattr(dbapi_conn, verb)()
     except conn.dialect.loaded_dbapi.Error as exc:
         conn.invalidate()
@@ -395,7 +395,7 @@ def _end_driver_transaction(
             dialect=conn.dialect,
         ) from exc
     finally:
-        watchdog.disarm(token)
+        watchdog().disarm(token)
 
 
 def unrecorded_loss(fence: Fence) -> LeaseLost:

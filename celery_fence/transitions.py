@@ -26,6 +26,7 @@ from celery.utils.dispatch import Signal
 
 from . import signals
 from .actions import Action
+from .background import BackgroundWriter
 from .events import event_type, send_transition_event
 from .lease import HeldLease
 from .renewer import RENEWER_THREAD_NAME
@@ -257,7 +258,7 @@ def _on_lost(announcer: Announcer, store: JobStore, lease: HeldLease, reason: st
         return
     # The renewal thread noticed: write the history row off that thread, so a slow database
     # never delays the renewal of the process's other leases.
-    runtime().writer.submit(_record_lost, store, lease, reason)
+    runtime().get("writer", None, BackgroundWriter).submit(_record_lost, store, lease, reason)
 
 
 def _record_lost(store: JobStore, lease: HeldLease, reason: str) -> None:

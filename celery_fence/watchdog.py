@@ -28,6 +28,8 @@ import threading
 import time
 
 from .actions import LogEvent
+from .background import Background
+from .runtime import runtime
 
 logger = logging.getLogger(__name__)
 
@@ -37,22 +39,25 @@ TICK = 0.25
 WATCHDOG_THREAD_NAME = "celery-fence-db-watchdog"
 
 
-class Watchdog:
+class Watchdog(Background):
     """The armed calls of one process and the thread that enforces their deadlines."""
 
+    thread_name = WATCHDOG_THREAD_NAME
+
     def __init__(self) -> None:
+        super().__init__()
         self._calls: dict[int, tuple[float, int]] = {}
         self._tokens = itertools.count(1)
-        self._lock = threading.Lock()  # starting the thread
         self._cut_lock = threading.Lock()  # the thread's "cut" against the caller's "done"
-        self._thread: threading.Thread | None = None
+        self._stopping = False
         self.cuts = 0
 
     def arm(self, fd: int, timeout: float) -> int:
         """Watch the call about to run on socket ``fd`` for ``timeout`` seconds; return a token
         for :meth:`disarm`."""
-        if self._thread is None:
-            self._start()
+        if self._thread is None or self._stopping:  # first use, or used again after shutdown
+            self._stopping = False
+            self.start()
         token = next(self._tokens)
         self._calls[token] = (time.monotonic() + timeout, fd)
         return token
@@ -66,23 +71,13 @@ class Watchdog:
         with self._cut_lock:
             return self._calls.pop(token, None) is None
 
-    def _start(self) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name=WATCHDOG_THREAD_NAME, daemon=True
-                )
-                self._thread.start()
-
-    def reset(self) -> None:
-        """Forget the parent's thread, calls and locks (the runtime's fork hook, in the child)."""
-        self._calls = {}
-        self._thread = None
-        self._lock = threading.Lock()
-        self._cut_lock = threading.Lock()
+    def shutdown(self, timeout: float) -> None:
+        """Stop looking (a call still armed is left to its own timeouts)."""
+        self._stopping = True
+        self.join(min(timeout, TICK * 2))
 
     def _run(self) -> None:
-        while True:
+        while not self._stopping:
             time.sleep(TICK)
             self.sweep()
 
@@ -117,5 +112,6 @@ class Watchdog:
             sock.shutdown(socket.SHUT_RDWR)
 
 
-#: The process's watchdog.
-watchdog = Watchdog()
+def watchdog() -> Watchdog:
+    """This process's watchdog (a forked child gets its own)."""
+    return runtime().get("watchdog", None, Watchdog)

@@ -40,9 +40,10 @@ from celery.worker.request import Request
 
 from . import outcomes as o
 from .actions import LogEvent
+from .config import app_state
 from .errors import ConfigurationError
 from .records import encode_request
-from .runtime import app_state, runtime
+from .runtime import runtime
 
 if TYPE_CHECKING:
     from .execution import Execution

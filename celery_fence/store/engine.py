@@ -168,16 +168,16 @@ class Database:
         @sa.event.listens_for(engine, "before_cursor_execute")
         def _arm(conn: Any, cursor: Any, *_: Any) -> None:
             if not conn.get_execution_options().get("fence_unbounded"):
-                conn.info["fence_watch"] = watchdog.arm(cursor.connection.fileno(), timeout)
+                conn.info["fence_watch"] = watchdog().arm(cursor.connection.fileno(), timeout)
 
         @sa.event.listens_for(engine, "after_cursor_execute")
         def _disarm(conn: Any, *_: Any) -> None:
-            watchdog.disarm(conn.info.pop("fence_watch", None))
+            watchdog().disarm(conn.info.pop("fence_watch", None))
 
         @sa.event.listens_for(engine, "handle_error")
         def _disarm_on_error(context: Any) -> None:
             if context.connection is not None:
-                watchdog.disarm(context.connection.info.pop("fence_watch", None))
+                watchdog().disarm(context.connection.info.pop("fence_watch", None))
 
     #: True on the view of :meth:`rolled_back`: the statements run inside its transaction.
     pinned = False
@@ -257,13 +257,13 @@ class Database:
             cursor = raw.info.get("fence_cursor")
             if cursor is None or cursor.closed or cursor.connection is not raw.dbapi_connection:
                 cursor = raw.info["fence_cursor"] = raw.cursor()
-            token = watchdog.arm(cursor.connection.fileno(), self.database_timeout)
+            token = watchdog().arm(cursor.connection.fileno(), self.database_timeout)
             try:
                 row = self.run_prepared(raw, cursor, statement, params)
             except BaseException:
-                watchdog.disarm(token)
+                watchdog().disarm(token)
                 raise
-            if watchdog.disarm(token):  # cut at its deadline as it ended: answered, not reusable
+            if watchdog().disarm(token):  # cut at its deadline as it ended: answered, not reusable
                 raw.info.pop("fence_cursor", None)
                 raw.invalidate()
             return row
@@ -318,13 +318,13 @@ class _Pinned(Database):
 
     def pg_execute(self, statement: str, params: dict[str, Any]) -> Any:
         raw, cursor = self._dbapi()
-        token = watchdog.arm(cursor.connection.fileno(), self.database_timeout)
+        token = watchdog().arm(cursor.connection.fileno(), self.database_timeout)
         try:
             return self.run_prepared(raw, cursor, statement, params)
         except self.engine.dialect.loaded_dbapi.Error as exc:
             raise _driver_error(self.engine, raw, exc) from None
         finally:
-            watchdog.disarm(token)
+            watchdog().disarm(token)
 
 
 def _positional(statement: str) -> tuple[str, tuple[str, ...]]:

@@ -10,6 +10,7 @@ import redis
 from celery_fence.errors import LeaseLost
 from celery_fence.lease import HeldLease, LeaseStore
 from celery_fence.renewer import Renewer
+from celery_fence.runtime import runtime
 from tests.integration.test_lease_scripts import CountingConnection
 from tests.support.worker import wait_until
 
@@ -121,28 +122,37 @@ def test_one_round_trip_per_tick_whatever_the_number_of_leases(leases: LeaseStor
     renewer.stop()
 
 
-def _child(leases: LeaseStore, renewer: Renewer, q: multiprocessing.Queue) -> None:
+def _renewer(leases: LeaseStore) -> Renewer:
+    """This process's renewer for ``leases``, as the backends ask the runtime for it."""
+    return runtime().get("renewer", id(leases), lambda: Renewer(leases))
+
+
+def _child(leases: LeaseStore, parent: Renewer, q: multiprocessing.Queue) -> None:
+    renewer = _renewer(leases)
     lease = _hold(leases, "child", ttl=0.5, interval=0.1)
     renewer.add(lease)
     time.sleep(1.0)
     try:
         lease.check()
-        q.put("held")
+        q.put("held" if renewer is not parent else "the parent's renewer")
     except LeaseLost:
         q.put("lost")
     renewer.discard(lease)
     renewer.flush()
 
 
-def test_the_renewer_restarts_in_a_forked_child(leases: LeaseStore) -> None:
-    renewer = Renewer(leases)
+def test_a_forked_child_renews_with_a_renewer_of_its_own(leases: LeaseStore) -> None:
+    # Given a parent whose renewer's thread runs (it holds a lease) ...
+    renewer = _renewer(leases)
     parent_lease = _hold(leases, "parent", ttl=5.0)
-    renewer.add(parent_lease)  # the parent's thread exists before the fork
+    renewer.add(parent_lease)
+    # when the process forks and the child holds a lease of its own (0.5 s TTL, for 1 s),
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(leases, renewer, q))
     p.start()
     p.join(timeout=20)
+    # then the child's runtime gave it its own renewer, which kept the child's lease alive.
     assert q.get(timeout=5) == "held"
     renewer.discard(parent_lease)
     renewer.stop()

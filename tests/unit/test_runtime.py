@@ -9,17 +9,23 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery import Celery
 
 from celery_fence import FencedTask
 from celery_fence import backends as b
-from celery_fence.config import FenceConfig
+from celery_fence.background import Background, BackgroundWriter
+from celery_fence.config import FenceConfig, app_state
+from celery_fence.events import EventSender
 from celery_fence.redis_client import client_identity
-from celery_fence.runtime import Background, BackgroundWriter, Runtime, app_state, runtime
+from celery_fence.renewer import Renewer
+from celery_fence.runtime import Runtime, runtime
+from celery_fence.testing.memory import MemoryLeaseStore
+from celery_fence.watchdog import Watchdog, watchdog
 
 
 @pytest.fixture
@@ -148,12 +154,13 @@ def test_shutdown_drains_the_background_writer(rt: Runtime) -> None:
         time.sleep(0.02)
         done.append(n)
 
+    writer = rt.get("writer", None, BackgroundWriter)
     for n in range(5):
-        assert rt.writer.submit(slow_write, n)
+        assert writer.submit(slow_write, n)
     rt.shutdown(timeout=5)
     assert done == [0, 1, 2, 3, 4]
-    assert rt.writer.submit(done.append, 5)  # usable again: the thread starts on demand
-    rt.writer.drain(5)
+    assert writer.submit(done.append, 5)  # usable again: the thread starts on demand
+    writer.drain(5)
     assert done[-1] == 5
 
 
@@ -214,3 +221,53 @@ def test_shutdown_stops_only_background_objects(rt: Runtime) -> None:
     rt.shutdown(timeout=1)
     # Then only the background object was stopped
     assert stopped == ["background"]
+
+
+def _use(kind: str, thing: Any) -> None:
+    """The first use of a background object of ``kind``: what starts its thread."""
+    if kind == "writer":
+        thing.submit(lambda: None)
+    elif kind == "watchdog":
+        thing.disarm(thing.arm(-1, 60.0))
+    elif kind == "events":
+        thing.submit("task-fencetest", {})
+    else:  # the renewer: a queued release
+        thing.return_releases([("fence:lease:k", "token")], delay=60.0)
+
+
+@pytest.mark.parametrize("kind", ["writer", "watchdog", "events", "renewer"])
+def test_every_background_thread_has_one_lifecycle(rt: Runtime, kind: str) -> None:
+    # Given one of the process's four background objects, made through the runtime
+    app = Celery("lifecycle", broker="memory://", set_as_current=False)
+    make: dict[str, Callable[[], Background]] = {
+        "writer": BackgroundWriter,
+        "watchdog": Watchdog,
+        "events": lambda: EventSender(app, "lifecycle@test"),
+        "renewer": lambda: Renewer(MemoryLeaseStore()),
+    }
+    thing = rt.get(kind, None, make[kind])
+    # no thread before its first use,
+    assert not thing.running
+    # a named daemon thread once used,
+    _use(kind, thing)
+    assert thing.running and thing._thread is not None
+    assert thing._thread.daemon and thing._thread.name == thing.thread_name
+    assert thing.thread_name.startswith("celery-fence")
+    # stopped (bounded) by the runtime's shutdown,
+    began = time.monotonic()
+    rt.shutdown(timeout=2.0)
+    assert not thing.running and time.monotonic() - began < 3.0
+    # and started again by its next use.
+    _use(kind, thing)
+    assert thing.running
+    rt.shutdown(timeout=2.0)
+    assert not thing.running
+
+
+def test_the_watchdog_is_the_runtime_s(rt: Runtime) -> None:
+    # Given this process's watchdog, its one per runtime
+    assert watchdog() is watchdog() is rt.get("watchdog", None, Watchdog)
+    # When the runtime is replaced (what a forked child gets)
+    rt.reset()
+    # Then the new runtime has a watchdog of its own
+    assert watchdog() is not rt.get("watchdog", None, Watchdog)
