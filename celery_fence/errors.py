@@ -1,4 +1,5 @@
-"""Every exception celery-fence raises, under one root: :class:`FenceError`.
+"""Every exception celery-fence raises, under one root, :class:`FenceError`; except
+:class:`RetryNotSent`, which is Celery's control flow (a ``Reject``).
 
 The class docstring is the default message, so ``raise LeaseLost()`` still says something useful.
 """

@@ -17,11 +17,11 @@ becomes Celery's real ``RETRY`` state and any future Celery event may collide.
 one Prometheus selector: ``flower_events_total{type=~"task-fence.*"}``.
 
 Events are cheap and never in the way: the fenced path (and the renewal thread) only put the
-event on a bounded in-memory queue; one daemon thread per process owns the one dispatcher (one
-broker connection) and publishes without retrying. When the broker is slow or down, events are
-dropped, never buffered without bound and never raised. They are sent only when the worker sends
-task events (``celery worker -E`` or ``worker_send_task_events=True``) and ``fence_send_events``
-is on (the default).
+event on a bounded in-memory queue; one daemon thread per process and app (and worker name) owns
+its dispatcher (one broker connection) and publishes without retrying. When the broker is slow
+or down, events are dropped, never buffered without bound and never raised. They are sent only
+when the worker sends task events (``celery worker -E`` or ``worker_send_task_events=True``) and
+``fence_send_events`` is on (the default).
 """
 
 from __future__ import annotations

@@ -5,12 +5,16 @@
     beat_schedule = {"fence-purge": {"task": "celery_fence.purge", "schedule": 3600.0}}
 
 Each run deletes the ``completed`` jobs finished more than ``fence_retention`` seconds ago, with
-their transition history, in batches of short transactions (:func:`Store.purge`). ``dead`` jobs
-stay for an operator (``celery fence purge --include-dead`` deletes them). A completed job's row
-is what makes a late redelivery of its message replay the result instead of running the body
-again, so the age must outlast any message that can still arrive: the setting is at least an
-hour (:data:`MIN_RETENTION`), and should exceed the broker's redelivery delay (the Redis
-broker's ``visibility_timeout``) and ``fence_retry_backoff_max``.
+their transition history, in batches of short transactions (:meth:`Store.purge`). ``dead`` jobs
+stay for an operator (``celery fence purge --include-dead`` deletes them). It purges the app's
+store only and leaves the outbox alone: jobs in a task's own ``fence_database_url`` and delivered
+outbox rows are purged by ``celery fence purge``.
+
+A completed job's row is what makes a late redelivery of its message replay the result instead
+of running the body again, so the age must outlast any message that can still arrive: the
+setting is at least an hour (:data:`~celery_fence.config.MIN_RETENTION`), and should exceed the
+broker's redelivery delay (the Redis broker's ``visibility_timeout``) and
+``fence_retry_backoff_max``.
 """
 
 from __future__ import annotations

@@ -33,8 +33,9 @@ KEY_LENGTH = 512
 
 
 class Status(str, Enum):
-    """A job's status. ``completed`` and ``dead`` are terminal; ``pending`` is a job waiting for
-    a message that an operator or a recovery (re-)sent."""
+    """A job's status. ``completed`` and ``dead`` are terminal (until an operator requeues the
+    job); ``pending`` is a job waiting for a message that :func:`~celery_fence.enqueue`, an
+    operator or a recovery sent."""
 
     RUNNING = "running"
     RETRYING = "retrying"
@@ -47,7 +48,8 @@ class Status(str, Enum):
 
 
 class OutboxStatus(str, Enum):
-    """An outbox row's status: ``dead`` rows wait for an operator (``fence outbox requeue``)."""
+    """An outbox row's status: ``dead`` rows wait for an operator (``store.outbox.requeue(row_id)``;
+    there is no CLI verb for it)."""
 
     PENDING = "pending"
     DELIVERED = "delivered"

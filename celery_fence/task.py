@@ -63,7 +63,7 @@ class FencedTask(Task):
     acks_late = True
     reject_on_worker_lost = True
     max_retries = None  # the store counts attempts (fence_max_attempts); busy reschedules are free
-    #: Handles the exits Celery drives in the worker's main process (hard time limit, expiry).
+    #: Settles the exits Celery drives in the worker (hard time limit, expiry, revoke).
     Request = FENCED_REQUEST
     fence_key: Callable[..., str] | None = None
     lease_ttl: float | None = None
@@ -238,7 +238,9 @@ class FencedTask(Task):
     # -- Celery's side ---------------------------------------------------------------------------
 
     def _act(self, action: o.CeleryAction) -> Any:
-        """The one adapter from a settled action to Celery's terms (Celery then acks late)."""
+        """A settled action in Celery's terms, for the body's side (Celery then acks late); the
+        exits the worker drives are applied by
+        :meth:`~celery_fence.worker.FencedRequest._apply`."""
         if isinstance(action, o.Return):
             replay_only = action.replay and app_state(self.app).outbox is None
             if action.deliver is not None and not replay_only:

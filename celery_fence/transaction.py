@@ -7,12 +7,9 @@ transaction, that this attempt still owns its key:
 1. the lease, locally (``fence.check()``: an attempt that was paused past its lease stops here,
    without a round trip), then
 2. the store: one fenced ``UPDATE fence_jobs ... WHERE key, generation, attempt, status =
-   'running' RETURNING`` (:meth:`Store.commit_check`). On PostgreSQL, under Read Committed, a
-   newer registration either committed first (the update finds no row), or is in flight (the
-   update waits for it, then re-checks the new row: no row), or comes later (it waits for this
-   transaction's row lock): no newer generation registers between the check and the commit. On
-   SQLite the block is one ``BEGIN IMMEDIATE`` transaction: it holds the database's write lock
-   from its first statement, so nothing registers while it is open.
+   'running' RETURNING`` (:meth:`Store.commit_check`), at Read Committed on PostgreSQL and in one
+   ``BEGIN IMMEDIATE`` transaction on SQLite. Why that is enough: docs/design.md, "Why the check
+   is enough (Read Committed)".
 
 No row: the transaction is rolled back and :class:`StaleGeneration` is raised out of the block
 (and again on entry to any later block of the attempt). The lease is also checked on entry, like

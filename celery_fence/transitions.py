@@ -5,7 +5,7 @@ the one way any path (the settle step, the task, the worker's request, the renew
 recovery and the CLI) announces one.
 
 The action's value is the one word everywhere: the log line's ``action`` field and the table's
-row say ``retry_scheduled`` alike. The public names stay as they were: the signal is
+row say ``retry_scheduled`` alike. Two public names differ from it: the signal
 ``job_retry_scheduled`` and the Flower event ``task-fenceretry``.
 
 Never args, kwargs, results or payloads: a transition names the key, the attempt, the generation

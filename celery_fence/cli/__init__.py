@@ -1,8 +1,9 @@
 """``celery -A proj fence ...``: the operator's view of fenced jobs.
 
 Registered as a Celery sub-command through the ``celery.commands`` entry point; the app (and so
-the settings) comes from ``celery -A proj``. The CLI talks to the store and the lease store only,
-never to a task. Every failure — unknown key, bad option value, unreachable database, Redis or
+the settings) comes from ``celery -A proj``. The CLI talks to the store, the lease store and, to
+re-send a job, the broker; it imports the app's task modules for their settings and never runs a
+task. Every failure — unknown key, bad option value, unreachable database, Redis or
 broker — ends with one line on stderr and a non-zero exit code (2 for usage errors, 1 otherwise),
 never a traceback.
 

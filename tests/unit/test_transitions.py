@@ -103,7 +103,7 @@ def test_the_documented_table_is_the_code_table() -> None:
 
 
 def test_public_names_are_kept() -> None:
-    # The retry's one word is retry_scheduled; its signal and Flower event keep their names.
+    # The retry's one word is retry_scheduled; its signal and Flower event are named otherwise.
     spec = TABLE[Action.RETRY_SCHEDULED]
     assert spec.signal is signals.job_retry_scheduled
     assert spec.event == "task-fenceretry"

@@ -11,21 +11,17 @@ is rolled back and :class:`~celery_fence.StaleGeneration` is raised out of it (t
 settles as stale). Hence the store must live in the alias's database (``CELERY_FENCE_DATABASE``):
 any other alias is refused with a :class:`~celery_fence.ConfigurationError`.
 
-Why the check is enough: on PostgreSQL under Read Committed the ``UPDATE`` either finds a newer
-registration already committed (no row), or waits for one in flight and re-checks (no row), or
-locks the job row until this transaction ends, so no newer generation registers between the check
-and the commit. On SQLite the ``UPDATE`` takes the database's write lock, held until the commit.
+Why that check is enough (also at other isolation levels, and on SQLite): docs/design.md, "Why
+the check is enough (Read Committed)".
 
 Nesting: ``fence.atomic()`` or ``transaction.atomic()`` inside the block is a savepoint; the
 check runs once, at the end of the outermost fenced block. ``transaction.on_commit`` callbacks
 registered inside run only after the fenced commit (Django discards them on a rollback).
 
 Inside a plain ``transaction.atomic()`` of your own (or ``ATOMIC_REQUESTS``), ``fence.atomic()``
-is a savepoint of your transaction, and the check runs at the end of the fenced block, in it. That
-is still a fence: the check's ``UPDATE`` keeps the job row locked (PostgreSQL; on SQLite the
-database's write lock) until your outer transaction ends, so no newer generation can register
-before the fenced writes commit with it; if the outer transaction rolls back, they go with it.
-Your writes outside the fenced block are not checked, as anywhere else.
+is a savepoint of your transaction and the check runs at the end of the fenced block, in it; the
+fenced writes commit or roll back with your transaction. Your writes outside the fenced block are
+not checked.
 
 While the block is open, an ORM write on another alias (whose transaction the check does not
 cover) is refused with a :class:`~celery_fence.ConfigurationError`, as is any Django ORM write
@@ -33,9 +29,10 @@ inside ``fence.transaction()``/``session()`` (:mod:`.guard`).
 
 On PostgreSQL the block is bounded as ``fence.transaction()`` is, for its transaction only:
 ``idle_in_transaction_session_timeout`` is the lease TTL (the server ends the session of a worker
-paused inside the block, which frees its row locks) and ``lock_timeout`` two TTLs (a newer attempt
-waits that long at most for rows a paused holder locked); the check itself has a statement
-timeout of ``fence_database_timeout``. A session ended that way is closed by Django when its
+paused inside the block, which frees its row locks), ``lock_timeout`` two TTLs at most
+``fence_database_timeout`` (a newer attempt waits that long at most for rows a paused holder
+locked), and ``statement_timeout`` is ``fence_database_timeout`` (:meth:`Store.block_bounds`).
+A session ended that way is closed by Django when its
 rollback fails, and Celery's Django fix-up gives the next task a new connection.
 """
 
