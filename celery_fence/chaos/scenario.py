@@ -21,12 +21,18 @@ from celery_fence.lease import LeaseStore
 from celery_fence.outbox import SWEEP_TASK
 from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues
+from celery_fence.testing.processes import RedisServer, Worker, poll_until
 from celery_fence.testing.provider import ProviderStub
+from celery_fence.testing.proxy import TcpProxy
 
 from . import TASK_NAME, app_metadata
 from .checker import Job
 from .options import OWN_WORKERS, Options
-from .processes import RedisServer, TcpProxy, Worker, wait_until
+
+#: What the scenario's workers run (``celery -A``): the workload app.
+WORKLOAD_APP = "celery_fence.chaos.workload"
+#: Seconds a scenario's worker may take to start (several start at once on a busy machine).
+WORKER_READY_TIMEOUT = 90.0
 
 
 @dataclass
@@ -96,18 +102,20 @@ class Scenario:
     def start_worker(
         self, label: str, *, pool: str = "prefork", concurrency: int = 1, **env: str
     ) -> Worker:
-        """Start one more worker on this scenario's queue (``env`` overrides ``CHAOS_*``)."""
-        name = f"chaos-{self.name}-{label}-{self.run_id}"
-        env = {**self.env(), **env}
+        """Launch one more worker of the workload on this scenario's queue (``env`` overrides
+        ``CHAOS_*``) and return it at once: the caller waits with :meth:`Worker.wait_ready`, or
+        watches the start itself (a worker that is meant to refuse to start)."""
         worker = Worker(
-            name=name,
+            WORKLOAD_APP,
+            env={**self.env(), **env},
             queue=self.queue,
-            env=env,
+            name=f"chaos-{self.name}-{label}-{self.run_id}",
             log_dir=self.workdir,
             pool=pool,
             concurrency=concurrency,
+            ready_timeout=WORKER_READY_TIMEOUT,
         )
-        self.workers.append(worker.start())
+        self.workers.append(worker.launch())
         return worker
 
     def stop_worker(self, worker: Worker) -> None:
@@ -186,7 +194,7 @@ class Scenario:
             ]
             return bool(found)
 
-        if not wait_until(seen, timeout, interval=0.05):
+        if not poll_until(seen, timeout, interval=0.05):
             raise TimeoutError(f"no {ev!r} event for {key} in {timeout}s")
         return found[0]
 
@@ -230,7 +238,7 @@ class Scenario:
             return True
 
         try:
-            converged = wait_until(done, self.opts.converge_timeout, interval=0.1)
+            converged = poll_until(done, self.opts.converge_timeout, interval=0.1)
         except Exception as exc:  # e.g. the database itself answered an error: check what we can
             print(
                 f"  converge check failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",

@@ -168,7 +168,7 @@ def test_a_duplicate_that_expires_while_a_deferred_first_attempt_runs_leaves_it_
         return any("expired" in (t.action, t.reason) for t in fence_store.history(key))
 
     wait_until(settled, 30, what="the expired duplicate to be settled")
-    redis_client.set(f"{prefix}:unhang:{key}", 1)
+    faults.arm(redis_client, prefix, "unhang", key)
     # Then the running attempt, the real first, completes the job: its result is kept
     value = first.get(timeout=30)
     record = fence_store.get(key)
