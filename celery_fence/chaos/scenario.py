@@ -20,7 +20,7 @@ from celery import Celery
 from celery_fence.lease import LeaseStore
 from celery_fence.outbox import SWEEP_TASK
 from celery_fence.store import Store
-from celery_fence.testing.broker import delete_queues
+from celery_fence.testing.broker import delete_queues, queued
 from celery_fence.testing.processes import RedisServer, Worker, poll_until
 from celery_fence.testing.provider import ProviderStub
 from celery_fence.testing.proxy import TcpProxy
@@ -158,20 +158,10 @@ class Scenario:
 
     def queued(self) -> int:
         """Messages of this scenario's queue the broker holds (ready, plus delivered and not
-        yet acked on the Redis transport). On AMQP only the ready ones: the protocol does not
-        count delivered-and-unacked messages, so a message a worker holds unacked counts as
-        taken (which is what the misconfig scenario asks: did the bad worker take any)."""
-        with self.client.connection_for_write() as conn:
-            channel: Any = conn.default_channel
-            if conn.transport.driver_type != "redis":
-                return int(channel.queue_declare(queue=self.queue, passive=True).message_count)
-            lists = {channel._q_for_pri(self.queue, p) for p in channel.priority_steps}
-            ready = sum(int(channel.client.llen(name)) for name in lists)
-            unacked = 0
-            for raw in channel.client.hvals(channel.unacked_key):
-                with contextlib.suppress(ValueError, TypeError):
-                    unacked += json.loads(raw)[2] == self.queue
-            return ready + unacked
+        yet acked on the Redis transport). On AMQP only the ready ones: a message a worker holds
+        unacked counts as taken (which is what the misconfig scenario asks: did the bad worker
+        take any)."""
+        return queued(self.client, self.queue, held_by_workers=False)
 
     def claims(self, key: str) -> int:
         """Generations claimed in Redis for ``key`` (its counter)."""
