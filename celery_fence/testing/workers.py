@@ -17,9 +17,9 @@ from .waiting import WaitTimeout, poll_until
 class Worker:
     """``celery -A <app> worker`` in its own process group: start, pause, resume, kill, stop.
 
-    The one worker process class of the pytest plugin, the project's own tests, the chaos
-    harness, the bench and the demo: each passes its app (``-A``), environment, pool and
-    concurrency, nothing else differs.
+    The one worker process class: the pytest plugin, the chaos harness and the project's own
+    tests (and the bench and the demo) each pass their app (``-A``), environment, pool and
+    concurrency.
 
     ``queue`` may be one name or several (``-Q a,b``). The log (stdout and stderr) goes to
     ``log_dir/worker-<name>.log``; :meth:`log` (or :attr:`logs`) reads it. ``cwd`` and
