@@ -37,10 +37,10 @@ Scenarios (faults counted per run, from what happened: the ledger, the store, th
   outbox effect; run 0 has neither, so the store's generation fence alone must reject the stale
   attempt. Expected: attempts 2, body starts 2. Faults: 1 when the paused attempt learnt it had
   lost its lease (ledger ``lost``) or reached the store after the newer attempt started.
-- ``kill``: three jobs at once, one per window, each with a one-shot flag the body consumes (GETDEL)
-  right before ``os.kill(os.getpid(), SIGKILL)``: before the side effect, after it but before the
-  completion commit, after the commit but before the ack (a ``job_completed`` receiver). Faults:
-  the kills that happened (3).
+- ``kill``: three jobs at once, one per window, each with a one-shot flag the body takes (GET
+  and DEL at once) right before ``os.kill(os.getpid(), SIGKILL)``: before the side effect, after
+  it but before the completion commit, after the commit but before the ack (a ``job_completed``
+  receiver). Faults: the kills that happened (3).
 - ``duplicate``: the same logical job sent 4 times at once to the workers. Faults: the copies
   that met another copy's lease or completion (ledger ``busy``, ``replayed`` or ``stale`` of
   their task id; 3 when every copy but one did).
