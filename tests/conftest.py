@@ -22,7 +22,7 @@ from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues
 from tests.support.env import BROKER_URL, PG_ADMIN_URL, REDIS_URL
 from tests.support.stores import DEFAULT, store_url, with_driver
-from tests.support.worker import SpawnWorker, Worker
+from tests.support.worker import SpawnWorker, Worker, app_worker
 
 
 @pytest.fixture(scope="session")
@@ -131,7 +131,7 @@ def spawn_worker(tmp_path: Path, worker_env: dict[str, str]) -> Iterator[SpawnWo
         extra_args: tuple[str, ...] = (),
         **env: str,
     ) -> Worker:
-        w = Worker(
+        w = app_worker(
             "tests.support.app",
             env={**worker_env, **env},
             queue=worker_env["FENCE_T_QUEUE"],

@@ -21,7 +21,8 @@ Each scenario starts its own real workers (``celery -A celery_fence.chaos.worklo
 each in its own process group) on a fresh queue, key prefix and database, runs ``--runs`` times
 with timings drawn from ``random.Random(seed)``, then the checker reads the history. Every
 process the harness starts is killed by process group on success, failure, Ctrl-C, SIGTERM and
-exit (:mod:`celery_fence.chaos.processes`). The workload (:mod:`celery_fence.chaos.workload`)
+exit (the harness's process module, :mod:`celery_fence.testing.processes`, which the pytest
+plugin and the project's tests share). The workload (:mod:`celery_fence.chaos.workload`)
 writes a ledger of body starts, side effects (with generation and attempt id), external calls and
 kills; every completed job stages one ``notify`` outbox effect delivered to a
 :class:`~celery_fence.testing.ProviderStub` that dedupes on ``Idempotency-Key``.
@@ -36,10 +37,10 @@ Scenarios (faults counted per run, from what happened: the ledger, the store, th
   outbox effect; run 0 has neither, so the store's generation fence alone must reject the stale
   attempt. Expected: attempts 2, body starts 2. Faults: 1 when the paused attempt learnt it had
   lost its lease (ledger ``lost``) or reached the store after the newer attempt started.
-- ``kill``: three jobs at once, one per window, each with a one-shot flag the body consumes (GETDEL)
-  right before ``os.kill(os.getpid(), SIGKILL)``: before the side effect, after it but before the
-  completion commit, after the commit but before the ack (a ``job_completed`` receiver). Faults:
-  the kills that happened (3).
+- ``kill``: three jobs at once, one per window, each with a one-shot flag the body takes (GET
+  and DEL at once) right before ``os.kill(os.getpid(), SIGKILL)``: before the side effect, after
+  it but before the completion commit, after the commit but before the ack (a ``job_completed``
+  receiver). Faults: the kills that happened (3).
 - ``duplicate``: the same logical job sent 4 times at once to the workers. Faults: the copies
   that met another copy's lease or completion (ledger ``busy``, ``replayed`` or ``stale`` of
   their task id; 3 when every copy but one did).
@@ -229,8 +230,8 @@ run's options), :mod:`~celery_fence.chaos.scenario` (one scenario's workers, que
 ledger), :mod:`~celery_fence.chaos.scenarios` (the fault injections),
 :mod:`~celery_fence.chaos.runner` (a database per scenario, the runs, the checker),
 :mod:`~celery_fence.chaos.checker` (the columns), :mod:`~celery_fence.chaos.command` (the command
-line and the report), :mod:`~celery_fence.chaos.workload` (the workers' app) and
-:mod:`~celery_fence.chaos.processes`.
+line and the report) and :mod:`~celery_fence.chaos.workload` (the workers' app). Workers, servers,
+fault flags and the database proxy are the test harness's (:mod:`celery_fence.testing`).
 """
 
 from __future__ import annotations

@@ -13,16 +13,17 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from . import checker
-from .checker import ScenarioResult
-from .options import POSTGRESQL_ONLY, Options
-from .processes import (
+from celery_fence.testing.processes import (
     RedisServer,
-    TcpProxy,
     cleanup,
     install_handlers,
     register_closer,
 )
+from celery_fence.testing.proxy import TcpProxy
+
+from . import checker
+from .checker import ScenarioResult
+from .options import POSTGRESQL_ONLY, Options
 from .scenario import Scenario
 from .scenarios import RUNS
 

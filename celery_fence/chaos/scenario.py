@@ -20,13 +20,19 @@ from celery import Celery
 from celery_fence.lease import LeaseStore
 from celery_fence.outbox import SWEEP_TASK
 from celery_fence.store import Store
-from celery_fence.testing.broker import delete_queues
+from celery_fence.testing.broker import delete_queues, queued
+from celery_fence.testing.processes import RedisServer, Worker, poll_until
 from celery_fence.testing.provider import ProviderStub
+from celery_fence.testing.proxy import TcpProxy
 
 from . import TASK_NAME, app_metadata
 from .checker import Job
 from .options import OWN_WORKERS, Options
-from .processes import RedisServer, TcpProxy, Worker, wait_until
+
+#: What the scenario's workers run (``celery -A``): the workload app.
+WORKLOAD_APP = "celery_fence.chaos.workload"
+#: Seconds a scenario's worker may take to start (several start at once on a busy machine).
+WORKER_READY_TIMEOUT = 90.0
 
 
 @dataclass
@@ -96,18 +102,20 @@ class Scenario:
     def start_worker(
         self, label: str, *, pool: str = "prefork", concurrency: int = 1, **env: str
     ) -> Worker:
-        """Start one more worker on this scenario's queue (``env`` overrides ``CHAOS_*``)."""
-        name = f"chaos-{self.name}-{label}-{self.run_id}"
-        env = {**self.env(), **env}
+        """Launch one more worker of the workload on this scenario's queue (``env`` overrides
+        ``CHAOS_*``) and return it at once: the caller waits with :meth:`Worker.wait_ready`, or
+        watches the start itself (a worker that is meant to refuse to start)."""
         worker = Worker(
-            name=name,
+            WORKLOAD_APP,
+            env={**self.env(), **env},
             queue=self.queue,
-            env=env,
+            name=f"chaos-{self.name}-{label}-{self.run_id}",
             log_dir=self.workdir,
             pool=pool,
             concurrency=concurrency,
+            ready_timeout=WORKER_READY_TIMEOUT,
         )
-        self.workers.append(worker.start())
+        self.workers.append(worker.launch())
         return worker
 
     def stop_worker(self, worker: Worker) -> None:
@@ -150,20 +158,10 @@ class Scenario:
 
     def queued(self) -> int:
         """Messages of this scenario's queue the broker holds (ready, plus delivered and not
-        yet acked on the Redis transport). On AMQP only the ready ones: the protocol does not
-        count delivered-and-unacked messages, so a message a worker holds unacked counts as
-        taken (which is what the misconfig scenario asks: did the bad worker take any)."""
-        with self.client.connection_for_write() as conn:
-            channel: Any = conn.default_channel
-            if conn.transport.driver_type != "redis":
-                return int(channel.queue_declare(queue=self.queue, passive=True).message_count)
-            lists = {channel._q_for_pri(self.queue, p) for p in channel.priority_steps}
-            ready = sum(int(channel.client.llen(name)) for name in lists)
-            unacked = 0
-            for raw in channel.client.hvals(channel.unacked_key):
-                with contextlib.suppress(ValueError, TypeError):
-                    unacked += json.loads(raw)[2] == self.queue
-            return ready + unacked
+        yet acked on the Redis transport). On AMQP only the ready ones: a message a worker holds
+        unacked counts as taken (which is what the misconfig scenario asks: did the bad worker
+        take any)."""
+        return queued(self.client, self.queue, held_by_workers=False)
 
     def claims(self, key: str) -> int:
         """Generations claimed in Redis for ``key`` (its counter)."""
@@ -186,7 +184,7 @@ class Scenario:
             ]
             return bool(found)
 
-        if not wait_until(seen, timeout, interval=0.05):
+        if not poll_until(seen, timeout, interval=0.05):
             raise TimeoutError(f"no {ev!r} event for {key} in {timeout}s")
         return found[0]
 
@@ -230,7 +228,7 @@ class Scenario:
             return True
 
         try:
-            converged = wait_until(done, self.opts.converge_timeout, interval=0.1)
+            converged = poll_until(done, self.opts.converge_timeout, interval=0.1)
         except Exception as exc:  # e.g. the database itself answered an error: check what we can
             print(
                 f"  converge check failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",

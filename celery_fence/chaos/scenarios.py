@@ -17,10 +17,10 @@ from celery_fence.outbox import idempotency_key
 from celery_fence.recovery import KEY_HEADER, RECOVER_TASK
 from celery_fence.store import decode_request
 from celery_fence.testing import faults
+from celery_fence.testing.waiting import poll_until
 
 from . import CHARGE, TASK_NAME
 from .checker import Job
-from .processes import wait_until
 from .scenario import Scenario
 from .scenarios_enqueue import RUNS as ENQUEUE_RUNS
 
@@ -73,7 +73,7 @@ def run_pause(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     s.send(job, sleep=ttl * 4.0 if while_running else 0.1, check=True)
     s.wait_event(job.key, "start", gen=lambda e: e["gen"] > first["gen"])
     if not while_running:
-        wait_until(lambda: (r := s.store.get(job.key)) is not None and r.status == "completed", 30)
+        poll_until(lambda: (r := s.store.get(job.key)) is not None and r.status == "completed", 30)
     a.signal(signal.SIGCONT)
     elapsed = s.converge([job], paused_at)
     return superseded(s, job.key, first["attempt"]), elapsed
@@ -123,7 +123,7 @@ def run_app_write(
                 timeout=ttl * 0.7,
                 other=lambda e: e["attempt"] != written["attempt"],
             )
-        s.ledger.set(f"{s.ledger_prefix}:go:{job.key}", 1)
+        faults.arm(s.ledger, s.ledger_prefix, "go", job.key)
         elapsed = s.converge([job], lost_at)
         return superseded(s, job.key, written["attempt"]), elapsed
     s.send(job, app_write=True, via=via, block_sleep=ttl * 2.5, check=False, notify=notify)
@@ -137,7 +137,7 @@ def run_app_write(
     with contextlib.suppress(TimeoutError):
         s.wait_event(job.key, "start", timeout=ttl * 2, gen=lambda e: e["gen"] > entered["gen"])
         if rng.random() < 0.5:  # resume after the newer attempt completed, or while it works
-            wait_until(
+            poll_until(
                 lambda: (r := s.store.get(job.key)) is not None and r.status == "completed",
                 ttl * 4,
             )
@@ -303,14 +303,14 @@ def run_misconfig(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     interval = s.opts.ttl * rng.uniform(0.95, 1.2)
     bad = s.start_worker(f"bad-{i}", CHAOS_RENEW_INTERVAL=f"{interval:.3f}")
     started_at = time.monotonic()
-    if not wait_until(lambda: bad.exited or " ready." in bad.log(), 90, 0.1):
+    if not poll_until(lambda: bad.exited or " ready." in bad.log(), 90, 0.1):
         raise TimeoutError("the misconfigured worker neither exited nor started in 90s")
     if not bad.exited:  # it started: plain Celery fails each task (and acks it)
         for job in jobs:
             job.observed.append(f"a worker with fence_renew_interval={interval:.3f} started")
         # until it has taken and acked all of them (a message it has not acked yet would go
         # back to the queue when it stops)
-        wait_until(lambda: all(s._finished(j) for j in jobs) and s.queued() == 0, 15)
+        poll_until(lambda: all(s._finished(j) for j in jobs) and s.queued() == 0, 15)
     s.stop_worker(bad)
     taken = len(jobs) - s.queued()
     if taken:
@@ -418,7 +418,7 @@ def _lose_messages(s: Scenario) -> int:
     with s.client.connection_for_write() as conn:
         channel: Any = conn.default_channel
         if conn.transport.driver_type != "redis":  # the killed consumer's message came back
-            wait_until(lambda: s.queued() > 0, 10, interval=0.05)
+            poll_until(lambda: s.queued() > 0, 10, interval=0.05)
             return int(channel.queue_purge(s.queue) or 0)
         dropped = 0
         for tag, raw in channel.client.hgetall(channel.unacked_key).items():

@@ -29,9 +29,9 @@ import sqlalchemy as sa
 
 from celery_fence.recovery import RECOVER_TASK
 from celery_fence.testing.broker import delete_queues
+from celery_fence.testing.waiting import poll_until
 
 from .checker import Job
-from .processes import wait_until
 from .scenario import Scenario
 
 #: Jobs one ``enqueue-crash`` run creates in its one transaction.
@@ -60,7 +60,7 @@ def run_broker_loss(s: Scenario, i: int, rng: random.Random) -> tuple[int, float
         Job(s.key(i, str(n)), expect_attempts=1, expect_starts=1) for n in range(BROKER_LOSS_JOBS)
     ]
     _create(s, jobs, crash=False)
-    if not wait_until(lambda: s.queued() >= len(jobs), 10, interval=0.05):
+    if not poll_until(lambda: s.queued() >= len(jobs), 10, interval=0.05):
         raise RuntimeError(f"broker-loss: {s.queued()} of {len(jobs)} messages reached the queue")
     lost = s.queued()
     delete_queues(s.client, [s.queue])

@@ -31,11 +31,12 @@ The workload writes a **ledger** of what really happened: one Redis list,
 - ``regressed`` a claim got a generation the store had already seen (Redis lost its counter):
   the fence raised the counter and claimed again (its ``regressed`` log record).
 
-Fault flags are one-shot: ``<ledger prefix>:kill:<window>:<key>`` is consumed with GETDEL right
-before ``os.kill(os.getpid(), SIGKILL)``, so a fault happens once even though the process dies;
-``<ledger prefix>:overrun:<key>`` and ``<ledger prefix>:fail:<key>`` likewise (``mode="overrun"``
-overruns on every run). The after-commit window is a :data:`celery_fence.signals.job_completed`
-receiver.
+Fault flags are the one-shot flags of :mod:`celery_fence.testing.faults`, under the ledger
+prefix: ``kill:<window>:<key>`` is taken right before ``os.kill(os.getpid(), SIGKILL)``, so a
+fault happens once even though the process dies; ``overrun:<key>``, ``fail:<key>`` and
+``interrupt:<key>`` likewise (``mode="overrun"`` overruns on every run), and ``go:<key>`` lets a
+body held inside its block go on. The after-commit window is a
+:data:`celery_fence.signals.job_completed` receiver.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from celery_fence.actions import Action
 from celery_fence.outbox import Outbox, idempotency_key
 from celery_fence.store import Store
 from celery_fence.store.fenced import FencedWriter
+from celery_fence.testing import faults
 
 from . import APP_ROWS, CHARGE, NOTIFY, TASK_NAME
 from .arms import UnfencedTask, UnsettledTask
@@ -140,13 +142,8 @@ def record(
 OVERRUN_S = 60.0
 
 
-def _once(flag: str, key: str) -> bool:
-    """Consume the one-shot fault flag ``<ledger prefix>:<flag>:<key>``: True if it was set."""
-    return ledger.getdel(f"{LEDGER}:{flag}:{key}") is not None
-
-
 def _kill_once(window: str, key: str, gen: int | None = None, attempt: str | None = None) -> None:
-    if _once(f"kill:{window}", key):
+    if faults.take(ledger, LEDGER, "kill", window, key):
         record("kill", key, gen, attempt, window=window)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -258,16 +255,16 @@ def op(
     gen, attempt = fence.generation, fence.attempt_id
     record("start", key, gen, attempt)
     _kill_once("before_effect", key, gen, attempt)
-    if mode == "overrun" or _once("overrun", key):
+    if mode == "overrun" or faults.take(ledger, LEDGER, "overrun", key):
         record("overrun", key, gen, attempt)
         sleep = OVERRUN_S  # the pool's hard time limit kills this process first
     end = time.monotonic() + sleep
     while time.monotonic() < end:
         time.sleep(0.02)
-    if _once("fail", key):
+    if faults.take(ledger, LEDGER, "fail", key):
         record("fail", key, gen, attempt)
         raise ConnectionError("chaos: a transient failure")
-    if _once("interrupt", key):
+    if faults.take(ledger, LEDGER, "interrupt", key):
         record("interrupt", key, gen, attempt)
         raise asyncio.CancelledError()  # a BaseException: not an Exception
     if mode == "permanent":
@@ -303,7 +300,7 @@ def op(
             if hold_in_block:
                 record("tx_written", key, gen, attempt)
                 end = time.monotonic() + hold_in_block
-                while time.monotonic() < end and not _once("go", key):
+                while time.monotonic() < end and not faults.take(ledger, LEDGER, "go", key):
                     time.sleep(0.02)
             t0 = time.time()  # the block's commit (fenced) starts when the block ends
         record("tx_committed", key, gen, attempt, t0=t0)

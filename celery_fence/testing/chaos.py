@@ -36,7 +36,7 @@ from typing import Any
 
 from celery.canvas import Signature
 
-from . import processes
+from . import faults, processes
 from .environment import FenceEnv
 
 WINDOWS = ("pause", "kill", "duplicate", "redis-loss")
@@ -380,7 +380,8 @@ class FenceChaos:
         tid = task_id or uuid.uuid4().hex
         if fault is not None:
             point, action = fault
-            self.env.redis.client.set(f"{self.env.ledger_base}:fault:{point}:{tid}", action, ex=600)
+            client, base = self.env.redis.client, self.env.ledger_base
+            faults.arm(client, base, faults.FAULT_POINT, point, tid, value=action, ttl=600)
         self.env.app.send_task(
             str(signature.task),
             args=tuple(signature.args),

@@ -5,8 +5,9 @@ applies the test's settings over the app's own (the test's store, Redis key pref
 TTL), and installs the fault points the chaos windows use. Nothing else differs from the user's
 worker: the same tasks, the same ``FencedTask``, the same signals.
 
-The fault points, driven from the test process through Redis (``<prefix>:testing:*``), keyed on the
-Celery task id and consumed once (GET and DEL in one transaction):
+The fault points, driven from the test process through Redis (``<prefix>:testing:*``): one-shot
+flags of :mod:`celery_fence.testing.faults`, keyed on the Celery task id, whose value says what
+to do:
 
 - ``start`` — at the start of the task body (for a fenced task: after the claim and the
   registration, with ``self.fence`` set): ``hold`` blocks the body until the test releases it.
@@ -43,6 +44,7 @@ from celery.signals import task_postrun, task_success, worker_init
 
 from celery_fence import signals as fence_signals
 from celery_fence.config import app_state
+from celery_fence.testing import faults
 
 ENV = "CELERY_FENCE_TESTING"  # environment.WORKER_ENV
 SKIP_PREFIXES = ("celery.", "celery_fence.")
@@ -68,12 +70,7 @@ class Hooks:
         """The fault set for this point and task id, consumed (one delivery meets it once)."""
         if not task_id:
             return None
-        key = f"{self.base}:fault:{point}:{task_id}"
-        pipe = self.ledger.pipeline(transaction=True)
-        pipe.get(key)
-        pipe.delete(key)
-        value, _ = pipe.execute()
-        return None if value is None else value.decode()
+        return faults.take_value(self.ledger, self.base, faults.FAULT_POINT, point, task_id)
 
     def wrap_tasks(self, **_: Any) -> None:
         """Wrap each user task's ``run`` (in the main process, before the pool forks and Celery

@@ -17,8 +17,16 @@ from .waiting import WaitTimeout, poll_until
 class Worker:
     """``celery -A <app> worker`` in its own process group: start, pause, resume, kill, stop.
 
+    The one worker process class: the pytest plugin, the chaos harness and the project's own
+    tests (and the bench and the demo) each pass their app (``-A``), environment, pool and
+    concurrency.
+
     ``queue`` may be one name or several (``-Q a,b``). The log (stdout and stderr) goes to
-    ``log_dir/worker-<name>.log``; :meth:`log` (or :attr:`logs`) reads it.
+    ``log_dir/worker-<name>.log``; :meth:`log` (or :attr:`logs`) reads it. ``cwd`` and
+    ``pythonpath`` (the ``PYTHONPATH`` the worker imports the app from; default: inherited) say
+    where ``-A`` is found. ``ready_timeout`` bounds :meth:`wait_ready` and :meth:`start`.
+    :meth:`launch` starts the process without waiting, for a caller that starts several workers
+    at once or watches the start itself (:attr:`exited`, :meth:`log`).
     """
 
     def __init__(
@@ -36,6 +44,7 @@ class Worker:
         cwd: Path | str | None = None,
         pythonpath: Sequence[str] | None = None,
         prefetch_multiplier: int | None = 1,
+        ready_timeout: float = 60.0,
     ) -> None:
         self.app = app
         self.queues = [queue] if isinstance(queue, str) else list(queue)
@@ -51,6 +60,7 @@ class Worker:
             env["PYTHONPATH"] = os.pathsep.join(pythonpath)
         self.env = env
         self.prefetch_multiplier = prefetch_multiplier
+        self.ready_timeout = ready_timeout
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -85,9 +95,10 @@ class Worker:
         register(self.proc)
         return self
 
-    def wait_ready(self, timeout: float = 60.0) -> Worker:
-        """Wait for Celery's `` ready.`` line; a worker that exits or stays silent is stopped and
-        the error carries its log."""
+    def wait_ready(self, timeout: float | None = None) -> Worker:
+        """Wait (at most ``timeout`` s, default :attr:`ready_timeout`) for Celery's `` ready.``
+        line; a worker that exits or stays silent is stopped and the error carries its log."""
+        timeout = self.ready_timeout if timeout is None else timeout
 
         def ready() -> bool:
             if self.proc is None or self.proc.poll() is not None:
@@ -99,7 +110,7 @@ class Worker:
             raise WaitTimeout(f"worker {self.name} not ready in {timeout}s:\n{self.log()[-4000:]}")
         return self
 
-    def start(self, timeout: float = 60.0) -> Worker:
+    def start(self, timeout: float | None = None) -> Worker:
         """Start the worker and wait until it consumes."""
         return self.launch().wait_ready(timeout)
 
@@ -119,6 +130,11 @@ class Worker:
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def exited(self) -> bool:
+        """True once the launched main process ended (e.g. a worker that refused to start)."""
+        return self.proc is not None and self.proc.poll() is not None
 
     def owns(self, pid: int) -> bool:
         """True when process ``pid`` (e.g. a pool child) belongs to this worker's group."""

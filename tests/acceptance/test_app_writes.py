@@ -130,7 +130,7 @@ def test_a_newer_registration_refuses_the_commit_while_the_lease_still_looks_val
     newer = uuid.uuid4().hex
     registered = store.register(key, generation=2, attempt_id=newer, task_name="elsewhere")
     assert registered.outcome == "registered"
-    redis_client.set(f"{prefix}:gate:{key}", 1)
+    faults.arm(redis_client, prefix, "gate", key)
     # then A's commit is refused: none of its rows landed, and it settled as stale,
     wait_until(
         lambda: ("stale", 1) in [(t.action, t.generation) for t in store.history(key)],
@@ -320,7 +320,7 @@ def test_postgresql_a_block_whose_database_stops_answering_ends_and_its_attempt_
 ) -> None:
     if not db_url.startswith("postgresql"):
         pytest.skip("PostgreSQL: a connection that stops answering (SQLite has none)")
-    from celery_fence.chaos.processes import TcpProxy
+    from celery_fence.testing.proxy import TcpProxy
 
     url = sa.engine.make_url(db_url)
     proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)

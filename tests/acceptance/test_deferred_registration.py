@@ -18,7 +18,7 @@ from celery_fence.lease import LeaseStore
 from celery_fence.store import Store
 from celery_fence.testing import faults
 from tests.acceptance.test_celery_driven_exits import _broker_drained, _ended
-from tests.acceptance.test_core_failure_windows import (  # noqa: F401 - collected again here
+from tests.acceptance.test_failure_windows import (  # noqa: F401 - collected again here
     test_pause_timeline_stale_attempt_loses,
     test_sigkill_after_commit_before_ack_replays_without_rerunning_the_body,
     test_two_workers_given_the_same_key_at_once_one_body_run_no_message_lost,
@@ -168,7 +168,7 @@ def test_a_duplicate_that_expires_while_a_deferred_first_attempt_runs_leaves_it_
         return any("expired" in (t.action, t.reason) for t in fence_store.history(key))
 
     wait_until(settled, 30, what="the expired duplicate to be settled")
-    redis_client.set(f"{prefix}:unhang:{key}", 1)
+    faults.arm(redis_client, prefix, "unhang", key)
     # Then the running attempt, the real first, completes the job: its result is kept
     value = first.get(timeout=30)
     record = fence_store.get(key)

@@ -21,7 +21,7 @@ from celery_fence.outbox import SWEEP_TASK, idempotency_key
 from celery_fence.store import Store
 from celery_fence.testing import ProviderStub, faults
 from tests.support import ledger
-from tests.support.worker import Worker, wait_until
+from tests.support.worker import Worker, app_worker, wait_until
 
 pytestmark = pytest.mark.acceptance
 
@@ -44,7 +44,7 @@ def spawn(tmp_path: Path, outbox_env: dict[str, str]) -> Iterator[Callable[[str]
     started: list[Worker] = []
 
     def start(name: str) -> Worker:
-        w = Worker(
+        w = app_worker(
             "tests.support.outbox_app",
             env=outbox_env,
             queue=outbox_env["FENCE_T_QUEUE"],

@@ -218,7 +218,7 @@ def test_a_paused_original_attempt_loses_to_the_recovery(
     done = store.get(key)
     assert done is not None
     # then the original, resumed, performs its effect (it never checks) but cannot complete.
-    redis_client.set(f"{prefix}:unhang:{key}", 1)
+    faults.arm(redis_client, prefix, "unhang", key)
     paused.resume()
     wait_until(lambda: len(ledger.effects(redis_client, prefix, key)) == 2, 30, what="late effect")
     wait_until(lambda: "stale" in [t.action for t in store.history(key)], 30, what="stale rejected")
@@ -383,7 +383,7 @@ def test_a_live_attempt_of_a_task_with_its_own_redis_and_prefix_is_not_taken_for
     # then the live attempt is left alone, and completes.
     assert key not in first["keys"]["stranded"] + second["keys"]["stranded"]
     assert _status(fence_store, key) == "running"
-    redis_client.set(f"{prefix}:unhang:{key}", 1)
+    faults.arm(redis_client, prefix, "unhang", key)
     wait_until(lambda: _status(fence_store, key) == "completed", 30, what="completed")
     assert _completions(fence_store, key) == 1
     assert ledger.run_count(redis_client, prefix, key) == 1

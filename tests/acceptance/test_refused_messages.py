@@ -174,7 +174,7 @@ def test_a_busy_reschedule_the_broker_refuses_does_not_spin_and_loses_nothing(
     client_app.work.delay(key)
     wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 1, 30, what="the holder runs")
     # ... and a broker that refuses every re-send,
-    redis_client.set(f"{prefix}:refuse_publish", 1)
+    faults.arm(redis_client, prefix, "refuse_publish")
     # when a second message of the key arrives (busy: its re-send is refused, again and again),
     duplicate = client_app.work.delay(key)
     wait_until(
@@ -186,8 +186,8 @@ def test_a_busy_reschedule_the_broker_refuses_does_not_spin_and_loses_nothing(
     assert len(refused) <= 6, f"{len(refused)} refused re-sends in {refused[-1] - refused[0]:.1f}s"
     # and once the broker takes publishes again and the holder ends, nothing was lost: the
     # job completes once, the duplicate answers with its result, the broker drains.
-    redis_client.delete(f"{prefix}:refuse_publish")
-    redis_client.set(f"{prefix}:unhang:{key}", 1)
+    faults.disarm(redis_client, prefix, "refuse_publish")
+    faults.arm(redis_client, prefix, "unhang", key)
     record = _ended(fence_store, key, timeout=60)
     assert record.status == "completed", record
     assert duplicate.get(timeout=60) == record.result

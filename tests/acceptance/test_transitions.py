@@ -28,7 +28,7 @@ from celery_fence.store import Store
 from celery_fence.testing.processes import free_port
 from tests.support import ledger
 from tests.support.env import BROKER_URL
-from tests.support.worker import ROOT, SpawnWorker, Worker, wait_until
+from tests.support.worker import ROOT, SpawnWorker, Worker, app_worker, wait_until
 
 acceptance = pytest.mark.acceptance
 sqlite_only = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -294,7 +294,7 @@ def test_flower_counts_fence_events(
     flower: int, client_app: ModuleType, tmp_path: Path, worker_env: dict[str, str]
 ) -> None:
     # Given a worker that sends task events (-E) and a Flower process listening on the broker,
-    worker = Worker(
+    worker = app_worker(
         "tests.support.app",
         env=worker_env,
         queue=worker_env["FENCE_T_QUEUE"],

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_fence.chaos.processes import TcpProxy
 from celery_fence.store import Store
+from celery_fence.testing.proxy import TcpProxy
 from tests.integration.test_transaction import _attempt, _write, _writers, metadata
 
 TIMEOUT = 1.0

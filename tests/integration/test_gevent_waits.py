@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from celery_fence.chaos.processes import TcpProxy
 from celery_fence.store import Store
 from celery_fence.store.green import GREEN_SQLITE_BUSY_TIMEOUT
+from celery_fence.testing.proxy import TcpProxy
 
 TIMEOUT = 1.0
 #: What a bounded call may take past the timeout: the watchdog's tick, a busy box.

@@ -4,8 +4,9 @@ The workload writes a ledger of what really happened to Redis, so tests assert o
 ``<prefix>:runs:<key>``     one entry per body start ("<generation>:<attempt id>")
 ``<prefix>:effects:<key>``  one entry per side effect performed
 One-shot fault flags (``<prefix>:kill:<window>:<key>``, ``<prefix>:hang:<key>``, ...;
-:mod:`celery_fence.testing.faults`) are consumed with GETDEL before the fault, so a fault happens
-once even though the process dies.
+:mod:`celery_fence.testing.faults`) are taken right before the fault, so a fault happens once even
+though the process dies; gates (``<prefix>:unhang:<key>``, ``<prefix>:gate:<key>``,
+``<prefix>:refuse_publish``) are flags of the same vocabulary that the workload only reads.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _takes_hang_flag(key: str) -> bool:
 def _hang(key: str) -> None:
     """Hang (up to 60 s) until ``<prefix>:unhang:<key>`` is set."""
     end = time.monotonic() + 60
-    while time.monotonic() < end and not ledger.exists(f"{PREFIX}:unhang:{key}"):
+    while time.monotonic() < end and not faults.armed(ledger, PREFIX, "unhang", key):
         time.sleep(0.05)
 
 
@@ -249,7 +250,7 @@ if E.get("FENCE_T_FAIL_PUBLISH") == "1":
             and faults.take(ledger, PREFIX, "fail_publish")
         ):
             raise OperationalError("simulated: the broker refused the publish")
-        if headers.get("retries") and ledger.exists(f"{PREFIX}:refuse_publish"):
+        if headers.get("retries") and faults.armed(ledger, PREFIX, "refuse_publish"):
             # A broker that refuses every re-send while the flag is set (each refusal counted).
             ledger.rpush(f"{PREFIX}:refused_publish", f"{time.time():.3f}")
             raise OperationalError("simulated: the broker refused the publish")
@@ -380,7 +381,7 @@ def write_app(
     _at(key, "worked", gen)
     _sleep(pause_before)
     end = time.monotonic() + 30
-    while gate and not ledger.exists(f"{PREFIX}:gate:{key}") and time.monotonic() < end:
+    while gate and not faults.armed(ledger, PREFIX, "gate", key) and time.monotonic() < end:
         time.sleep(0.02)
     lines = [{"key": key, "generation": gen, "attempt_id": attempt} for _ in range(2)]
     if via in ("binds", "flask"):

@@ -19,7 +19,7 @@ import redis
 
 from celery_fence.testing import processes
 from celery_fence.testing.processes import free_port
-from tests.support.worker import Worker, wait_until
+from tests.support.worker import Worker, app_worker, wait_until
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -310,7 +310,7 @@ def topology_worker(
     """A (not yet started) worker running tests/support/topology_app.py with ``env`` added."""
     import uuid
 
-    return Worker(
+    return app_worker(
         "tests.support.topology_app",
         env={**worker_env, **env},
         queue=worker_env["FENCE_T_QUEUE"],

@@ -1,24 +1,23 @@
-"""Real Celery worker processes for acceptance tests: the project's one process module
-(:mod:`celery_fence.testing.processes`), with workers run from the repository root."""
+"""Real Celery worker processes for acceptance tests: the harness's one worker class
+(:class:`celery_fence.testing.processes.Worker`), running the test apps from the repository root."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Protocol
 
-from celery_fence.testing import processes
-from celery_fence.testing.processes import running, wait_until
+from celery_fence.testing.processes import Worker, running, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class Worker(processes.Worker):
-    """A worker of one of the test apps (``tests.support.app``, ...), importable from ROOT."""
-
-    def __init__(self, app: str, **kwargs: Any) -> None:
-        kwargs.setdefault("cwd", ROOT)
-        kwargs.setdefault("pythonpath", [str(ROOT)])
-        super().__init__(app, **kwargs)
+def app_worker(app: str, **options: Any) -> Worker:
+    """A (not started) worker of one of the test apps (``tests.support.app``, ...), which it
+    imports from :data:`ROOT` wherever pytest was started; ``options`` as :class:`Worker` takes
+    them."""
+    options.setdefault("cwd", ROOT)
+    options.setdefault("pythonpath", [str(ROOT)])
+    return Worker(app, **options)
 
 
 class SpawnWorker(Protocol):
@@ -29,4 +28,4 @@ class SpawnWorker(Protocol):
     def __call__(self, name: str = ..., **options: Any) -> Worker: ...
 
 
-__all__ = ["ROOT", "SpawnWorker", "Worker", "running", "wait_until"]
+__all__ = ["ROOT", "SpawnWorker", "Worker", "app_worker", "running", "wait_until"]

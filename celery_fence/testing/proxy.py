@@ -1,10 +1,8 @@
-"""The harness's processes and sockets: workers and ``redis-server`` from the project's one
-process module (:mod:`celery_fence.testing.processes`), and a TCP proxy for database outages.
-
-Each child process runs in its own session, so its process group is its pid: SIGSTOP/SIGCONT/SIGKILL
-reach a worker's main process and its prefork children together, and :func:`cleanup` kills every
-group the harness started — on success, failure, Ctrl-C (SIGINT), SIGTERM and interpreter exit.
-Nothing is ever killed by name.
+"""A loopback TCP proxy in front of a database, for outages as the client sees them: connections
+refused and cut (:meth:`TcpProxy.down`, :meth:`TcpProxy.refuse`) or left open and silent
+(:meth:`TcpProxy.stall`). Used by the chaos harness's ``db-outage`` scenario and by the tests of
+bounded database waits; it stops with every process the harness started
+(:func:`~celery_fence.testing.groups.cleanup`).
 """
 
 from __future__ import annotations
@@ -14,66 +12,9 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Mapping
-from pathlib import Path
 
-from celery_fence.testing import processes
-from celery_fence.testing.processes import (
-    RedisServer,
-    cleanup,
-    free_port,
-    install_handlers,
-    register_closer,
-)
-from celery_fence.testing.processes import poll_until as wait_until
-
-__all__ = [
-    "RedisServer",
-    "TcpProxy",
-    "Worker",
-    "cleanup",
-    "free_port",
-    "install_handlers",
-    "register_closer",
-    "wait_until",
-]
-
-
-class Worker(processes.Worker):
-    """``celery -A celery_fence.chaos.workload worker`` (``-c 1``) in its own process group;
-    :meth:`start` returns at once, :meth:`wait_ready` waits for it."""
-
-    def __init__(
-        self,
-        *,
-        name: str,
-        queue: str,
-        env: Mapping[str, str],
-        log_dir: Path,
-        pool: str = "prefork",
-        concurrency: int = 1,
-    ) -> None:
-        super().__init__(
-            "celery_fence.chaos.workload",
-            env=env,
-            queue=queue,
-            name=name,
-            log_dir=log_dir,
-            pool=pool,
-            concurrency=concurrency,
-        )
-
-    def start(self, timeout: float = 60.0) -> Worker:
-        self.launch()
-        return self
-
-    def wait_ready(self, timeout: float = 90.0) -> Worker:
-        super().wait_ready(timeout)
-        return self
-
-    @property
-    def exited(self) -> bool:
-        return self.proc is not None and self.proc.poll() is not None
+from .groups import register_closer
+from .waiting import free_port
 
 
 class TcpProxy:
