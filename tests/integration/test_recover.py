@@ -172,7 +172,7 @@ def test_a_requeued_unkeyed_message_whose_key_fails_again_goes_back_to_dead(
     )
     record = fence_store.get(key)
     assert record is not None and record.status == "dead" and record.error_message == "2"
-    # a dead (or any other) row is never overwritten by a bury
+    # a dead (or any other) row is never overwritten by a DeadUnregistered ending
     assert not fence_store.end(
         key,
         DeadUnregistered(task_name=WORK, request=None, error=ValueError("3"), reason="fence_key"),

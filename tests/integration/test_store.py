@@ -379,16 +379,18 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     record = store.get(key)
     assert record is not None and (record.status, record.result) == ("completed", {"ok": True})
     assert store.last_exit(key) == "completed"
-    # A deferred first completion; bury, a refused registration, a message never run.
+    # A deferred first completion; a job dead unregistered, a refused registration, a message
+    # never run.
     first = _key()
     store.end(
         first,
         FirstCompletion(generation=1, attempt_id="F", task_name="t", request_json=None, result=[1]),
     )
     assert [t.action for t in store.history(first)] == ["claimed", "completed"]
-    buried = _key()
+    unregistered = _key()
     assert store.end(
-        buried, DeadUnregistered(task_name="t", request=None, error=ValueError("k"), reason="key")
+        unregistered,
+        DeadUnregistered(task_name="t", request=None, error=ValueError("k"), reason="key"),
     )
     refused = _key()
     store.end(
@@ -409,9 +411,9 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     )
     store.end(unrun, DeadUnrun(task_name="t", request=None, reason="expired"))
     store.record(unrun, action="lost", generation=2, attempt_id="U", reason="deadline")
-    assert [_state(store, k)[0] for k in (buried, refused, unrun)] == ["dead"] * 3
+    assert [_state(store, k)[0] for k in (unregistered, refused, unrun)] == ["dead"] * 3
     assert store.history(unrun)[-1].action == "lost"
-    # The recovery: stranded jobs taken for a re-send, or buried.
+    # The recovery: stranded jobs taken for a re-send, or dead.
     strays = [_key(), _key()]
     for stray in strays:
         store.register(stray, generation=2, attempt_id="S", task_name=strays[0])
