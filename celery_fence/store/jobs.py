@@ -254,8 +254,10 @@ class Store:
                 statement = sql.complete_sql(
                     self.dialect, where=self.owned_where, sets=self.completion_sets
                 )
-                actions: tuple[Action, ...] = (Action.COMPLETED,)
-                self.fenced_write("completion", statement, params, *actions, effects=ending.effects)
+                effects = ending.effects
+                self.fenced_write(
+                    "completion", statement, params, Action.COMPLETED, effects=effects
+                )
             case FirstCompletion():  # where no row exists, or only a never-claimed pending one
                 params = self._owner(
                     key,
@@ -267,9 +269,8 @@ class Store:
                 )
                 statement = sql.complete_first_sql(self.dialect)
                 actions = (Action.CLAIMED, Action.COMPLETED)
-                self.fenced_write(
-                    "first completion", statement, params, *actions, effects=ending.effects
-                )
+                effects = ending.effects
+                self.fenced_write("first completion", statement, params, *actions, effects=effects)
             case RetryScheduled():  # where this attempt owns the running row (owned_where)
                 errors = self._error_fields(ending.error)
                 params = self._owner(
@@ -317,6 +318,8 @@ class Store:
                 return self._dead_unrun(key, ending)
             case DeadStranded():  # compare-and-set on the row as recovery read it (UNCHANGED)
                 before = ending.record
+                if before.key != key:
+                    raise ValueError(f"a stranded job's record of {before.key!r}, not {key!r}")
                 params = admin.as_read(self, before, **self._error_fields(ending.error))
                 statement = sql.dead_sql(self.dialect, where=sql.UNCHANGED, errors=True)
                 row = self.writer.write(statement, params, actions=_DEAD, reason=ending.reason)

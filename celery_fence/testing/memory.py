@@ -366,6 +366,8 @@ class MemoryStore:
         """``dead`` by compare-and-set on the row as read (status, generation, attempt,
         ``updated_at``: ``UNCHANGED``); False when it moved meanwhile."""
         before, row = e.record, self._jobs.get(key)
+        if before.key != key:
+            raise ValueError(f"a stranded job's record of {before.key!r}, not {key!r}")
         if row is None or (row.status, row.generation, row.attempt_id, row.updated_at) != (
             before.status,
             before.generation,

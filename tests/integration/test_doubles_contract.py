@@ -529,6 +529,8 @@ def test_dead_stranded_is_a_compare_and_set_on_the_row_as_read(jobs: Jobs, key: 
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
     read = jobs.row(key)
     err = ValueError("no request")
+    with pytest.raises(ValueError, match="stranded job's record"):
+        jobs.store.end(f"{key}:other", DeadStranded(read, error=err, reason="stranded"))
     assert jobs.store.end(key, DeadStranded(read, error=err, reason="stranded"))
     row = jobs.row(key)
     assert (_state(row), row.retry_at) == (("dead", 1, "A", 1), None)
