@@ -32,6 +32,7 @@ import sqlalchemy as sa
 from bench.harness import Services
 from bench.report import table
 from celery_fence.actions import Action
+from celery_fence.records import Completion
 from celery_fence.store import Store
 from celery_fence.store import sql as statements
 
@@ -182,7 +183,7 @@ def _hot_path(store: Store, samples: int) -> tuple[list[float], list[float], lis
         t0 = time.perf_counter()
         store.register(key, generation=1, attempt_id=attempt, task_name="bench.fenced_pg")
         t1 = time.perf_counter()
-        store.complete(key, generation=1, attempt_id=attempt, result=None)
+        store.end(key, Completion(generation=1, attempt_id=attempt, result=None))
         t2 = time.perf_counter()
         reg.append((t1 - t0) * 1000)
         comp.append((t2 - t1) * 1000)

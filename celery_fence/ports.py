@@ -13,13 +13,12 @@ in neither backend.
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from .actions import Action
 from .lease import LeaseKeys
-from .records import Effect, JobRecord, Registration
+from .records import Ending, JobRecord, Registration
 
 __all__ = ["JobStore", "LeaseBackend"]
 
@@ -27,8 +26,8 @@ __all__ = ["JobStore", "LeaseBackend"]
 class JobStore(Protocol):
     """The fenced job verbs and reads of :class:`celery_fence.store.Store` the pipeline calls.
 
-    Every write after :meth:`register` is fenced on ``(key, generation, attempt_id)`` and raises
-    :class:`~celery_fence.errors.StaleGeneration` when that attempt no longer owns a running row.
+    After :meth:`register`, every ending of a job is one value
+    (:data:`~celery_fence.records.Ending`) applied by :meth:`end`.
     """
 
     def register(
@@ -42,84 +41,11 @@ class JobStore(Protocol):
         request_json: str | None = None,
     ) -> Registration: ...
 
-    def complete(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        result: Any,
-        effects: Sequence[Effect] = (),
-    ) -> None: ...
-
-    def complete_first(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        task_name: str,
-        request_json: str | None,
-        result: Any,
-        effects: Sequence[Effect] = (),
-    ) -> None: ...
-
-    def schedule_retry(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        error: BaseException | None,
-        retry_at: dt.datetime,
-        reason: str,
-    ) -> None: ...
-
-    def mark_dead(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        error: BaseException | None,
-        reason: str,
-        attempts: int | None = None,
-    ) -> None: ...
-
-    def bury(
-        self,
-        key: str,
-        *,
-        task_name: str,
-        request: Mapping[str, Any] | None,
-        error: BaseException,
-        reason: str,
-    ) -> bool: ...
-
-    def bury_refused(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        task_name: str,
-        request_json: str | None,
-        error: BaseException,
-        reason: str,
-    ) -> None: ...
-
-    def end_unrun(
-        self,
-        key: str,
-        *,
-        task_name: str,
-        request: Mapping[str, Any] | None,
-        reason: str,
-        only_insert: bool = False,
-        terminated_id: str | None = None,
-        insert: bool = True,
-        message_id: str | None = None,
-    ) -> None: ...
+    def end(self, key: str, ending: Ending) -> bool:
+        """Apply ``ending``: True, or :class:`~celery_fence.errors.StaleGeneration` for a fenced
+        one (:data:`~celery_fence.records.FENCED_ENDINGS`) whose attempt does not own the row;
+        for the others, whether the row changed."""
+        ...
 
     def record(
         self,

@@ -1,5 +1,6 @@
-"""The values the store hands out and takes in: job records, transitions, registrations, staged
-effects, and the request kept with a job (as sent, also when the database refused it as is).
+"""The values the store hands out and takes in: job records, transitions, registrations, the
+endings of a job (:data:`Ending`), staged effects, and the request kept with a job (as sent, also
+when the database refused it as is).
 
 No SQL here: :mod:`celery_fence.store` runs every statement.
 """
@@ -8,14 +9,15 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 from .errors import ResultNotSerializable
-from .schema import PENDING
+from .schema import PENDING, RETRYING, RUNNING
 
-Outcome = Literal["registered", "completed", "dead", "stale"]
+#: What a registration found (:attr:`Registration.outcome`).
+RegistrationOutcome = Literal["registered", "completed", "dead", "stale"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class Transition:
 class Registration:
     """What :meth:`Store.register` found: run the body only when ``outcome == "registered"``."""
 
-    outcome: Outcome
+    outcome: RegistrationOutcome
     attempts: int
     stored_generation: int
     record: JobRecord | None = None
@@ -71,6 +73,153 @@ class Effect:
     name: str
     payload: Any
     idempotency_key: str
+
+
+# -- the endings of a job ------------------------------------------------------------------------
+#
+# Every way a job ends is one value, applied by one store method
+# (:meth:`celery_fence.store.Store.end`), each through its one statement. The fenced ones
+# (:data:`FENCED_ENDINGS`) name the attempt they are fenced on (``generation``, ``attempt_id``)
+# and raise :class:`~celery_fence.errors.StaleGeneration` when the row is not theirs to end.
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The result and ``completed``, where this attempt still owns the running row; the staged
+    ``effects`` in the same statement."""
+
+    generation: int
+    attempt_id: str
+    result: Any
+    effects: Sequence[Effect] = ()
+
+
+@dataclass(frozen=True)
+class FirstCompletion:
+    """The completion of a first claim whose registration was deferred: the row inserted as
+    completed (its ``claimed`` and ``completed`` transitions, its staged ``effects``), only where
+    no row exists or the only one is a never-claimed ``pending`` job (a newer generation
+    registered meanwhile, or Redis handed out generation 1 again: stale)."""
+
+    generation: int
+    attempt_id: str
+    task_name: str
+    request_json: str | None
+    result: Any
+    effects: Sequence[Effect] = ()
+
+
+@dataclass(frozen=True)
+class RetryScheduled:
+    """``retrying`` until ``retry_at``, where this attempt still owns the running row."""
+
+    generation: int
+    attempt_id: str
+    error: BaseException | None
+    retry_at: dt.datetime
+    reason: str
+
+
+@dataclass(frozen=True)
+class Dead:
+    """The terminal ``dead`` state, where this attempt still owns the running row.
+    ``attempts``, when given, is the number of executions to keep (a delivery that only found
+    the budget spent was counted by its registration but ran nothing)."""
+
+    generation: int
+    attempt_id: str
+    error: BaseException | None
+    reason: str
+    attempts: int | None = None
+
+
+@dataclass(frozen=True)
+class DeadRefused:
+    """A registration the database refused (its request holds a value the column cannot store):
+    ``dead`` at once, fenced like a registration (only over a row with an older generation that
+    is neither completed nor dead), the request kept as JSON text inside a JSON string
+    (``{"encoded": "..."}``), which every database accepts."""
+
+    generation: int
+    attempt_id: str
+    task_name: str
+    request_json: str | None
+    error: BaseException
+    reason: str
+
+
+@dataclass(frozen=True)
+class DeadUnregistered:
+    """A message that cannot even be registered (e.g. its ``fence_key`` failed) kept as a
+    ``dead`` job, so nothing is lost. Inserted; an existing row is taken only when it is
+    ``pending`` (an operator re-sent this message and its key failed again). Not fenced on an
+    attempt (there is none): :meth:`~celery_fence.store.Store.end` returns whether it wrote."""
+
+    task_name: str
+    request: Mapping[str, Any] | None
+    error: BaseException
+    reason: str
+
+
+@dataclass(frozen=True)
+class DeadUnrun:
+    """A message Celery acks without running it to its end (``reason``: expired, revoked, or
+    revoked with ``terminate=True`` while it ran).
+
+    No row yet: the job is recorded ``dead`` with its request, unless not ``insert`` (an attempt
+    that claimed the key before this message may still write its row). A row that waits for
+    this message (``retrying`` or ``pending``) goes ``dead`` by compare-and-set on the state just
+    read; with ``only_insert`` (other messages may share the key), only when its stored request
+    has this message's task id ``message_id`` (the job's own message, e.g. its retry).
+    ``terminated_id``: the Celery task id of a message whose attempt was terminated; a row still
+    unfinished under that message (its stored request has that id) goes ``dead`` too. Any other
+    row keeps its state; the transition is recorded (and ``end`` returns False)."""
+
+    task_name: str
+    request: Mapping[str, Any] | None
+    reason: str
+    only_insert: bool = False
+    terminated_id: str | None = None
+    insert: bool = True
+    message_id: str | None = None
+
+    def waits_for(self, record: JobRecord) -> bool:
+        """Whether ``record`` is the job of the message this ending settles."""
+        stored_id = (record.request or {}).get("id")
+        if self.terminated_id is not None and record.status in (RUNNING, RETRYING, PENDING):
+            return bool(stored_id == self.terminated_id)
+        if record.status not in (RETRYING, PENDING):
+            return False
+        return not self.only_insert or (
+            self.message_id is not None and stored_id == self.message_id
+        )
+
+
+@dataclass(frozen=True)
+class DeadStranded:
+    """An unfinished job that cannot be re-sent (no stored request) moved to ``dead`` by
+    recovery, by compare-and-set on ``record`` as it was read (status, generation, attempt and
+    ``updated_at``): ``end`` returns False when it moved meanwhile."""
+
+    record: JobRecord
+    error: BaseException
+    reason: str
+
+
+#: Every way a job ends (:meth:`celery_fence.store.Store.end`).
+Ending: TypeAlias = (
+    Completion
+    | FirstCompletion
+    | RetryScheduled
+    | Dead
+    | DeadRefused
+    | DeadUnregistered
+    | DeadUnrun
+    | DeadStranded
+)
+#: The endings fenced on an attempt: :class:`~celery_fence.errors.StaleGeneration` when the row
+#: is not that attempt's to end.
+FENCED_ENDINGS = (Completion, FirstCompletion, RetryScheduled, Dead, DeadRefused)
 
 
 def dumps_strict(value: Any, what: str = "value") -> str:

@@ -46,7 +46,7 @@ from celery import shared_task
 
 from .actions import Action, LogEvent
 from .errors import FenceError
-from .records import ENQUEUED_HEADER, EXECUTION_OPTIONS
+from .records import ENQUEUED_HEADER, EXECUTION_OPTIONS, DeadStranded
 from .schema import PENDING
 from .scope import Scope
 from .store import JobRecord, Store
@@ -290,7 +290,8 @@ def _recover_one(app: Any, store: Store, record: JobRecord, report: RecoveryRepo
             f"stranded {record.status} with no stored request (its arguments or workflow were "
             "not JSON): re-send it from your code"
         )
-        if store.bury_stranded(record, error=error, reason="stranded, not resendable"):
+        stranded = DeadStranded(record, error, "stranded, not resendable")
+        if store.end(record.key, stranded):
             report.dead.append(record.key)
             emit_transition(
                 Action.DEAD,

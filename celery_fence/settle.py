@@ -5,7 +5,8 @@ An execution ends in an :data:`~celery_fence.outcomes.Outcome` (a value, not an 
 completed, replayed, failed, lease lost, stale, busy, store unavailable, refused by the database,
 the body's own Celery control flow, anything unexpected, or an exit Celery drives itself (the
 hard time limit, a message expired or revoked). :func:`settle` makes the one fenced
-store write that outcome needs and returns one :data:`~celery_fence.outcomes.CeleryAction`:
+store write that outcome needs (an :data:`~celery_fence.records.Ending`, applied by the store's
+one method ``end``) and returns one :data:`~celery_fence.outcomes.CeleryAction`:
 return the result, fail (after the ``dead`` state is durable), re-raise the body's control flow
 (after the store says what happened), re-send the message with a countdown, give it back to the
 broker, or let Celery ack it. The Celery adapters (:mod:`celery_fence.task`,
@@ -96,6 +97,16 @@ from .outcomes import (
     Unkeyed,
     Unrun,
 )
+from .records import (
+    Completion,
+    Dead,
+    DeadRefused,
+    DeadUnregistered,
+    DeadUnrun,
+    Ending,
+    FirstCompletion,
+    RetryScheduled,
+)
 from .retry import Decision, backoff, expected_outage
 from .schema import COMPLETED, DEAD
 
@@ -128,24 +139,12 @@ def settle(attempt: Execution, outcome: Outcome) -> CeleryAction:
 def _completed(a: Execution, o: Completed) -> CeleryAction:
     assert a.generation is not None
     try:
+        ending: Ending = Completion(a.generation, a.attempt_id, o.result, o.effects)
         if a.deferred:  # one statement: the row inserted as completed, or nothing
-            a.store.complete_first(
-                a.key,
-                generation=a.generation,
-                attempt_id=a.attempt_id,
-                task_name=a.task_name,
-                request_json=a.request_json,
-                result=o.result,
-                effects=o.effects,
+            ending = FirstCompletion(
+                a.generation, a.attempt_id, a.task_name, a.request_json, o.result, o.effects
             )
-        else:
-            a.store.complete(
-                a.key,
-                generation=a.generation,
-                attempt_id=a.attempt_id,
-                result=o.result,
-                effects=o.effects,
-            )
+        a.store.end(a.key, ending)
     except StaleGeneration as exc:
         return _stale(a, Stale(exc))
     except ResultNotSerializable as exc:
@@ -267,14 +266,16 @@ def _refused(a: Execution, o: Refused) -> CeleryAction:
     assert a.generation is not None
     error = refused(o.error, "the task's arguments")
     try:
-        a.store.bury_refused(
+        a.store.end(
             a.key,
-            generation=a.generation,
-            attempt_id=a.attempt_id,
-            task_name=a.task_name,
-            request_json=o.request_json,
-            error=error,
-            reason="arguments refused by the database",
+            DeadRefused(
+                a.generation,
+                a.attempt_id,
+                a.task_name,
+                o.request_json,
+                error,
+                reason="arguments refused by the database",
+            ),
         )
     except StaleGeneration as stale:  # the job ended already, or a newer generation runs it
         record = a.store.get(a.key)
@@ -288,13 +289,7 @@ def _refused(a: Execution, o: Refused) -> CeleryAction:
 
 
 def _unkeyed(a: Execution, o: Unkeyed) -> CeleryAction:
-    a.store.bury(
-        a.key,
-        task_name=a.task_name,
-        request=o.request,
-        error=o.error,
-        reason="fence_key failed",
-    )
+    a.store.end(a.key, DeadUnregistered(a.task_name, o.request, o.error, "fence_key failed"))
     a.announce(Action.DEAD, reason="fence_key failed", attempts=0)
     return Fail(o.error)
 
@@ -379,7 +374,7 @@ def _time_limited(a: Execution, o: TimeLimited) -> CeleryAction:
 
 def _unrun(a: Execution, o: Unrun) -> CeleryAction:
     """A message Celery acks without running it, or whose running attempt was terminated: the
-    job is settled first (:meth:`~celery_fence.store.Store.end_unrun`); a store that cannot say
+    job is settled first (:class:`~celery_fence.records.DeadUnrun`); a store that cannot say
     gives the message back."""
     try:
         # A deferred first claim writes no row while it runs, so "no row" does not mean "no
@@ -391,16 +386,16 @@ def _unrun(a: Execution, o: Unrun) -> CeleryAction:
             or not a.config.defer_first_registration
             or a.leases.take_generation(a.key) == 1
         )
-        a.store.end_unrun(
-            a.key,
-            task_name=a.task_name,
-            request=o.request,
-            reason=o.why,
+        unrun = DeadUnrun(
+            a.task_name,
+            o.request,
+            o.why,
             only_insert=o.shared_key,
             terminated_id=o.message_id if o.terminated else None,
             insert=first,
             message_id=o.message_id,
         )
+        a.store.end(a.key, unrun)
     except Exception as exc:
         logger.error(
             "fence could not settle the %s task=%s id=%s: %s; the message goes back",
@@ -475,14 +470,8 @@ _HANDLERS: dict[type, Callable[[Execution, Any], CeleryAction]] = {
 
 def _write_retry(a: Execution, error: BaseException, countdown: float, reason: str) -> None:
     assert a.generation is not None
-    a.store.schedule_retry(
-        a.key,
-        generation=a.generation,
-        attempt_id=a.attempt_id,
-        error=error,
-        retry_at=dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=countdown),
-        reason=reason,
-    )
+    retry_at = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=countdown)
+    a.store.end(a.key, RetryScheduled(a.generation, a.attempt_id, error, retry_at, reason))
     a.announce(
         Action.RETRY_SCHEDULED,
         reason=reason,
@@ -496,14 +485,7 @@ def _write_dead(
     a: Execution, error: BaseException, reason: str, *, attempts: int | None = None
 ) -> None:
     assert a.generation is not None
-    a.store.mark_dead(
-        a.key,
-        generation=a.generation,
-        attempt_id=a.attempt_id,
-        error=error,
-        reason=reason,
-        attempts=attempts,
-    )
+    a.store.end(a.key, Dead(a.generation, a.attempt_id, error, reason, attempts=attempts))
     a.announce(
         Action.DEAD,
         reason=reason,

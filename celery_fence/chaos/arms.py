@@ -14,7 +14,6 @@ show that each safety column fires without it. Never for production; nothing out
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -22,12 +21,10 @@ from celery.worker.request import Request
 from sqlalchemy import exc as sa_exc
 
 from .. import outcomes as o
-from ..actions import Action
 from ..backends import Backends, backends
 from ..config import FenceConfig
 from ..errors import ConfigurationError
 from ..execution import Execution
-from ..records import Effect, dumps_strict
 from ..store import Store, sql
 from ..task import FencedTask
 from ..worker import FencedRequest
@@ -37,33 +34,14 @@ if TYPE_CHECKING:
 
 
 class UnfencedStore(Store):
-    """A store without the generation fence (the ``--unfenced`` control arm)."""
+    """A store without the generation fence (the ``--unfenced`` control arm): its predicates
+    without the generation and the attempt. A completion writes over whatever the row holds (the
+    last writer wins) and stamps the row with its own generation and attempt, so the history
+    shows whose write it was."""
 
     owned_where = "key = :key"
     register_where = f"{sql.JOBS}.status NOT IN ('completed', 'dead')"
-
-    def complete(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        result: Any,
-        effects: Sequence[Effect] = (),
-    ) -> None:
-        """The result written over whatever the row holds: the last writer wins."""
-        params = {
-            "key": key,
-            "generation": generation,
-            "attempt_id": attempt_id,
-            "result": dumps_strict(result, "task's return value"),
-        }
-        statement = sql.complete_sql(
-            self.dialect,
-            where=self.owned_where,
-            sets=", generation = :generation, attempt_id = :attempt_id",
-        )
-        self.fenced_write("completion", statement, params, Action.COMPLETED, effects=effects)
+    completion_sets = ", generation = :generation, attempt_id = :attempt_id"
 
     def block_begin(self, conn: sa.Connection, ttl: float) -> None:
         if conn.dialect.name == "sqlite":

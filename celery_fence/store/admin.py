@@ -1,7 +1,8 @@
 """The operator's and the recovery's verbs on jobs: requeue a dead job (and undo it when its
-message cannot be sent), find stranded jobs and take them for a re-send or bury them, purge
-finished jobs. Each write is a compare-and-set on the row as it was read, through the one fenced
-write (:mod:`.fenced`); :class:`~celery_fence.store.Store` exposes them as its methods."""
+message cannot be sent), find stranded jobs and take them for a re-send (one that cannot be
+re-sent ends as :class:`~celery_fence.records.DeadStranded`), purge finished jobs. Each write is
+a compare-and-set on the row as it was read (:func:`as_read`), through the one fenced write
+(:mod:`.fenced`); :class:`~celery_fence.store.Store` exposes them as its methods."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 UNFINISHED = (RUNNING, RETRYING, PENDING)
 
 
-def _as_read(store: Store, before: JobRecord, **values: Any) -> dict[str, Any]:
+def as_read(store: Store, before: JobRecord, **values: Any) -> dict[str, Any]:
     """Parameters of a compare-and-set on ``before`` (``sql.SAME`` / ``sql.UNCHANGED``)."""
     return {
         "key": before.key,
@@ -54,9 +55,7 @@ def requeue(store: Store, key: str, *, completed: bool = False) -> JobRecord:
         raise StoreError(f"job {key!r} is {before.status}, not {wanted}: not requeued")
     statement = sql.cas_sql(store.dialect, sql.REQUEUE, sql.SAME)
     reason = "completed job re-run by operator" if completed else "by operator"
-    store.fenced_write(
-        "requeue", statement, _as_read(store, before), Action.REQUEUED, reason=reason
-    )
+    store.fenced_write("requeue", statement, as_read(store, before), Action.REQUEUED, reason=reason)
     return before
 
 
@@ -67,7 +66,7 @@ def restore_finished(store: Store, before: JobRecord, *, reason: str) -> None:
     Fenced on the requeued row (``pending``, same generation and attempt): if an attempt
     claimed the job meanwhile, nothing changes and :class:`StaleGeneration` says so.
     """
-    params = _as_read(
+    params = as_read(
         store,
         before,
         was_status=PENDING,
@@ -112,18 +111,10 @@ def take_for_resend(store: Store, before: JobRecord, *, reason: str) -> JobRecor
     statement = sql.cas_sql(store.dialect, sql.TAKE_FOR_RESEND, sql.UNCHANGED)
     actions = (Action.RECOVERED,)
     now = utcnow()
-    params = _as_read(store, before)
+    params = as_read(store, before)
     if store.writer.write(statement, params, actions=actions, reason=reason, now=now) is None:
         return None
     return dataclasses.replace(before, status=PENDING, updated_at=now, retry_at=None)
-
-
-def bury_stranded(store: Store, before: JobRecord, *, error: BaseException, reason: str) -> bool:
-    """Move an unfinished job that cannot be re-sent (no stored request) to ``dead``, with
-    the same compare-and-set as :func:`take_for_resend`; False when it moved meanwhile."""
-    params = _as_read(store, before, **store._error_fields(error))
-    statement = sql.dead_sql(store.dialect, where=sql.UNCHANGED, errors=True)
-    return store.writer.write(statement, params, actions=(Action.DEAD,), reason=reason) is not None
 
 
 def delete_all_rows(store: Store) -> None:

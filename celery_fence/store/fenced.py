@@ -1,7 +1,7 @@
 """The one fenced write: a conditional statement, its transition row(s) and its staged outbox
 rows, atomically.
 
-Every write on a fenced path (register, complete, retry, dead, bury, requeue, recover, ...) is one
+Every write on a fenced path (register, an ending of a job, requeue, recover, ...) is one
 statement from :mod:`.sql` whose condition names the key, the generation and the attempt (or the
 state just read). On PostgreSQL the transition rows and outbox rows ride in the same statement as
 data-modifying CTEs: one round trip, one prepared statement, on an AUTOCOMMIT connection. On

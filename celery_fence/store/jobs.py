@@ -1,7 +1,7 @@
-"""The fenced result store: the job verbs of the task's path (register, complete, retry, dead,
-bury), the reads, and the operator's verbs (functions of :mod:`.admin`, bound as methods). Its
-SQL is in :mod:`.sql`, its connection in :mod:`.engine`, its one fenced write in :mod:`.fenced`,
-its outbox in :mod:`.outbox`."""
+"""The fenced result store: the job verbs of the task's path (register, and :meth:`Store.end`,
+which applies every ending of a job), the reads, and the operator's verbs (functions of
+:mod:`.admin`, bound as methods). Its SQL is in :mod:`.sql`, its connection in :mod:`.engine`,
+its one fenced write in :mod:`.fenced`, its outbox in :mod:`.outbox`."""
 
 from __future__ import annotations
 
@@ -20,15 +20,24 @@ from ..config import DEFAULT_DATABASE_TIMEOUT
 from ..errors import JobDead, StaleGeneration, StoreError
 from ..records import (
     ENCODED_REQUEST,
+    Completion,
+    Dead,
+    DeadRefused,
+    DeadStranded,
+    DeadUnregistered,
+    DeadUnrun,
     Effect,
+    Ending,
+    FirstCompletion,
     JobRecord,
     Registration,
+    RetryScheduled,
     Transition,
     decode_request,
     dumps_strict,
     job_record,
 )
-from ..schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
+from ..schema import COMPLETED, DEAD, utcnow
 from . import admin, probe, sql
 from .engine import Database
 from .fenced import FencedWriter, Row
@@ -47,8 +56,12 @@ class Store:
     """The SQL repository of jobs, their transitions and their outbox rows. Safe to share between
     threads; re-creates its pool after fork."""
 
-    #: The fence on the task path's writes (complete, retry, dead): :data:`.sql.OWNED`.
+    #: The fence on the endings of a running attempt (completion, retry, dead):
+    #: :data:`.sql.OWNED`.
     owned_where = sql.OWNED
+    #: What a completion sets besides its result and state: nothing, the fence already names
+    #: the writer (the chaos harness's store without the fence names it here).
+    completion_sets = ""
     #: A registration's condition: a strictly newer generation of a live job.
     register_where = sql.NEWER_LIVE
 
@@ -183,11 +196,9 @@ class Store:
         """The ownership check of a fenced commit (:mod:`celery_fence.transaction`): run on
         ``conn`` inside its open transaction, just before that transaction commits.
 
-        One fenced ``UPDATE ... RETURNING`` of the job row (it touches ``updated_at``). On
-        PostgreSQL under Read Committed it either finds a newer registration already committed
-        (no row), waits for one in flight and re-checks it (no row), or locks the row, so that no
-        registration commits before this transaction does. True when this attempt still owns the
-        key.
+        One fenced ``UPDATE ... RETURNING`` of the job row (it touches ``updated_at``); why it
+        is enough: docs/design.md, "Why the check is enough (Read Committed)". True when this
+        attempt still owns the key.
         """
         stmt = sql.commit_check(key, generation, attempt_id, now=utcnow())
         return conn.execute(stmt).first() is not None
@@ -221,55 +232,151 @@ class Store:
             stored_status=None if record is None else record.status,
         )
 
-    def complete(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        result: Any,
-        effects: Sequence[Effect] = (),
-    ) -> None:
-        """Store the result and ``completed`` where this attempt still owns the row.
+    # -- the endings: one value each, one method applies them ----------------------------------
 
-        Staged effects are written in the same statement/transaction. Raises
-        :class:`StaleGeneration` when the row is not this attempt's (nothing is stored).
+    def end(self, key: str, ending: Ending) -> bool:
+        """Apply ``ending`` to ``key``'s job: its one statement (named below, with its
+        condition), its transition row and, for a completion, its staged effects, atomically.
+
+        A fenced ending (:data:`~celery_fence.records.FENCED_ENDINGS`: the attempt's
+        ``generation`` and ``attempt_id``) returns True, or raises :class:`StaleGeneration`
+        when its condition did not hold (nothing is stored). The others return whether they
+        changed the row.
         """
-        params = {
-            "key": key,
-            "generation": generation,
-            "attempt_id": attempt_id,
-            "result": dumps_strict(result, "task's return value"),
-        }
-        statement = sql.complete_sql(self.dialect, where=self.owned_where)
-        self.fenced_write("completion", statement, params, Action.COMPLETED, effects=effects)
+        match ending:
+            case Completion():  # where this attempt owns the running row (owned_where)
+                params = self._owner(
+                    key,
+                    ending.generation,
+                    ending.attempt_id,
+                    result=dumps_strict(ending.result, "task's return value"),
+                )
+                statement = sql.complete_sql(
+                    self.dialect, where=self.owned_where, sets=self.completion_sets
+                )
+                effects = ending.effects
+                self.fenced_write(
+                    "completion", statement, params, Action.COMPLETED, effects=effects
+                )
+            case FirstCompletion():  # where no row exists, or only a never-claimed pending one
+                params = self._owner(
+                    key,
+                    ending.generation,
+                    ending.attempt_id,
+                    task_name=ending.task_name,
+                    request=ending.request_json,
+                    result=dumps_strict(ending.result, "task's return value"),
+                )
+                statement = sql.complete_first_sql(self.dialect)
+                actions = (Action.CLAIMED, Action.COMPLETED)
+                effects = ending.effects
+                self.fenced_write("first completion", statement, params, *actions, effects=effects)
+            case RetryScheduled():  # where this attempt owns the running row (owned_where)
+                errors = self._error_fields(ending.error)
+                params = self._owner(
+                    key,
+                    ending.generation,
+                    ending.attempt_id,
+                    retry_at=self.db.stamp(ending.retry_at),
+                    **errors,
+                )
+                statement = sql.retry_sql(self.dialect, errors=bool(errors), where=self.owned_where)
+                reason = ending.reason
+                self.fenced_write("retry", statement, params, Action.RETRY_SCHEDULED, reason=reason)
+            case Dead():  # where this attempt owns the running row (owned_where)
+                errors = self._error_fields(ending.error)
+                attempts = ending.attempts
+                params = self._owner(
+                    key, ending.generation, ending.attempt_id, attempts=attempts, **errors
+                )
+                statement = sql.dead_sql(
+                    self.dialect,
+                    where=self.owned_where,
+                    errors=bool(errors),
+                    attempts=attempts is not None,
+                )
+                reason = ending.reason
+                self.fenced_write("dead-letter", statement, params, Action.DEAD, reason=reason)
+            case DeadRefused():  # like a registration: over an older generation of a live job
+                request = (
+                    None if ending.request_json is None else {ENCODED_REQUEST: ending.request_json}
+                )
+                params = self._owner(
+                    key,
+                    ending.generation,
+                    ending.attempt_id,
+                    task_name=ending.task_name,
+                    request=_json(request),
+                    **self._error_fields(ending.error),
+                )
+                statement = sql.dead_refused_sql(self.dialect)
+                reason = ending.reason
+                self.fenced_write("dead-letter", statement, params, Action.DEAD, reason=reason)
+            case DeadUnregistered():  # a new row, or over a pending one
+                return self._dead_unregistered(key, ending)
+            case DeadUnrun():  # a new row, or compare-and-set on the row waiting for it
+                return self._dead_unrun(key, ending)
+            case DeadStranded():  # compare-and-set on the row as recovery read it (UNCHANGED)
+                before = ending.record
+                if before.key != key:
+                    raise ValueError(f"a stranded job's record of {before.key!r}, not {key!r}")
+                params = admin.as_read(self, before, **self._error_fields(ending.error))
+                statement = sql.dead_sql(self.dialect, where=sql.UNCHANGED, errors=True)
+                row = self.writer.write(statement, params, actions=_DEAD, reason=ending.reason)
+                return row is not None
+            case _:
+                raise TypeError(f"not an ending: {type(ending).__name__}")
+        return True
 
-    def complete_first(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        task_name: str,
-        request_json: str | None,
-        result: Any,
-        effects: Sequence[Effect] = (),
-    ) -> None:
-        """The completion of a first claim whose registration was deferred: one statement
-        inserts the row as completed with its ``claimed`` and ``completed`` transitions and staged
-        effects, only where no row exists. Raises :class:`StaleGeneration` otherwise (a newer
-        generation registered meanwhile, or Redis handed out generation 1 again)."""
+    def _dead_unregistered(self, key: str, ending: DeadUnregistered) -> bool:
+        """:class:`DeadUnregistered`: a request the database refuses as is (e.g. ``\\u0000`` in
+        PostgreSQL's jsonb) is kept encoded, as :class:`DeadRefused` keeps it."""
         params = {
             "key": key,
-            "task_name": task_name,
-            "generation": generation,
-            "attempt_id": attempt_id,
-            "request": request_json,
-            "result": dumps_strict(result, "task's return value"),
+            "task_name": ending.task_name,
+            "request": _json(ending.request),
+            **self._error_fields(ending.error),
         }
-        statement = sql.complete_first_sql(self.dialect)
-        actions = (Action.CLAIMED, Action.COMPLETED)
-        self.fenced_write("first completion", statement, params, *actions, effects=effects)
+        statement = sql.dead_unregistered_sql(self.dialect)
+        reason = ending.reason
+        try:
+            return self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None
+        except sa.exc.DataError:
+            if ending.request is None:
+                raise
+            params["request"] = _json({ENCODED_REQUEST: _json(ending.request)})
+            return self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None
+
+    def _dead_unrun(self, key: str, ending: DeadUnrun) -> bool:
+        """:class:`DeadUnrun`: a new row (:class:`DeadUnregistered`'s statement), else a
+        compare-and-set (:data:`.sql.SAME`) on the row just read, while it waits for this
+        message; True when the job went ``dead``, False when only the transition is recorded."""
+        reason, terminated_id = ending.reason, ending.terminated_id
+        error = JobDead(f"the message was {reason} before it ran; requeue the job to run it")
+        if terminated_id is not None:
+            error = JobDead(f"the attempt was {reason} while it ran; requeue the job to run it")
+        unregistered = DeadUnregistered(ending.task_name, ending.request, error, reason)
+        if ending.insert and self._dead_unregistered(key, unregistered):
+            return True
+        for _ in range(3):  # a claim or registration may move the row between read and write
+            before = self.get(key)
+            if before is None or not ending.waits_for(before):
+                break
+            params = self._owner(
+                key,
+                before.generation,
+                before.attempt_id,
+                was_status=before.status,
+                **self._error_fields(error),
+            )
+            statement = sql.dead_sql(self.dialect, where=sql.SAME, errors=True)
+            if self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None:
+                return True
+            if terminated_id is None:
+                break
+        note = "message not run" if terminated_id is None else "attempt terminated, job left as is"
+        self.record(key, action=reason, reason=note)
+        return False
 
     def fenced_write(
         self,
@@ -300,170 +407,6 @@ class Store:
 
     def _owner(self, key: str, generation: int, attempt_id: str, **values: Any) -> dict[str, Any]:
         return {"key": key, "generation": generation, "attempt_id": attempt_id, **values}
-
-    def schedule_retry(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        error: BaseException | None,
-        retry_at: dt.datetime,
-        reason: str,
-    ) -> None:
-        """Record that this attempt failed and a retry is scheduled (fenced)."""
-        errors = self._error_fields(error)
-        params = self._owner(
-            key, generation, attempt_id, retry_at=self.db.stamp(retry_at), **errors
-        )
-        statement = sql.retry_sql(self.dialect, errors=bool(errors), where=self.owned_where)
-        self.fenced_write("retry", statement, params, Action.RETRY_SCHEDULED, reason=reason)
-
-    def mark_dead(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        error: BaseException | None,
-        reason: str,
-        attempts: int | None = None,
-    ) -> None:
-        """Move the job to the terminal ``dead`` state (fenced on this attempt).
-
-        ``attempts``, when given, is the number of executions to keep (a delivery that only found
-        the budget spent was counted by its registration but ran nothing).
-        """
-        errors = self._error_fields(error)
-        params = self._owner(key, generation, attempt_id, attempts=attempts, **errors)
-        statement = sql.dead_sql(
-            self.dialect, where=self.owned_where, errors=bool(errors), attempts=attempts is not None
-        )
-        self.fenced_write("dead-letter", statement, params, Action.DEAD, reason=reason)
-
-    def bury(
-        self,
-        key: str,
-        *,
-        task_name: str,
-        request: Mapping[str, Any] | None,
-        error: BaseException,
-        reason: str,
-    ) -> bool:
-        """Keep a message that cannot even be registered (e.g. its ``fence_key`` failed) as a
-        ``dead`` job, so nothing is lost: an operator sees it and can requeue it after the fix.
-
-        Inserts; an existing row is touched only when it is ``pending`` (an operator re-sent
-        this message and its key failed again: back to ``dead``, instead of ``pending`` with no
-        message). Returns True when the row was written. A request the database refuses as is
-        (e.g. ``\u0000`` in PostgreSQL's jsonb) is kept encoded, as :meth:`bury_refused` does.
-        """
-        params = {
-            "key": key,
-            "task_name": task_name,
-            "request": _json(request),
-            **self._error_fields(error),
-        }
-        statement = sql.bury_sql(self.dialect)
-        try:
-            return self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None
-        except sa.exc.DataError:
-            if request is None:
-                raise
-            params["request"] = _json({ENCODED_REQUEST: _json(request)})
-            return self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None
-
-    def bury_refused(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        task_name: str,
-        request_json: str | None,
-        error: BaseException,
-        reason: str,
-    ) -> None:
-        """A registration the database refused (its request holds a value the column cannot
-        store): the job goes ``dead`` at once, fenced like a registration (only over a row with
-        an older generation that is neither completed nor dead), with the request kept as JSON
-        text inside a JSON string (``{"encoded": "..."}``), which every database accepts, so
-        ``fence show`` and ``fence requeue`` still work."""
-        request = None if request_json is None else {ENCODED_REQUEST: request_json}
-        params = self._owner(
-            key,
-            generation,
-            attempt_id,
-            task_name=task_name,
-            request=_json(request),
-            **self._error_fields(error),
-        )
-        statement = sql.bury_refused_sql(self.dialect)
-        self.fenced_write("dead-letter", statement, params, Action.DEAD, reason=reason)
-
-    def end_unrun(
-        self,
-        key: str,
-        *,
-        task_name: str,
-        request: Mapping[str, Any] | None,
-        reason: str,
-        only_insert: bool = False,
-        terminated_id: str | None = None,
-        insert: bool = True,
-        message_id: str | None = None,
-    ) -> None:
-        """Settle the job of a message Celery acks without running it to its end (expired,
-        revoked, or revoked with ``terminate=True`` while it ran).
-
-        No row yet: the job is recorded ``dead`` with its request, unless not ``insert`` (an
-        attempt that claimed the key before this message may still write its row). A row that
-        waits for this message (``retrying`` or ``pending``) goes ``dead`` by compare-and-set on
-        the state just read; with ``only_insert`` (other messages may share the key), only when
-        its stored request has this message's task id ``message_id`` (the job's own message,
-        e.g. its retry). ``terminated_id``: the Celery task id of a message whose attempt was
-        terminated; a row still unfinished under that message (its stored request has that id)
-        goes ``dead`` too. Any other row keeps its state; the transition is recorded.
-        """
-        error = JobDead(f"the message was {reason} before it ran; requeue the job to run it")
-        if terminated_id is not None:
-            error = JobDead(f"the attempt was {reason} while it ran; requeue the job to run it")
-        if insert and self.bury(
-            key, task_name=task_name, request=request, error=error, reason=reason
-        ):
-            return
-        for _ in range(3):  # a claim or registration may move the row between read and write
-            before = self.get(key)
-            if before is None or not self._waits_for(
-                before, only_insert, terminated_id, message_id
-            ):
-                break
-            params = self._owner(
-                key,
-                before.generation,
-                before.attempt_id,
-                was_status=before.status,
-                **self._error_fields(error),
-            )
-            statement = sql.dead_sql(self.dialect, where=sql.SAME, errors=True)
-            if self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None:
-                return
-            if terminated_id is None:
-                break
-        note = "message not run" if terminated_id is None else "attempt terminated, job left as is"
-        self.record(key, action=reason, reason=note)
-
-    @staticmethod
-    def _waits_for(
-        record: JobRecord, only_insert: bool, terminated_id: str | None, message_id: str | None
-    ) -> bool:
-        """Whether ``record`` is the job of the message :meth:`end_unrun` settles."""
-        stored_id = (record.request or {}).get("id")
-        if terminated_id is not None and record.status in (RUNNING, RETRYING, PENDING):
-            return stored_id == terminated_id
-        if record.status not in (RETRYING, PENDING):
-            return False
-        return not only_insert or (message_id is not None and stored_id == message_id)
 
     def last_exit(self, key: str) -> str | None:
         """How the key's latest attempt before this one ended, as far as the history says: the
@@ -577,7 +520,6 @@ class Store:
     restore_finished = admin.restore_finished
     stranded = admin.stranded
     take_for_resend = admin.take_for_resend
-    bury_stranded = admin.bury_stranded
     purge = admin.purge
 
 

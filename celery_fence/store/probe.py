@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StaleGeneration, StoreError
-from ..records import Effect
+from ..records import Completion, Effect, FirstCompletion, RetryScheduled
 from ..schema import COMPLETED, utcnow
 from .engine import driver_error_line
 
@@ -71,16 +71,8 @@ def _steps(store: Store, key: str) -> None:
         "registration", store.register, key, generation=1, attempt_id="a1", task_name=_TASK
     )
     _expect(first.outcome == "registered", "registration", f"outcome {first.outcome}")
-    _step(
-        "retry",
-        store.schedule_retry,
-        key,
-        generation=1,
-        attempt_id="a1",
-        error=RuntimeError("probe"),
-        retry_at=later,
-        reason="probe",
-    )
+    retry = RetryScheduled(1, "a1", RuntimeError("probe"), later, "probe")
+    _step("retry", store.end, key, retry)
     second = _step(
         "registration", store.register, key, generation=2, attempt_id="a2", task_name=_TASK
     )
@@ -91,28 +83,13 @@ def _steps(store: Store, key: str) -> None:
         stale = _step("commit check", store.commit_check, conn, key, generation=1, attempt_id="a1")
         _expect(not stale, "commit check", "an older generation passed it")
     try:
-        _step(
-            "stale completion",
-            store.complete,
-            key,
-            generation=1,
-            attempt_id="a1",
-            result="stale",
-        )
+        _step("stale completion", store.end, key, Completion(1, "a1", "stale"))
     except StaleGeneration:
         pass
     else:
         raise StoreError("the probe's stale completion was accepted: the fence is off")
     effect = Effect(name="probe", payload={"probe": True}, idempotency_key=f"{key}:probe")
-    _step(
-        "completion",
-        store.complete,
-        key,
-        generation=2,
-        attempt_id="a2",
-        result={"probe": 2},
-        effects=[effect],
-    )
+    _step("completion", store.end, key, Completion(2, "a2", {"probe": 2}, [effect]))
     record = _step("read", store.get, key)
     _expect(record is not None, "read", "no row")
     got = (record.status, record.generation, record.result)
@@ -125,16 +102,8 @@ def _steps(store: Store, key: str) -> None:
         _expect(actions == want, "history read", f"transitions {actions}")
     if store.defer_first_registration:
         other = f"{key}:first"
-        _step(
-            "deferred first completion",
-            store.complete_first,
-            other,
-            generation=1,
-            attempt_id="f1",
-            task_name=_TASK,
-            request_json=None,
-            result=1,
-        )
+        first = FirstCompletion(1, "f1", _TASK, None, 1)
+        _step("deferred first completion", store.end, other, first)
         done = _step("read", store.get, other)
         _expect(done is not None and done.status == COMPLETED, "deferred first completion", "")
 

@@ -4,7 +4,7 @@ statements, on the user's connection); nothing else builds SQL on these tables.
 
 Two kinds, by how often they run:
 
-- The fenced writes (register, complete, retry, dead, bury, requeue, recover, ...) are text,
+- The fenced writes (register, the endings of a job, requeue, recover, ...) are text,
   written once here as templates with ``:name`` parameters and rendered per dialect
   (``%(name)s`` on PostgreSQL, which psycopg 3 and psycopg2 both take; each runs them as
   prepared statements its own way, :meth:`.engine.Database.run_prepared`), cached per
@@ -227,7 +227,7 @@ def cas_sql(dialect: str, sets: str, where: str) -> str:
 
 
 @cache
-def bury_sql(dialect: str) -> str:
+def dead_unregistered_sql(dialect: str) -> str:
     """A message that cannot be registered kept as a ``dead`` job; an existing row only when it
     is ``pending`` (its re-sent message failed again)."""
     return render(
@@ -243,7 +243,7 @@ def bury_sql(dialect: str) -> str:
 
 
 @cache
-def bury_refused_sql(dialect: str) -> str:
+def dead_refused_sql(dialect: str) -> str:
     """A registration the database refused, ``dead`` at once, fenced like a registration."""
     taken = "task_name status generation attempt_id request updated_at finished_at error_type"
     updates = ", ".join(f"{c} = excluded.{c}" for c in taken.split())

@@ -3,8 +3,9 @@
 :class:`celery_fence.store.Store`) and :class:`MemoryLeaseStore` (a
 :class:`~celery_fence.ports.LeaseBackend`, like :class:`celery_fence.lease.LeaseStore`).
 
-Pure Python, no I/O, thread-safe (one lock each). Each verb is the real one's statement or Lua
-script, transcribed: the same conditions, the same returned values, the same exceptions
+Pure Python, no I/O, thread-safe (one lock each). Each verb (each ending of
+:meth:`MemoryStore.end`) is the real one's statement or Lua script, transcribed: the same
+conditions, the same returned values, the same exceptions
 (:class:`~celery_fence.errors.StaleGeneration` with the same ``context``,
 :class:`~celery_fence.errors.LeaseBusy` with ``remaining``). Values are stored as JSON and read
 back from it, as the database does. ``tests/integration/test_doubles_contract.py`` runs one set
@@ -12,7 +13,7 @@ of tests against these and the real ones (SQLite, PostgreSQL, Redis).
 
 Not reproduced: the chaos harness's store without the fence, its outbox processing and operator
 verbs (the staged effects of a completion are kept, see :meth:`MemoryStore.effects`), and what a
-database refuses (PostgreSQL's jsonb refuses ``\\u0000``, which :meth:`Store.bury` then keeps
+database refuses (PostgreSQL's jsonb refuses ``\\u0000``, which the real store then keeps
 encoded; the double accepts it as is).
 """
 
@@ -33,9 +34,18 @@ from ..errors import JobDead, LeaseBusy, StaleGeneration
 from ..lease import LeaseKeys
 from ..records import (
     ENCODED_REQUEST,
+    Completion,
+    Dead,
+    DeadRefused,
+    DeadStranded,
+    DeadUnregistered,
+    DeadUnrun,
     Effect,
+    Ending,
+    FirstCompletion,
     JobRecord,
     Registration,
+    RetryScheduled,
     Transition,
     decode_request,
     dumps_strict,
@@ -46,7 +56,6 @@ __all__ = ["MemoryLeaseStore", "MemoryStore"]
 
 #: The attempt id of a row no attempt has claimed (``celery_fence.store.sql.NEVER_CLAIMED``).
 NEVER_CLAIMED = "-"
-_UNFINISHED_WAITING = (RETRYING, PENDING)
 
 
 def _loads(text: str | None) -> Any:
@@ -143,274 +152,240 @@ class MemoryStore:
             self._write(row, (Action.CLAIMED,), None, (), now)
             return Registration("registered", row.attempts, row.generation)
 
-    def complete(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        result: Any,
-        effects: Sequence[Effect] = (),
-    ) -> None:
-        """Result and ``completed`` where this attempt still owns a running row."""
-        stored = _loads(dumps_strict(result, "task's return value"))
+    def end(self, key: str, ending: Ending) -> bool:
+        """Apply ``ending`` (:meth:`celery_fence.store.Store.end`): each ending's statement,
+        transcribed."""
         with self._lock:
-            row = self._owned(key, generation, attempt_id, "completion")
-            now = self._now()
+            match ending:
+                case Completion():
+                    self._completion(key, ending)
+                case FirstCompletion():
+                    self._first_completion(key, ending)
+                case RetryScheduled():
+                    self._retry_scheduled(key, ending)
+                case Dead():
+                    self._dead(key, ending)
+                case DeadRefused():
+                    self._dead_refused(key, ending)
+                case DeadUnregistered():
+                    return self._dead_unregistered(key, ending)
+                case DeadUnrun():
+                    return self._dead_unrun(key, ending)
+                case DeadStranded():
+                    return self._dead_stranded(key, ending)
+                case _:
+                    raise TypeError(f"not an ending: {type(ending).__name__}")
+            return True
+
+    def _completion(self, key: str, e: Completion) -> None:
+        """Result and ``completed`` where this attempt still owns a running row (``OWNED``)."""
+        stored = _loads(dumps_strict(e.result, "task's return value"))
+        row = self._owned(key, e.generation, e.attempt_id, "completion")
+        now = self._now()
+        row = dataclasses.replace(
+            row,
+            status=COMPLETED,
+            result=stored,
+            updated_at=now,
+            finished_at=now,
+            error_type=None,
+            error_message=None,
+        )
+        self._write(row, (Action.COMPLETED,), None, e.effects, now)
+
+    def _first_completion(self, key: str, e: FirstCompletion) -> None:
+        """The row written as completed where no row exists, or over a never-claimed
+        ``pending`` row (generation 0; its request is kept)."""
+        stored = _loads(dumps_strict(e.result, "task's return value"))
+        now = self._now()
+        row = self._jobs.get(key)
+        if row is None:
+            row = JobRecord(
+                key=key,
+                task_name=e.task_name,
+                status=COMPLETED,
+                generation=e.generation,
+                attempt_id=e.attempt_id,
+                attempts=1,
+                result=stored,
+                request=_loads(e.request_json),
+                error_type=None,
+                error_message=None,
+                created_at=now,
+                updated_at=now,
+                finished_at=now,
+                retry_at=None,
+            )
+        elif row.status == PENDING and row.generation == 0:
             row = dataclasses.replace(
                 row,
                 status=COMPLETED,
+                generation=e.generation,
+                attempt_id=e.attempt_id,
+                attempts=1,
                 result=stored,
                 updated_at=now,
                 finished_at=now,
+                retry_at=None,
                 error_type=None,
                 error_message=None,
             )
-            self._write(row, (Action.COMPLETED,), None, effects, now)
+        else:
+            raise self._rejected(key, e.generation, e.attempt_id, "first completion")
+        self._write(row, (Action.CLAIMED, Action.COMPLETED), None, e.effects, now)
 
-    def complete_first(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        task_name: str,
-        request_json: str | None,
-        result: Any,
-        effects: Sequence[Effect] = (),
-    ) -> None:
-        """A deferred first claim's completion: the row written as completed where no row
-        exists, or over a never-claimed ``pending`` row (generation 0; its request is kept)."""
-        stored = _loads(dumps_strict(result, "task's return value"))
-        with self._lock:
-            now = self._now()
-            row = self._jobs.get(key)
-            if row is None:
-                row = JobRecord(
-                    key=key,
-                    task_name=task_name,
-                    status=COMPLETED,
-                    generation=generation,
-                    attempt_id=attempt_id,
-                    attempts=1,
-                    result=stored,
-                    request=_loads(request_json),
-                    error_type=None,
-                    error_message=None,
-                    created_at=now,
-                    updated_at=now,
-                    finished_at=now,
-                    retry_at=None,
-                )
-            elif row.status == PENDING and row.generation == 0:
-                row = dataclasses.replace(
-                    row,
-                    status=COMPLETED,
-                    generation=generation,
-                    attempt_id=attempt_id,
-                    attempts=1,
-                    result=stored,
-                    updated_at=now,
-                    finished_at=now,
-                    retry_at=None,
-                    error_type=None,
-                    error_message=None,
-                )
-            else:
-                raise self._rejected(key, generation, attempt_id, "first completion")
-            self._write(row, (Action.CLAIMED, Action.COMPLETED), None, effects, now)
-
-    def schedule_retry(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        error: BaseException | None,
-        retry_at: dt.datetime,
-        reason: str,
-    ) -> None:
+    def _retry_scheduled(self, key: str, e: RetryScheduled) -> None:
         """``retrying`` until ``retry_at``, where this attempt owns the row."""
-        with self._lock:
-            row = self._owned(key, generation, attempt_id, "retry")
-            now = self._now()
-            row = dataclasses.replace(
-                row, status=RETRYING, updated_at=now, retry_at=retry_at, **self._errors(error)
-            )
-            self._write(row, (Action.RETRY_SCHEDULED,), reason, (), now)
+        row = self._owned(key, e.generation, e.attempt_id, "retry")
+        now = self._now()
+        row = dataclasses.replace(
+            row, status=RETRYING, updated_at=now, retry_at=e.retry_at, **self._errors(e.error)
+        )
+        self._write(row, (Action.RETRY_SCHEDULED,), e.reason, (), now)
 
-    def mark_dead(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        error: BaseException | None,
-        reason: str,
-        attempts: int | None = None,
-    ) -> None:
+    def _dead(self, key: str, e: Dead) -> None:
         """The terminal ``dead`` state, where this attempt owns the row (``attempts``: the count
         kept)."""
-        with self._lock:
-            row = self._owned(key, generation, attempt_id, "dead-letter")
-            now = self._now()
+        row = self._owned(key, e.generation, e.attempt_id, "dead-letter")
+        now = self._now()
+        row = dataclasses.replace(
+            row,
+            status=DEAD,
+            attempts=row.attempts if e.attempts is None else e.attempts,
+            updated_at=now,
+            finished_at=now,
+            retry_at=None,
+            **self._errors(e.error),
+        )
+        self._write(row, (Action.DEAD,), e.reason, (), now)
+
+    def _dead_unregistered(self, key: str, e: DeadUnregistered) -> bool:
+        """A new ``dead`` row; an existing row only when it is ``pending``. True when the row
+        was written."""
+        now = self._now()
+        row = self._jobs.get(key)
+        if row is None:
+            row = JobRecord(
+                key=key,
+                task_name=e.task_name,
+                status=DEAD,
+                generation=0,
+                attempt_id=NEVER_CLAIMED,
+                attempts=0,
+                result=None,
+                request=_loads(_json(e.request)),
+                created_at=now,
+                updated_at=now,
+                finished_at=now,
+                retry_at=None,
+                **self._errors(e.error, nulls=True),
+            )
+        elif row.status == PENDING:
             row = dataclasses.replace(
                 row,
                 status=DEAD,
-                attempts=row.attempts if attempts is None else attempts,
+                updated_at=now,
+                finished_at=now,
+                **self._errors(e.error, nulls=True),
+            )
+        else:
+            return False
+        self._write(row, (Action.DEAD,), e.reason, (), now)
+        return True
+
+    def _dead_refused(self, key: str, e: DeadRefused) -> None:
+        """``dead`` at once, fenced like a registration, the request kept encoded
+        (``{"encoded": "..."}``)."""
+        request = None if e.request_json is None else {ENCODED_REQUEST: e.request_json}
+        now = self._now()
+        row = self._jobs.get(key)
+        errors = self._errors(e.error, nulls=True)
+        if row is None:
+            row = JobRecord(
+                key=key,
+                task_name=e.task_name,
+                status=DEAD,
+                generation=e.generation,
+                attempt_id=e.attempt_id,
+                attempts=1,
+                result=None,
+                request=_loads(_json(request)),
+                created_at=now,
+                updated_at=now,
+                finished_at=now,
+                retry_at=None,
+                **errors,
+            )
+        elif row.status not in (COMPLETED, DEAD) and row.generation < e.generation:
+            row = dataclasses.replace(
+                row,
+                task_name=e.task_name,
+                status=DEAD,
+                generation=e.generation,
+                attempt_id=e.attempt_id,
+                request=_loads(_json(request)),
+                updated_at=now,
+                finished_at=now,
+                attempts=row.attempts + 1,
+                **errors,
+            )
+        else:
+            raise self._rejected(key, e.generation, e.attempt_id, "dead-letter")
+        self._write(row, (Action.DEAD,), e.reason, (), now)
+
+    def _dead_unrun(self, key: str, e: DeadUnrun) -> bool:
+        """A new ``dead`` row, else the row that waits for this message goes ``dead``, else a
+        transition only (False)."""
+        reason = e.reason
+        error = JobDead(f"the message was {reason} before it ran; requeue the job to run it")
+        if e.terminated_id is not None:
+            error = JobDead(f"the attempt was {reason} while it ran; requeue the job to run it")
+        unregistered = DeadUnregistered(e.task_name, e.request, error, reason)
+        if e.insert and self._dead_unregistered(key, unregistered):
+            return True
+        before = self._jobs.get(key)
+        if before is not None and e.waits_for(self._read(before)):
+            now = self._now()
+            row = dataclasses.replace(
+                before,
+                status=DEAD,
                 updated_at=now,
                 finished_at=now,
                 retry_at=None,
                 **self._errors(error),
             )
             self._write(row, (Action.DEAD,), reason, (), now)
-
-    def bury(
-        self,
-        key: str,
-        *,
-        task_name: str,
-        request: Mapping[str, Any] | None,
-        error: BaseException,
-        reason: str,
-    ) -> bool:
-        """A message that cannot be registered kept as a ``dead`` job; an existing row only
-        when it is ``pending``. True when the row was written."""
-        with self._lock:
-            now = self._now()
-            row = self._jobs.get(key)
-            if row is None:
-                row = JobRecord(
-                    key=key,
-                    task_name=task_name,
-                    status=DEAD,
-                    generation=0,
-                    attempt_id=NEVER_CLAIMED,
-                    attempts=0,
-                    result=None,
-                    request=_loads(_json(request)),
-                    created_at=now,
-                    updated_at=now,
-                    finished_at=now,
-                    retry_at=None,
-                    **self._errors(error, nulls=True),
-                )
-            elif row.status == PENDING:
-                row = dataclasses.replace(
-                    row,
-                    status=DEAD,
-                    updated_at=now,
-                    finished_at=now,
-                    **self._errors(error, nulls=True),
-                )
-            else:
-                return False
-            self._write(row, (Action.DEAD,), reason, (), now)
             return True
+        note = (
+            "message not run" if e.terminated_id is None else "attempt terminated, job left as is"
+        )
+        self.record(key, action=reason, reason=note)
+        return False
 
-    def bury_refused(
-        self,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        task_name: str,
-        request_json: str | None,
-        error: BaseException,
-        reason: str,
-    ) -> None:
-        """A registration the database refused: ``dead`` at once, fenced like a registration,
-        the request kept encoded (``{"encoded": "..."}``)."""
-        request = None if request_json is None else {ENCODED_REQUEST: request_json}
-        with self._lock:
-            now = self._now()
-            row = self._jobs.get(key)
-            errors = self._errors(error, nulls=True)
-            if row is None:
-                row = JobRecord(
-                    key=key,
-                    task_name=task_name,
-                    status=DEAD,
-                    generation=generation,
-                    attempt_id=attempt_id,
-                    attempts=1,
-                    result=None,
-                    request=_loads(_json(request)),
-                    created_at=now,
-                    updated_at=now,
-                    finished_at=now,
-                    retry_at=None,
-                    **errors,
-                )
-            elif row.status not in (COMPLETED, DEAD) and row.generation < generation:
-                row = dataclasses.replace(
-                    row,
-                    task_name=task_name,
-                    status=DEAD,
-                    generation=generation,
-                    attempt_id=attempt_id,
-                    request=_loads(_json(request)),
-                    updated_at=now,
-                    finished_at=now,
-                    attempts=row.attempts + 1,
-                    **errors,
-                )
-            else:
-                raise self._rejected(key, generation, attempt_id, "dead-letter")
-            self._write(row, (Action.DEAD,), reason, (), now)
-
-    def end_unrun(
-        self,
-        key: str,
-        *,
-        task_name: str,
-        request: Mapping[str, Any] | None,
-        reason: str,
-        only_insert: bool = False,
-        terminated_id: str | None = None,
-        insert: bool = True,
-        message_id: str | None = None,
-    ) -> None:
-        """Settle the job of a message acked without running to its end (expired, revoked,
-        terminated): see :meth:`celery_fence.store.Store.end_unrun`."""
-        error = JobDead(f"the message was {reason} before it ran; requeue the job to run it")
-        if terminated_id is not None:
-            error = JobDead(f"the attempt was {reason} while it ran; requeue the job to run it")
-        with self._lock:
-            if insert and self.bury(
-                key, task_name=task_name, request=request, error=error, reason=reason
-            ):
-                return
-            before = self._jobs.get(key)
-            if before is not None and self._waits_for(
-                self._read(before), only_insert, terminated_id, message_id
-            ):
-                now = self._now()
-                row = dataclasses.replace(
-                    before,
-                    status=DEAD,
-                    updated_at=now,
-                    finished_at=now,
-                    retry_at=None,
-                    **self._errors(error),
-                )
-                self._write(row, (Action.DEAD,), reason, (), now)
-                return
-            note = (
-                "message not run" if terminated_id is None else "attempt terminated, job left as is"
-            )
-            self.record(key, action=reason, reason=note)
-
-    @staticmethod
-    def _waits_for(
-        record: JobRecord, only_insert: bool, terminated_id: str | None, message_id: str | None
-    ) -> bool:
-        stored_id = (record.request or {}).get("id")
-        if terminated_id is not None and record.status in (RUNNING, RETRYING, PENDING):
-            return bool(stored_id == terminated_id)
-        if record.status not in _UNFINISHED_WAITING:
+    def _dead_stranded(self, key: str, e: DeadStranded) -> bool:
+        """``dead`` by compare-and-set on the row as read (status, generation, attempt,
+        ``updated_at``: ``UNCHANGED``); False when it moved meanwhile."""
+        before, row = e.record, self._jobs.get(key)
+        if before.key != key:
+            raise ValueError(f"a stranded job's record of {before.key!r}, not {key!r}")
+        if row is None or (row.status, row.generation, row.attempt_id, row.updated_at) != (
+            before.status,
+            before.generation,
+            before.attempt_id,
+            before.updated_at,
+        ):
             return False
-        return not only_insert or (message_id is not None and stored_id == message_id)
+        now = self._now()
+        row = dataclasses.replace(
+            row,
+            status=DEAD,
+            updated_at=now,
+            finished_at=now,
+            retry_at=None,
+            **self._errors(e.error),
+        )
+        self._write(row, (Action.DEAD,), e.reason, (), now)
+        return True
 
     def record(
         self,

@@ -18,6 +18,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from celery_fence.records import Completion
 from celery_fence.store import Store
 from celery_fence.testing import faults
 from tests.support import ledger
@@ -141,7 +142,7 @@ def test_a_newer_registration_refuses_the_commit_while_the_lease_still_looks_val
     assert "committed:1" not in _at(redis_client, prefix, key)
     assert app_db.lines(key) == [] and app_db.report(key) is None
     # and its message converges on the newer attempt's result once that one completes.
-    store.complete(key, generation=2, attempt_id=newer, result={"by": "newer"})
+    store.end(key, Completion(generation=2, attempt_id=newer, result={"by": "newer"}))
     assert first.get(timeout=30) == {"by": "newer"}
     assert app_db.lines(key) == []
     store.dispose()

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import redis
 
+from celery_fence.records import Completion
 from celery_fence.store import Store
 from celery_fence.testing.processes import free_port
 from tests.support import ledger
@@ -341,7 +342,7 @@ def test_record_transitions_off_writes_no_history(db_url: str) -> None:
     # Given fence_record_transitions=False, when a job is claimed, loses a lease and completes,
     store.register(key, generation=1, attempt_id="a1", task_name="t")
     store.record(key, action="lost", generation=1, attempt_id="a1", reason="test")
-    store.complete(key, generation=1, attempt_id="a1", result={"ok": True})
+    store.end(key, Completion(generation=1, attempt_id="a1", result={"ok": True}))
     # then the job is stored and no history is written.
     record = store.get(key)
     assert record is not None and record.status == "completed"
@@ -350,7 +351,7 @@ def test_record_transitions_off_writes_no_history(db_url: str) -> None:
     loud = Store(db_url)
     other = f"loud:{uuid.uuid4().hex[:8]}"
     loud.register(other, generation=1, attempt_id="a1", task_name="t")
-    loud.complete(other, generation=1, attempt_id="a1", result=None)
+    loud.end(other, Completion(generation=1, attempt_id="a1", result=None))
     assert [t.action for t in loud.history(other)] == ["claimed", "completed"]
     store.dispose()
     loud.dispose()

@@ -15,6 +15,7 @@ import redis
 import sqlalchemy as sa
 
 from celery_fence.lease import LeaseStore
+from celery_fence.records import Completion
 from celery_fence.store import Store
 from celery_fence.testing.proxy import TcpProxy
 from tests.support.worker import wait_until
@@ -88,13 +89,13 @@ def test_a_database_that_stops_answering_ends_each_call_within_the_timeout(
     proxy.stall()
     # then the hot-path completion and a Core statement each fail within the timeout,
     hot = _timed_failure(
-        lambda: proxied_store.complete(key, generation=1, attempt_id=attempt, result=1)
+        lambda: proxied_store.end(key, Completion(generation=1, attempt_id=attempt, result=1))
     )
     core = _timed_failure(lambda: proxied_store.get(key))
     assert hot < TIMEOUT + SLACK and core < TIMEOUT + SLACK, (hot, core)
     # and once it answers again, the store works on fresh connections (the cut ones are gone).
     proxy.unstall()
-    proxied_store.complete(key, generation=1, attempt_id=attempt, result=1)
+    proxied_store.end(key, Completion(generation=1, attempt_id=attempt, result=1))
     record = proxied_store.get(key)
     assert record is not None and record.status == "completed"
 

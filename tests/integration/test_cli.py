@@ -26,6 +26,7 @@ from alembic.runtime.migration import MigrationContext
 
 from celery_fence import migrate
 from celery_fence.lease import LeaseStore
+from celery_fence.records import Completion, Dead, RetryScheduled
 from celery_fence.schema import metadata
 from celery_fence.store import Effect, Store
 from tests.support.env import PG_ADMIN_URL
@@ -84,19 +85,22 @@ def _job(
     attempt = uuid.uuid4().hex
     store.register(key, generation=1, attempt_id=attempt, task_name=task_name, request=None)
     if status == "completed":
-        store.complete(key, generation=1, attempt_id=attempt, result={"ok": True})
+        store.end(key, Completion(generation=1, attempt_id=attempt, result={"ok": True}))
     elif status == "dead":
-        store.mark_dead(
-            key, generation=1, attempt_id=attempt, error=error or ValueError("bad"), reason="test"
+        store.end(
+            key,
+            Dead(generation=1, attempt_id=attempt, error=error or ValueError("bad"), reason="test"),
         )
     elif status == "retrying":
-        store.schedule_retry(
+        store.end(
             key,
-            generation=1,
-            attempt_id=attempt,
-            error=error or ConnectionError("down"),
-            retry_at=dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=30),
-            reason="test",
+            RetryScheduled(
+                generation=1,
+                attempt_id=attempt,
+                error=error or ConnectionError("down"),
+                retry_at=dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=30),
+                reason="test",
+            ),
         )
     return key
 
@@ -226,13 +230,15 @@ def test_show_prints_state_lease_and_history(
     token = uuid.uuid4().hex
     generation = leases.claim(key, token, 30_000)
     fence_store.register(key, generation=generation, attempt_id=token, task_name=task_name)
-    fence_store.schedule_retry(
+    fence_store.end(
         key,
-        generation=generation,
-        attempt_id=token,
-        error=ConnectionError("db down"),
-        retry_at=dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=60),
-        reason="transient error ConnectionError; retry in 60.000s",
+        RetryScheduled(
+            generation=generation,
+            attempt_id=token,
+            error=ConnectionError("db down"),
+            retry_at=dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=60),
+            reason="transient error ConnectionError; retry in 60.000s",
+        ),
     )
 
     text = ok(fence_cli(worker_env, "show", key))
@@ -268,7 +274,9 @@ def test_show_prints_the_stored_result_of_a_completed_job(
     generation = leases.claim(key, token, 30_000)
     fence_store.register(key, generation=generation, attempt_id=token, task_name=task_name)
     assert ok(fence_cli(worker_env, "show", key)).count("result:") == 1  # "-" until completed
-    fence_store.complete(key, generation=generation, attempt_id=token, result={"rows": [1, 2]})
+    fence_store.end(
+        key, Completion(generation=generation, attempt_id=token, result={"rows": [1, 2]})
+    )
 
     text = ok(fence_cli(worker_env, "show", key))
     assert 'result:        {"rows": [1, 2]}' in text.splitlines()
@@ -342,7 +350,7 @@ def test_requeue_puts_the_job_back_to_dead_when_the_broker_is_unreachable(
     fence_store.register(
         key, generation=3, attempt_id=attempt, task_name=task_name, request=request
     )
-    fence_store.mark_dead(key, generation=3, attempt_id=attempt, error=ValueError("x"), reason="t")
+    fence_store.end(key, Dead(generation=3, attempt_id=attempt, error=ValueError("x"), reason="t"))
     before = fence_store.get(key)
     assert before is not None
 
@@ -379,7 +387,7 @@ def _job_with_effects(store: Store, task_name: str, *, deliver: int, of: int) ->
     key = f"job:{uuid.uuid4().hex[:10]}"
     store.register(key, generation=1, attempt_id="A", task_name=task_name)
     effects = [Effect(f"mail.{i}", {"n": i}, f"{key}:mail.{i}") for i in range(of)]
-    store.complete(key, generation=1, attempt_id="A", result=None, effects=effects)
+    store.end(key, Completion(generation=1, attempt_id="A", result=None, effects=effects))
     for row in store.outbox.claim(claimer="cli-test", claim_ttl=30, limit=deliver, key=key):
         assert store.outbox.mark_delivered(row.id, claimer="cli-test")
     return key
@@ -467,7 +475,7 @@ def test_requeue_emits_job_retry_scheduled(
     fence_store.register(
         key, generation=5, attempt_id=attempt, task_name=task_name, request=request
     )
-    fence_store.mark_dead(key, generation=5, attempt_id=attempt, error=ValueError("x"), reason="t")
+    fence_store.end(key, Dead(generation=5, attempt_id=attempt, error=ValueError("x"), reason="t"))
 
     ok(fence_cli({**worker_env, "FENCE_T_SIGNALS": "1"}, "requeue", key))
     events = [json.loads(e) for e in redis_client.lrange(f"{prefix}:signals", 0, -1)]

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import pytest
 import redis
@@ -22,7 +22,20 @@ import redis
 from celery_fence.actions import INTERRUPTED_BY, Action
 from celery_fence.errors import LeaseBusy, ResultNotSerializable, StaleGeneration
 from celery_fence.lease import LeaseStore
-from celery_fence.records import Effect, JobRecord
+from celery_fence.records import (
+    FENCED_ENDINGS,
+    Completion,
+    Dead,
+    DeadRefused,
+    DeadStranded,
+    DeadUnregistered,
+    DeadUnrun,
+    Effect,
+    Ending,
+    FirstCompletion,
+    JobRecord,
+    RetryScheduled,
+)
 from celery_fence.store import Store
 from celery_fence.testing.memory import MemoryLeaseStore, MemoryStore
 from tests.support.stores import store_url
@@ -170,7 +183,7 @@ def test_an_equal_or_lower_generation_is_stale_and_changes_nothing(
 
 def test_a_completed_job_is_never_registered_again(jobs: Jobs, key: str) -> None:
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
-    jobs.store.complete(key, generation=1, attempt_id="A", result={"v": 1})
+    jobs.store.end(key, Completion(generation=1, attempt_id="A", result={"v": 1}))
     reg = jobs.store.register(key, generation=9, attempt_id="B", task_name="t")
     assert (reg.outcome, reg.attempts, reg.stored_generation) == ("completed", 1, 1)
     assert reg.record is not None and reg.record.result == {"v": 1}
@@ -179,7 +192,7 @@ def test_a_completed_job_is_never_registered_again(jobs: Jobs, key: str) -> None
 
 def test_a_dead_job_is_never_registered_again(jobs: Jobs, key: str) -> None:
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
-    jobs.store.mark_dead(key, generation=1, attempt_id="A", error=None, reason="budget")
+    jobs.store.end(key, Dead(generation=1, attempt_id="A", error=None, reason="budget"))
     reg = jobs.store.register(key, generation=2, attempt_id="B", task_name="t")
     assert (reg.outcome, reg.attempts, reg.stored_generation) == ("dead", 1, 1)
     assert reg.record is not None and reg.record.status == "dead"
@@ -201,7 +214,9 @@ def test_deferred_first_registration_counts_the_unregistered_first_run(
 def test_the_owner_completes_with_its_result_and_effects(jobs: Jobs, key: str) -> None:
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
     effect = Effect("mail", {"to": "x"}, f"{key}:mail")
-    jobs.store.complete(key, generation=1, attempt_id="A", result=[1, "two"], effects=[effect])
+    jobs.store.end(
+        key, Completion(generation=1, attempt_id="A", result=[1, "two"], effects=[effect])
+    )
     row = jobs.row(key)
     assert _state(row) == ("completed", 1, "A", 1)
     assert row.result == [1, "two"] and row.finished_at is not None
@@ -213,12 +228,14 @@ def test_a_stale_completion_is_refused_with_the_stored_state(jobs: Jobs, key: st
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
     jobs.store.register(key, generation=2, attempt_id="B", task_name="t")
     with pytest.raises(StaleGeneration) as stale:
-        jobs.store.complete(
+        jobs.store.end(
             key,
-            generation=1,
-            attempt_id="A",
-            result={"by": "A"},
-            effects=[Effect("mail", {}, f"{key}:a")],
+            Completion(
+                generation=1,
+                attempt_id="A",
+                result={"by": "A"},
+                effects=[Effect("mail", {}, f"{key}:a")],
+            ),
         )
     assert stale.value.context == {
         "key": key,
@@ -237,23 +254,23 @@ def test_a_stale_completion_is_refused_with_the_stored_state(jobs: Jobs, key: st
 def test_the_same_generation_from_another_attempt_is_refused(jobs: Jobs, key: str) -> None:
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
     with pytest.raises(StaleGeneration) as stale:
-        jobs.store.complete(key, generation=1, attempt_id="X", result=1)
+        jobs.store.end(key, Completion(generation=1, attempt_id="X", result=1))
     assert stale.value.context["stored_generation"] == 1
     assert jobs.row(key).status == "running"
 
 
 def test_a_completed_result_is_never_overwritten(jobs: Jobs, key: str) -> None:
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
-    jobs.store.complete(key, generation=1, attempt_id="A", result={"v": 1})
+    jobs.store.end(key, Completion(generation=1, attempt_id="A", result={"v": 1}))
     with pytest.raises(StaleGeneration) as stale:
-        jobs.store.complete(key, generation=1, attempt_id="A", result={"v": 2})
+        jobs.store.end(key, Completion(generation=1, attempt_id="A", result={"v": 2}))
     assert stale.value.context["stored_status"] == "completed"
     assert jobs.row(key).result == {"v": 1}
 
 
 def test_a_completion_without_a_row_is_refused(jobs: Jobs, key: str) -> None:
     with pytest.raises(StaleGeneration) as stale:
-        jobs.store.complete(key, generation=1, attempt_id="A", result=None)
+        jobs.store.end(key, Completion(generation=1, attempt_id="A", result=None))
     assert stale.value.context["stored_generation"] is None
     assert stale.value.context["stored_status"] is None
     assert "no job row" in str(stale.value)
@@ -263,18 +280,18 @@ def test_a_completion_without_a_row_is_refused(jobs: Jobs, key: str) -> None:
 def test_a_result_that_is_not_json_is_refused_before_any_write(jobs: Jobs, key: str) -> None:
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
     with pytest.raises(ResultNotSerializable):
-        jobs.store.complete(key, generation=1, attempt_id="A", result={"at": dt.date.today()})
+        jobs.store.end(
+            key, Completion(generation=1, attempt_id="A", result={"at": dt.date.today()})
+        )
     assert jobs.row(key).status == "running"
 
 
 def test_a_first_completion_inserts_the_completed_row(jobs: Jobs, key: str) -> None:
-    jobs.store.complete_first(
+    jobs.store.end(
         key,
-        generation=1,
-        attempt_id="A",
-        task_name="t",
-        request_json='{"id":"m1"}',
-        result="done",
+        FirstCompletion(
+            generation=1, attempt_id="A", task_name="t", request_json='{"id":"m1"}', result="done"
+        ),
     )
     row = jobs.row(key)
     assert _state(row) == ("completed", 1, "A", 1)
@@ -285,8 +302,11 @@ def test_a_first_completion_inserts_the_completed_row(jobs: Jobs, key: str) -> N
 def test_a_first_completion_takes_a_never_claimed_pending_row(jobs: Jobs, key: str) -> None:
     jobs.pending(key, {"id": "enqueued"})
     assert _state(jobs.row(key)) == ("pending", 0, "-", 0)
-    jobs.store.complete_first(
-        key, generation=1, attempt_id="A", task_name="t", request_json='{"id":"m"}', result=7
+    jobs.store.end(
+        key,
+        FirstCompletion(
+            generation=1, attempt_id="A", task_name="t", request_json='{"id":"m"}', result=7
+        ),
     )
     row = jobs.row(key)
     assert _state(row) == ("completed", 1, "A", 1)
@@ -296,8 +316,11 @@ def test_a_first_completion_takes_a_never_claimed_pending_row(jobs: Jobs, key: s
 def test_a_first_completion_over_a_registered_row_is_stale(jobs: Jobs, key: str) -> None:
     jobs.store.register(key, generation=2, attempt_id="B", task_name="t")
     with pytest.raises(StaleGeneration) as stale:
-        jobs.store.complete_first(
-            key, generation=1, attempt_id="A", task_name="t", request_json=None, result=1
+        jobs.store.end(
+            key,
+            FirstCompletion(
+                generation=1, attempt_id="A", task_name="t", request_json=None, result=1
+            ),
         )
     assert "first completion" in str(stale.value)
     assert stale.value.context["stored_generation"] == 2
@@ -310,8 +333,11 @@ def test_a_first_completion_over_a_registered_row_is_stale(jobs: Jobs, key: str)
 def test_a_retry_is_scheduled_and_the_next_generation_takes_over(jobs: Jobs, key: str) -> None:
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
     at = dt.datetime(2030, 1, 2, 3, 4, 5, 678000, tzinfo=dt.timezone.utc)
-    jobs.store.schedule_retry(
-        key, generation=1, attempt_id="A", error=ValueError("boom"), retry_at=at, reason="r1"
+    jobs.store.end(
+        key,
+        RetryScheduled(
+            generation=1, attempt_id="A", error=ValueError("boom"), retry_at=at, reason="r1"
+        ),
     )
     row = jobs.row(key)
     assert _state(row) == ("retrying", 1, "A", 1)
@@ -330,11 +356,11 @@ def test_a_stale_retry_or_dead_letter_is_refused(jobs: Jobs, key: str) -> None:
     jobs.store.register(key, generation=2, attempt_id="B", task_name="t")
     now = dt.datetime.now(dt.timezone.utc)
     with pytest.raises(StaleGeneration) as retry:
-        jobs.store.schedule_retry(
-            key, generation=1, attempt_id="A", error=None, retry_at=now, reason="r"
+        jobs.store.end(
+            key, RetryScheduled(generation=1, attempt_id="A", error=None, retry_at=now, reason="r")
         )
     with pytest.raises(StaleGeneration) as dead:
-        jobs.store.mark_dead(key, generation=1, attempt_id="A", error=None, reason="d")
+        jobs.store.end(key, Dead(generation=1, attempt_id="A", error=None, reason="d"))
     assert "retry for" in str(retry.value) and "dead-letter for" in str(dead.value)
     assert dead.value.context["stored_generation"] == 2
     assert _state(jobs.row(key)) == ("running", 2, "B", 2)
@@ -343,8 +369,8 @@ def test_a_stale_retry_or_dead_letter_is_refused(jobs: Jobs, key: str) -> None:
 def test_dead_is_terminal_with_the_attempts_kept(jobs: Jobs, key: str) -> None:
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
     jobs.store.register(key, generation=2, attempt_id="B", task_name="t")
-    jobs.store.mark_dead(
-        key, generation=2, attempt_id="B", error=KeyError("k"), reason="spent", attempts=1
+    jobs.store.end(
+        key, Dead(generation=2, attempt_id="B", error=KeyError("k"), reason="spent", attempts=1)
     )
     row = jobs.row(key)
     assert _state(row) == ("dead", 2, "B", 1)
@@ -352,84 +378,96 @@ def test_dead_is_terminal_with_the_attempts_kept(jobs: Jobs, key: str) -> None:
     assert (row.error_type, row.error_message) == ("builtins.KeyError", "'k'")
     assert jobs.actions(key)[-1] == ("dead", 2, "B", "spent")
     with pytest.raises(StaleGeneration):
-        jobs.store.complete(key, generation=2, attempt_id="B", result=1)
+        jobs.store.end(key, Completion(generation=2, attempt_id="B", result=1))
 
 
 def test_the_error_message_is_cut_to_its_length(make_jobs: Callable[..., Jobs], key: str) -> None:
     jobs = make_jobs(error_message_length=10)
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
-    jobs.store.mark_dead(key, generation=1, attempt_id="A", error=RuntimeError("x" * 50), reason="")
+    jobs.store.end(key, Dead(generation=1, attempt_id="A", error=RuntimeError("x" * 50), reason=""))
     assert jobs.row(key).error_message == "x" * 9 + "…"
     assert jobs.actions(key)[-1] == ("dead", 1, "A", None)  # an empty reason is kept as NULL
 
 
-# -- messages that never run: bury, bury_refused, end_unrun -----------------------------------
+# -- endings of messages that never ran: DeadUnregistered, DeadRefused, DeadUnrun ----------
 
 
-def test_bury_inserts_dead_and_only_overwrites_pending(jobs: Jobs, key: str) -> None:
+def test_dead_unregistered_inserts_dead_and_only_overwrites_pending(jobs: Jobs, key: str) -> None:
     err = ValueError("bad key")
-    assert jobs.store.bury(key, task_name="t", request={"id": "m"}, error=err, reason="fence_key")
+    assert jobs.store.end(
+        key, DeadUnregistered(task_name="t", request={"id": "m"}, error=err, reason="fence_key")
+    )
     row = jobs.row(key)
     assert _state(row) == ("dead", 0, "-", 0) and row.request == {"id": "m"}
-    assert not jobs.store.bury(key, task_name="t", request=None, error=err, reason="again")
+    assert not jobs.store.end(
+        key, DeadUnregistered(task_name="t", request=None, error=err, reason="again")
+    )
     other = f"{key}:p"
     jobs.pending(other, {"id": "p"})
-    assert jobs.store.bury(other, task_name="t", request=None, error=err, reason="resent")
+    assert jobs.store.end(
+        other, DeadUnregistered(task_name="t", request=None, error=err, reason="resent")
+    )
     assert _state(jobs.row(other)) == ("dead", 0, "-", 0)
     assert jobs.row(other).request == {"id": "p"}
     assert jobs.actions(key) == [("dead", 0, "-", "fence_key")]
 
 
-def test_bury_refused_is_fenced_like_a_registration(jobs: Jobs, key: str) -> None:
+def test_dead_refused_is_fenced_like_a_registration(jobs: Jobs, key: str) -> None:
     err = ValueError("refused")
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
-    jobs.store.bury_refused(
+    jobs.store.end(
         key,
-        generation=2,
-        attempt_id="B",
-        task_name="t2",
-        request_json='{"id":"m2"}',
-        error=err,
-        reason="refused",
+        DeadRefused(
+            generation=2,
+            attempt_id="B",
+            task_name="t2",
+            request_json='{"id":"m2"}',
+            error=err,
+            reason="refused",
+        ),
     )
     row = jobs.row(key)
     assert _state(row) == ("dead", 2, "B", 2)
     assert (row.task_name, row.request) == ("t2", {"id": "m2"})  # kept encoded, read back decoded
     with pytest.raises(StaleGeneration) as stale:
-        jobs.store.bury_refused(
+        jobs.store.end(
             key,
-            generation=3,
-            attempt_id="C",
-            task_name="t",
-            request_json=None,
-            error=err,
-            reason="refused",
+            DeadRefused(
+                generation=3,
+                attempt_id="C",
+                task_name="t",
+                request_json=None,
+                error=err,
+                reason="refused",
+            ),
         )
     assert stale.value.context["stored_status"] == "dead"
 
 
-def test_end_unrun_without_a_row_records_the_job_dead(jobs: Jobs, key: str) -> None:
-    jobs.store.end_unrun(key, task_name="t", request={"id": "m"}, reason="expired")
+def test_dead_unrun_without_a_row_records_the_job_dead(jobs: Jobs, key: str) -> None:
+    jobs.store.end(key, DeadUnrun(task_name="t", request={"id": "m"}, reason="expired"))
     row = jobs.row(key)
     assert _state(row) == ("dead", 0, "-", 0) and row.request == {"id": "m"}
     assert row.error_type == "celery_fence.errors.JobDead"
     assert jobs.actions(key) == [("dead", 0, "-", "expired")]
 
 
-def test_end_unrun_kills_a_waiting_row_and_leaves_a_running_one(jobs: Jobs, key: str) -> None:
+def test_dead_unrun_kills_a_waiting_row_and_leaves_a_running_one(jobs: Jobs, key: str) -> None:
     waiting, running = f"{key}:w", f"{key}:r"
     for k in (waiting, running):
         jobs.store.register(k, generation=1, attempt_id="A", task_name="t", request={"id": "m"})
-    jobs.store.schedule_retry(
+    jobs.store.end(
         waiting,
-        generation=1,
-        attempt_id="A",
-        error=None,
-        retry_at=dt.datetime.now(dt.timezone.utc),
-        reason="r",
+        RetryScheduled(
+            generation=1,
+            attempt_id="A",
+            error=None,
+            retry_at=dt.datetime.now(dt.timezone.utc),
+            reason="r",
+        ),
     )
     for k in (waiting, running):
-        jobs.store.end_unrun(k, task_name="t", request={"id": "m"}, reason="revoked")
+        jobs.store.end(k, DeadUnrun(task_name="t", request={"id": "m"}, reason="revoked"))
     row = jobs.row(waiting)
     assert (_state(row), row.retry_at) == (("dead", 1, "A", 1), None)
     assert jobs.actions(waiting)[-1] == ("dead", 1, "A", "revoked")
@@ -437,46 +475,220 @@ def test_end_unrun_kills_a_waiting_row_and_leaves_a_running_one(jobs: Jobs, key:
     assert jobs.actions(running)[-1] == ("revoked", None, None, "message not run")
 
 
-def test_end_unrun_of_a_terminated_attempt_matches_its_message(jobs: Jobs, key: str) -> None:
+def test_dead_unrun_of_a_terminated_attempt_matches_its_message(jobs: Jobs, key: str) -> None:
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t", request={"id": "m1"})
-    jobs.store.end_unrun(key, task_name="t", request=None, reason="revoked", terminated_id="m9")
+    jobs.store.end(
+        key, DeadUnrun(task_name="t", request=None, reason="revoked", terminated_id="m9")
+    )
     assert jobs.row(key).status == "running"
     assert jobs.actions(key)[-1][3] == "attempt terminated, job left as is"
-    jobs.store.end_unrun(key, task_name="t", request=None, reason="revoked", terminated_id="m1")
+    jobs.store.end(
+        key, DeadUnrun(task_name="t", request=None, reason="revoked", terminated_id="m1")
+    )
     row = jobs.row(key)
     assert _state(row) == ("dead", 1, "A", 1)
     assert row.error_message is not None and "while it ran" in row.error_message
 
 
-def test_end_unrun_only_insert_spares_another_messages_job(jobs: Jobs, key: str) -> None:
+def test_dead_unrun_only_insert_spares_another_messages_job(jobs: Jobs, key: str) -> None:
     jobs.pending(key, {"id": "m1"})
     for message_id in (None, "m2"):
-        jobs.store.end_unrun(
+        jobs.store.end(
             key,
+            DeadUnrun(
+                task_name="t",
+                request=None,
+                reason="expired",
+                only_insert=True,
+                insert=False,
+                message_id=message_id,
+            ),
+        )
+        assert jobs.row(key).status == "pending"
+    jobs.store.end(
+        key,
+        DeadUnrun(
             task_name="t",
             request=None,
             reason="expired",
             only_insert=True,
             insert=False,
-            message_id=message_id,
-        )
-        assert jobs.row(key).status == "pending"
-    jobs.store.end_unrun(
-        key,
-        task_name="t",
-        request=None,
-        reason="expired",
-        only_insert=True,
-        insert=False,
-        message_id="m1",
+            message_id="m1",
+        ),
     )
     assert _state(jobs.row(key)) == ("dead", 0, "-", 0)
 
 
-def test_end_unrun_without_insert_leaves_no_row(jobs: Jobs, key: str) -> None:
-    jobs.store.end_unrun(key, task_name="t", request=None, reason="expired", insert=False)
+def test_dead_unrun_without_insert_leaves_no_row(jobs: Jobs, key: str) -> None:
+    jobs.store.end(key, DeadUnrun(task_name="t", request=None, reason="expired", insert=False))
     assert jobs.store.get(key) is None
     assert jobs.actions(key) == [("expired", None, None, "message not run")]
+
+
+def test_dead_stranded_is_a_compare_and_set_on_the_row_as_read(jobs: Jobs, key: str) -> None:
+    jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
+    read = jobs.row(key)
+    err = ValueError("no request")
+    with pytest.raises(ValueError, match="stranded job's record"):
+        jobs.store.end(f"{key}:other", DeadStranded(read, error=err, reason="stranded"))
+    assert jobs.store.end(key, DeadStranded(read, error=err, reason="stranded"))
+    row = jobs.row(key)
+    assert (_state(row), row.retry_at) == (("dead", 1, "A", 1), None)
+    assert (row.error_type, row.error_message) == ("builtins.ValueError", "no request")
+    assert row.finished_at is not None
+    assert jobs.actions(key)[-1] == ("dead", 1, "A", "stranded")
+    # a row that moved since it was read (here: registered again) is left as it is
+    moved = f"{key}:moved"
+    jobs.store.register(moved, generation=1, attempt_id="A", task_name="t")
+    before = jobs.row(moved)
+    jobs.store.register(moved, generation=2, attempt_id="B", task_name="t")
+    assert not jobs.store.end(moved, DeadStranded(before, error=err, reason="stranded"))
+    assert _state(jobs.row(moved)) == ("running", 2, "B", 2)
+    assert [a for a, *_ in jobs.actions(moved)] == ["claimed", "claimed"]
+
+
+# -- every ending, through the one method ------------------------------------------------------
+
+_AT = dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+_ERR = ValueError("x")
+
+
+def _running(jobs: Jobs, key: str) -> None:
+    jobs.store.register(key, generation=1, attempt_id="A", task_name="t", request={"id": "m"})
+
+
+def _retrying(jobs: Jobs, key: str) -> None:
+    _running(jobs, key)
+    jobs.store.end(key, RetryScheduled(1, "A", _ERR, _AT, "r"))
+
+
+def _nothing(jobs: Jobs, key: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class EndingCase:
+    """``setup`` leaves the row ``ending`` is for; ``end`` then returns ``returned``, the row is
+    ``state`` (status, generation, attempt, attempts) and its newest transition ``action``."""
+
+    setup: Callable[[Jobs, str], None]
+    ending: Callable[[Jobs, str], Ending]
+    returned: bool
+    state: tuple[str, int, str, int]
+    action: str
+
+
+_ENDINGS = {
+    "Completion": EndingCase(
+        _running,
+        lambda j, k: Completion(1, "A", {"v": 1}),
+        True,
+        ("completed", 1, "A", 1),
+        "completed",
+    ),
+    "FirstCompletion": EndingCase(
+        _nothing,
+        lambda j, k: FirstCompletion(1, "A", "t", None, 1),
+        True,
+        ("completed", 1, "A", 1),
+        "completed",
+    ),
+    "RetryScheduled": EndingCase(
+        _running,
+        lambda j, k: RetryScheduled(1, "A", _ERR, _AT, "r"),
+        True,
+        ("retrying", 1, "A", 1),
+        "retry_scheduled",
+    ),
+    "Dead": EndingCase(
+        _running, lambda j, k: Dead(1, "A", _ERR, "d"), True, ("dead", 1, "A", 1), "dead"
+    ),
+    "DeadRefused": EndingCase(
+        _nothing,
+        lambda j, k: DeadRefused(1, "A", "t", None, _ERR, "refused"),
+        True,
+        ("dead", 1, "A", 1),
+        "dead",
+    ),
+    "DeadUnregistered": EndingCase(
+        _nothing,
+        lambda j, k: DeadUnregistered("t", None, _ERR, "key"),
+        True,
+        ("dead", 0, "-", 0),
+        "dead",
+    ),
+    "DeadUnrun": EndingCase(
+        _retrying, lambda j, k: DeadUnrun("t", None, "expired"), True, ("dead", 1, "A", 1), "dead"
+    ),
+    "DeadStranded": EndingCase(
+        _running,
+        lambda j, k: DeadStranded(j.row(k), _ERR, "stranded"),
+        True,
+        ("dead", 1, "A", 1),
+        "dead",
+    ),
+}
+
+
+def test_the_cases_cover_every_ending() -> None:
+    assert sorted(_ENDINGS) == sorted(t.__name__ for t in get_args(Ending))
+
+
+@pytest.mark.parametrize("name", sorted(_ENDINGS))
+def test_each_ending_is_applied_by_the_one_method(jobs: Jobs, key: str, name: str) -> None:
+    case = _ENDINGS[name]
+    case.setup(jobs, key)
+    ending = case.ending(jobs, key)
+    assert type(ending).__name__ == name
+    assert jobs.store.end(key, ending) is case.returned
+    assert _state(jobs.row(key)) == case.state
+    assert jobs.actions(key)[-1][0] == case.action
+
+
+#: The endings fenced on an attempt, each from generation 1 (attempt A).
+_FENCED: dict[str, Ending] = {
+    "Completion": Completion(1, "A", "late"),
+    "FirstCompletion": FirstCompletion(1, "A", "t", None, "late"),
+    "RetryScheduled": RetryScheduled(1, "A", _ERR, _AT, "late"),
+    "Dead": Dead(1, "A", _ERR, "late"),
+    "DeadRefused": DeadRefused(1, "A", "t", None, _ERR, "late"),
+}
+
+
+def test_the_fenced_cases_are_the_fenced_endings() -> None:
+    assert sorted(_FENCED) == sorted(t.__name__ for t in FENCED_ENDINGS)
+
+
+@pytest.mark.parametrize("name", sorted(_FENCED))
+@pytest.mark.parametrize("newer", ["running", "retrying", "completed", "dead"])
+def test_a_fenced_ending_of_an_older_generation_is_refused(
+    jobs: Jobs, key: str, name: str, newer: str
+) -> None:
+    # Given generation 1 (attempt A) registered, then generation 2 (attempt B) in ``newer``,
+    jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
+    jobs.store.register(key, generation=2, attempt_id="B", task_name="t")
+    if newer == "retrying":
+        jobs.store.end(key, RetryScheduled(2, "B", None, _AT, "r"))
+    elif newer == "completed":
+        jobs.store.end(key, Completion(2, "B", {"by": "B"}))
+    elif newer == "dead":
+        jobs.store.end(key, Dead(2, "B", None, "d"))
+    before, history = jobs.row(key), jobs.actions(key)
+    # when generation 1 ends the job,
+    with pytest.raises(StaleGeneration) as stale:
+        jobs.store.end(key, _FENCED[name])
+    # then it is refused, says what it found, and nothing changed.
+    assert (stale.value.context["stored_generation"], stale.value.context["stored_status"]) == (
+        2,
+        newer,
+    )
+    after = jobs.row(key)
+    assert (_state(after), after.result, after.error_type) == (
+        _state(before),
+        before.result,
+        before.error_type,
+    )
+    assert jobs.actions(key) == history
 
 
 # -- transitions: record, history, last_exit --------------------------------------------------
@@ -499,13 +711,15 @@ def test_last_exit_skips_claims_losses_and_interrupted_retries(jobs: Jobs, key: 
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
     assert jobs.store.last_exit(key) is None
     jobs.store.record(key, action=Action.TIME_LIMIT, generation=1, attempt_id="A")
-    jobs.store.schedule_retry(
+    jobs.store.end(
         key,
-        generation=1,
-        attempt_id="A",
-        error=None,
-        retry_at=dt.datetime.now(dt.timezone.utc),
-        reason=f"{INTERRUPTED_BY} SystemExit",
+        RetryScheduled(
+            generation=1,
+            attempt_id="A",
+            error=None,
+            retry_at=dt.datetime.now(dt.timezone.utc),
+            reason=f"{INTERRUPTED_BY} SystemExit",
+        ),
     )
     jobs.store.record(key, action=Action.LOST, generation=1, attempt_id="A")
     jobs.store.register(key, generation=2, attempt_id="B", task_name="t")
@@ -519,23 +733,27 @@ def test_last_exit_skips_a_retry_without_a_reason(jobs: Jobs, key: str) -> None:
     true, for a NULL reason, so that row is skipped like an interrupted one."""
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
     jobs.store.record(key, action=Action.BUSY)
-    jobs.store.schedule_retry(
+    jobs.store.end(
         key,
-        generation=1,
-        attempt_id="A",
-        error=None,
-        retry_at=dt.datetime.now(dt.timezone.utc),
-        reason="",
+        RetryScheduled(
+            generation=1,
+            attempt_id="A",
+            error=None,
+            retry_at=dt.datetime.now(dt.timezone.utc),
+            reason="",
+        ),
     )
     assert jobs.store.last_exit(key) == "busy"
     jobs.store.register(key, generation=2, attempt_id="B", task_name="t")
-    jobs.store.schedule_retry(
+    jobs.store.end(
         key,
-        generation=2,
-        attempt_id="B",
-        error=None,
-        retry_at=dt.datetime.now(dt.timezone.utc),
-        reason="failed",
+        RetryScheduled(
+            generation=2,
+            attempt_id="B",
+            error=None,
+            retry_at=dt.datetime.now(dt.timezone.utc),
+            reason="failed",
+        ),
     )
     assert jobs.store.last_exit(key) == "retry_scheduled"
 
@@ -546,7 +764,7 @@ def test_without_transitions_the_state_still_moves(
     jobs = make_jobs(record_transitions=False)
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
     jobs.store.record(key, action=Action.BUSY)
-    jobs.store.complete(key, generation=1, attempt_id="A", result=1)
+    jobs.store.end(key, Completion(generation=1, attempt_id="A", result=1))
     assert _state(jobs.row(key)) == ("completed", 1, "A", 1)
     assert jobs.actions(key) == []
     assert jobs.store.last_exit(key) is None
@@ -554,9 +772,11 @@ def test_without_transitions_the_state_still_moves(
 
 def test_concurrent_completions_of_one_attempt_store_one_result(jobs: Jobs, key: str) -> None:
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
-    outcomes = _race(8, lambda i: jobs.store.complete(key, generation=1, attempt_id="A", result=i))
-    assert sorted(type(o).__name__ for o in outcomes) == ["NoneType"] + ["StaleGeneration"] * 7
-    winner = outcomes.index(None)
+    outcomes = _race(
+        8, lambda i: jobs.store.end(key, Completion(generation=1, attempt_id="A", result=i))
+    )
+    assert sorted(type(o).__name__ for o in outcomes) == ["StaleGeneration"] * 7 + ["bool"]
+    winner = outcomes.index(True)
     row = jobs.row(key)
     assert (row.status, row.result) == ("completed", winner)
     assert [a for a, *_ in jobs.actions(key)] == ["claimed", "completed"]

@@ -33,6 +33,7 @@ import json, sys, time
 
 import gevent
 
+from celery_fence.records import Completion
 from celery_fence.store import Store
 
 url, key, wait_for_go = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
@@ -55,7 +56,7 @@ gevent.sleep(0)
 started = time.monotonic()
 try:
     if wait_for_go:
-        store.complete(key, generation=1, attempt_id="a", result=1)
+        store.end(key, Completion(generation=1, attempt_id="a", result=1))
     else:
         store.register(key, generation=1, attempt_id="a", task_name="t")
     error = None

@@ -29,6 +29,7 @@ from celery import Celery
 from celery_fence import FencedTask, PermanentError, StaleGeneration
 from celery_fence.lease import LeaseStore
 from celery_fence.outbox import Outbox, idempotency_key
+from celery_fence.records import Completion, Dead
 from celery_fence.store import Effect, Store, utcnow
 from tests.support.env import PG_ADMIN_URL, REDIS_URL
 from tests.support.stores import EVERY_DRIVER, store_url
@@ -48,7 +49,9 @@ def _effect(key: str, name: str, payload: Any) -> Effect:
 def _completed_job(store: Store, key: str, *effects: Effect, generation: int = 1) -> None:
     attempt = uuid.uuid4().hex
     store.register(key, generation=generation, attempt_id=attempt, task_name="t")
-    store.complete(key, generation=generation, attempt_id=attempt, result={}, effects=effects)
+    store.end(
+        key, Completion(generation=generation, attempt_id=attempt, result={}, effects=effects)
+    )
 
 
 @pytest.fixture
@@ -96,15 +99,18 @@ def test_effects_are_written_only_with_the_fenced_completion(store: Store) -> No
     store.register(key, generation=2, attempt_id="a2", task_name="t")
     # when generation 1 completes with a staged effect, it is rejected and writes nothing;
     with pytest.raises(StaleGeneration):
-        store.complete(
-            key, generation=1, attempt_id="a1", result={}, effects=[_effect(key, "e", {"g": 1})]
+        store.end(
+            key,
+            Completion(
+                generation=1, attempt_id="a1", result={}, effects=[_effect(key, "e", {"g": 1})]
+            ),
         )
     assert store.outbox.rows(key=key) == []
     # generation 2's completion writes its effects with it, exactly once,
     effects = [_effect(key, "email:alice", {"g": 2}), _effect(key, "email:bob", {"g": 2})]
-    store.complete(key, generation=2, attempt_id="a2", result={"ok": True}, effects=effects)
+    store.end(key, Completion(generation=2, attempt_id="a2", result={"ok": True}, effects=effects))
     with pytest.raises(StaleGeneration):  # a replayed completion adds no second copy
-        store.complete(key, generation=2, attempt_id="a2", result={}, effects=effects)
+        store.end(key, Completion(generation=2, attempt_id="a2", result={}, effects=effects))
     rows = sorted(store.outbox.rows(key=key), key=lambda r: r.name)
     assert [(r.name, r.payload, r.status, r.attempts) for r in rows] == [
         ("email:alice", {"g": 2}, "pending", 0),
@@ -114,7 +120,7 @@ def test_effects_are_written_only_with_the_fenced_completion(store: Store) -> No
     # and a job that fails instead of completing writes none.
     other = f"job:{uuid.uuid4().hex[:8]}"
     store.register(other, generation=1, attempt_id="b1", task_name="t")
-    store.mark_dead(other, generation=1, attempt_id="b1", error=ValueError("x"), reason="test")
+    store.end(other, Dead(generation=1, attempt_id="b1", error=ValueError("x"), reason="test"))
     assert store.outbox.rows(key=other) == []
 
 

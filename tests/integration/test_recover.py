@@ -27,6 +27,7 @@ import redis
 
 from celery_fence import recovery
 from celery_fence.lease import LeaseStore
+from celery_fence.records import Completion, Dead, DeadUnregistered, RetryScheduled
 from celery_fence.store import JobRecord, Store
 from tests.integration.test_cli import assert_one_line_error, fence_cli, ok
 from tests.support.env import BROKER_URL
@@ -66,19 +67,21 @@ def _stranded(
         request=_request(key, queue),
     )
     if status == "retrying":
-        store.schedule_retry(
+        store.end(
             key,
-            generation=generation,
-            attempt_id=attempt,
-            error=ConnectionError("down"),
-            retry_at=dt.datetime.now(dt.timezone.utc),
-            reason="test",
+            RetryScheduled(
+                generation=generation,
+                attempt_id=attempt,
+                error=ConnectionError("down"),
+                retry_at=dt.datetime.now(dt.timezone.utc),
+                reason="test",
+            ),
         )
     elif status == "completed":
-        store.complete(key, generation=generation, attempt_id=attempt, result=1)
+        store.end(key, Completion(generation=generation, attempt_id=attempt, result=1))
     elif status == "dead":
-        store.mark_dead(
-            key, generation=generation, attempt_id=attempt, error=ValueError("x"), reason="t"
+        store.end(
+            key, Dead(generation=generation, attempt_id=attempt, error=ValueError("x"), reason="t")
         )
     record = store.get(key)
     assert record is not None and record.status == status
@@ -122,13 +125,15 @@ def test_stranded_is_unfinished_and_not_moved_and_the_take_is_compare_and_set(
     assert keys(older_than=120, now=later) == set()
     # A retry due only in the future is not stranded until its retry time has passed too.
     future = _stranded(fence_store, queue, "running")
-    fence_store.schedule_retry(
+    fence_store.end(
         future.key,
-        generation=1,
-        attempt_id=future.attempt_id,
-        error=None,
-        retry_at=later + dt.timedelta(seconds=600),
-        reason="test",
+        RetryScheduled(
+            generation=1,
+            attempt_id=future.attempt_id,
+            error=None,
+            retry_at=later + dt.timedelta(seconds=600),
+            reason="test",
+        ),
     )
     assert future.key not in {r.key for r in fence_store.stranded(older_than=30, now=later)}
 
@@ -142,26 +147,35 @@ def test_stranded_is_unfinished_and_not_moved_and_the_take_is_compare_and_set(
     assert [t.action for t in fence_store.history(running.key)][-1] == "recovered"
     # The attempt that was running cannot write any more (its writes need ``running``).
     with pytest.raises(Exception, match="rejected"):
-        fence_store.complete(running.key, generation=1, attempt_id=running.attempt_id, result=2)
+        fence_store.end(
+            running.key, Completion(generation=1, attempt_id=running.attempt_id, result=2)
+        )
 
 
 def test_a_requeued_unkeyed_message_whose_key_fails_again_goes_back_to_dead(
     fence_store: Store,
 ) -> None:
     key = f"unkeyed:{WORK}:{uuid.uuid4().hex}"
-    assert fence_store.bury(
-        key, task_name=WORK, request={"task": WORK}, error=ValueError("1"), reason="fence_key"
+    assert fence_store.end(
+        key,
+        DeadUnregistered(
+            task_name=WORK, request={"task": WORK}, error=ValueError("1"), reason="fence_key"
+        ),
     )
     fence_store.requeue(key)
     assert (fence_store.get(key) or pytest.fail()).status == "pending"
-    assert fence_store.bury(
-        key, task_name=WORK, request={"task": WORK}, error=ValueError("2"), reason="fence_key"
+    assert fence_store.end(
+        key,
+        DeadUnregistered(
+            task_name=WORK, request={"task": WORK}, error=ValueError("2"), reason="fence_key"
+        ),
     )
     record = fence_store.get(key)
     assert record is not None and record.status == "dead" and record.error_message == "2"
-    # a dead (or any other) row is never overwritten by a bury
-    assert not fence_store.bury(
-        key, task_name=WORK, request=None, error=ValueError("3"), reason="fence_key"
+    # a dead (or any other) row is never overwritten by a DeadUnregistered ending
+    assert not fence_store.end(
+        key,
+        DeadUnregistered(task_name=WORK, request=None, error=ValueError("3"), reason="fence_key"),
     )
 
 

@@ -26,6 +26,7 @@ from redis.crc import key_slot
 from celery_fence.config import FenceConfig
 from celery_fence.errors import StaleGeneration
 from celery_fence.lease import LeaseStore, make_redis_client
+from celery_fence.records import Completion
 from celery_fence.store import Store
 from tests.support import ledger
 from tests.support.redis_servers import (
@@ -214,8 +215,10 @@ def test_cluster_fenced_claims_renewals_releases_over_many_keys(
         assert leases.claim(k, "next", TTL_MS) == 3
         assert _register(store, k, 3, "next").outcome == "registered"
         with pytest.raises(StaleGeneration):
-            store.complete(k, generation=1, attempt_id=f"a{keys.index(k)}", result={"late": 1})
-        store.complete(k, generation=3, attempt_id="next", result={"ok": 3})
+            store.end(
+                k, Completion(generation=1, attempt_id=f"a{keys.index(k)}", result={"late": 1})
+            )
+        store.end(k, Completion(generation=3, attempt_id="next", result={"ok": 3}))
     # then the remaining holders release in one batch: compare-and-delete, all still theirs.
     rest = [(leases.keys_for(k).lease, f"a{keys.index(k)}:1") for k in keys[5:]]
     assert leases.batch([], rest) == ([], [True] * 55)
@@ -296,8 +299,8 @@ def test_cluster_slot_migration_ask_then_moved(
     assert leases.claim(other, "b", TTL_MS) == 1  # the failed claim issued nothing
     assert _register(store, key, g2, "c").outcome == "registered"
     with pytest.raises(StaleGeneration):
-        store.complete(key, generation=g1, attempt_id="a", result={"stale": True})
-    store.complete(key, generation=g2, attempt_id="c", result={"ok": True})
+        store.end(key, Completion(generation=g1, attempt_id="a", result={"stale": True}))
+    store.end(key, Completion(generation=g2, attempt_id="c", result={"ok": True}))
     record = store.get(key)
     assert record is not None and (record.status, record.generation) == ("completed", g2)
 
@@ -412,8 +415,8 @@ def test_sentinel_failover_never_reissues_a_registered_generation(
     assert _register(store, key, g4, "c").outcome == "registered"
     # A's late write is rejected; the new owner's is the one result.
     with pytest.raises(StaleGeneration):
-        store.complete(key, generation=3, attempt_id="a3", result={"from": "a"})
-    store.complete(key, generation=4, attempt_id="c", result={"from": "c"})
+        store.end(key, Completion(generation=3, attempt_id="a3", result={"from": "a"}))
+    store.end(key, Completion(generation=4, attempt_id="c", result={"from": "c"}))
     record = store.get(key)
     assert record is not None
     assert (record.status, record.generation, record.result) == ("completed", 4, {"from": "c"})

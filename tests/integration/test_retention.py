@@ -10,6 +10,7 @@ from celery import Celery
 
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError
+from celery_fence.records import Completion, Dead
 from celery_fence.retention import PURGE_TASK, purge_expired
 from celery_fence.store import Store
 
@@ -27,8 +28,8 @@ def test_completed_jobs_older_than_the_retention_go_the_rest_stay(
     done, dead, running = (f"ret:{uuid.uuid4().hex}" for _ in range(3))
     for key in (done, dead, running):
         store.register(key, generation=1, attempt_id="A", task_name="t")
-    store.complete(done, generation=1, attempt_id="A", result=1)
-    store.mark_dead(dead, generation=1, attempt_id="A", error=ValueError("x"), reason="r")
+    store.end(done, Completion(generation=1, attempt_id="A", result=1))
+    store.end(dead, Dead(generation=1, attempt_id="A", error=ValueError("x"), reason="r"))
     app = _app(db_url, fence_retention=86400)
     # When the purge runs now, then a day and a minute later
     purge_expired(app)
@@ -45,7 +46,7 @@ def test_completed_jobs_older_than_the_retention_go_the_rest_stay(
 def test_no_retention_set_deletes_nothing(store: Store, db_url: str) -> None:
     key = f"ret:{uuid.uuid4().hex}"
     store.register(key, generation=1, attempt_id="A", task_name="t")
-    store.complete(key, generation=1, attempt_id="A", result=1)
+    store.end(key, Completion(generation=1, attempt_id="A", result=1))
     far = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=3650)
     assert purge_expired(_app(db_url), now=far) == 0
     assert store.get(key) is not None

@@ -17,6 +17,16 @@ import sqlalchemy as sa
 from celery_fence.chaos.arms import UnfencedStore
 from celery_fence.errors import ResultNotSerializable, StaleGeneration, StoreError
 from celery_fence.lease import LeaseStore
+from celery_fence.records import (
+    Completion,
+    Dead,
+    DeadRefused,
+    DeadStranded,
+    DeadUnregistered,
+    DeadUnrun,
+    FirstCompletion,
+    RetryScheduled,
+)
 from celery_fence.schema import create_schema
 from celery_fence.store import Effect, Store, utcnow
 from celery_fence.store.probe import PROBE_KEY_PREFIX
@@ -38,7 +48,7 @@ def test_stale_completion_is_rejected_and_stores_nothing(store: Store) -> None:
     store.register(key, generation=41, attempt_id="A", task_name="t")
     store.register(key, generation=42, attempt_id="B", task_name="t")
     with pytest.raises(StaleGeneration) as stale:
-        store.complete(key, generation=41, attempt_id="A", result={"by": "A"})
+        store.end(key, Completion(generation=41, attempt_id="A", result={"by": "A"}))
     assert stale.value.context["stored_generation"] == 42
     record = store.get(key)
     assert record is not None
@@ -48,7 +58,7 @@ def test_stale_completion_is_rejected_and_stores_nothing(store: Store) -> None:
         "B",
         None,
     )
-    store.complete(key, generation=42, attempt_id="B", result={"by": "B"})
+    store.end(key, Completion(generation=42, attempt_id="B", result={"by": "B"}))
     record = store.get(key)
     assert record is not None and (record.status, record.result) == ("completed", {"by": "B"})
 
@@ -56,9 +66,9 @@ def test_stale_completion_is_rejected_and_stores_nothing(store: Store) -> None:
 def test_a_completed_result_is_never_overwritten(store: Store) -> None:
     key = _key()
     store.register(key, generation=1, attempt_id="A", task_name="t")
-    store.complete(key, generation=1, attempt_id="A", result={"v": 1})
+    store.end(key, Completion(generation=1, attempt_id="A", result={"v": 1}))
     with pytest.raises(StaleGeneration):  # same attempt again (a replayed completion)
-        store.complete(key, generation=1, attempt_id="A", result={"v": 2})
+        store.end(key, Completion(generation=1, attempt_id="A", result={"v": 2}))
     record = store.get(key)
     assert record is not None and record.result == {"v": 1}
 
@@ -66,7 +76,7 @@ def test_a_completed_result_is_never_overwritten(store: Store) -> None:
 def test_a_completed_job_replays(store: Store) -> None:
     key = _key()
     store.register(key, generation=1, attempt_id="A", task_name="t")
-    store.complete(key, generation=1, attempt_id="A", result=[1, 2, 3])
+    store.end(key, Completion(generation=1, attempt_id="A", result=[1, 2, 3]))
     reg = store.register(key, generation=2, attempt_id="B", task_name="t")
     assert reg.outcome == "completed"
     assert reg.record is not None and reg.record.result == [1, 2, 3]
@@ -81,7 +91,7 @@ def test_an_operators_rerun_of_a_completed_job_keeps_its_result_until_the_new_on
     # Given a completed job
     key = _key()
     store.register(key, generation=1, attempt_id="A", task_name="t", request_json='{"a": 1}')
-    store.complete(key, generation=1, attempt_id="A", result={"v": 1})
+    store.end(key, Completion(generation=1, attempt_id="A", result={"v": 1}))
     # When an operator requeues it on purpose: pending, the old result still stored ...
     before = store.requeue(key, completed=True)
     pending = store.get(key)
@@ -94,7 +104,7 @@ def test_an_operators_rerun_of_a_completed_job_keeps_its_result_until_the_new_on
     # Sent this time: the next attempt registers and its completion replaces the result
     store.requeue(key, completed=True)
     store.register(key, generation=2, attempt_id="B", task_name="t")
-    store.complete(key, generation=2, attempt_id="B", result={"v": 2})
+    store.end(key, Completion(generation=2, attempt_id="B", result={"v": 2}))
     record = store.get(key)
     assert record is not None and (record.status, record.result) == ("completed", {"v": 2})
     # A plain requeue of a completed job, or a re-run of a dead one, is refused
@@ -112,7 +122,7 @@ def test_purge_goes_in_batches_oldest_first_and_resumes_where_it_stopped(store: 
     for i in range(7):
         key = _key()
         store.register(key, generation=1, attempt_id="A", task_name=f"purge-{i}")
-        store.complete(key, generation=1, attempt_id="A", result=i)
+        store.end(key, Completion(generation=1, attempt_id="A", result=i))
         keys.append(key)
     rerun = keys.pop()
     store.requeue(rerun, completed=True)
@@ -173,8 +183,8 @@ def test_registration_after_a_counter_regression_is_rejected_then_recovered(
         store.register(key, generation=g, attempt_id="new", task_name="t").outcome == "registered"
     )
     with pytest.raises(StaleGeneration):
-        store.complete(key, generation=5, attempt_id="old", result="late")
-    store.complete(key, generation=6, attempt_id="new", result="fresh")
+        store.end(key, Completion(generation=5, attempt_id="old", result="late"))
+    store.end(key, Completion(generation=6, attempt_id="new", result="fresh"))
     record = store.get(key)
     assert record is not None and record.result == "fresh"
 
@@ -195,7 +205,7 @@ def test_concurrent_completions_from_two_attempts_exactly_one_wins(store: Store)
         ) -> None:
             barrier.wait()
             try:
-                store.complete(key, generation=1, attempt_id="A", result="A")
+                store.end(key, Completion(generation=1, attempt_id="A", result="A"))
                 outcomes["A"] = "won"
             except StaleGeneration:
                 outcomes["A"] = "rejected"
@@ -211,7 +221,7 @@ def test_concurrent_completions_from_two_attempts_exactly_one_wins(store: Store)
                 outcomes["B"] = "rejected"
                 return
             try:
-                store.complete(key, generation=2, attempt_id="B", result="B")
+                store.end(key, Completion(generation=2, attempt_id="B", result="B"))
                 outcomes["B"] = "won"
             except StaleGeneration:
                 outcomes["B"] = "rejected"
@@ -253,9 +263,9 @@ def test_non_json_result_is_refused_with_a_clear_error(store: Store) -> None:
     key = _key()
     store.register(key, generation=1, attempt_id="A", task_name="t")
     with pytest.raises(ResultNotSerializable, match="not JSON"):
-        store.complete(key, generation=1, attempt_id="A", result={"when": object()})
+        store.end(key, Completion(generation=1, attempt_id="A", result={"when": object()}))
     with pytest.raises(ResultNotSerializable):
-        store.complete(key, generation=1, attempt_id="A", result=float("nan"))
+        store.end(key, Completion(generation=1, attempt_id="A", result=float("nan")))
     record = store.get(key)
     assert record is not None and record.status == "running"
 
@@ -265,8 +275,8 @@ def test_transitions_are_recorded_with_the_state_change(store: Store) -> None:
     store.register(key, generation=1, attempt_id="A", task_name="t")
     store.register(key, generation=2, attempt_id="B", task_name="t")
     with pytest.raises(StaleGeneration):
-        store.complete(key, generation=1, attempt_id="A", result=None)
-    store.complete(key, generation=2, attempt_id="B", result=None)
+        store.end(key, Completion(generation=1, attempt_id="A", result=None))
+    store.end(key, Completion(generation=2, attempt_id="B", result=None))
     assert [(t.action, t.generation, t.attempt_id) for t in store.history(key)] == [
         ("claimed", 1, "A"),
         ("claimed", 2, "B"),
@@ -279,7 +289,8 @@ def test_the_unfenced_control_arm_accepts_stale_writes(db_url: str) -> None:
     key = _key()
     unfenced.register(key, generation=1, attempt_id="A", task_name="t")
     unfenced.register(key, generation=2, attempt_id="B", task_name="t")
-    unfenced.complete(key, generation=1, attempt_id="A", result="stale")  # accepted: no fence
+    stale = Completion(generation=1, attempt_id="A", result="stale")
+    unfenced.end(key, stale)  # accepted: no fence
     record = unfenced.get(key)
     assert record is not None and record.result == "stale"
     unfenced.dispose()
@@ -344,13 +355,18 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     with store.db.tx() as conn:
         assert store.commit_check(conn, key, generation=2, attempt_id="A")
         assert not store.commit_check(conn, key, generation=1, attempt_id="A")
-    store.schedule_retry(
-        key, generation=2, attempt_id="A", error=OSError("x"), retry_at=later, reason="r"
+    store.end(
+        key,
+        RetryScheduled(
+            generation=2, attempt_id="A", error=OSError("x"), retry_at=later, reason="r"
+        ),
     )
     store.register(key, generation=3, attempt_id="B", task_name="t")
-    store.schedule_retry(key, generation=3, attempt_id="B", error=None, retry_at=later, reason="r")
+    store.end(
+        key, RetryScheduled(generation=3, attempt_id="B", error=None, retry_at=later, reason="r")
+    )
     store.register(key, generation=4, attempt_id="C", task_name="t")
-    store.mark_dead(key, generation=4, attempt_id="C", error=None, reason="d", attempts=7)
+    store.end(key, Dead(generation=4, attempt_id="C", error=None, reason="d", attempts=7))
     assert _state(store, key) == ("dead", 4, "C", 7)
     # The operator's requeue and its undo, then a completion with a staged effect.
     before = store.requeue(key)
@@ -359,38 +375,45 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     store.requeue(key)
     store.register(key, generation=5, attempt_id="D", task_name="t")
     effect = Effect(name="mail", payload={"to": "x"}, idempotency_key=f"{key}:mail")
-    store.complete(key, generation=5, attempt_id="D", result={"ok": True}, effects=[effect])
+    store.end(key, Completion(generation=5, attempt_id="D", result={"ok": True}, effects=[effect]))
     record = store.get(key)
     assert record is not None and (record.status, record.result) == ("completed", {"ok": True})
     assert store.last_exit(key) == "completed"
-    # A deferred first completion; bury, a refused registration, a message never run.
+    # A deferred first completion; a job dead unregistered, a refused registration, a message
+    # never run.
     first = _key()
-    store.complete_first(
-        first, generation=1, attempt_id="F", task_name="t", request_json=None, result=[1]
+    store.end(
+        first,
+        FirstCompletion(generation=1, attempt_id="F", task_name="t", request_json=None, result=[1]),
     )
     assert [t.action for t in store.history(first)] == ["claimed", "completed"]
-    buried = _key()
-    assert store.bury(buried, task_name="t", request=None, error=ValueError("k"), reason="key")
+    unregistered = _key()
+    assert store.end(
+        unregistered,
+        DeadUnregistered(task_name="t", request=None, error=ValueError("k"), reason="key"),
+    )
     refused = _key()
-    store.bury_refused(
+    store.end(
         refused,
-        generation=1,
-        attempt_id="R",
-        task_name="t",
-        request_json='{"a": 1}',
-        error=ValueError("nul"),
-        reason="refused",
+        DeadRefused(
+            generation=1,
+            attempt_id="R",
+            task_name="t",
+            request_json='{"a": 1}',
+            error=ValueError("nul"),
+            reason="refused",
+        ),
     )
     unrun = _key()
     store.register(unrun, generation=2, attempt_id="U", task_name="t")
-    store.schedule_retry(
-        unrun, generation=2, attempt_id="U", error=None, retry_at=later, reason="r"
+    store.end(
+        unrun, RetryScheduled(generation=2, attempt_id="U", error=None, retry_at=later, reason="r")
     )
-    store.end_unrun(unrun, task_name="t", request=None, reason="expired")
+    store.end(unrun, DeadUnrun(task_name="t", request=None, reason="expired"))
     store.record(unrun, action="lost", generation=2, attempt_id="U", reason="deadline")
-    assert [_state(store, k)[0] for k in (buried, refused, unrun)] == ["dead"] * 3
+    assert [_state(store, k)[0] for k in (unregistered, refused, unrun)] == ["dead"] * 3
     assert store.history(unrun)[-1].action == "lost"
-    # The recovery: stranded jobs taken for a re-send, or buried.
+    # The recovery: stranded jobs taken for a re-send, or dead.
     strays = [_key(), _key()]
     for stray in strays:
         store.register(stray, generation=2, attempt_id="S", task_name=strays[0])
@@ -398,7 +421,10 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     assert sorted(r.key for r in found) == sorted(strays)
     by_key = {r.key: r for r in found}
     assert store.take_for_resend(by_key[strays[0]], reason="stranded") is not None
-    assert store.bury_stranded(by_key[strays[1]], error=ValueError("no request"), reason="x")
+    assert store.end(
+        by_key[strays[1]].key,
+        DeadStranded(by_key[strays[1]], error=ValueError("no request"), reason="x"),
+    )
     assert [_state(store, k)[0] for k in strays] == ["pending", "dead"]
     # The outbox: claim, fail, claim again, deliver; a dead row requeued; purge.
     (row,) = store.outbox.claim(claimer="s1", claim_ttl=30, key=key)
@@ -432,7 +458,7 @@ def test_a_connection_that_lost_its_prepared_statements_prepares_them_again(db_u
         raw.close()
     # then the next writes on that connection prepare again and go through.
     store.register(key, generation=2, attempt_id="B", task_name="t")
-    store.complete(key, generation=2, attempt_id="B", result={"by": "B"})
+    store.end(key, Completion(generation=2, attempt_id="B", result={"by": "B"}))
     record = store.get(key)
     assert record is not None and (record.status, record.generation) == ("completed", 2)
     store.dispose()
@@ -477,7 +503,7 @@ def test_a_message_kept_dead_keeps_a_request_the_database_refuses_encoded(store:
     key = _key()
     request = {"task": "t", "args": ["before\x00after"], "kwargs": {}}
     # When a message that cannot run is kept as a dead job (expired, revoked, unkeyed)
-    store.end_unrun(key, task_name="t", request=request, reason="expired")
+    store.end(key, DeadUnrun(task_name="t", request=request, reason="expired"))
     # Then the job is dead, and its request reads back as it was sent
     record = store.get(key)
     assert record is not None and record.status == "dead"
@@ -494,16 +520,19 @@ def test_a_revoked_message_of_a_shared_key_ends_the_job_only_when_the_job_waits_
     for key in (own, other):
         request = {"task": "t", "id": "m1", "args": [key], "kwargs": {}}
         store.register(key, generation=1, attempt_id="A", task_name="t", request=request)
-        store.schedule_retry(
-            key, generation=1, attempt_id="A", error=None, retry_at=later, reason="r"
+        store.end(
+            key,
+            RetryScheduled(generation=1, attempt_id="A", error=None, retry_at=later, reason="r"),
         )
     # When the revoked message is the job's own retry (task id "m1"), the job goes dead;
-    store.end_unrun(
-        own, task_name="t", request=None, reason="revoked", only_insert=True, message_id="m1"
+    store.end(
+        own,
+        DeadUnrun(task_name="t", request=None, reason="revoked", only_insert=True, message_id="m1"),
     )
     # when it is another message of the key ("m2"), the job keeps waiting for its own.
-    store.end_unrun(
-        other, task_name="t", request=None, reason="revoked", only_insert=True, message_id="m2"
+    store.end(
+        other,
+        DeadUnrun(task_name="t", request=None, reason="revoked", only_insert=True, message_id="m2"),
     )
     assert [_state(store, k)[0] for k in (own, other)] == ["dead", "retrying"]
     assert [t.action for t in store.history(own)][-1] == "dead"

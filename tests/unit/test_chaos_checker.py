@@ -10,6 +10,7 @@ from typing import Any
 from celery_fence.chaos import app_metadata
 from celery_fence.chaos.arms import UnfencedStore
 from celery_fence.chaos.checker import Job, ScenarioResult, check
+from celery_fence.records import Completion
 from celery_fence.store import Store
 
 
@@ -34,7 +35,7 @@ def _check(store: Store, events: list[dict[str, Any]], **job: Any) -> ScenarioRe
 def test_a_clean_history_with_its_witness_reads_zero(tmp_path: Path) -> None:
     store = _store(tmp_path)
     store.register("k", generation=1, attempt_id="a1", task_name="t")
-    store.complete("k", generation=1, attempt_id="a1", result={"generation": 1})
+    store.end("k", Completion(generation=1, attempt_id="a1", result={"generation": 1}))
     events = [_ev("start", 1, "a1"), _ev("outcome", 1, "a1", outcome="completed")]
     result = _check(store, events)
     assert result.safe, result.violations
@@ -48,7 +49,7 @@ def test_an_attempt_told_completed_after_a_newer_generation_started_is_a_stale_w
     store = _store(tmp_path)
     store.register("k", generation=1, attempt_id="a1", task_name="t")
     store.register("k", generation=2, attempt_id="a2", task_name="t")
-    store.complete("k", generation=2, attempt_id="a2", result={"generation": 2})
+    store.end("k", Completion(generation=2, attempt_id="a2", result={"generation": 2}))
     events = [
         _ev("start", 1, "a1"),
         _ev("start", 2, "a2"),
@@ -63,7 +64,7 @@ def test_an_attempt_told_completed_after_a_newer_generation_started_is_a_stale_w
 def test_one_generation_started_by_two_attempts_is_claimed_twice(tmp_path: Path) -> None:
     store = _store(tmp_path)
     store.register("k", generation=1, attempt_id="a2", task_name="t")
-    store.complete("k", generation=1, attempt_id="a2", result={"generation": 1})
+    store.end("k", Completion(generation=1, attempt_id="a2", result={"generation": 1}))
     events = [
         _ev("start", 1, "a1"),
         _ev("start", 1, "a2"),
@@ -77,7 +78,7 @@ def test_no_transition_rows_or_no_witness_is_not_read_as_zero(tmp_path: Path) ->
     # Given a completed job whose store recorded no transition and whose ledger is empty,
     store = _store(tmp_path, record_transitions=False)
     store.register("k", generation=1, attempt_id="a1", task_name="t")
-    store.complete("k", generation=1, attempt_id="a1", result={"generation": 1})
+    store.end("k", Completion(generation=1, attempt_id="a1", result={"generation": 1}))
     result = _check(store, [])
     # then the checker says it has no evidence, instead of a row of zeros.
     assert result.unexpected_outcomes == 1 and not result.safe
@@ -90,7 +91,7 @@ def test_no_transition_rows_or_no_witness_is_not_read_as_zero(tmp_path: Path) ->
 def test_a_caller_that_got_another_result_is_an_unexpected_outcome(tmp_path: Path) -> None:
     store = _store(tmp_path)
     store.register("k", generation=1, attempt_id="a1", task_name="t")
-    store.complete("k", generation=1, attempt_id="a1", result={"generation": 1})
+    store.end("k", Completion(generation=1, attempt_id="a1", result={"generation": 1}))
     events = [_ev("start", 1, "a1"), _ev("outcome", 1, "a1", outcome="completed")]
     result = _check(store, events, results=[{"generation": 1}, {"generation": 7}])
     assert result.unexpected_outcomes == 1
@@ -111,7 +112,7 @@ def test_a_stale_write_seen_by_the_witness_and_the_history_counts_once(tmp_path:
     store = _store(tmp_path, UnfencedStore)
     store.register("k", generation=1, attempt_id="a1", task_name="t")
     store.register("k", generation=2, attempt_id="a2", task_name="t")
-    store.complete("k", generation=1, attempt_id="a1", result={"generation": 1})
+    store.end("k", Completion(generation=1, attempt_id="a1", result={"generation": 1}))
     events = [
         _ev("start", 1, "a1"),
         _ev("start", 2, "a2"),

@@ -24,6 +24,7 @@ from celery_fence.errors import (
 )
 from celery_fence.execution import CLAIM_ROUNDS, Execution
 from celery_fence.fence import Fence
+from celery_fence.records import Completion, DeadUnrun, Ending, RetryScheduled
 from celery_fence.renewer import Renewer
 from celery_fence.retry import RetryPolicy
 from celery_fence.testing.memory import MemoryLeaseStore, MemoryStore
@@ -153,13 +154,15 @@ def test_a_counter_behind_the_store_is_raised_and_the_claim_taken_again(run: Any
     # Given a store that registered generation 5 (Redis then lost its counter)
     store = MemoryStore()
     store.register(KEY, generation=5, attempt_id="old", task_name="t")
-    store.schedule_retry(
+    store.end(
         KEY,
-        generation=5,
-        attempt_id="old",
-        error=RuntimeError("x"),
-        retry_at=store.get(KEY).updated_at,  # type: ignore[union-attr]
-        reason="x",
+        RetryScheduled(
+            generation=5,
+            attempt_id="old",
+            error=RuntimeError("x"),
+            retry_at=store.get(KEY).updated_at,  # type: ignore[union-attr]
+            reason="x",
+        ),
     )
     r = run(store=store)
     # When an execution claims generation 1 from the fresh counter
@@ -266,7 +269,9 @@ def test_a_completion_after_a_newer_generation_registered_converges_on_it(run: A
     def superseded(fence: Fence) -> dict[str, int]:
         # a newer generation takes the job over and completes it while this body runs
         r.store.register(KEY, generation=fence.generation + 1, attempt_id="new", task_name="t")
-        r.store.complete(KEY, generation=fence.generation + 1, attempt_id="new", result="newer")
+        r.store.end(
+            KEY, Completion(generation=fence.generation + 1, attempt_id="new", result="newer")
+        )
         return {"mine": 1}
 
     action = r(superseded)
@@ -377,8 +382,10 @@ def test_an_expired_message_of_a_new_job_is_recorded_dead(run: Any) -> None:
 
 def test_an_expired_message_goes_back_when_the_store_cannot_say(run: Any) -> None:
     class Down(MemoryStore):
-        def end_unrun(self, key: str, **kw: Any) -> None:
-            raise ConnectionError("database down")
+        def end(self, key: str, ending: Ending) -> bool:
+            if isinstance(ending, DeadUnrun):
+                raise ConnectionError("database down")
+            return super().end(key, ending)
 
     r = run(store=Down())
     action = r.execution.settle_unrun(

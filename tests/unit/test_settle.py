@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import gevent
@@ -28,7 +28,7 @@ from celery_fence.errors import (
     StaleGeneration,
 )
 from celery_fence.execution import Execution
-from celery_fence.records import Registration
+from celery_fence.records import Ending, Registration
 from celery_fence.retry import RetryPolicy
 from celery_fence.store import JobRecord
 
@@ -56,7 +56,8 @@ def _record(status: str, result: Any = None) -> JobRecord:
 
 @dataclass
 class FakeStore:
-    """Records the writes; ``fail`` maps a method name to the exception it raises."""
+    """Records the writes; ``fail`` maps a write's name (a method's, or an ending value's class
+    name) to the exception it raises."""
 
     fail: dict[str, BaseException] = field(default_factory=dict)
     current: JobRecord | None = None
@@ -68,11 +69,12 @@ class FakeStore:
             raise self.fail[name]
         self.writes.append((name, kw))
 
-    def complete(self, key: str, **kw: Any) -> None:
-        self._write("complete", **kw)
-
-    def complete_first(self, key: str, **kw: Any) -> None:
-        self._write("complete_first", **kw)
+    def end(self, key: str, ending: Ending) -> bool:
+        """An ending, recorded by its value's name (``Completion``, ``Dead``, ...)."""
+        self._write(
+            type(ending).__name__, **{f.name: getattr(ending, f.name) for f in fields(ending)}
+        )
+        return True
 
     def register(self, key: str, **kw: Any) -> Registration:
         self._write("register", **kw)
@@ -81,19 +83,6 @@ class FakeStore:
         status = self.current.status
         outcome = status if status in ("completed", "dead") else "stale"
         return Registration(outcome, 1, self.current.generation, self.current)  # type: ignore[arg-type]
-
-    def schedule_retry(self, key: str, **kw: Any) -> None:
-        self._write("schedule_retry", **kw)
-
-    def mark_dead(self, key: str, **kw: Any) -> None:
-        self._write("mark_dead", **kw)
-
-    def bury(self, key: str, **kw: Any) -> bool:
-        self._write("bury", **kw)
-        return True
-
-    def bury_refused(self, key: str, **kw: Any) -> None:
-        self._write("bury_refused", **kw)
 
     def record(self, key: str, **kw: Any) -> None:
         self._write("record", **kw)
@@ -118,7 +107,7 @@ def _attempt(store: FakeStore, **config: Any) -> Execution:
     attempt = Execution(
         task_name="t",
         config=cfg,
-        store=store,  # type: ignore[arg-type]
+        store=store,
         leases=None,  # type: ignore[arg-type]
         renewer=None,  # type: ignore[arg-type]
         policy=RetryPolicy(cfg, budget=NoBudget()),  # type: ignore[arg-type]
@@ -140,11 +129,11 @@ def _data_error() -> sa_exc.DataError:
 
 CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, str | None]] = [
     # (name, outcome, failing store methods, stored record, action type, store write)
-    ("completed", o.Completed({"ok": 1}), {}, None, o.Return, "complete"),
+    ("completed", o.Completed({"ok": 1}), {}, None, o.Return, "Completion"),
     (
         "completed, stale, newer done",
         o.Completed(1),
-        {"complete": STALE},
+        {"Completion": STALE},
         _record("completed", 2),
         o.Return,
         "record",
@@ -152,7 +141,7 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
     (
         "completed, stale, newer running",
         o.Completed(1),
-        {"complete": STALE},
+        {"Completion": STALE},
         _record("running"),
         o.Resend,
         "record",
@@ -160,29 +149,29 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
     (
         "completed, not JSON",
         o.Completed(1),
-        {"complete": ResultNotSerializable("x")},
+        {"Completion": ResultNotSerializable("x")},
         None,
         o.Fail,
-        "mark_dead",
+        "Dead",
     ),
     (
         "completed, refused value",
         o.Completed(1),
-        {"complete": _data_error()},
+        {"Completion": _data_error()},
         None,
         o.Fail,
-        "mark_dead",
+        "Dead",
     ),
-    ("completed, store down", o.Completed(1), {"complete": DOWN}, None, o.Resend, None),
+    ("completed, store down", o.Completed(1), {"Completion": DOWN}, None, o.Resend, None),
     ("replayed", o.Replayed(_record("completed", 5)), {}, None, o.Return, None),
     ("already dead", o.AlreadyDead(_record("dead")), {}, None, o.Fail, None),
-    ("exhausted", o.Exhausted(), {}, None, o.Fail, "mark_dead"),
-    ("failed, transient", o.Failed(ConnectionError("x")), {}, None, o.Resend, "schedule_retry"),
-    ("failed, permanent", o.Failed(PermanentError("x")), {}, None, o.Fail, "mark_dead"),
+    ("exhausted", o.Exhausted(), {}, None, o.Fail, "Dead"),
+    ("failed, transient", o.Failed(ConnectionError("x")), {}, None, o.Resend, "RetryScheduled"),
+    ("failed, permanent", o.Failed(PermanentError("x")), {}, None, o.Fail, "Dead"),
     (
         "failed, store down",
         o.Failed(ConnectionError("x")),
-        {"schedule_retry": DOWN},
+        {"RetryScheduled": DOWN},
         None,
         o.Resend,
         None,
@@ -190,16 +179,16 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
     (
         "failed, dead not recorded",
         o.Failed(PermanentError("x")),
-        {"mark_dead": DOWN},
+        {"Dead": DOWN},
         None,
         o.Resend,
         None,
     ),
-    ("lost", o.Lost(LeaseLost("x")), {}, None, o.Resend, "schedule_retry"),
+    ("lost", o.Lost(LeaseLost("x")), {}, None, o.Resend, "RetryScheduled"),
     (
         "lost, stale",
         o.Lost(LeaseLost("x")),
-        {"schedule_retry": STALE},
+        {"RetryScheduled": STALE},
         _record("running"),
         o.Resend,
         "record",
@@ -213,12 +202,12 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
         {},
         None,
         o.Fail,
-        "bury_refused",
+        "DeadRefused",
     ),
     (
         "refused, store down",
         o.Refused(_data_error(), None),
-        {"bury_refused": DOWN},
+        {"DeadRefused": DOWN},
         None,
         o.Resend,
         None,
@@ -226,7 +215,7 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
     (
         "refused, job completed already",
         o.Refused(_data_error(), None),
-        {"bury_refused": STALE},
+        {"DeadRefused": STALE},
         _record("completed", 5),
         o.Return,
         None,
@@ -234,7 +223,7 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
     (
         "refused, job dead already",
         o.Refused(_data_error(), None),
-        {"bury_refused": STALE},
+        {"DeadRefused": STALE},
         _record("dead"),
         o.Fail,
         None,
@@ -242,49 +231,56 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
     (
         "refused, newer generation running",
         o.Refused(_data_error(), None),
-        {"bury_refused": STALE},
+        {"DeadRefused": STALE},
         _record("running"),
         o.Resend,
         "record",
     ),
-    ("unkeyed", o.Unkeyed(ConfigurationError("bad key"), "id", None), {}, None, o.Fail, "bury"),
-    ("control: retry", o.Control(Retry(when=0.5)), {}, None, o.Reraise, "schedule_retry"),
+    (
+        "unkeyed",
+        o.Unkeyed(ConfigurationError("bad key"), "id", None),
+        {},
+        None,
+        o.Fail,
+        "DeadUnregistered",
+    ),
+    ("control: retry", o.Control(Retry(when=0.5)), {}, None, o.Reraise, "RetryScheduled"),
     (
         "control: requeue",
         o.Control(Reject("x", requeue=True)),
         {},
         None,
         o.Reraise,
-        "schedule_retry",
+        "RetryScheduled",
     ),
-    ("control: reject", o.Control(Reject("x", requeue=False)), {}, None, o.Reraise, "mark_dead"),
+    ("control: reject", o.Control(Reject("x", requeue=False)), {}, None, o.Reraise, "Dead"),
     (
         "control: retry not sent",
         o.Control(RetryNotSent(ConnectionError("x"))),
         {},
         None,
         o.Reraise,
-        "schedule_retry",
+        "RetryScheduled",
     ),
-    ("control: ignore", o.Control(Ignore()), {}, None, o.Reraise, "mark_dead"),
-    ("control: stale", o.Control(Ignore()), {"mark_dead": STALE}, None, o.Reraise, None),
-    ("control: store down", o.Control(Ignore()), {"mark_dead": DOWN}, None, o.Resend, None),
+    ("control: ignore", o.Control(Ignore()), {}, None, o.Reraise, "Dead"),
+    ("control: stale", o.Control(Ignore()), {"Dead": STALE}, None, o.Reraise, None),
+    ("control: store down", o.Control(Ignore()), {"Dead": DOWN}, None, o.Resend, None),
     (
         "interrupted: cancelled",
         o.Interrupted(asyncio.CancelledError()),
         {},
         None,
         o.Resend,
-        "schedule_retry",
+        "RetryScheduled",
     ),
-    ("interrupted: exit", o.Interrupted(SystemExit(1)), {}, None, o.Reraise, "schedule_retry"),
+    ("interrupted: exit", o.Interrupted(SystemExit(1)), {}, None, o.Reraise, "RetryScheduled"),
     (
         "interrupted: Ctrl-C",
         o.Interrupted(KeyboardInterrupt()),
         {},
         None,
         o.Reraise,
-        "schedule_retry",
+        "RetryScheduled",
     ),
     (
         "interrupted: gevent time limit",
@@ -292,7 +288,7 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
         {},
         None,
         o.Reraise,
-        "schedule_retry",
+        "RetryScheduled",
     ),
     (
         "interrupted: greenlet killed",
@@ -300,12 +296,12 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
         {},
         None,
         o.Reraise,
-        "schedule_retry",
+        "RetryScheduled",
     ),
     (
         "interrupted: cancelled, stale",
         o.Interrupted(asyncio.CancelledError()),
-        {"schedule_retry": STALE},
+        {"RetryScheduled": STALE},
         _record("running"),
         o.Resend,
         "record",
@@ -313,7 +309,7 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
     (
         "interrupted: cancelled, store down",
         o.Interrupted(asyncio.CancelledError()),
-        {"schedule_retry": DOWN},
+        {"RetryScheduled": DOWN},
         None,
         o.Resend,
         None,
@@ -321,7 +317,7 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
     (
         "interrupted: exit, store down",
         o.Interrupted(SystemExit(1)),
-        {"schedule_retry": DOWN},
+        {"RetryScheduled": DOWN},
         None,
         o.Reraise,
         None,
@@ -332,7 +328,7 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
         {},
         None,
         o.Resend,
-        "schedule_retry",
+        "RetryScheduled",
     ),
 ]
 
@@ -362,13 +358,13 @@ def test_exhausted_keeps_the_executions_and_names_the_time_limit() -> None:
     action = s.settle(attempt, o.Exhausted())
     assert isinstance(action, o.Fail) and isinstance(action.error, JobDead)
     [(name, kw)] = store.writes
-    assert (name, kw["attempts"], kw["reason"]) == ("mark_dead", 3, "time limit")
+    assert (name, kw["attempts"], kw["reason"]) == ("Dead", 3, "time limit")
 
 
 def test_a_replay_returns_the_stored_result_and_a_stale_completion_converges_on_it() -> None:
     replay = s.settle(_attempt(FakeStore()), o.Replayed(_record("completed", [1])))
     assert replay == o.Return([1], deliver="k", replay=True)  # undelivered outbox rows go again
-    store = FakeStore(fail={"complete": STALE}, current=_record("completed", {"by": "newer"}))
+    store = FakeStore(fail={"Completion": STALE}, current=_record("completed", {"by": "newer"}))
     assert s.settle(_attempt(store), o.Completed({"by": "me"})) == o.Return({"by": "newer"})
 
 
@@ -387,7 +383,7 @@ def test_a_retry_budget_that_cannot_be_reached_still_retries() -> None:
     attempt.policy = RetryPolicy(attempt.config, budget=Broken())  # type: ignore[arg-type]
     action = s.settle(attempt, o.Failed(ConnectionError("x")))
     assert isinstance(action, o.Resend) and "retry budget unavailable" in action.reason
-    assert [name for name, _ in store.writes] == ["schedule_retry"]
+    assert [name for name, _ in store.writes] == ["RetryScheduled"]
 
 
 def test_a_refused_value_error_names_the_cause_and_the_fix_without_the_value() -> None:
@@ -436,15 +432,15 @@ def test_an_exit_in_a_pool_thread_is_re_sent_not_raised() -> None:
     # Then the job is retrying and the message re-sent (the same exit on the main thread is
     # raised on: see the table)
     assert [type(action) for action in actions] == [o.Resend]
-    assert [name for name, _ in store.writes] == ["schedule_retry"]
+    assert [name for name, _ in store.writes] == ["RetryScheduled"]
 
 
 def test_a_refused_message_of_an_ended_job_answers_from_the_stored_state() -> None:
     # completed: the stored result, as a replay; dead: the job's own dead error, acked once
-    store = FakeStore(fail={"bury_refused": STALE}, current=_record("completed", {"by": "newer"}))
+    store = FakeStore(fail={"DeadRefused": STALE}, current=_record("completed", {"by": "newer"}))
     action = s.settle(_attempt(store), o.Refused(_data_error(), None))
     assert action == o.Return({"by": "newer"}, deliver="k", replay=True)
-    store = FakeStore(fail={"bury_refused": STALE}, current=_record("dead"))
+    store = FakeStore(fail={"DeadRefused": STALE}, current=_record("dead"))
     action = s.settle(_attempt(store), o.Refused(_data_error(), None))
     assert isinstance(action, o.Fail) and isinstance(action.error, JobDead)
 
@@ -455,30 +451,30 @@ def test_a_retry_the_broker_refused_is_recorded_retrying_and_given_back() -> Non
     action = s.settle(_attempt(store), o.Control(refused))
     assert action == o.Reraise(refused) and refused.requeue
     [(name, kw)] = store.writes
-    assert name == "schedule_retry"
+    assert name == "RetryScheduled"
     assert kw["reason"] == "the task's retry could not be sent; the message goes back"
 
 
 DEFERRED_CASES: list[tuple[str, dict[str, BaseException], JobRecord | None, type, list[str]]] = [
     # (name, failing store methods, stored record, action type, store writes in order)
-    ("completed first", {}, None, o.Return, ["complete_first"]),
+    ("completed first", {}, None, o.Return, ["FirstCompletion"]),
     (
         "request refused: dead, the request kept encoded",
-        {"complete_first": _data_error(), "register": _data_error()},
+        {"FirstCompletion": _data_error(), "register": _data_error()},
         None,
         o.Fail,
-        ["bury_refused"],
+        ["DeadRefused"],
     ),
     (
         "result refused: registered, then dead",
-        {"complete_first": _data_error()},
+        {"FirstCompletion": _data_error()},
         None,
         o.Fail,
-        ["register", "mark_dead"],
+        ["register", "Dead"],
     ),
     (
         "refused, and the job completed meanwhile",
-        {"complete_first": _data_error()},
+        {"FirstCompletion": _data_error()},
         _record("completed", 5),
         o.Return,
         ["register"],
