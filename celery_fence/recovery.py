@@ -44,7 +44,7 @@ from typing import Any
 
 from celery import shared_task
 
-from .actions import Action, LogEvent
+from .actions import Action, LogAction
 from .errors import FenceError
 from .records import ENQUEUED_HEADER, EXECUTION_OPTIONS
 from .schema import PENDING
@@ -312,7 +312,7 @@ def _recover_one(app: Any, store: Store, record: JobRecord, report: RecoveryRepo
             "fence recover could not re-send key=%s: %s",
             record.key,
             type(exc).__name__,
-            extra={"action": LogEvent.RECOVER_FAILED, "fence_key": record.key, "reason": str(exc)},
+            extra={"action": LogAction.RECOVER_FAILED, "fence_key": record.key, "reason": str(exc)},
         )
         return
     if task_id is None:

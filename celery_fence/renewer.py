@@ -18,7 +18,7 @@ import math
 import threading
 import time
 
-from .actions import LogEvent
+from .actions import LogAction
 from .lease import HeldLease
 from .ports import LeaseBackend
 from .runtime import Background, runtime
@@ -214,7 +214,7 @@ class Renewer(Background):
                     "lease release round trip failed (%s); %d release(s) kept for the next try",
                     type(exc).__name__,
                     len(releases),
-                    extra={"action": LogEvent.RELEASE_FAILED, "reason": type(exc).__name__},
+                    extra={"action": LogAction.RELEASE_FAILED, "reason": type(exc).__name__},
                 )
                 return
             logger.warning(
@@ -223,7 +223,7 @@ class Renewer(Background):
                 type(exc).__name__,
                 exc,
                 len(held),
-                extra={"action": LogEvent.RENEW_FAILED, "reason": type(exc).__name__},
+                extra={"action": LogAction.RENEW_FAILED, "reason": type(exc).__name__},
             )
             for lease in held:
                 if time.monotonic() > lease.deadline:

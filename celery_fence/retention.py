@@ -21,7 +21,7 @@ from typing import Any
 
 from celery import shared_task
 
-from .actions import LogEvent
+from .actions import LogAction
 from .backends import store_for
 from .config import FenceConfig
 from .schema import COMPLETED
@@ -39,7 +39,7 @@ def purge_expired(app: Any, *, now: dt.datetime | None = None) -> int:
     if config.retention is None:
         logger.info(
             "fence purge: fence_retention is not set, nothing deleted",
-            extra={"action": LogEvent.PURGE, "reason": "no retention set"},
+            extra={"action": LogAction.PURGE, "reason": "no retention set"},
         )
         return 0
     cutoff = (now or dt.datetime.now(dt.timezone.utc)) - dt.timedelta(seconds=config.retention)
@@ -48,7 +48,7 @@ def purge_expired(app: Any, *, now: dt.datetime | None = None) -> int:
         "fence purge: %d completed job(s) finished before %s deleted",
         count,
         cutoff.isoformat(timespec="seconds"),
-        extra={"action": LogEvent.PURGE, "reason": f"older than {config.retention:g}s"},
+        extra={"action": LogAction.PURGE, "reason": f"older than {config.retention:g}s"},
     )
     return count
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .actions import LogEvent
+from .actions import LogAction
 from .watchdog import watchdog
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ class BackgroundWriter(Background):
             logger.warning(
                 "background write queue full: %s dropped",
                 getattr(fn, "__name__", "a write"),
-                extra={"action": LogEvent.WRITE_DROPPED, "reason": "queue full"},
+                extra={"action": LogAction.WRITE_DROPPED, "reason": "queue full"},
             )
             return False
         with self._lock:

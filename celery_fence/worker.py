@@ -39,7 +39,7 @@ from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
 from celery.worker.request import Request
 
 from . import outcomes as o
-from .actions import LogEvent
+from .actions import LogAction
 from .errors import ConfigurationError
 from .records import encode_request
 from .runtime import app_state, runtime
@@ -87,19 +87,19 @@ class FencedRequest(Request):
                 key = self.task.logical_key(self.args, self.kwargs, self.id)
             except ConfigurationError:
                 key = str(self.id)
-            action = execution.settle_time_limit(key, timeout)
+            disposition = execution.settle_time_limit(key, timeout)
         except Exception as exc:  # no execution (settings): the message goes back all the same
             logger.warning(
                 "fence could not record the hard time limit of task=%s id=%s: %s",
                 self.task_name,
                 self.id,
                 type(exc).__name__,
-                extra={"action": LogEvent.STORE_ERROR, "reason": "time limit"},
+                extra={"action": LogAction.STORE_ERROR, "reason": "time limit"},
             )
-            action = o.Requeue("hard time limit")
-        self._apply(action)  # Celery's own ack that follows is then a no-op
+            disposition = o.Requeue("hard time limit")
+        self._apply(disposition)  # Celery's own ack that follows is then a no-op
 
-    def _settle_unrun(self, why: str, terminated: bool) -> o.CeleryAction:
+    def _settle_unrun(self, why: str, terminated: bool) -> o.Disposition:
         """Settle the job of a message Celery will not run (or, ``terminated``, whose running
         attempt ``revoke(terminate=True)`` killed)."""
         try:
@@ -116,7 +116,7 @@ class FencedRequest(Request):
                 self.task_name,
                 self.id,
                 type(exc).__name__,
-                extra={"action": LogEvent.STORE_ERROR, "reason": why},
+                extra={"action": LogAction.STORE_ERROR, "reason": why},
             )
             return o.Requeue(f"{why}: settings or store unavailable")
         return execution.settle_unrun(
@@ -128,9 +128,9 @@ class FencedRequest(Request):
         execution: Execution = task.fence_execution(message_id=self.id, hostname=self.hostname)
         return execution
 
-    def _apply(self, action: o.CeleryAction) -> None:
-        """The worker's side of an action: give the message back, or let Celery ack it."""
-        if isinstance(action, o.Requeue):
+    def _apply(self, disposition: o.Disposition) -> None:
+        """The worker's side of a disposition: give the message back, or let Celery ack it."""
+        if isinstance(disposition, o.Requeue):
             self.reject(requeue=True)
 
 
