@@ -1,6 +1,7 @@
 """Retention: finished jobs and their history deleted once they are older than a set age.
 
-``fence_retention`` (seconds; unset: keep everything) with the beat task :data:`PURGE_TASK`::
+``fence_retention`` (seconds; unset: keep everything) with the beat task :data:`PURGE_TASK`
+(registered by :func:`celery_fence.install` on each app that has a fenced task)::
 
     beat_schedule = {"fence-purge": {"task": "celery_fence.purge", "schedule": 3600.0}}
 
@@ -18,8 +19,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from typing import Any
-
-from celery import shared_task
 
 from .actions import LogAction
 from .backends import store_for
@@ -53,9 +52,9 @@ def purge_expired(app: Any, *, now: dt.datetime | None = None) -> int:
     return count
 
 
-@shared_task(name=PURGE_TASK, bind=True, ignore_result=True)
 def purge_task(self: Any) -> int:
-    """The beat task: one :func:`purge_expired` run on this worker's app."""
+    """The beat task's body (:data:`PURGE_TASK`, registered per app by
+    :func:`celery_fence.install`): one :func:`purge_expired` run on this worker's app."""
     return purge_expired(self.app)
 
 

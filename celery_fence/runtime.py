@@ -23,6 +23,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -187,6 +188,8 @@ class AppState:
     #: What the worker was started with, as an operator types it again: ``celery -A proj``;
     #: None until ``worker_init`` says (see :func:`celery_fence.worker.celery_command`).
     celery_command: str | None = None
+    #: Whether :func:`celery_fence.install` ran for the app (its receivers act on it).
+    installed: bool = False
 
 
 _STATE_ATTRIBUTE = "_fence_state"
@@ -198,6 +201,40 @@ def app_state(app: Any) -> AppState:
     if state is None:
         state = app.__dict__.setdefault(_STATE_ATTRIBUTE, AppState())
     return state
+
+
+#: The apps :func:`celery_fence.install` ran for in this process (inherited by a forked child).
+_installed_apps: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def real_app(app: Any) -> Any:
+    """``app`` itself, or the app behind Celery's ``current_app`` proxy."""
+    resolve = getattr(app, "_get_current_object", None)
+    return resolve() if callable(resolve) else app
+
+
+def mark_installed(app: Any) -> bool:
+    """Record that ``app`` is installed; False when it already was (idempotent)."""
+    state = app_state(app)
+    if state.installed:
+        return False
+    state.installed = True
+    _installed_apps.add(app)
+    return True
+
+
+def installed(app: Any) -> bool:
+    """Whether ``app`` (a Celery app, a proxy to one, or None) was installed; never creates
+    state on an app that was not: the receivers ask this of every app a signal names."""
+    if app is None:
+        return False
+    state = getattr(real_app(app), "__dict__", {}).get(_STATE_ATTRIBUTE)
+    return isinstance(state, AppState) and state.installed
+
+
+def installed_apps() -> list[Any]:
+    """The apps installed in this process (in no particular order)."""
+    return list(_installed_apps)
 
 
 _current = Runtime()
@@ -231,5 +268,9 @@ __all__ = [
     "BackgroundWriter",
     "Runtime",
     "app_state",
+    "installed",
+    "installed_apps",
+    "mark_installed",
+    "real_app",
     "runtime",
 ]

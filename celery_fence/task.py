@@ -36,6 +36,7 @@ from .errors import (
 )
 from .execution import Execution
 from .fence import Fence
+from .installation import install
 from .outbox import trigger_delivery
 from .records import ENQUEUED_HEADER, request_text
 from .runtime import app_state
@@ -75,6 +76,15 @@ class FencedTask(Task):
     execution_class: type[Execution] = Execution
     #: The worker refuses to start when this task's settings are invalid (``worker_init``).
     settings_checked_at_start = True
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Celery binds the task to its app: install celery-fence on that app (its beat tasks,
+        the process's receivers; idempotent). A class that declares itself ``abstract`` is a
+        base of fenced tasks, not one: it installs nothing."""
+        super().on_bound(app)
+        if not cls.__dict__.get("abstract", False):
+            install(app)
 
     # -- configuration ---------------------------------------------------------------------------
 
