@@ -206,7 +206,7 @@ def _failed(a: Execution, o: Failed) -> Disposition:
         decision = Decision(
             "retry", countdown, f"error {name}; retry budget unavailable ({type(exc).__name__})"
         )
-    if decision.action == "dead":
+    if decision.verdict == "dead":
         return _dead(a, o.error, decision.reason)
     return _retry(a, o.error, decision.countdown, decision.reason)
 
