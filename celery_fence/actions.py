@@ -1,6 +1,14 @@
-"""The one vocabulary of transitions: what logs, signals, Celery events and the transitions table
-call each step of a job's life. How each is seen (signal, log level, event, table row) is the
-table in :mod:`celery_fence.transitions`."""
+"""The one vocabulary of the ``action`` field: the name of what happened, as the transitions
+table's ``action`` column and a log line's ``action`` key (``extra``) carry it.
+
+- :class:`Action`: the actions that are transitions of a job's life; how each is seen (signal,
+  log level, Celery event, table row) is the table in :mod:`celery_fence.transitions`.
+- :class:`LogAction`: the actions only log lines carry (a background step that failed, an
+  operator's command, an outbox delivery).
+
+"Action" means nothing else in celery-fence: what Celery is told to do with a message after the
+settle step is a *disposition* (:data:`celery_fence.outcomes.Disposition`).
+"""
 
 from __future__ import annotations
 
@@ -30,15 +38,19 @@ class Action(str, Enum):
         return self.value
 
 
-class LogEvent(str, Enum):
+class LogAction(str, Enum):
     """What a log line's ``action`` field says when the line announces no transition: a failure
-    of a background step, or an operator's or the task's own event. With :class:`Action`, the
-    whole vocabulary of that field."""
+    of a background step, an outbox delivery, or an operator's or the task's own step. With
+    :class:`Action`, the whole vocabulary of that field."""
 
     DB_TIMEOUT = "db_timeout"
     ENQUEUE_UNSENT = "enqueue_unsent"
     INTERRUPTED = "interrupted"
+    OUTBOX_CLAIM_LOST = "outbox_claim_lost"
+    OUTBOX_DEAD = "outbox_dead"
+    OUTBOX_DELIVERED = "outbox_delivered"
     OUTBOX_NO_SENDER = "outbox_no_sender"
+    OUTBOX_RETRY = "outbox_retry"
     OUTBOX_TRIGGER_FAILED = "outbox_trigger_failed"
     PURGE = "purge"
     RECOVER_FAILED = "recover_failed"
@@ -61,4 +73,4 @@ class LogEvent(str, Enum):
 #: worker wrote just before says why.
 INTERRUPTED_BY = "interrupted by"
 
-__all__ = ["INTERRUPTED_BY", "Action", "LogEvent"]
+__all__ = ["INTERRUPTED_BY", "Action", "LogAction"]

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from .actions import LogEvent
+from .actions import LogAction
 
 logger = logging.getLogger("celery_fence")
 
@@ -97,7 +97,7 @@ class BackgroundWriter(Background):
             logger.warning(
                 "background write queue full: %s dropped",
                 getattr(fn, "__name__", "a write"),
-                extra={"action": LogEvent.WRITE_DROPPED, "reason": "queue full"},
+                extra={"action": LogAction.WRITE_DROPPED, "reason": "queue full"},
             )
             return False
         self.start()

@@ -11,14 +11,11 @@ import dataclasses
 import difflib
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .app_state import app_state
 from .errors import ConfigurationError
 from .redis_client import parse_redis_settings
-
-if TYPE_CHECKING:
-    from .outbox import Outbox
 
 #: Redis that holds leases and generation counters.
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -353,34 +350,6 @@ class FenceConfig:
         if state.config is None:
             state.config = cls.from_mapping(app.conf)
         return state.config
-
-
-@dataclass
-class AppState:
-    """Per-app state that survives the pool's fork: made in the parent, shared by the children
-    (per-process objects live on :class:`~celery_fence.runtime.Runtime`)."""
-
-    #: The app's settings (:meth:`FenceConfig.from_app`); None until first read.
-    config: FenceConfig | None = None
-    #: The app's :class:`~celery_fence.outbox.Outbox` (its handler registry), if one was made.
-    outbox: Outbox | None = None
-    #: Whether the worker sends task events (``-E`` sets the worker's flag, not ``app.conf``);
-    #: None until ``worker_init`` says (see :func:`celery_fence.events.task_events_enabled`).
-    task_events: bool | None = None
-    #: What the worker was started with, as an operator types it again: ``celery -A proj``;
-    #: None until ``worker_init`` says (see :func:`celery_fence.worker.celery_command`).
-    celery_command: str | None = None
-
-
-_STATE_ATTRIBUTE = "_fence_state"
-
-
-def app_state(app: Any) -> AppState:
-    """The celery-fence state of ``app`` (kept on the app: it lives and dies with it)."""
-    state: AppState | None = app.__dict__.get(_STATE_ATTRIBUTE)
-    if state is None:
-        state = app.__dict__.setdefault(_STATE_ATTRIBUTE, AppState())
-    return state
 
 
 _FLOATS = {

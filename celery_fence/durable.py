@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, scoped_session
 
-from .actions import LogEvent
+from .actions import LogAction
 from .errors import ConfigurationError, FenceError
 from .records import ENQUEUED_HEADER, encode_request
 from .recovery import KEY_HEADER
@@ -299,7 +299,7 @@ def _publish(sends: list[_Send]) -> None:
                 send.key,
                 send.task_id,
                 type(exc).__name__,
-                extra={"action": LogEvent.ENQUEUE_UNSENT, "fence_key": send.key},
+                extra={"action": LogAction.ENQUEUE_UNSENT, "fence_key": send.key},
             )
 
 

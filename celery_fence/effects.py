@@ -1,4 +1,4 @@
-"""Effects staged by a task body (``self.fence.outbox.add(...)``) and their stable keys.
+"""Effects staged by a task body (``self.fence.effects.add(...)``) and their stable keys.
 
 Nothing is written when an effect is staged: the fenced completion writes the staged effects in
 its own statement/transaction, so a stale attempt's effects are never recorded and a completed
@@ -32,7 +32,8 @@ def storage_key(key: str, version: str | int, *, prefix: str = "exports", suffix
 
 
 class StagedEffects:
-    """The effects one attempt stages; written only by a successful fenced completion."""
+    """The effects one attempt stages (``self.fence.effects``); written only by a successful
+    fenced completion, as rows of ``fence_outbox``."""
 
     def __init__(self, key: str) -> None:
         self.key = key

@@ -22,6 +22,9 @@ its dispatcher (one broker connection) and publishes without retrying. When the 
 or down, events are dropped, never buffered without bound and never raised. They are sent only
 when the worker sends task events (``celery worker -E`` or ``worker_send_task_events=True``) and
 ``fence_send_events`` is on (the default).
+
+The two signal receivers here (:data:`RECEIVERS`) are connected by :func:`celery_fence.install`,
+not by importing this module; each acts only for an installed app.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ import time
 from typing import Any
 
 from celery import signals as celery_signals
+from celery.utils.dispatch import Signal
 
+from .app_state import app_state, installed
 from .background import Background
-from .config import app_state
 from .runtime import runtime
 
 logger = logging.getLogger("celery_fence.events")
@@ -50,14 +54,13 @@ def event_type(subject: str) -> str:
     return f"{EVENT_PREFIX}{subject}"
 
 
-@celery_signals.worker_init.connect(weak=False)
 def _remember_task_events(sender: Any = None, **_: Any) -> None:
     """``celery worker -E`` sets the worker's ``task_events``, not ``app.conf``: remember it here.
 
     Runs in the worker's main process before the pool forks, so prefork children inherit it.
     """
-    app = getattr(sender, "app", None)
-    if app is not None:
+    app: Any = getattr(sender, "app", None)
+    if installed(app):
         app_state(app).task_events = bool(getattr(sender, "task_events", False))
 
 
@@ -179,13 +182,21 @@ def flush(timeout: float = 2.0) -> None:
         sender.flush(max(0.0, end - time.monotonic()))
 
 
-@celery_signals.worker_shutdown.connect(weak=False)
-def _flush_at_shutdown(**_: Any) -> None:
-    flush(timeout=1.0)
+def _flush_at_shutdown(sender: Any = None, **_: Any) -> None:
+    if installed(getattr(sender, "app", None)):
+        flush(timeout=1.0)
+
+
+#: The process-wide receivers :func:`celery_fence.install` connects, once.
+RECEIVERS: tuple[tuple[Signal, Any], ...] = (
+    (celery_signals.worker_init, _remember_task_events),
+    (celery_signals.worker_shutdown, _flush_at_shutdown),
+)
 
 
 __all__ = [
     "EVENT_PREFIX",
+    "RECEIVERS",
     "EventSender",
     "event_type",
     "flush",

@@ -1,13 +1,13 @@
 """One :class:`Execution` per attempt of a fenced task: claim -> register -> body -> settle.
 
-The execution owns the attempt from its first step to the action Celery is given, in one
+The execution owns the attempt from its first step to the disposition Celery is given, in one
 direction: it claims a generation (Redis, one script call), registers it (SQL, one statement, or
 none for a deferred first claim), runs the body with ``self.fence`` bound to it, and settles
 whatever happened through :func:`celery_fence.settle.settle`, which writes the one fenced store
-state the outcome needs and returns one :data:`~celery_fence.outcomes.CeleryAction`. It never
+state the outcome needs and returns one :data:`~celery_fence.outcomes.Disposition`. It never
 calls Celery: :class:`~celery_fence.task.FencedTask` (the body's side) and
 :class:`~celery_fence.worker.FencedRequest` (the exits Celery drives in the worker: the hard time
-limit, an expired or revoked message) build one and apply the action it returns.
+limit, an expired or revoked message) build one and carry out the disposition it returns.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
 from . import outcomes as o
-from .actions import Action, LogEvent
+from .actions import Action, LogAction
 from .config import FenceConfig
 from .errors import ConfigurationError, FenceError, LeaseBusy, LeaseLost, StaleGeneration
 from .fence import Fence
@@ -96,9 +96,10 @@ class Execution:
         request_json: Callable[[], str | None],
         first_delivery: bool,
         max_runtime: float | None,
-    ) -> o.CeleryAction:
-        """Claim, register, run ``body(fence)`` and settle: the action for Celery. Every exit of
-        the path, an exception or not, is settled; the lease is given back whatever happens."""
+    ) -> o.Disposition:
+        """Claim, register, run ``body(fence)`` and settle: the disposition for Celery. Every
+        exit of the path, an exception or not, is settled; the lease is given back whatever
+        happens."""
         self.key = key
         try:
             try:
@@ -112,19 +113,19 @@ class Execution:
             if self.lease is not None:
                 self.renewer.discard(self.lease)  # compare-and-delete, batched by the renewer
 
-    def settle(self, outcome: o.Outcome) -> o.CeleryAction:
+    def settle(self, outcome: o.Outcome) -> o.Disposition:
         """The one step every ending passes through: see :mod:`celery_fence.settle`."""
         return settle(self, outcome)
 
     def run_unkeyed(
         self, error: ConfigurationError, message_id: str | None, request: Mapping[str, Any] | None
-    ) -> o.CeleryAction:
+    ) -> o.Disposition:
         """``fence_key`` failed for this message: the job is recorded ``dead`` under
         ``unkeyed:<task>:<message id>`` so nothing is lost silently."""
         self.key = f"unkeyed:{self.task_name}:{message_id}"
         return self.settle(o.Unkeyed(error, message_id, request))
 
-    def settle_time_limit(self, key: str, timeout: float | None) -> o.CeleryAction:
+    def settle_time_limit(self, key: str, timeout: float | None) -> o.Disposition:
         """The pool killed this message's attempt at its hard time limit: record it; the message
         goes back to the broker (the next delivery claims once the killed lease runs out)."""
         self.key = key
@@ -138,7 +139,7 @@ class Execution:
         message_id: str | None,
         request: Mapping[str, Any] | None,
         terminated: bool,
-    ) -> o.CeleryAction:
+    ) -> o.Disposition:
         """Celery acks this message without running it (``why``: expired or revoked), or after
         ``revoke(terminate=True)`` killed its attempt: the job is settled first."""
         self.key = key
@@ -189,7 +190,7 @@ class Execution:
             return o.Stale(exc)
         except Exception as exc:
             return o.Failed(exc)
-        return o.Completed(result, fence.outbox.staged)
+        return o.Completed(result, fence.effects.staged)
 
     def _claim_and_register(
         self,
@@ -274,7 +275,7 @@ class Execution:
                 self.generation,
                 stored,
                 extra={
-                    "action": LogEvent.REGRESSED,
+                    "action": LogAction.REGRESSED,
                     "fence_key": self.key,
                     "attempt_id": self.attempt_id,
                     "generation": self.generation,

@@ -27,18 +27,18 @@ class Fence:
     is the number this attempt's claim received. ``check()`` and ``guard()`` raise
     :class:`~celery_fence.LeaseLost` once the lease is lost: a check on entry, not a fence.
     Writes to the app's own tables go through ``transaction()`` or ``session()``, whose commit is
-    fenced; effects on other systems through ``outbox``.
+    fenced; effects on other systems are staged on ``effects`` (also reachable as ``outbox``).
     """
 
     __slots__ = (
         "attempt_id",
         "attempts",
         "blocks",
+        "effects",
         "execution",
         "generation",
         "key",
         "lease",
-        "outbox",
         "store",
     )
 
@@ -57,7 +57,8 @@ class Fence:
         self.attempt_id = attempt_id
         self.generation = generation
         self.attempts = attempts
-        self.outbox = StagedEffects(key)
+        #: The effects this attempt stages: ``self.fence.effects.add("email", {...})``.
+        self.effects = StagedEffects(key)
         #: This attempt's lease, and the store its fenced blocks check ownership in.
         self.lease = lease
         self.store = store
@@ -120,6 +121,12 @@ class Fence:
         from .contrib.django.atomic import atomic  # Django is optional: imported when used
 
         return atomic(self, using)
+
+    @property
+    def outbox(self) -> StagedEffects:
+        """``self.fence.outbox.add(...)``: an alias of :attr:`effects`, for code written
+        against that name."""
+        return self.effects
 
     @property
     def remaining(self) -> float:

@@ -1,7 +1,9 @@
 """Logging helpers: the current attempt on the task's own log records, payloads out of Celery's.
 
-Two filters, installed in the worker through Celery's logging signals (connected when
-``celery_fence`` is imported; nothing happens outside a worker unless you install them yourself):
+Two filters, installed in the worker through Celery's logging signals (their receivers,
+:data:`RECEIVERS`, are connected by :func:`celery_fence.install`, which a fenced task runs for
+its app; they act only when the current app, or another app of the process, is installed;
+nothing happens outside a worker unless you install the filters yourself):
 
 - :class:`FenceContextFilter` puts the running fenced attempt on every record logged while its
   body runs: attributes ``fence_key``, ``generation`` and ``attempt_id`` (for JSON formatters and
@@ -35,7 +37,9 @@ from typing import Any
 
 from celery import signals as celery_signals
 from celery._state import get_current_task
+from celery.utils.dispatch import Signal
 
+from .app_state import installed, installed_apps
 from .config import read_setting
 from .errors import ConfigurationError
 
@@ -210,33 +214,56 @@ def _current_app() -> Any:
     return current_app._get_current_object()
 
 
-@celery_signals.after_setup_logger.connect(weak=False)
+def _fenced_app() -> Any:
+    """The app whose settings the logging receivers follow: the current app when it is
+    installed, else an installed app of this process, else None (nothing to do)."""
+    app = _current_app()
+    if installed(app):
+        return app
+    apps = installed_apps()
+    return apps[0] if apps else None
+
+
 def _on_setup_logger(**kwargs: Any) -> None:
+    app = _fenced_app()
+    if app is None:
+        return
     root = kwargs.get("logger") or logging.getLogger()
     install_context(root)
-    if redaction_enabled(_current_app()):
+    if redaction_enabled(app):
         install_redaction(root)
 
 
-@celery_signals.after_setup_task_logger.connect(weak=False)
 def _on_setup_task_logger(**kwargs: Any) -> None:
+    app = _fenced_app()
+    if app is None:
+        return
     task_logger = kwargs.get("logger") or logging.getLogger("celery.task")
     install_context(task_logger)
     _amend_task_formatter(task_logger)
-    if redaction_enabled(_current_app()):
+    if redaction_enabled(app):
         install_redaction(task_logger)
 
 
-@celery_signals.worker_process_init.connect(weak=False)
 def _on_worker_process_init(**_: Any) -> None:
     """Pool processes inherit the filters by fork; this covers the other start methods."""
-    if redaction_enabled(_current_app()):
+    app = _fenced_app()
+    if app is not None and redaction_enabled(app):
         install_redaction(logging.getLogger(), logging.getLogger("celery.task"))
+
+
+#: The process-wide receivers :func:`celery_fence.install` connects, once.
+RECEIVERS: tuple[tuple[Signal, Any], ...] = (
+    (celery_signals.after_setup_logger, _on_setup_logger),
+    (celery_signals.after_setup_task_logger, _on_setup_task_logger),
+    (celery_signals.worker_process_init, _on_worker_process_init),
+)
 
 
 __all__ = [
     "CELERY_PAYLOAD_LOGGERS",
     "PAYLOAD_KEYS",
+    "RECEIVERS",
     "REDACTED",
     "FenceContextFilter",
     "RedactCeleryPayloads",

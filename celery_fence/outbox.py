@@ -1,6 +1,15 @@
 """External effects: staged by a task body, written with its fenced completion, then delivered.
 
-Staging (:mod:`celery_fence.effects`). ``self.fence.outbox.add("email", {"to": ...})`` stages an
+Three objects, one name each:
+
+- ``self.fence.effects`` (:class:`~celery_fence.effects.StagedEffects`, one per attempt): what
+  the body stages (``self.fence.outbox`` is the same object);
+- ``store.outbox_rows`` (:class:`~celery_fence.store.OutboxRows`): the rows of the
+  ``fence_outbox`` table, written by the fenced completion (``store.outbox`` is the same object);
+- :class:`Outbox` (this module, one per app): the delivery side, handlers and the tasks that
+  deliver the rows.
+
+Staging (:mod:`celery_fence.effects`). ``self.fence.effects.add("email", {"to": ...})`` stages an
 effect; nothing is written until the completion commits, and then in the same
 statement/transaction, so a stale attempt's effects are never recorded and a completed job's are
 recorded exactly once. Each row's idempotency key is derived from the logical key and the
@@ -40,9 +49,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .actions import LogEvent
+from .actions import LogAction
+from .app_state import app_state
 from .backends import store_for
-from .config import FenceConfig, app_state
+from .config import FenceConfig
 from .effects import StagedEffects, idempotency_key, storage_key
 from .errors import FenceError
 from .retry import backoff, give_up
@@ -82,7 +92,7 @@ class DeliveryReport:
 
 
 class Outbox:
-    """The outbox sender of one Celery app: handlers, the deliver and sweep tasks.
+    """The delivery side of the outbox, one per Celery app: handlers, the deliver and sweep tasks.
 
     Create it where the app is defined (workers must import it): ``outbox = Outbox(app)``.
     Keyword-only options: ``claim_ttl`` (seconds a claimed row is held, default
@@ -181,7 +191,7 @@ class Outbox:
         """
         store = self.store
         report = DeliveryReport()
-        for row in store.outbox.bury_exhausted(max_attempts=self.max_attempts, key=key):
+        for row in store.outbox_rows.bury_exhausted(max_attempts=self.max_attempts, key=key):
             report.dead += 1  # its handler never returned (a killed or hung sender)
             logger.error(
                 "outbox dead key=%s effect=%s id=%s after %s claims that never finished",
@@ -189,12 +199,12 @@ class Outbox:
                 row.name,
                 row.id,
                 row.attempts,
-                extra=_extra(row, "outbox_dead", reason="claims exhausted"),
+                extra=_extra(row, LogAction.OUTBOX_DEAD, reason="claims exhausted"),
             )
         cursor = 0
         for _ in range(limit or self.batch):
             claimer = _claim_token()
-            rows = store.outbox.claim(
+            rows = store.outbox_rows.claim(
                 claimer=claimer, claim_ttl=self.claim_ttl, key=key, after_id=cursor
             )
             if not rows:
@@ -219,7 +229,7 @@ class Outbox:
             self._failed(store, row, claimer, exc, report)
             return
         elapsed = time.monotonic() - started
-        if store.outbox.mark_delivered(row.id, claimer=claimer):
+        if store.outbox_rows.mark_delivered(row.id, claimer=claimer):
             report.delivered += 1
             logger.info(
                 "outbox delivered key=%s effect=%s id=%s attempt=%s",
@@ -227,7 +237,7 @@ class Outbox:
                 row.name,
                 row.id,
                 row.attempts,
-                extra=_extra(row, "outbox_delivered"),
+                extra=_extra(row, LogAction.OUTBOX_DELIVERED),
             )
             return
         report.lost_claims += 1
@@ -239,7 +249,7 @@ class Outbox:
             row.id,
             elapsed,
             self.claim_ttl,
-            extra=_extra(row, "outbox_claim_lost"),
+            extra=_extra(row, LogAction.OUTBOX_CLAIM_LOST),
         )
 
     def _failed(
@@ -264,7 +274,7 @@ class Outbox:
             report.retry_in = (
                 retry_in if report.retry_in is None else min(report.retry_in, retry_in)
             )
-        if not store.outbox.fail(row.id, claimer=claimer, error=exc, retry_in=retry_in):
+        if not store.outbox_rows.fail(row.id, claimer=claimer, error=exc, retry_in=retry_in):
             report.lost_claims += 1
             return
         if dead is not None:
@@ -276,7 +286,7 @@ class Outbox:
                 row.id,
                 row.attempts,
                 type(exc).__name__,
-                extra=_extra(row, "outbox_dead", reason=type(exc).__name__),
+                extra=_extra(row, LogAction.OUTBOX_DEAD, reason=type(exc).__name__),
             )
         else:
             report.failed += 1
@@ -287,7 +297,7 @@ class Outbox:
                 row.id,
                 row.attempts,
                 type(exc).__name__,
-                extra=_extra(row, "outbox_retry", reason=type(exc).__name__),
+                extra=_extra(row, LogAction.OUTBOX_RETRY, reason=type(exc).__name__),
             )
 
     # -- the Celery tasks ------------------------------------------------------------------------
@@ -331,7 +341,7 @@ def trigger_delivery(app: Any, key: str) -> None:
             "outbox rows committed for key=%s but the app has no Outbox: create "
             "celery_fence.outbox.Outbox(app) where the app is defined; the rows stay pending",
             key,
-            extra={"action": LogEvent.OUTBOX_NO_SENDER, "fence_key": key},
+            extra={"action": LogAction.OUTBOX_NO_SENDER, "fence_key": key},
         )
         return
     try:
@@ -341,7 +351,7 @@ def trigger_delivery(app: Any, key: str) -> None:
             "could not trigger outbox delivery key=%s: %s; the sweep will deliver it",
             key,
             type(exc).__name__,
-            extra={"action": LogEvent.OUTBOX_TRIGGER_FAILED, "fence_key": key},
+            extra={"action": LogAction.OUTBOX_TRIGGER_FAILED, "fence_key": key},
         )
 
 
@@ -349,7 +359,7 @@ def _claim_token() -> str:
     return f"{socket.gethostname()[:30]}:{os.getpid()}:{uuid.uuid4().hex[:16]}"
 
 
-def _extra(row: OutboxRow, action: str, reason: str | None = None) -> dict[str, Any]:
+def _extra(row: OutboxRow, action: LogAction, reason: str | None = None) -> dict[str, Any]:
     return {
         "action": action,
         "fence_key": row.key,

@@ -1,9 +1,10 @@
 """The values of the settle step: the :data:`Outcome` an execution ended in, and the
-:data:`CeleryAction` that :func:`celery_fence.settle.settle` returns for it.
+:data:`Disposition` that :func:`celery_fence.settle.settle` returns for it: what is done
+with the message (the word AMQP uses for accept, reject, release).
 
 Values, no behaviour: the :class:`~celery_fence.execution.Execution` builds an outcome (frozen),
 the settle step reads it, and the Celery adapters (the task, the worker's request) turn the
-returned action (frozen) into Celery's terms (return, raise, re-send, give the message back).
+returned disposition (frozen) into Celery's terms (return, raise, re-send, give the message back).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ Outcome = (
 )
 
 
-# -- what Celery is told ---------------------------------------------------------------------------
+# -- dispositions: what Celery is told ------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -195,16 +196,16 @@ class Acknowledge:
     """Let Celery ack the message as it would: the store already says what happened."""
 
 
-CeleryAction = Return | Fail | Reraise | Resend | Requeue | Acknowledge
+Disposition = Return | Fail | Reraise | Resend | Requeue | Acknowledge
 
 
 __all__ = [
     "Acknowledge",
     "AlreadyDead",
     "Busy",
-    "CeleryAction",
     "Completed",
     "Control",
+    "Disposition",
     "Exhausted",
     "Fail",
     "Failed",

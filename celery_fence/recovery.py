@@ -25,7 +25,8 @@ fenced on the key and one completion is stored. A job that ended ``dead`` (also 
 is never stranded.
 
 Three ways to run it: ``celery -A proj fence recover [--older-than S] [--dry-run]``, the task
-:data:`RECOVER_TASK` in beat (registered on every app that imports ``celery_fence``)::
+:data:`RECOVER_TASK` in beat (registered by :func:`celery_fence.install` on each app that has a
+fenced task, or that you install yourself)::
 
     beat_schedule = {"fence-recover": {"task": "celery_fence.recover", "schedule": 60.0}}
 
@@ -42,9 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import shared_task
-
-from .actions import Action, LogEvent
+from .actions import Action, LogAction
 from .errors import FenceError
 from .records import ENQUEUED_HEADER, EXECUTION_OPTIONS, DeadStranded
 from .schema import PENDING
@@ -313,7 +312,7 @@ def _recover_one(app: Any, store: Store, record: JobRecord, report: RecoveryRepo
             "fence recover could not re-send key=%s: %s",
             record.key,
             type(exc).__name__,
-            extra={"action": LogEvent.RECOVER_FAILED, "fence_key": record.key, "reason": str(exc)},
+            extra={"action": LogAction.RECOVER_FAILED, "fence_key": record.key, "reason": str(exc)},
         )
         return
     if task_id is None:
@@ -338,9 +337,9 @@ def _sender(app: Any, record: JobRecord) -> Any:
     return app.tasks.get(name, name)
 
 
-@shared_task(name=RECOVER_TASK, bind=True, ignore_result=True)
 def recover_task(self: Any, older_than: float | None = None) -> dict[str, Any]:
-    """The beat task: one :func:`recover` run on this worker's app."""
+    """The beat task's body (:data:`RECOVER_TASK`, registered per app by
+    :func:`celery_fence.install`): one :func:`recover` run on this worker's app."""
     return recover(self.app, older_than=older_than).as_dict()
 
 
@@ -353,6 +352,7 @@ __all__ = [
     "RecoveryReport",
     "execution_for",
     "recover",
+    "recover_task",
     "resend",
     "routing_for",
     "send_stored",

@@ -17,7 +17,7 @@ import math
 import threading
 import time
 
-from .actions import LogEvent
+from .actions import LogAction
 from .background import Background
 from .lease import HeldLease
 from .ports import LeaseBackend
@@ -198,7 +198,7 @@ class Renewer(Background):
                     "lease release round trip failed (%s); %d release(s) kept for the next try",
                     type(exc).__name__,
                     len(releases),
-                    extra={"action": LogEvent.RELEASE_FAILED, "reason": type(exc).__name__},
+                    extra={"action": LogAction.RELEASE_FAILED, "reason": type(exc).__name__},
                 )
                 return
             logger.warning(
@@ -207,7 +207,7 @@ class Renewer(Background):
                 type(exc).__name__,
                 exc,
                 len(held),
-                extra={"action": LogEvent.RENEW_FAILED, "reason": type(exc).__name__},
+                extra={"action": LogAction.RENEW_FAILED, "reason": type(exc).__name__},
             )
             for lease in held:
                 if time.monotonic() > lease.deadline:

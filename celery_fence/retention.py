@@ -1,6 +1,7 @@
 """Retention: finished jobs and their history deleted once they are older than a set age.
 
-``fence_retention`` (seconds; unset: keep everything) with the beat task :data:`PURGE_TASK`::
+``fence_retention`` (seconds; unset: keep everything) with the beat task :data:`PURGE_TASK`
+(registered by :func:`celery_fence.install` on each app that has a fenced task)::
 
     beat_schedule = {"fence-purge": {"task": "celery_fence.purge", "schedule": 3600.0}}
 
@@ -23,9 +24,7 @@ import datetime as dt
 import logging
 from typing import Any
 
-from celery import shared_task
-
-from .actions import LogEvent
+from .actions import LogAction
 from .backends import store_for
 from .config import FenceConfig
 from .schema import COMPLETED
@@ -43,7 +42,7 @@ def purge_expired(app: Any, *, now: dt.datetime | None = None) -> int:
     if config.retention is None:
         logger.info(
             "fence purge: fence_retention is not set, nothing deleted",
-            extra={"action": LogEvent.PURGE, "reason": "no retention set"},
+            extra={"action": LogAction.PURGE, "reason": "no retention set"},
         )
         return 0
     cutoff = (now or dt.datetime.now(dt.timezone.utc)) - dt.timedelta(seconds=config.retention)
@@ -52,14 +51,14 @@ def purge_expired(app: Any, *, now: dt.datetime | None = None) -> int:
         "fence purge: %d completed job(s) finished before %s deleted",
         count,
         cutoff.isoformat(timespec="seconds"),
-        extra={"action": LogEvent.PURGE, "reason": f"older than {config.retention:g}s"},
+        extra={"action": LogAction.PURGE, "reason": f"older than {config.retention:g}s"},
     )
     return count
 
 
-@shared_task(name=PURGE_TASK, bind=True, ignore_result=True)
 def purge_task(self: Any) -> int:
-    """The beat task: one :func:`purge_expired` run on this worker's app."""
+    """The beat task's body (:data:`PURGE_TASK`, registered per app by
+    :func:`celery_fence.install`): one :func:`purge_expired` run on this worker's app."""
     return purge_expired(self.app)
 
 

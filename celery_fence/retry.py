@@ -308,9 +308,10 @@ class RetryBudget:
 
 @dataclass(frozen=True)
 class Decision:
-    """What to do after a failed attempt: ``retry`` in ``countdown`` seconds, or ``dead``."""
+    """What to do after a failed attempt: the ``verdict`` ``retry`` in ``countdown`` seconds, or
+    ``dead``."""
 
-    action: Literal["retry", "dead"]
+    verdict: Literal["retry", "dead"]
     countdown: float
     reason: str
     kind: Kind = "unknown"

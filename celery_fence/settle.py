@@ -6,7 +6,7 @@ completed, replayed, failed, lease lost, stale, busy, store unavailable, refused
 the body's own Celery control flow, anything unexpected, or an exit Celery drives itself (the
 hard time limit, a message expired or revoked). :func:`settle` makes the one fenced
 store write that outcome needs (an :data:`~celery_fence.records.Ending`, applied by the store's
-one method ``end``) and returns one :data:`~celery_fence.outcomes.CeleryAction`:
+one method ``end``) and returns one :data:`~celery_fence.outcomes.Disposition`:
 return the result, fail (after the ``dead`` state is durable), re-raise the body's control flow
 (after the store says what happened), re-send the message with a countdown, give it back to the
 broker, or let Celery ack it. The Celery adapters (:mod:`celery_fence.task`,
@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
-from .actions import INTERRUPTED_BY, Action, LogEvent
+from .actions import INTERRUPTED_BY, Action, LogAction
 from .errors import (
     JobDead,
     Rescheduled,
@@ -75,9 +75,9 @@ from .outcomes import (
     Acknowledge,
     AlreadyDead,
     Busy,
-    CeleryAction,
     Completed,
     Control,
+    Disposition,
     Exhausted,
     Fail,
     Failed,
@@ -119,7 +119,7 @@ logger = logging.getLogger("celery_fence")
 # -- the step ------------------------------------------------------------------------------------
 
 
-def settle(attempt: Execution, outcome: Outcome) -> CeleryAction:
+def settle(attempt: Execution, outcome: Outcome) -> Disposition:
     """Make the store write ``outcome`` needs and return the one action for Celery; never raises.
 
     A write the store could not make (unreachable, refusing, anything but a fenced rejection)
@@ -136,7 +136,7 @@ def settle(attempt: Execution, outcome: Outcome) -> CeleryAction:
     return action
 
 
-def _completed(a: Execution, o: Completed) -> CeleryAction:
+def _completed(a: Execution, o: Completed) -> Disposition:
     assert a.generation is not None
     try:
         ending: Ending = Completion(a.generation, a.attempt_id, o.result, o.effects)
@@ -157,7 +157,7 @@ def _completed(a: Execution, o: Completed) -> CeleryAction:
     return Return(o.result, deliver=a.key if o.effects else None)
 
 
-def _first_refused(a: Execution, exc: sa_exc.DataError) -> CeleryAction:
+def _first_refused(a: Execution, exc: sa_exc.DataError) -> Disposition:
     """The database refused a deferred first completion, which writes the request and the
     result: a registration (the request alone) tells which, and settles accordingly."""
     try:
@@ -169,12 +169,12 @@ def _first_refused(a: Execution, exc: sa_exc.DataError) -> CeleryAction:
     return _dead(a, refused(exc, "the task's return value"), "result refused by the database")
 
 
-def _replayed(a: Execution, o: Replayed) -> CeleryAction:
+def _replayed(a: Execution, o: Replayed) -> Disposition:
     a.announce(Action.REPLAYED, reason="already completed")
     return Return(o.record.result, deliver=a.key, replay=True)
 
 
-def _already_dead(a: Execution, o: AlreadyDead) -> CeleryAction:
+def _already_dead(a: Execution, o: AlreadyDead) -> Disposition:
     error = o.record.error_type if o.record else "unknown error"
     return Fail(
         JobDead(
@@ -184,7 +184,7 @@ def _already_dead(a: Execution, o: AlreadyDead) -> CeleryAction:
     )
 
 
-def _exhausted(a: Execution, o: Exhausted) -> CeleryAction:
+def _exhausted(a: Execution, o: Exhausted) -> Disposition:
     executions = a.attempts - 1  # this delivery only found the budget spent: not an execution
     last = a.store.last_exit(a.key)
     why = "time limit" if last == Action.TIME_LIMIT else "attempts exhausted"
@@ -196,7 +196,7 @@ def _exhausted(a: Execution, o: Exhausted) -> CeleryAction:
     return _dead(a, error, why, attempts=executions)
 
 
-def _failed(a: Execution, o: Failed) -> CeleryAction:
+def _failed(a: Execution, o: Failed) -> Disposition:
     try:
         decision = a.policy.decide(o.error, attempts=a.attempts, task_name=a.task_name)
     except Exception as exc:  # the retry budget's Redis is down: retry, never drop
@@ -205,16 +205,16 @@ def _failed(a: Execution, o: Failed) -> CeleryAction:
         decision = Decision(
             "retry", countdown, f"error {name}; retry budget unavailable ({type(exc).__name__})"
         )
-    if decision.action == "dead":
+    if decision.verdict == "dead":
         return _dead(a, o.error, decision.reason)
     return _retry(a, o.error, decision.countdown, decision.reason)
 
 
-def _lost(a: Execution, o: Lost) -> CeleryAction:
+def _lost(a: Execution, o: Lost) -> Disposition:
     return _retry(a, o.error, backoff(a.attempts, a.config), "lease lost")
 
 
-def _stale(a: Execution, o: Stale) -> CeleryAction:
+def _stale(a: Execution, o: Stale) -> Disposition:
     """A newer generation owns the job: record it, then converge on its result."""
     stored = o.error.context.get("stored_generation")
     a.announce(Action.STALE, reason=f"stored generation {stored}")
@@ -242,27 +242,27 @@ def _stale(a: Execution, o: Stale) -> CeleryAction:
     return Resend(countdown, reason, o.error)
 
 
-def _busy(a: Execution, o: Busy) -> CeleryAction:
+def _busy(a: Execution, o: Busy) -> Disposition:
     a.announce(Action.BUSY, reason=f"held for {o.remaining:.3f}s more", remaining=o.remaining)
     jitter = random.uniform(0, max(0.05, a.config.renew_interval / 4))
     return Resend(o.remaining + jitter, "lease busy", Rescheduled("lease busy"))
 
 
-def _unavailable(a: Execution, o: Unavailable) -> CeleryAction:
+def _unavailable(a: Execution, o: Unavailable) -> Disposition:
     if not expected_outage(o.error):
         logger.error(
             "fence %s key=%s: %s; the message is re-sent with backoff",
             o.reason,
             a.key,
             type(o.error).__name__,
-            extra={"action": LogEvent.STORE_ERROR, "fence_key": a.key, "reason": o.reason},
+            extra={"action": LogAction.STORE_ERROR, "fence_key": a.key, "reason": o.reason},
         )
     countdown = o.countdown if o.countdown is not None else backoff(1 + a.retries, a.config)
     a.announce(Action.RETRY_SCHEDULED, reason=o.reason, countdown=countdown, attempts=None)
     return Resend(countdown, o.reason, o.error)
 
 
-def _refused(a: Execution, o: Refused) -> CeleryAction:
+def _refused(a: Execution, o: Refused) -> Disposition:
     assert a.generation is not None
     error = refused(o.error, "the task's arguments")
     try:
@@ -288,13 +288,13 @@ def _refused(a: Execution, o: Refused) -> CeleryAction:
     return Fail(error)
 
 
-def _unkeyed(a: Execution, o: Unkeyed) -> CeleryAction:
+def _unkeyed(a: Execution, o: Unkeyed) -> Disposition:
     a.store.end(a.key, DeadUnregistered(a.task_name, o.request, o.error, "fence_key failed"))
     a.announce(Action.DEAD, reason="fence_key failed", attempts=0)
     return Fail(o.error)
 
 
-def _control(a: Execution, o: Control) -> CeleryAction:
+def _control(a: Execution, o: Control) -> Disposition:
     """The body's own ``Retry``/``Ignore``/``Reject``: Celery keeps its meaning, the row says it."""
     exc = o.error
     try:
@@ -317,7 +317,7 @@ def _control(a: Execution, o: Control) -> CeleryAction:
     return Reraise(exc)
 
 
-def _unexpected(a: Execution, o: Unexpected) -> CeleryAction:
+def _unexpected(a: Execution, o: Unexpected) -> Disposition:
     logger.error(
         "fence unexpected %s in the %s key=%s generation=%s attempt=%s; the message is re-sent",
         type(o.error).__name__,
@@ -325,7 +325,7 @@ def _unexpected(a: Execution, o: Unexpected) -> CeleryAction:
         a.key,
         a.generation,
         a.attempt_id,
-        extra={"action": LogEvent.UNEXPECTED, "fence_key": a.key, "generation": a.generation},
+        extra={"action": LogAction.UNEXPECTED, "fence_key": a.key, "generation": a.generation},
     )
     reason = f"unexpected {type(o.error).__name__} in the {o.where}"
     if not a.registered:
@@ -333,7 +333,7 @@ def _unexpected(a: Execution, o: Unexpected) -> CeleryAction:
     return _retry(a, o.error, backoff(max(1, a.attempts), a.config), reason)
 
 
-def _interrupted(a: Execution, o: Interrupted) -> CeleryAction:
+def _interrupted(a: Execution, o: Interrupted) -> Disposition:
     """Not a failure of the job: the attempt was cut short. Retried with backoff (the store
     still counts it against ``fence_max_attempts``); never left ``running``."""
     name = type(o.error).__name__
@@ -343,7 +343,7 @@ def _interrupted(a: Execution, o: Interrupted) -> CeleryAction:
         a.key,
         a.generation,
         a.attempt_id,
-        extra={"action": LogEvent.INTERRUPTED, "fence_key": a.key, "generation": a.generation},
+        extra={"action": LogAction.INTERRUPTED, "fence_key": a.key, "generation": a.generation},
     )
     reason = f"{INTERRUPTED_BY} {name}"
     if not a.registered:
@@ -351,7 +351,7 @@ def _interrupted(a: Execution, o: Interrupted) -> CeleryAction:
     return _retry(a, o.error, backoff(max(1, a.attempts), a.config), reason)
 
 
-def _time_limited(a: Execution, o: TimeLimited) -> CeleryAction:
+def _time_limited(a: Execution, o: TimeLimited) -> Disposition:
     """The pool killed the attempt at its hard time limit: record it (history only) and give the
     message back; the next delivery claims once the killed attempt's lease runs out."""
     reason = f"hard time limit {o.timeout}s"
@@ -362,7 +362,7 @@ def _time_limited(a: Execution, o: TimeLimited) -> CeleryAction:
             "fence could not record the hard time limit key=%s: %s",
             a.key,
             type(exc).__name__,
-            extra={"action": LogEvent.STORE_ERROR, "fence_key": a.key, "reason": "time limit"},
+            extra={"action": LogAction.STORE_ERROR, "fence_key": a.key, "reason": "time limit"},
         )
     a.announcer(
         Action.TIME_LIMIT,
@@ -372,7 +372,7 @@ def _time_limited(a: Execution, o: TimeLimited) -> CeleryAction:
     return Requeue(reason)
 
 
-def _unrun(a: Execution, o: Unrun) -> CeleryAction:
+def _unrun(a: Execution, o: Unrun) -> Disposition:
     """A message Celery acks without running it, or whose running attempt was terminated: the
     job is settled first (:class:`~celery_fence.records.DeadUnrun`); a store that cannot say
     gives the message back."""
@@ -403,7 +403,7 @@ def _unrun(a: Execution, o: Unrun) -> CeleryAction:
             a.task_name,
             o.message_id,
             type(exc).__name__,
-            extra={"action": LogEvent.STORE_ERROR, "fence_key": a.key, "reason": o.why},
+            extra={"action": LogAction.STORE_ERROR, "fence_key": a.key, "reason": o.why},
         )
         return Requeue(f"{o.why}: store unavailable")
     a.announcer(
@@ -445,7 +445,7 @@ _NO_ROW_NEEDED = (
     Unrun,
 )
 
-_HANDLERS: dict[type, Callable[[Execution, Any], CeleryAction]] = {
+_HANDLERS: dict[type, Callable[[Execution, Any], Disposition]] = {
     Completed: _completed,
     Replayed: _replayed,
     AlreadyDead: _already_dead,
@@ -494,7 +494,7 @@ def _write_dead(
     )
 
 
-def _retry(a: Execution, error: BaseException, countdown: float, reason: str) -> CeleryAction:
+def _retry(a: Execution, error: BaseException, countdown: float, reason: str) -> Disposition:
     try:
         _write_retry(a, error, countdown, reason)
     except StaleGeneration as stale:
@@ -504,7 +504,7 @@ def _retry(a: Execution, error: BaseException, countdown: float, reason: str) ->
 
 def _dead(
     a: Execution, error: BaseException, reason: str, *, attempts: int | None = None
-) -> CeleryAction:
+) -> Disposition:
     try:
         _write_dead(a, error, reason, attempts=attempts)
     except StaleGeneration as stale:
@@ -512,7 +512,7 @@ def _dead(
     return Fail(error)
 
 
-def _unrecorded(a: Execution, exc: Exception, *, what: str) -> CeleryAction:
+def _unrecorded(a: Execution, exc: Exception, *, what: str) -> Disposition:
     """The store could not record what happened: re-send; the next delivery decides again."""
     if not expected_outage(exc):
         logger.error(
@@ -521,7 +521,7 @@ def _unrecorded(a: Execution, exc: Exception, *, what: str) -> CeleryAction:
             a.key,
             a.generation,
             type(exc).__name__,
-            extra={"action": LogEvent.STORE_ERROR, "fence_key": a.key, "generation": a.generation},
+            extra={"action": LogAction.STORE_ERROR, "fence_key": a.key, "generation": a.generation},
         )
     reason = f"{what} not recorded: store unavailable ({type(exc).__name__})"
     countdown = backoff(max(a.attempts, 1 + a.retries), a.config)

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-from . import logs  # noqa: F401 - connects the Celery logging signals (attempt context, redaction)
-
 _ARGS = {"key", "attempt_id", "generation", "reason"}
 
 lease_claimed = Signal(name="lease_claimed", providing_args=_ARGS)

@@ -3,9 +3,10 @@
 
 ``__call__`` reads what the execution needs from Celery's request (the key, whether this is the
 message's first delivery, the stored request), lets the execution claim, register, run the body
-and settle, and turns the action it returns into Celery's terms (:meth:`FencedTask._act`: return,
-raise, re-send). The exits Celery drives in the worker's main process (hard time limit, expired
-or revoked message) are :class:`~celery_fence.worker.FencedRequest`'s.
+and settle, and carries out the disposition it returns in Celery's terms
+(:meth:`FencedTask._carry_out`: return, raise, re-send, give the message back). The exits Celery
+drives in the worker's main process (hard time limit, expired or revoked message) are
+:class:`~celery_fence.worker.FencedRequest`'s.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from celery.app.task import _task_stack
 from celery.exceptions import Reject
 
 from . import outcomes as o
-from .actions import LogEvent
+from .actions import LogAction
+from .app_state import app_state
 from .backends import Backends, backends
-from .config import FenceConfig, app_state
+from .config import FenceConfig
 from .errors import (
     ConfigurationError,
     FenceEagerWarning,
@@ -35,6 +37,7 @@ from .errors import (
 )
 from .execution import Execution
 from .fence import Fence
+from .installation import install
 from .outbox import trigger_delivery
 from .records import ENQUEUED_HEADER, request_text
 from .schema import KEY_LENGTH
@@ -73,6 +76,15 @@ class FencedTask(Task):
     execution_class: type[Execution] = Execution
     #: The worker refuses to start when this task's settings are invalid (``worker_init``).
     settings_checked_at_start = True
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Celery binds the task to its app: install celery-fence on that app (its beat tasks,
+        the process's receivers; idempotent). A class that declares itself ``abstract`` is a
+        base of fenced tasks, not one: it installs nothing."""
+        super().on_bound(app)
+        if not cls.__dict__.get("abstract", False):
+            install(app)
 
     # -- configuration ---------------------------------------------------------------------------
 
@@ -177,7 +189,7 @@ class FencedTask(Task):
             )
         except ConfigurationError as exc:  # checked at worker start; still, lose nothing
             logger.critical("fence settings invalid for task %s: %s", self.name, exc)
-            return self._act(self.invalid_settings(exc))
+            return self._carry_out(self.invalid_settings(exc))
         try:
             key = self._key_of(args, kwargs)
         except ConfigurationError as exc:
@@ -185,18 +197,18 @@ class FencedTask(Task):
                 raise
             stored = request_text(self.name, args, kwargs, request)
             decoded = None if stored is None else json.loads(stored)
-            return self._act(execution.run_unkeyed(exc, request.id, decoded))
-        action = execution.run(
+            return self._carry_out(execution.run_unkeyed(exc, request.id, decoded))
+        disposition = execution.run(
             key,
             functools.partial(self._body, args, kwargs),
             request_json=functools.partial(request_text, self.name, args, kwargs, request),
             first_delivery=self._first_delivery(),
             max_runtime=self._max_runtime(execution.config),
         )
-        return self._act(action)
+        return self._carry_out(disposition)
 
-    def invalid_settings(self, error: ConfigurationError) -> o.CeleryAction:
-        """The action for a message whose task's settings are invalid: re-sent later."""
+    def invalid_settings(self, error: ConfigurationError) -> o.Disposition:
+        """The disposition of a message whose task's settings are invalid: re-sent later."""
         return o.Resend(CONFIG_ERROR_COUNTDOWN, "invalid fence settings", error)
 
     def _key_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -237,40 +249,40 @@ class FencedTask(Task):
 
     # -- Celery's side ---------------------------------------------------------------------------
 
-    def _act(self, action: o.CeleryAction) -> Any:
-        """A settled action in Celery's terms, for the body's side (Celery then acks late); the
-        exits the worker drives are applied by
+    def _carry_out(self, disposition: o.Disposition) -> Any:
+        """A settled disposition in Celery's terms, for the body's side (Celery then acks late);
+        the exits the worker drives are applied by
         :meth:`~celery_fence.worker.FencedRequest._apply`."""
-        if isinstance(action, o.Return):
-            replay_only = action.replay and app_state(self.app).outbox is None
-            if action.deliver is not None and not replay_only:
-                trigger_delivery(self.app, action.deliver)
-            return action.result
-        if isinstance(action, (o.Fail, o.Reraise)):
-            raise action.error
-        if isinstance(action, o.Requeue):
-            raise Reject(action.reason, requeue=True)
-        if isinstance(action, o.Acknowledge):
+        if isinstance(disposition, o.Return):
+            replay_only = disposition.replay and app_state(self.app).outbox is None
+            if disposition.deliver is not None and not replay_only:
+                trigger_delivery(self.app, disposition.deliver)
+            return disposition.result
+        if isinstance(disposition, (o.Fail, o.Reraise)):
+            raise disposition.error
+        if isinstance(disposition, o.Requeue):
+            raise Reject(disposition.reason, requeue=True)
+        if isinstance(disposition, o.Acknowledge):
             return None
-        return self._resend(action)
+        return self._resend(disposition)
 
-    def _resend(self, action: o.Resend) -> Any:
+    def _resend(self, disposition: o.Resend) -> Any:
         """Re-send this message (same task id) after the countdown; never drop it. ``expires``
         is not carried over: a message the fence re-sends must arrive."""
         if self.request.called_directly:  # a direct call raises instead of re-sending
-            raise action.error
-        countdown = max(0.0, action.countdown)
+            raise disposition.error
+        countdown = max(0.0, disposition.countdown)
         logger.info(
             "fence re-send task=%s id=%s in %.2fs: %s",
             self.name,
             self.request.id,
             countdown,
-            action.reason,
-            extra={"action": LogEvent.RESCHEDULE, "reason": action.reason},
+            disposition.reason,
+            extra={"action": LogAction.RESCHEDULE, "reason": disposition.reason},
         )
         # A publish the broker refuses raises RetryNotSent: the message goes back (requeue).
         retry = self.retry(
-            exc=Rescheduled(action.reason),
+            exc=Rescheduled(disposition.reason),
             countdown=countdown,
             max_retries=None,
             throw=False,
@@ -310,7 +322,7 @@ class FencedTask(Task):
                 self.request.id,
                 type(rejected.reason).__name__,
                 pause,
-                extra={"action": LogEvent.REQUEUE, "reason": "retry publish failed"},
+                extra={"action": LogAction.REQUEUE, "reason": "retry publish failed"},
             )
             time.sleep(pause)  # the message stays unacked meanwhile; the lease is renewed
             raise RetryNotSent(rejected.reason) from None

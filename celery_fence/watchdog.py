@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 
-from .actions import LogEvent
+from .actions import LogAction
 from .background import Background
 from .runtime import runtime
 
@@ -96,7 +96,7 @@ class Watchdog(Background):
             cut += 1
             logger.warning(
                 "a database call outlived fence_database_timeout: its connection was cut",
-                extra={"action": LogEvent.DB_TIMEOUT, "reason": "fence_database_timeout"},
+                extra={"action": LogAction.DB_TIMEOUT, "reason": "fence_database_timeout"},
             )
         return cut
 

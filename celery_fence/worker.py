@@ -1,6 +1,9 @@
 """What runs in the worker around fenced tasks: the settings check at start, the release of
 leases at process shutdown, and FencedRequest, which settles the exits Celery drives itself.
 
+The signal receivers here are connected by :func:`celery_fence.install` (once per process, see
+:data:`RECEIVERS`), not by importing this module; each acts only for an installed app.
+
 A worker whose fence settings are invalid refuses to start (``worker_init``), before it consumes
 anything, with one line that names the setting and the fix.
 
@@ -36,11 +39,12 @@ from typing import TYPE_CHECKING, Any
 import click
 from billiard.exceptions import TimeLimitExceeded
 from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
+from celery.utils.dispatch import Signal
 from celery.worker.request import Request
 
 from . import outcomes as o
-from .actions import LogEvent
-from .config import app_state
+from .actions import LogAction
+from .app_state import app_state, installed, installed_apps
 from .errors import ConfigurationError
 from .records import encode_request
 from .runtime import runtime
@@ -88,19 +92,19 @@ class FencedRequest(Request):
                 key = self.task.logical_key(self.args, self.kwargs, self.id)
             except ConfigurationError:
                 key = str(self.id)
-            action = execution.settle_time_limit(key, timeout)
+            disposition = execution.settle_time_limit(key, timeout)
         except Exception as exc:  # no execution (settings): the message goes back all the same
             logger.warning(
                 "fence could not record the hard time limit of task=%s id=%s: %s",
                 self.task_name,
                 self.id,
                 type(exc).__name__,
-                extra={"action": LogEvent.STORE_ERROR, "reason": "time limit"},
+                extra={"action": LogAction.STORE_ERROR, "reason": "time limit"},
             )
-            action = o.Requeue("hard time limit")
-        self._apply(action)  # Celery's own ack that follows is then a no-op
+            disposition = o.Requeue("hard time limit")
+        self._apply(disposition)  # Celery's own ack that follows is then a no-op
 
-    def _settle_unrun(self, why: str, terminated: bool) -> o.CeleryAction:
+    def _settle_unrun(self, why: str, terminated: bool) -> o.Disposition:
         """Settle the job of a message Celery will not run (or, ``terminated``, whose running
         attempt ``revoke(terminate=True)`` killed)."""
         try:
@@ -117,7 +121,7 @@ class FencedRequest(Request):
                 self.task_name,
                 self.id,
                 type(exc).__name__,
-                extra={"action": LogEvent.STORE_ERROR, "reason": why},
+                extra={"action": LogAction.STORE_ERROR, "reason": why},
             )
             return o.Requeue(f"{why}: settings or store unavailable")
         return execution.settle_unrun(
@@ -129,19 +133,21 @@ class FencedRequest(Request):
         execution: Execution = task.fence_execution(message_id=self.id, hostname=self.hostname)
         return execution
 
-    def _apply(self, action: o.CeleryAction) -> None:
-        """The worker's side of an action: give the message back, or let Celery ack it."""
-        if isinstance(action, o.Requeue):
+    def _apply(self, disposition: o.Disposition) -> None:
+        """The worker's side of a disposition: give the message back, or let Celery ack it."""
+        if isinstance(disposition, o.Requeue):
             self.reject(requeue=True)
 
 
-@worker_process_shutdown.connect(weak=False)
-@worker_shutdown.connect(weak=False)
-def _release_on_shutdown(**_: Any) -> None:
+def _release_on_shutdown(sender: Any = None, **_: Any) -> None:
     """A worker process that exits finishes its background writes and sends its queued lease
-    releases and events first: a prefork child (``worker_process_shutdown``), and the worker's
-    main process on every pool (``worker_shutdown``: solo, threads and gevent run their tasks
-    there). Safe to run twice: a second call finds nothing left to send."""
+    releases and events first: a prefork child (``worker_process_shutdown``, no app given: when
+    the process has an installed app), and the worker's main process on every pool
+    (``worker_shutdown``, sent by the worker: when its app is installed; solo, threads and gevent
+    run their tasks there). Safe to run twice: a second call finds nothing left to send."""
+    app: Any = getattr(sender, "app", None)
+    if not (installed(app) if app is not None else installed_apps()):
+        return
     runtime().shutdown()
 
 
@@ -155,22 +161,22 @@ def celery_command(app: Any) -> str:
     return f"celery -A {main if main and main != '__main__' else '<app>'}"
 
 
-@worker_init.connect(weak=False)
 def _remember_celery_command(sender: Any = None, **_: Any) -> None:
     """Remember the ``-A`` value of ``celery -A proj worker`` (the command line's, read in the
     main process before the pool forks, so prefork children inherit it)."""
-    app = getattr(sender, "app", None)
+    app: Any = getattr(sender, "app", None)
+    if not installed(app):
+        return
     ctx = click.get_current_context(silent=True)
     given = ctx.find_root().params.get("app") if ctx is not None else None
-    if app is not None and isinstance(given, str) and given:
+    if isinstance(given, str) and given:
         app_state(app).celery_command = f"celery -A {given}"
 
 
-@worker_init.connect(weak=False)
 def _check_settings_at_start(sender: Any = None, **_: Any) -> None:
     """Refuse to start when a fenced task's settings are invalid: one line, nothing consumed."""
-    app = getattr(sender, "app", None)
-    if app is None:
+    app: Any = getattr(sender, "app", None)
+    if not installed(app):
         return
     for task in list(app.tasks.values()):
         if getattr(task, "settings_checked_at_start", False):
@@ -184,3 +190,11 @@ def _check_settings_at_start(sender: Any = None, **_: Any) -> None:
 
 #: ``FencedTask.Request``: how Celery finds :class:`FencedRequest`.
 FENCED_REQUEST = f"{__name__}:FencedRequest"
+
+#: The process-wide receivers :func:`celery_fence.install` connects, in this order, once.
+RECEIVERS: tuple[tuple[Signal, Any], ...] = (
+    (worker_init, _remember_celery_command),
+    (worker_init, _check_settings_at_start),
+    (worker_process_shutdown, _release_on_shutdown),
+    (worker_shutdown, _release_on_shutdown),
+)

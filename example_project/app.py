@@ -32,5 +32,5 @@ app.conf.update(
     beat_schedule={"outbox-sweep": {"task": SWEEP_TASK, "schedule": 30.0}},
 )
 
-#: Effects staged with ``self.fence.outbox.add(...)`` are delivered by this app's handlers.
+#: Effects staged with ``self.fence.effects.add(...)`` are delivered by this app's handlers.
 outbox = Outbox(app, claim_ttl=30.0)

@@ -309,7 +309,7 @@ class Demo:
                 )
         deliveries = []
         for key in keys.values():
-            for row in store.outbox.rows(key=key):
+            for row in store.outbox_rows.rows(key=key):
                 at_provider = stats["by_key"].get(row.idempotency_key, {})
                 deliveries.append(
                     {
@@ -362,7 +362,7 @@ def _completed(store: Any, key: str) -> Any:
 
 
 def _delivered(store: Any, key: str) -> bool:
-    rows = store.outbox.rows(key=key)
+    rows = store.outbox_rows.rows(key=key)
     return bool(rows) and all(r.status == "delivered" for r in rows)
 
 

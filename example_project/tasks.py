@@ -42,7 +42,7 @@ def build_report(self: Any, report_id: str) -> dict[str, Any]:
     with self.fence.transaction() as conn:
         db.save_report(conn, report, attempt_id=self.fence.attempt_id)
     # Sent only if this attempt's result is the one stored; its key is the same on every retry.
-    self.fence.outbox.add("notify", {"report_id": report_id, "text": f"Report {report_id} ready"})
+    self.fence.effects.add("notify", {"report_id": report_id, "text": f"Report {report_id} ready"})
     return report  # published by the fenced completion: a stale attempt's write is rejected
 
 
@@ -64,7 +64,7 @@ def generate_export(self: Any, export_id: str) -> dict[str, Any]:
             object_key, data, generation=self.fence.generation, attempt_id=self.fence.attempt_id
         )
     simulated_work()
-    self.fence.outbox.add(
+    self.fence.effects.add(
         "email", {"to": request.email, "export_id": export_id, "object_key": object_key}
     )
     return {

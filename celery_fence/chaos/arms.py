@@ -106,7 +106,7 @@ class UnsettledTask(FencedTask):
     execution_class = UnsettledExecution
     settings_checked_at_start = False
 
-    def invalid_settings(self, error: ConfigurationError) -> o.CeleryAction:
+    def invalid_settings(self, error: ConfigurationError) -> o.Disposition:
         raise error  # acked as a failure: the job is lost
 
     def resend_options(self) -> dict[str, Any]:

@@ -325,7 +325,7 @@ def purge(ctx: click.Context, before: str, include_dead: bool, batch_size: int) 
                 batch_size=batch_size,
                 progress=functools.partial(_progress_from, progress, count),
             )
-            delivered += database.store.outbox.purge(delivered_before=when)
+            delivered += database.store.outbox_rows.purge(delivered_before=when)
     ctx.obj.echo(
         f"purged {count} {' and '.join(statuses)} job(s) finished and {delivered} outbox row(s) "
         f"delivered before {utc_text(when)}"

@@ -7,7 +7,7 @@ statements of :mod:`.sql` on the user's own connection).
 - :mod:`.fenced`: the one fenced write (statement + transition rows + outbox rows, atomically);
 - :mod:`.jobs`: :class:`Store`, the verbs of a task's path and the reads;
 - :mod:`.admin`: the operator's and the recovery's verbs (methods of :class:`Store` too);
-- :mod:`.outbox`: the outbox's rows, composed as ``store.outbox``.
+- :mod:`.outbox`: the outbox's rows, composed as ``store.outbox_rows``.
 
 Its values (records, requests, effects) live in :mod:`celery_fence.records`.
 """
@@ -26,7 +26,7 @@ from ..records import (
 from ..schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
 from .admin import UNFINISHED
 from .jobs import Store
-from .outbox import OutboxRow, OutboxStore
+from .outbox import OutboxRow, OutboxRows
 
 __all__ = [
     "COMPLETED",
@@ -38,7 +38,7 @@ __all__ = [
     "Effect",
     "JobRecord",
     "OutboxRow",
-    "OutboxStore",
+    "OutboxRows",
     "Registration",
     "Store",
     "Transition",

@@ -41,7 +41,7 @@ from ..schema import COMPLETED, DEAD, utcnow
 from . import admin, probe, sql
 from .engine import Database
 from .fenced import FencedWriter, Row
-from .outbox import OutboxStore
+from .outbox import OutboxRows
 
 if TYPE_CHECKING:
     from ..fence import Fence
@@ -90,7 +90,7 @@ class Store:
         self.defer_first_registration = defer_first_registration
         self.error_message_length = error_message_length
         self.writer = FencedWriter(self.db, record_transitions=record_transitions)
-        self.outbox = OutboxStore(self)
+        self.outbox_rows = self.outbox = OutboxRows(self)  # ``outbox``: an alias for scripts
 
     @property
     def engine(self) -> sa.Engine:
@@ -101,7 +101,7 @@ class Store:
         view = copy.copy(self)
         view.db = db
         view.writer = FencedWriter(db, record_transitions=self.record_transitions)
-        view.outbox = OutboxStore(view)
+        view.outbox_rows = view.outbox = OutboxRows(view)
         return view
 
     def dispose(self) -> None:

@@ -1,6 +1,8 @@
 """The outbox's rows: claim, mark, fail, requeue and purge rows of ``fence_outbox`` (the
-statements are in :mod:`.sql`). Composed into the job store as ``store.outbox``; rows are written
-only by the fenced completion (:mod:`.fenced`), with the result.
+statements are in :mod:`.sql`). Composed into the job store as ``store.outbox_rows`` (also
+``store.outbox``); rows are written only by the fenced completion (:mod:`.fenced`), with the
+result. The staging side is :class:`~celery_fence.effects.StagedEffects`, the delivery side
+:class:`~celery_fence.outbox.Outbox`.
 
 A sender claims a row for ``claim_ttl`` seconds under a claim token of its own; marking and
 failing are conditional on that token, so a sender whose claim expired and was taken over
@@ -44,8 +46,9 @@ class OutboxRow:
     delivered_at: dt.datetime | None
 
 
-class OutboxStore:
-    """The outbox half of a :class:`~celery_fence.store.Store` (its engine and error fields)."""
+class OutboxRows:
+    """The rows of ``fence_outbox``, ``store.outbox_rows`` of a :class:`~celery_fence.store.Store`
+    (its engine and error fields)."""
 
     def __init__(self, store: Store) -> None:
         self._store = store

@@ -94,7 +94,7 @@ def _steps(store: Store, key: str) -> None:
     _expect(record is not None, "read", "no row")
     got = (record.status, record.generation, record.result)
     _expect(got == (COMPLETED, 2, {"probe": 2}), "read", f"status, generation, result {got}")
-    rows = _step("outbox read", store.outbox.rows, key=key)
+    rows = _step("outbox read", store.outbox_rows.rows, key=key)
     _expect([r.payload for r in rows] == [{"probe": True}], "outbox read", f"{len(rows)} rows")
     if store.record_transitions:
         actions = [t.action for t in _step("history read", store.history, key)]

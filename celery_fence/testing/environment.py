@@ -20,7 +20,7 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_fence.config import app_state
+from celery_fence.app_state import app_state
 from celery_fence.runtime import runtime
 from celery_fence.store import Store
 

@@ -43,7 +43,7 @@ from celery.app.utils import find_app
 from celery.signals import task_postrun, task_success, worker_init
 
 from celery_fence import signals as fence_signals
-from celery_fence.config import app_state
+from celery_fence.app_state import app_state
 from celery_fence.testing import faults
 
 ENV = "CELERY_FENCE_TESTING"  # environment.WORKER_ENV

@@ -125,7 +125,7 @@ def test_the_demo_tells_the_story_and_its_summary_matches_the_store(tmp_path: Pa
 
     # The outbox: each row as stored; the email delivered twice and performed once.
     by_idem = {d["idempotency_key"]: d for d in summary["deliveries"]}
-    outbox_rows = [r for j in jobs.values() for r in store.outbox.rows(key=j["key"])]
+    outbox_rows = [r for j in jobs.values() for r in store.outbox_rows.rows(key=j["key"])]
     assert len(outbox_rows) == len(by_idem) == 3
     for row in outbox_rows:
         d = by_idem[row.idempotency_key]

@@ -102,7 +102,7 @@ def test_a_stale_attempts_staged_effect_is_never_written_or_sent(
     a.resume()
     assert first.get(timeout=30)["generation"] == 2  # A converged on B's result
     # then A's effect was never written: one row, B's, delivered once ...
-    (row,) = store.outbox.rows(key=key)
+    (row,) = store.outbox_rows.rows(key=key)
     assert (row.status, row.attempts, row.idempotency_key) == ("delivered", 1, idem)
     assert row.payload["generation"] == 2
     # ... and never sent: nothing is left to deliver, and the provider saw B's request only.
@@ -138,16 +138,16 @@ def test_sigkill_after_the_provider_accepted_redelivers_with_the_same_key(
         10,
         what="the kill",
     )
-    (row,) = store.outbox.rows(key=key)
+    (row,) = store.outbox_rows.rows(key=key)
     assert (row.status, row.attempts, row.delivered_at) == ("pending", 1, None)
 
     # then, once its claim expired, the sweep delivers it again with the same key,
     def redelivered() -> bool:
         client.app.send_task(SWEEP_TASK)
-        return store.outbox.rows(key=key)[0].status == "delivered"
+        return store.outbox_rows.rows(key=key)[0].status == "delivered"
 
     wait_until(redelivered, 30, interval=0.5, what="the sweep's redelivery")
-    (row,) = store.outbox.rows(key=key)
+    (row,) = store.outbox_rows.rows(key=key)
     assert (row.status, row.attempts) == ("delivered", 2)
     # and the provider, deduping on that key, performed it once although it received it twice.
     stats = provider.stats()

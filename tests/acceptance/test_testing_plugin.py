@@ -69,7 +69,7 @@ def with_block(self, n):
 
 @app.task(base=FencedTask, bind=True, fence_key=lambda n: f"job:{{n}}")
 def fenced(self, n):
-    self.fence.outbox.add("notify", {{"n": n}})
+    self.fence.effects.add("notify", {{"n": n}})
     return {{"n": n, "pid": os.getpid()}}
 
 

@@ -388,8 +388,8 @@ def _job_with_effects(store: Store, task_name: str, *, deliver: int, of: int) ->
     store.register(key, generation=1, attempt_id="A", task_name=task_name)
     effects = [Effect(f"mail.{i}", {"n": i}, f"{key}:mail.{i}") for i in range(of)]
     store.end(key, Completion(generation=1, attempt_id="A", result=None, effects=effects))
-    for row in store.outbox.claim(claimer="cli-test", claim_ttl=30, limit=deliver, key=key):
-        assert store.outbox.mark_delivered(row.id, claimer="cli-test")
+    for row in store.outbox_rows.claim(claimer="cli-test", claim_ttl=30, limit=deliver, key=key):
+        assert store.outbox_rows.mark_delivered(row.id, claimer="cli-test")
     return key
 
 
@@ -413,8 +413,8 @@ def test_purge_deletes_finished_jobs_before_the_date(
     for kept in (old_dead, new_done, running):  # dead jobs stay for inspection by default
         assert fence_store.get(kept) is not None
     # the old job's delivered effect is gone, its undelivered one stays; newer rows stay
-    assert [r.status for r in fence_store.outbox.rows(key=old_effects)] == ["pending"]
-    assert [r.status for r in fence_store.outbox.rows(key=new_effects)] == ["delivered"]
+    assert [r.status for r in fence_store.outbox_rows.rows(key=old_effects)] == ["pending"]
+    assert [r.status for r in fence_store.outbox_rows.rows(key=new_effects)] == ["delivered"]
 
     # naive dates are UTC; --include-dead purges dead jobs too
     naive = cutoff.replace(tzinfo=None).isoformat()

@@ -78,7 +78,9 @@ class Jobs:
         if isinstance(self.store, MemoryStore):
             staged = self.store.effects(key)
             return [(e.name, e.idempotency_key, e.payload) for e in staged]
-        return [(r.name, r.idempotency_key, r.payload) for r in self.store.outbox.rows(key=key)]
+        return [
+            (r.name, r.idempotency_key, r.payload) for r in self.store.outbox_rows.rows(key=key)
+        ]
 
     def row(self, key: str) -> JobRecord:
         record = self.store.get(key)

@@ -105,13 +105,13 @@ def test_effects_are_written_only_with_the_fenced_completion(store: Store) -> No
                 generation=1, attempt_id="a1", result={}, effects=[_effect(key, "e", {"g": 1})]
             ),
         )
-    assert store.outbox.rows(key=key) == []
+    assert store.outbox_rows.rows(key=key) == []
     # generation 2's completion writes its effects with it, exactly once,
     effects = [_effect(key, "email:alice", {"g": 2}), _effect(key, "email:bob", {"g": 2})]
     store.end(key, Completion(generation=2, attempt_id="a2", result={"ok": True}, effects=effects))
     with pytest.raises(StaleGeneration):  # a replayed completion adds no second copy
         store.end(key, Completion(generation=2, attempt_id="a2", result={}, effects=effects))
-    rows = sorted(store.outbox.rows(key=key), key=lambda r: r.name)
+    rows = sorted(store.outbox_rows.rows(key=key), key=lambda r: r.name)
     assert [(r.name, r.payload, r.status, r.attempts) for r in rows] == [
         ("email:alice", {"g": 2}, "pending", 0),
         ("email:bob", {"g": 2}, "pending", 0),
@@ -121,7 +121,7 @@ def test_effects_are_written_only_with_the_fenced_completion(store: Store) -> No
     other = f"job:{uuid.uuid4().hex[:8]}"
     store.register(other, generation=1, attempt_id="b1", task_name="t")
     store.end(other, Dead(generation=1, attempt_id="b1", error=ValueError("x"), reason="test"))
-    assert store.outbox.rows(key=other) == []
+    assert store.outbox_rows.rows(key=other) == []
 
 
 def test_idempotency_key_is_the_same_for_every_attempt(
@@ -138,7 +138,7 @@ def test_idempotency_key_is_the_same_for_every_attempt(
 
     @app.task(base=FencedTask, bind=True, fence_key=lambda k, fail: k)
     def job(self: Any, k: str, fail: bool) -> str:
-        staged.append((self.fence.attempt_id, self.fence.outbox.add("notify", {"report": k})))
+        staged.append((self.fence.attempt_id, self.fence.effects.add("notify", {"report": k})))
         if fail:
             raise ConnectionError("transient, after staging")
         return "done"
@@ -146,7 +146,7 @@ def test_idempotency_key_is_the_same_for_every_attempt(
     # Given a first attempt that stages the effect and then fails (a retry is scheduled),
     with pytest.raises(ConnectionError):
         job(key, True)
-    assert store.outbox.rows(key=key) == []
+    assert store.outbox_rows.rows(key=key) == []
     lease_key = LeaseStore(redis_client, prefix=prefix).keys_for(key).lease
     wait_until(lambda: not redis_client.exists(lease_key), 10, what="lease released")
     # when a second attempt stages it again and completes,
@@ -155,23 +155,44 @@ def test_idempotency_key_is_the_same_for_every_attempt(
     (attempt1, key1), (attempt2, key2) = staged
     assert attempt1 != attempt2 and key1 == key2 == idempotency_key(key, "notify")
     # and the one row carrying it was delivered (inline: task_always_eager) with that key.
-    (row,) = store.outbox.rows(key=key)
+    (row,) = store.outbox_rows.rows(key=key)
     assert (row.idempotency_key, row.status, row.attempts) == (key1, "delivered", 1)
     assert delivered == [({"report": key}, key1)]
+
+
+def test_the_outbox_names_of_staging_and_rows_are_aliases(app: Celery, store: Store) -> None:
+    key = f"report:{uuid.uuid4().hex[:8]}"
+    Outbox(app)
+
+    @app.task(base=FencedTask, bind=True, fence_key=lambda k: k)
+    def job(self: Any, k: str) -> None:
+        assert self.fence.outbox is self.fence.effects
+        self.fence.effects.add("notify:a", {"via": "effects"})
+        self.fence.outbox.add("notify:b", {"via": "outbox"})
+
+    # Given a body that stages one effect under each name (no handler: the rows stay pending),
+    job(key)
+    # then both are rows of the one completion, read the same through either store name.
+    assert store.outbox is store.outbox_rows
+    rows = sorted(store.outbox_rows.rows(key=key), key=lambda r: r.name)
+    assert [(r.name, r.payload, r.status) for r in rows] == [
+        ("notify:a", {"via": "effects"}, "pending"),
+        ("notify:b", {"via": "outbox"}, "pending"),
+    ]
 
 
 def test_an_expired_claim_is_taken_over_and_the_late_mark_refused(store: Store) -> None:
     key = f"job:{uuid.uuid4().hex[:8]}"
     _completed_job(store, key, _effect(key, "e", None))
     # Given sender A's claim on the row,
-    (claimed,) = store.outbox.claim(claimer="A", claim_ttl=0.5, key=key)
+    (claimed,) = store.outbox_rows.claim(claimer="A", claim_ttl=0.5, key=key)
     # then B cannot claim it while A's claim lives,
-    assert store.outbox.claim(claimer="B", claim_ttl=30, key=key) == []
+    assert store.outbox_rows.claim(claimer="B", claim_ttl=30, key=key) == []
     # but once it expired (A crashed after sending?), B claims it: a second delivery,
     taken: list[Any] = []
 
     def claimed_by_b() -> list[Any]:
-        taken.extend(store.outbox.claim(claimer="B", claim_ttl=30, key=key))
+        taken.extend(store.outbox_rows.claim(claimer="B", claim_ttl=30, key=key))
         return taken
 
     wait_until(
@@ -182,18 +203,20 @@ def test_an_expired_claim_is_taken_over_and_the_late_mark_refused(store: Store) 
     assert taken[0].id == claimed.id and taken[0].attempts == 2
     assert taken[0].idempotency_key == claimed.idempotency_key  # same key: the recipient dedupes
     # and A, late, can neither mark nor fail the row; B can.
-    assert not store.outbox.mark_delivered(claimed.id, claimer="A")
-    assert not store.outbox.fail(claimed.id, claimer="A", error=OSError(), retry_at=None)
-    assert store.outbox.mark_delivered(claimed.id, claimer="B")
-    (row,) = store.outbox.rows(key=key)
+    assert not store.outbox_rows.mark_delivered(claimed.id, claimer="A")
+    assert not store.outbox_rows.fail(claimed.id, claimer="A", error=OSError(), retry_at=None)
+    assert store.outbox_rows.mark_delivered(claimed.id, claimer="B")
+    (row,) = store.outbox_rows.rows(key=key)
     assert (row.status, row.claimed_by, row.attempts) == ("delivered", "B", 2)
-    assert store.outbox.claim(claimer="C", claim_ttl=30, key=key) == []
+    assert store.outbox_rows.claim(claimer="C", claim_ttl=30, key=key) == []
     # A delivered row is purged once old enough (the cut-off is exclusive).
     assert row.delivered_at is not None
-    store.outbox.purge(delivered_before=row.delivered_at)  # other tests' rows may go (shared db)
-    assert [r.id for r in store.outbox.rows(key=key)] == [row.id]
-    assert store.outbox.purge(delivered_before=utcnow() + dt.timedelta(seconds=1)) >= 1
-    assert store.outbox.rows(key=key) == []
+    store.outbox_rows.purge(
+        delivered_before=row.delivered_at
+    )  # other tests' rows may go (shared db)
+    assert [r.id for r in store.outbox_rows.rows(key=key)] == [row.id]
+    assert store.outbox_rows.purge(delivered_before=utcnow() + dt.timedelta(seconds=1)) >= 1
+    assert store.outbox_rows.rows(key=key) == []
 
 
 def test_failures_back_off_then_dead_letter(app: Celery, store: Store) -> None:
@@ -216,26 +239,27 @@ def test_failures_back_off_then_dead_letter(app: Celery, store: Store) -> None:
     report = outbox.deliver(key=key)
     assert (report.delivered, report.failed, report.dead) == (0, 1, 1)
     assert report.retry_in is not None and report.retry_in <= 0.1
-    rows = {r.name: r for r in store.outbox.rows(key=key)}
+    rows = {r.name: r for r in store.outbox_rows.rows(key=key)}
     assert (rows["bad"].status, rows["flaky"].status) == ("dead", "pending")
     assert rows["flaky"].available_at > rows["flaky"].created_at
     assert "ConnectionError" in (rows["flaky"].last_error or "")
     # When it keeps failing, it is retried until fence_max_attempts, then dead-lettered.
     wait_until(
         lambda: (
-            (outbox.deliver(key=key), store.outbox.rows(key=key, status="dead"))[1].__len__() == 2
+            (outbox.deliver(key=key), store.outbox_rows.rows(key=key, status="dead"))[1].__len__()
+            == 2
         ),
         10,
         what="flaky dead-lettered",
     )
-    rows = {r.name: r for r in store.outbox.rows(key=key)}
+    rows = {r.name: r for r in store.outbox_rows.rows(key=key)}
     assert (rows["flaky"].status, rows["flaky"].attempts, calls["flaky"]) == ("dead", 3, 3)
     assert calls["bad"] == 1
     # An operator can requeue a dead row; the sender then delivers it.
     outbox.register("flaky", lambda payload, *, idempotency_key: None)
-    assert store.outbox.requeue(rows["flaky"].id)
+    assert store.outbox_rows.requeue(rows["flaky"].id)
     assert outbox.deliver(key=key).delivered == 1
-    assert store.outbox.rows(key=key, status="delivered")[0].name == "flaky"
+    assert store.outbox_rows.rows(key=key, status="delivered")[0].name == "flaky"
 
 
 def test_payloads_never_reach_the_logs(
@@ -263,7 +287,7 @@ def test_no_handler_is_a_failure_not_a_skip(app: Celery, store: Store) -> None:
     _completed_job(store, key, _effect(key, "sms:bob", {}))
     report = Outbox(app).deliver(key=key)
     assert report.failed == 1
-    (row,) = store.outbox.rows(key=key)
+    (row,) = store.outbox_rows.rows(key=key)
     assert row.status == "pending" and "NoHandler" in (row.last_error or "")
 
 
@@ -302,7 +326,7 @@ def test_two_sender_processes_racing_deliver_each_row_once_per_claim(
     assert set(per_key) == set(keys)
     assert set(per_key.values()) == {1}
     # each delivery is one claim, and both senders took part.
-    rows = store.outbox.rows()
+    rows = store.outbox_rows.rows()
     assert len(rows) == 40
     assert {(r.status, r.attempts) for r in rows} == {("delivered", 1)}
     assert len({pid for _, pid in deliveries}) == 2

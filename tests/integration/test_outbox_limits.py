@@ -27,16 +27,16 @@ def test_a_sender_with_a_fast_clock_cannot_take_a_live_claim(
     key = f"clock:{uuid.uuid4().hex[:8]}"
     _completed_job(store, key, _effect(key, "e", None))
     # Given sender A's claim for 30 s ...
-    (claimed,) = store.outbox.claim(claimer="A", claim_ttl=30, key=key)
+    (claimed,) = store.outbox_rows.claim(claimer="A", claim_ttl=30, key=key)
     # ... when sender B's clock runs an hour ahead (its utcnow() says the claim expired),
     real = outbox_store.utcnow
     monkeypatch.setattr(outbox_store, "utcnow", lambda: real() + dt.timedelta(hours=1))
     # then B still cannot claim the row: expiry is decided on the database's clock.
-    assert store.outbox.claim(claimer="B", claim_ttl=30, key=key) == []
+    assert store.outbox_rows.claim(claimer="B", claim_ttl=30, key=key) == []
     # A failure's next due time is the database's too: B's clock does not postpone it.
-    assert store.outbox.fail(claimed.id, claimer="A", error=OSError("x"), retry_in=0.0)
+    assert store.outbox_rows.fail(claimed.id, claimer="A", error=OSError("x"), retry_in=0.0)
     monkeypatch.setattr(outbox_store, "utcnow", real)
-    (row,) = store.outbox.rows(key=key)
+    (row,) = store.outbox_rows.rows(key=key)
     assert row.available_at <= real() + dt.timedelta(seconds=5)
     store.dispose()
 
@@ -62,7 +62,7 @@ def test_a_handler_that_kills_its_sender_goes_dead_after_the_maximum(
         sender.start()
         sender.join(timeout=60)
         assert sender.exitcode == -9, sender.exitcode
-        (row,) = store.outbox.rows(key=key)
+        (row,) = store.outbox_rows.rows(key=key)
         assert (row.status, row.attempts) == ("pending", attempt)
         time.sleep(0.35)  # the 0.3 s claim expires
     assert redis_client.llen(ledger) == 3
@@ -74,7 +74,7 @@ def test_a_handler_that_kills_its_sender_goes_dead_after_the_maximum(
     outbox.register("crash", lambda payload, *, idempotency_key: calls.append(idempotency_key))
     report = outbox.deliver(key=key)
     assert report.dead == 1 and report.delivered == 0 and calls == []
-    (row,) = store.outbox.rows(key=key)
+    (row,) = store.outbox_rows.rows(key=key)
     assert (row.status, row.attempts) == ("dead", 3)
     assert row.last_error is not None and "claimed 3 time(s)" in row.last_error
     app.close()

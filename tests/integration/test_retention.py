@@ -8,6 +8,7 @@ import uuid
 import pytest
 from celery import Celery
 
+from celery_fence import install
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError
 from celery_fence.records import Completion, Dead
@@ -39,7 +40,9 @@ def test_completed_jobs_older_than_the_retention_go_the_rest_stay(
     # Then only the completed job and its history are gone
     assert store.get(done) is None and store.history(done) == []
     assert store.get(dead) is not None and store.get(running) is not None
-    # And the beat task is registered under its public name
+    # And the beat task is registered under its public name once the app is installed (here by
+    # hand: the app has no fenced task of its own)
+    install(app)
     assert PURGE_TASK in app.tasks
 
 

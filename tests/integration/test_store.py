@@ -427,13 +427,13 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     )
     assert [_state(store, k)[0] for k in strays] == ["pending", "dead"]
     # The outbox: claim, fail, claim again, deliver; a dead row requeued; purge.
-    (row,) = store.outbox.claim(claimer="s1", claim_ttl=30, key=key)
-    assert store.outbox.fail(row.id, claimer="s1", error=OSError("down"), retry_in=0)
-    (row,) = store.outbox.claim(claimer="s2", claim_ttl=30, key=key)
-    assert store.outbox.mark_delivered(row.id, claimer="s2")
-    assert not store.outbox.requeue(row.id)  # delivered, not dead
-    assert store.outbox.purge(delivered_before=later) >= 1
-    assert store.outbox.rows(key=key) == []
+    (row,) = store.outbox_rows.claim(claimer="s1", claim_ttl=30, key=key)
+    assert store.outbox_rows.fail(row.id, claimer="s1", error=OSError("down"), retry_in=0)
+    (row,) = store.outbox_rows.claim(claimer="s2", claim_ttl=30, key=key)
+    assert store.outbox_rows.mark_delivered(row.id, claimer="s2")
+    assert not store.outbox_rows.requeue(row.id)  # delivered, not dead
+    assert store.outbox_rows.purge(delivered_before=later) >= 1
+    assert store.outbox_rows.rows(key=key) == []
     assert store.purge(finished_before=later) >= 5
     assert store.get(key) is None and store.history(key) == []
 
@@ -476,7 +476,7 @@ def test_the_write_probe_runs_a_tasks_writes_and_leaves_nothing(
     before = store.list(limit=10_000)
     assert "rolled back" in store.write_probe()
     assert store.list(limit=10_000) == before
-    assert [r for r in store.outbox.rows() if r.key.startswith(PROBE_KEY_PREFIX)] == []
+    assert [r for r in store.outbox_rows.rows() if r.key.startswith(PROBE_KEY_PREFIX)] == []
     store.dispose()
 
 

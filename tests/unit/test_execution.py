@@ -85,7 +85,7 @@ class Run:
         body: Callable[[Fence], Any] = lambda fence: {"generation": fence.generation},
         *,
         first_delivery: bool = False,
-    ) -> o.CeleryAction:
+    ) -> o.Disposition:
         def recorded(fence: Fence) -> Any:
             self.bodies.append(fence)
             return body(fence)
@@ -311,7 +311,7 @@ def test_an_exit_that_is_not_an_exception_is_settled(run: Any) -> None:
     def interrupted(fence: Fence) -> None:
         raise KeyboardInterrupt
 
-    seen: list[o.CeleryAction] = []
+    seen: list[o.Disposition] = []
     thread = threading.Thread(target=lambda: seen.append(r(interrupted)))
     thread.start()
     thread.join(5)

@@ -14,7 +14,7 @@ from celery.app.log import TaskFormatter
 from celery.app.task import _task_stack
 from celery.worker.consumer import consumer
 
-from celery_fence import logs
+from celery_fence import install, logs
 from celery_fence.logs import (
     REDACTED,
     FenceContextFilter,
@@ -231,8 +231,10 @@ def test_the_task_logger_signal_installs_context_and_format(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The current app is whichever was created last (another test's, a conftest's): this test's
-    # is one that does not redact, so only the context filter is expected.
-    monkeypatch.setattr(logs, "_current_app", lambda: Celery("plain", set_as_current=False))
+    # is an installed one that does not redact, so only the context filter is expected.
+    app = Celery("fenced-no-redaction", set_as_current=False)
+    install(app)
+    monkeypatch.setattr(logs, "_current_app", lambda: app)
     task_logger = logging.getLogger(f"test.celery_fence.tasks.{id(object())}")
     handler = logging.StreamHandler()
     handler.setFormatter(TaskFormatter(CELERY_TASK_FORMAT, use_color=False))

@@ -135,16 +135,16 @@ def _policy(**overrides: Any) -> RetryPolicy:
 def test_decisions_permanent_transient_unknown_and_exhausted() -> None:
     policy = _policy(max_attempts=3, retry_backoff=1.0, retry_backoff_max=8.0)
     permanent = policy.decide(PermanentError("no"), attempts=1, task_name="t")
-    assert (permanent.action, permanent.countdown) == ("dead", 0.0)
+    assert (permanent.verdict, permanent.countdown) == ("dead", 0.0)
     first = policy.decide(ConnectionError(), attempts=1, task_name="t")
-    assert first.action == "retry" and 0.0 <= first.countdown <= 1.0
+    assert first.verdict == "retry" and 0.0 <= first.countdown <= 1.0
     second = policy.decide(KeyError("k"), attempts=2, task_name="t")  # unknown: retried
-    assert second.action == "retry" and second.kind == "unknown" and second.countdown <= 2.0
+    assert second.verdict == "retry" and second.kind == "unknown" and second.countdown <= 2.0
     last = policy.decide(ConnectionError(), attempts=3, task_name="t")
-    assert last.action == "dead" and "3 of 3" in last.reason
+    assert last.verdict == "dead" and "3 of 3" in last.reason
     strict = _policy(retry_unknown_errors=False)
-    assert strict.decide(KeyError("k"), attempts=1, task_name="t").action == "dead"
-    assert strict.decide(ConnectionError(), attempts=1, task_name="t").action == "retry"
+    assert strict.decide(KeyError("k"), attempts=1, task_name="t").verdict == "dead"
+    assert strict.decide(ConnectionError(), attempts=1, task_name="t").verdict == "retry"
 
 
 def test_a_spent_budget_delays_the_retry_and_never_drops_it() -> None:
@@ -158,7 +158,7 @@ def test_a_spent_budget_delays_the_retry_and_never_drops_it() -> None:
     granted = policy.decide(ConnectionError(), attempts=1, task_name="t")
     assert not granted.budget_spent and granted.countdown <= 0.1
     delayed = [policy.decide(ConnectionError(), attempts=1, task_name="t") for _ in range(20)]
-    assert all(d.action == "retry" and d.budget_spent for d in delayed)
+    assert all(d.verdict == "retry" and d.budget_spent for d in delayed)
     # delayed by the wait for a token (60 s here), capped at fence_retry_backoff_max, plus backoff
     assert all(2.0 <= d.countdown <= 2.1 for d in delayed)
 
@@ -219,6 +219,6 @@ def test_task_options_override_the_retry_settings() -> None:
     policy = tuned.fence_backends().policy
     assert (policy.config.max_attempts, policy.config.retry_backoff) == (2, 0.25)
     assert (policy.config.retry_backoff_max, policy.budget.floor) == (2.0, 3)
-    assert policy.decide(ConnectionError(), attempts=2, task_name=tuned.name).action == "dead"
+    assert policy.decide(ConnectionError(), attempts=2, task_name=tuned.name).verdict == "dead"
     assert other.fence_config().max_attempts == 7
     assert other.fence_config().retry_backoff == 1.0  # the app's setting where not overridden

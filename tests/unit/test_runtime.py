@@ -18,8 +18,9 @@ from celery import Celery
 
 from celery_fence import FencedTask
 from celery_fence import backends as b
+from celery_fence.app_state import app_state
 from celery_fence.background import Background, BackgroundWriter
-from celery_fence.config import FenceConfig, app_state
+from celery_fence.config import FenceConfig
 from celery_fence.events import EventSender
 from celery_fence.redis_client import client_identity
 from celery_fence.renewer import Renewer

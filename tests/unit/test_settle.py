@@ -423,7 +423,7 @@ def test_an_interruption_before_registration_writes_nothing_and_keeps_its_exit(
 def test_an_exit_in_a_pool_thread_is_re_sent_not_raised() -> None:
     # Given SystemExit raised in a thread (the threads pool): nothing exits with it
     store = FakeStore()
-    actions: list[o.CeleryAction] = []
+    actions: list[o.Disposition] = []
     thread = threading.Thread(
         target=lambda: actions.append(s.settle(_attempt(store), o.Interrupted(SystemExit(3))))
     )
