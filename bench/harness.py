@@ -374,7 +374,7 @@ def services(
         try:
             yield svc
         finally:
-            from celery_fence.runtime import runtime
+            from celery_fence.process.runtime import runtime
 
             for store in runtime().stores():
                 store.dispose()

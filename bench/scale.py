@@ -32,9 +32,9 @@ import sqlalchemy as sa
 from bench.harness import Services
 from bench.report import table
 from celery_fence.actions import Action
-from celery_fence.records import Completion
 from celery_fence.store import Store
 from celery_fence.store import sql as statements
+from celery_fence.store.records import Completion
 
 #: Rows a bulk INSERT writes at most (one statement, one transaction).
 BULK_CHUNK = 1_000_000
@@ -504,7 +504,7 @@ def _retention_pass(svc: Services, counts: Any) -> dict[str, Any]:
     """One run of the retention beat task's work on an app with ``fence_retention`` set."""
     from celery import Celery
 
-    from celery_fence.retention import purge_expired
+    from celery_fence.ops.retention import purge_expired
 
     app = Celery("fence_bench_retention", set_as_current=False)
     app.conf.update(

@@ -11,7 +11,7 @@ What importing ``celery_fence`` does, and nothing more:
   empty celery-fence runtime (it touches nothing of Celery's or of any app).
 
 It connects no Celery signal receiver and registers no task on any app. That is
-:func:`install`'s work, for one app (:mod:`celery_fence.installation`):
+:func:`install`'s work, for one app (:mod:`celery_fence.adapters.installation`):
 
 - registers the beat tasks ``celery_fence.recover`` and ``celery_fence.purge`` on that app;
 - the first call in a process connects, once, the process-wide receivers of Celery's signals
@@ -28,10 +28,13 @@ request: ``Outbox(app)`` registers the outbox's deliver and sweep tasks on ``app
 loads it from ``INSTALLED_APPS``.
 """
 
-from .backends import get_store
-from .config import FenceConfig
-from .durable import Enqueued, enqueue
-from .errors import (
+from celery_fence.adapters.installation import install
+from celery_fence.adapters.task import FencedTask
+from celery_fence.body.fence import Fence
+from celery_fence.body.outbox import Outbox, idempotency_key, register_handler, storage_key
+from celery_fence.config import FenceConfig
+from celery_fence.durable import Enqueued, enqueue
+from celery_fence.errors import (
     ConfigurationError,
     FenceError,
     JobDead,
@@ -43,14 +46,11 @@ from .errors import (
     StaleGeneration,
     StoreError,
 )
-from .fence import Fence
-from .installation import install
-from .outbox import Outbox, idempotency_key, register_handler, storage_key
-from .recovery import recover
-from .retention import purge_expired
-from .schema import metadata
-from .store import JobRecord, Store
-from .task import FencedTask
+from celery_fence.ops.recovery import recover
+from celery_fence.ops.retention import purge_expired
+from celery_fence.process.backends import get_store
+from celery_fence.schema import metadata
+from celery_fence.store import JobRecord, Store
 
 try:  # one version, in setup.cfg: the installed distribution's metadata
     from importlib.metadata import PackageNotFoundError

@@ -2,12 +2,12 @@
 table's ``action`` column and a log line's ``action`` key (``extra``) carry it.
 
 - :class:`Action`: the actions that are transitions of a job's life; how each is seen (signal,
-  log level, Celery event, table row) is the table in :mod:`celery_fence.transitions`.
+  log level, Celery event, table row) is the table in :mod:`celery_fence.announce.transitions`.
 - :class:`LogAction`: the actions only log lines carry (a background step that failed, an
   operator's command, an outbox delivery).
 
 "Action" means nothing else in celery-fence: what Celery is told to do with a message after the
-settle step is a *disposition* (:data:`celery_fence.outcomes.Disposition`).
+settle step is a *disposition* (:data:`celery_fence.pipeline.outcomes.Disposition`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Per-app state: what celery-fence keeps on a Celery app, made in the parent before the pool
 forks and shared by the children (per-process objects live on
-:class:`~celery_fence.runtime.Runtime`)."""
+:class:`~celery_fence.process.runtime.Runtime`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .config import FenceConfig
-    from .outbox import Outbox
+    from celery_fence.body.outbox import Outbox
+    from celery_fence.config import FenceConfig
 
 
 @dataclass
@@ -19,13 +19,14 @@ class AppState:
 
     #: The app's settings (:meth:`FenceConfig.from_app`); None until first read.
     config: FenceConfig | None = None
-    #: The app's :class:`~celery_fence.outbox.Outbox` (its handler registry), if one was made.
+    #: The app's :class:`~celery_fence.body.outbox.Outbox` (its handler registry), if one was made.
     outbox: Outbox | None = None
     #: Whether the worker sends task events (``-E`` sets the worker's flag, not ``app.conf``);
-    #: None until ``worker_init`` says (see :func:`celery_fence.events.task_events_enabled`).
+    #: None until ``worker_init`` says (see
+    # :func:`celery_fence.announce.events.task_events_enabled`).
     task_events: bool | None = None
     #: What the worker was started with, as an operator types it again: ``celery -A proj``;
-    #: None until ``worker_init`` says (see :func:`celery_fence.worker.celery_command`).
+    #: None until ``worker_init`` says (see :func:`celery_fence.adapters.worker.celery_command`).
     celery_command: str | None = None
     #: Whether :func:`celery_fence.install` ran for the app (its receivers act on it).
     installed: bool = False

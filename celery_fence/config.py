@@ -13,9 +13,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .app_state import app_state
-from .errors import ConfigurationError
-from .redis_client import parse_redis_settings
+from celery_fence.app_state import app_state
+from celery_fence.errors import ConfigurationError
+from celery_fence.leases.redis_client import parse_redis_settings
 
 #: Redis that holds leases and generation counters.
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -137,7 +137,8 @@ class FenceConfig:
 
     redis_url: str = DEFAULT_REDIS_URL
     redis_client: Callable[[], Any] | None = None
-    # Redis topology (see celery_fence.redis_client): a Cluster, TLS options, Sentinel options.
+    # Redis topology (see celery_fence.leases.redis_client): a Cluster, TLS options, Sentinel
+    # options.
     redis_cluster: bool = False
     redis_ssl: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
     redis_transport_options: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
@@ -443,7 +444,7 @@ def django_database_url(alias: str) -> str:
     :class:`ConfigurationError`: Django missing or not configured, unknown alias, an engine the
     store does not run on."""
     try:
-        from .contrib.django.database import url_for_alias
+        from celery_fence.contrib.django.database import url_for_alias
     except ImportError as exc:  # Django is not installed
         raise ConfigurationError(
             f"fence_database={alias!r} names a Django DATABASES alias, but Django cannot be "

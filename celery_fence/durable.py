@@ -43,13 +43,13 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, scoped_session
 
-from .actions import LogAction
-from .errors import ConfigurationError, FenceError
-from .records import ENQUEUED_HEADER, encode_request
-from .recovery import KEY_HEADER
-from .schema import utcnow
-from .task import FencedTask
-from .transaction import different_database
+from celery_fence.actions import LogAction
+from celery_fence.adapters.task import FencedTask
+from celery_fence.body.transaction import different_database
+from celery_fence.errors import ConfigurationError, FenceError
+from celery_fence.ops.recovery import KEY_HEADER
+from celery_fence.schema import utcnow
+from celery_fence.store.records import ENQUEUED_HEADER, encode_request
 
 logger = logging.getLogger("celery_fence.durable")
 
@@ -104,7 +104,7 @@ def enqueue(
     key = task.logical_key(args, kwargs, task_id)
     store = task.fence_backends().store
     if conn is None:  # Django's connection; Django is optional, so imported only when asked for
-        from .contrib.django.durable import django_target
+        from celery_fence.contrib.django.durable import django_target
 
         target: _Target = django_target(task, store)
     else:

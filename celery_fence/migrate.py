@@ -41,8 +41,8 @@ from typing import Any, Literal
 
 import sqlalchemy as sa
 
-from .errors import ConfigurationError
-from .schema import metadata
+from celery_fence.errors import ConfigurationError
+from celery_fence.schema import metadata
 
 #: Alembic version table of celery-fence's own history.
 VERSION_TABLE = "fence_alembic_version"

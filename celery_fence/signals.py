@@ -1,5 +1,5 @@
 """The transition signals a Celery user connects to (which action sends which: the table in
-:mod:`celery_fence.transitions`).
+:mod:`celery_fence.announce.transitions`).
 
 Every signal is a Celery :class:`~celery.utils.dispatch.Signal` whose sender is the task, sent
 with keyword arguments ``key``, ``attempt_id``, ``generation`` and ``reason`` (plus a few more
@@ -24,9 +24,9 @@ where they fit: ``remaining`` for ``lease_busy``, ``countdown`` and ``attempts``
 stranded one; ``job_dead`` when recovery buries a stranded job it cannot re-send.
 
 A receiver that raises never breaks the fenced path: Celery's ``send`` catches and logs each
-receiver's exception, and :func:`celery_fence.transitions.emit_transition` guards the rest. That
-function also logs every transition and sends its Celery event; which action sends which signal
-is its table, :data:`celery_fence.transitions.TABLE`.
+receiver's exception, and :func:`celery_fence.announce.transitions.emit_transition` guards the rest.
+That function also logs every transition and sends its Celery event; which action sends which signal
+is its table, :data:`celery_fence.announce.transitions.TABLE`.
 """
 
 from __future__ import annotations

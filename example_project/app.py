@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from celery_fence.outbox import SWEEP_TASK, Outbox
+from celery_fence.body.outbox import SWEEP_TASK, Outbox
 
 from . import settings
 

@@ -16,8 +16,8 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_fence.lease import LeaseStore
-from celery_fence.runtime import runtime
+from celery_fence.leases.lease import LeaseStore
+from celery_fence.process.runtime import runtime
 from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues
 from tests.support.env import BROKER_URL, PG_ADMIN_URL, REDIS_URL

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .command import main
+from celery_fence.chaos.command import main
 
 if __name__ == "__main__":
     sys.exit(main())

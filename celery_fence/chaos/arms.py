@@ -20,17 +20,17 @@ import sqlalchemy as sa
 from celery.worker.request import Request
 from sqlalchemy import exc as sa_exc
 
-from .. import outcomes as o
-from ..backends import Backends, backends
-from ..config import FenceConfig
-from ..errors import ConfigurationError
-from ..execution import Execution
-from ..store import Store, sql
-from ..task import FencedTask
-from ..worker import FencedRequest
+from celery_fence.adapters.task import FencedTask
+from celery_fence.adapters.worker import FencedRequest
+from celery_fence.config import FenceConfig
+from celery_fence.errors import ConfigurationError
+from celery_fence.pipeline import outcomes as o
+from celery_fence.pipeline.execution import Execution
+from celery_fence.process.backends import Backends, backends
+from celery_fence.store import Store, sql
 
 if TYPE_CHECKING:
-    from ..fence import Fence
+    from celery_fence.body.fence import Fence
 
 
 class UnfencedStore(Store):

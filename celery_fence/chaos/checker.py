@@ -15,10 +15,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_fence.outbox import idempotency_key
+from celery_fence.body.outbox import idempotency_key
+from celery_fence.chaos import APP_ROWS, CHARGE
 from celery_fence.store import Store, Transition
-
-from . import APP_ROWS, CHARGE
 
 #: Store writes that are fenced (each recorded in the same statement as the write itself).
 FENCED_WRITES = ("claimed", "completed", "retry_scheduled", "dead")

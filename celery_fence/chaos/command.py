@@ -11,9 +11,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import checker
-from .options import SCENARIOS, Options
-from .runner import run
+from celery_fence.chaos import checker
+from celery_fence.chaos.options import SCENARIOS, Options
+from celery_fence.chaos.runner import run
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Options:

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from .checker import COLUMNS, SAFETY_COLUMNS
+from celery_fence.chaos.checker import COLUMNS, SAFETY_COLUMNS
 
 PACKAGE = Path(__file__).resolve().parents[1]  # the celery_fence package being checked
 
@@ -99,7 +99,7 @@ BREAKAGES = (
     Breakage(
         "commit-check",
         "commit-time check skipped in fence.transaction()",
-        "transaction.py",
+        "body/transaction.py",
         "        owner = store.block_owner(conn, fence)  # LeaseLost: paused past the lease in the"
         " block\n",
         "        owner = True  # broken: the commit-time check skipped\n",
@@ -109,7 +109,7 @@ BREAKAGES = (
     Breakage(
         "release-token",
         "lease release without the token compare",
-        "lua/release.lua",
+        "leases/lua/release.lua",
         "if value and (value == expected\n"
         "    or (string.sub(expected, -1) == ':' and string.sub(value, 1, #expected) == expected))"
         " then",
@@ -119,7 +119,7 @@ BREAKAGES = (
     Breakage(
         "ack-early",
         "message acked before the settle step (acks_late off)",
-        "task.py",
+        "adapters/task.py",
         "    acks_late = True\n",
         "    acks_late = False\n",
         ("--scenario", "kill", "--runs", "1", "--converge-timeout", "20"),

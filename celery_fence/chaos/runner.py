@@ -13,6 +13,11 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from celery_fence.chaos import checker
+from celery_fence.chaos.checker import ScenarioResult
+from celery_fence.chaos.options import POSTGRESQL_ONLY, Options
+from celery_fence.chaos.scenario import Scenario
+from celery_fence.chaos.scenarios import RUNS
 from celery_fence.testing.processes import (
     RedisServer,
     cleanup,
@@ -20,12 +25,6 @@ from celery_fence.testing.processes import (
     register_closer,
 )
 from celery_fence.testing.proxy import TcpProxy
-
-from . import checker
-from .checker import ScenarioResult
-from .options import POSTGRESQL_ONLY, Options
-from .scenario import Scenario
-from .scenarios import RUNS
 
 
 def _pg_database(opts: Options, scenario: str) -> tuple[str, str] | str:

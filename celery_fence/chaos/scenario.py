@@ -17,17 +17,16 @@ from typing import Any
 import redis
 from celery import Celery
 
-from celery_fence.lease import LeaseStore
-from celery_fence.outbox import SWEEP_TASK
+from celery_fence.body.outbox import SWEEP_TASK
+from celery_fence.chaos import TASK_NAME, app_metadata
+from celery_fence.chaos.checker import Job
+from celery_fence.chaos.options import OWN_WORKERS, Options
+from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues, queued
 from celery_fence.testing.processes import RedisServer, Worker, poll_until
 from celery_fence.testing.provider import ProviderStub
 from celery_fence.testing.proxy import TcpProxy
-
-from . import TASK_NAME, app_metadata
-from .checker import Job
-from .options import OWN_WORKERS, Options
 
 #: What the scenario's workers run (``celery -A``): the workload app.
 WORKLOAD_APP = "celery_fence.chaos.workload"

@@ -27,12 +27,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_fence.recovery import RECOVER_TASK
+from celery_fence.chaos.checker import Job
+from celery_fence.chaos.scenario import Scenario
+from celery_fence.ops.recovery import RECOVER_TASK
 from celery_fence.testing.broker import delete_queues
 from celery_fence.testing.waiting import poll_until
-
-from .checker import Job
-from .scenario import Scenario
 
 #: Jobs one ``enqueue-crash`` run creates in its one transaction.
 CRASH_JOBS = 3
@@ -124,8 +123,7 @@ def main(mode: str, when: str, keys: list[str]) -> None:
     Prints ``{key: task id}`` (of the jobs that will exist) before the commit."""
     import celery_fence.durable
     from celery_fence import enqueue
-
-    from . import workload
+    from celery_fence.chaos import workload
 
     def die(*_: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)

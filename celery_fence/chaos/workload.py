@@ -62,13 +62,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_fence import FencedTask, PermanentError
 from celery_fence import signals as fence_signals
 from celery_fence.actions import Action
-from celery_fence.outbox import Outbox, idempotency_key
+from celery_fence.body.outbox import Outbox, idempotency_key
+from celery_fence.chaos import APP_ROWS, CHARGE, NOTIFY, TASK_NAME
+from celery_fence.chaos.arms import UnfencedTask, UnsettledTask
 from celery_fence.store import Store
 from celery_fence.store.fenced import FencedWriter
 from celery_fence.testing import faults
-
-from . import APP_ROWS, CHARGE, NOTIFY, TASK_NAME
-from .arms import UnfencedTask, UnsettledTask
 
 #: Environment variables the harness sets (all strings) and their defaults.
 ENV_DEFAULTS = {

@@ -1,6 +1,6 @@
 """The fenced result store: the one place that runs SQL on celery-fence's tables (their DDL is
-:mod:`celery_fence.schema`'s and the migrations'; :mod:`celery_fence.transaction` sends the block
-statements of :mod:`.sql` on the user's own connection).
+:mod:`celery_fence.schema`'s and the migrations'; :mod:`celery_fence.body.transaction` sends the
+block statements of :mod:`.sql` on the user's own connection).
 
 - :mod:`.sql`: every statement, per dialect;
 - :mod:`.engine`: the engine, its bounds on every wait, the raw path and driver-error redaction;
@@ -9,12 +9,16 @@ statements of :mod:`.sql` on the user's own connection).
 - :mod:`.admin`: the operator's and the recovery's verbs (methods of :class:`Store` too);
 - :mod:`.outbox`: the outbox's rows, composed as ``store.outbox_rows``.
 
-Its values (records, requests, effects) live in :mod:`celery_fence.records`.
+Its values (records, requests, effects) live in :mod:`celery_fence.store.records`.
 """
 
 from __future__ import annotations
 
-from ..records import (
+from celery_fence.schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
+from celery_fence.store.admin import UNFINISHED
+from celery_fence.store.jobs import Store
+from celery_fence.store.outbox import OutboxRow, OutboxRows
+from celery_fence.store.records import (
     Effect,
     JobRecord,
     Registration,
@@ -23,10 +27,6 @@ from ..records import (
     dumps_strict,
     encode_request,
 )
-from ..schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
-from .admin import UNFINISHED
-from .jobs import Store
-from .outbox import OutboxRow, OutboxRows
 
 __all__ = [
     "COMPLETED",

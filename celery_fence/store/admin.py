@@ -1,7 +1,7 @@
 """The operator's and the recovery's verbs on jobs: requeue a dead job (and undo it when its
 message cannot be sent), find stranded jobs and take them for a re-send (one that cannot be
-re-sent ends as :class:`~celery_fence.records.DeadStranded`), purge finished jobs. Each write is
-a compare-and-set on the row as it was read (:func:`as_read`), through the one fenced write
+re-sent ends as :class:`~celery_fence.store.records.DeadStranded`), purge finished jobs. Each write
+is a compare-and-set on the row as it was read (:func:`as_read`), through the one fenced write
 (:mod:`.fenced`); :class:`~celery_fence.store.Store` exposes them as its methods."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import datetime as dt
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..actions import Action
-from ..errors import StoreError
-from ..records import JobRecord, job_record
-from ..schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
-from . import sql
+from celery_fence.actions import Action
+from celery_fence.errors import StoreError
+from celery_fence.schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
+from celery_fence.store import sql
+from celery_fence.store.records import JobRecord, job_record
 
 if TYPE_CHECKING:
-    from .jobs import Store
+    from celery_fence.store.jobs import Store
 
 #: Statuses of a job that is not finished: each needs a live lease, a pending retry time or a
 #: message on its way, or it is stranded (:func:`stranded`).
@@ -89,7 +89,7 @@ def stranded(
     """Unfinished jobs (``running``, ``retrying``, ``pending``) that have not moved for
     ``older_than`` seconds, oldest first: ``updated_at`` before the cutoff and, for a
     ``retrying`` job, its ``retry_at`` too. Whether a live lease still holds one is for the
-    caller to ask Redis (:func:`celery_fence.recovery.stranded_jobs`)."""
+    caller to ask Redis (:func:`celery_fence.ops.recovery.stranded_jobs`)."""
     cutoff = (now or utcnow()) - dt.timedelta(seconds=older_than)
     query = sql.stranded(unfinished=UNFINISHED, cutoff=cutoff, limit=limit, task_name=task_name)
     with store.db.connect() as conn:

@@ -16,12 +16,12 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from .. import schema
-from ..config import DEFAULT_DATABASE_TIMEOUT
-from ..errors import ConfigurationError
-from ..runtime import runtime
-from ..watchdog import watchdog
-from . import green, sql
+from celery_fence import schema
+from celery_fence.config import DEFAULT_DATABASE_TIMEOUT
+from celery_fence.errors import ConfigurationError
+from celery_fence.process.runtime import runtime
+from celery_fence.store import green, sql
+from celery_fence.store.watchdog import watchdog
 
 #: SQLAlchemy's text form of a timestamp on SQLite (what its ``DateTime`` writes and compares).
 SQLITE_TIMESTAMP = "%Y-%m-%d %H:%M:%S.%f"
@@ -160,7 +160,7 @@ class Database:
         return args
 
     def _bound_calls(self, engine: sa.Engine) -> None:
-        """Arm :mod:`celery_fence.watchdog` for every statement SQLAlchemy runs on ``engine``
+        """Arm :mod:`celery_fence.store.watchdog` for every statement SQLAlchemy runs on ``engine``
         (the raw path arms it itself, in :meth:`pg_execute`). A connection with the execution
         option ``fence_unbounded`` is not watched (purge)."""
         timeout = self.database_timeout

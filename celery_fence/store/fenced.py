@@ -16,11 +16,11 @@ import json
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ..actions import Action
-from ..records import Effect
-from ..schema import utcnow
-from . import sql
-from .engine import SQLITE_TIMESTAMP, Database
+from celery_fence.actions import Action
+from celery_fence.schema import utcnow
+from celery_fence.store import sql
+from celery_fence.store.engine import SQLITE_TIMESTAMP, Database
+from celery_fence.store.records import Effect
 
 SQLITE_TRANSITION_SQL = sql.transition_sql("sqlite")
 

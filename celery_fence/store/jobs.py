@@ -14,11 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from .. import schema
-from ..actions import Action
-from ..config import DEFAULT_DATABASE_TIMEOUT
-from ..errors import JobDead, StaleGeneration, StoreError
-from ..records import (
+from celery_fence import schema
+from celery_fence.actions import Action
+from celery_fence.config import DEFAULT_DATABASE_TIMEOUT
+from celery_fence.errors import JobDead, StaleGeneration, StoreError
+from celery_fence.schema import COMPLETED, DEAD, utcnow
+from celery_fence.store import admin, probe, sql
+from celery_fence.store.engine import Database
+from celery_fence.store.fenced import FencedWriter, Row
+from celery_fence.store.outbox import OutboxRows
+from celery_fence.store.records import (
     ENCODED_REQUEST,
     Completion,
     Dead,
@@ -37,14 +42,9 @@ from ..records import (
     dumps_strict,
     job_record,
 )
-from ..schema import COMPLETED, DEAD, utcnow
-from . import admin, probe, sql
-from .engine import Database
-from .fenced import FencedWriter, Row
-from .outbox import OutboxRows
 
 if TYPE_CHECKING:
-    from ..fence import Fence
+    from celery_fence.body.fence import Fence
 
 #: A block's ``lock_timeout`` on PostgreSQL, in lease TTLs (at most ``fence_database_timeout``):
 #: long enough to outwait a paused holder, whose session the server ends after one TTL idle in
@@ -193,7 +193,7 @@ class Store:
     def commit_check(
         self, conn: sa.Connection, key: str, *, generation: int, attempt_id: str
     ) -> bool:
-        """The ownership check of a fenced commit (:mod:`celery_fence.transaction`): run on
+        """The ownership check of a fenced commit (:mod:`celery_fence.body.transaction`): run on
         ``conn`` inside its open transaction, just before that transaction commits.
 
         One fenced ``UPDATE ... RETURNING`` of the job row (it touches ``updated_at``); why it
@@ -238,7 +238,7 @@ class Store:
         """Apply ``ending`` to ``key``'s job: its one statement (named below, with its
         condition), its transition row and, for a completion, its staged effects, atomically.
 
-        A fenced ending (:data:`~celery_fence.records.FENCED_ENDINGS`: the attempt's
+        A fenced ending (:data:`~celery_fence.store.records.FENCED_ENDINGS`: the attempt's
         ``generation`` and ``attempt_id``) returns True, or raises :class:`StaleGeneration`
         when its condition did not hold (nothing is stored). The others return whether they
         changed the row.

@@ -1,8 +1,8 @@
 """The outbox's rows: claim, mark, fail, requeue and purge rows of ``fence_outbox`` (the
 statements are in :mod:`.sql`). Composed into the job store as ``store.outbox_rows`` (also
 ``store.outbox``); rows are written only by the fenced completion (:mod:`.fenced`), with the
-result. The staging side is :class:`~celery_fence.effects.StagedEffects`, the delivery side
-:class:`~celery_fence.outbox.Outbox`.
+result. The staging side is :class:`~celery_fence.body.effects.StagedEffects`, the delivery side
+:class:`~celery_fence.body.outbox.Outbox`.
 
 A sender claims a row for ``claim_ttl`` seconds under a claim token of its own; marking and
 failing are conditional on that token, so a sender whose claim expired and was taken over
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from ..schema import OutboxStatus, utcnow
-from . import sql
+from celery_fence.schema import OutboxStatus, utcnow
+from celery_fence.store import sql
 
 if TYPE_CHECKING:
-    from .jobs import Store
+    from celery_fence.store.jobs import Store
 
 
 @dataclass(frozen=True)

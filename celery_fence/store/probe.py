@@ -17,13 +17,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from ..errors import StaleGeneration, StoreError
-from ..records import Completion, Effect, FirstCompletion, RetryScheduled
-from ..schema import COMPLETED, utcnow
-from .engine import driver_error_line
+from celery_fence.errors import StaleGeneration, StoreError
+from celery_fence.schema import COMPLETED, utcnow
+from celery_fence.store.engine import driver_error_line
+from celery_fence.store.records import Completion, Effect, FirstCompletion, RetryScheduled
 
 if TYPE_CHECKING:
-    from .jobs import Store
+    from celery_fence.store.jobs import Store
 
 #: Probe keys start with this (none is ever committed).
 PROBE_KEY_PREFIX = "celery-fence-check:"

@@ -1,6 +1,6 @@
 """Every statement celery-fence runs against its own tables, per dialect: the one place to read
-(or change) its SQL. The store's modules run them (and :mod:`celery_fence.transaction` the block
-statements, on the user's connection); nothing else builds SQL on these tables.
+(or change) its SQL. The store's modules run them (and :mod:`celery_fence.body.transaction` the
+block statements, on the user's connection); nothing else builds SQL on these tables.
 
 Two kinds, by how often they run:
 
@@ -37,8 +37,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
-from ..actions import INTERRUPTED_BY, Action
-from ..schema import OutboxStatus, Status, jobs, outbox, transitions
+from celery_fence.actions import INTERRUPTED_BY, Action
+from celery_fence.schema import OutboxStatus, Status, jobs, outbox, transitions
 
 JOBS, TRANSITIONS, OUTBOX = jobs.name, transitions.name, outbox.name
 RETURNING = "RETURNING key, generation, attempt_id, attempts"

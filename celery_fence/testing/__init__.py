@@ -15,6 +15,6 @@
 
 from __future__ import annotations
 
-from .provider import ProviderStub
+from celery_fence.testing.provider import ProviderStub
 
 __all__ = ["ProviderStub"]

@@ -36,8 +36,8 @@ from typing import Any
 
 from celery.canvas import Signature
 
-from . import faults, processes
-from .environment import FenceEnv
+from celery_fence.testing import faults, processes
+from celery_fence.testing.environment import FenceEnv
 
 WINDOWS = ("pause", "kill", "duplicate", "redis-loss")
 #: Windows for a task with a fenced block (``fence.atomic()``, ``transaction()``, ``session()``):

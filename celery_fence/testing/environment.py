@@ -21,11 +21,10 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_fence.app_state import app_state
-from celery_fence.runtime import runtime
+from celery_fence.process.runtime import runtime
 from celery_fence.store import Store
-
-from . import processes
-from .broker import delete_queues
+from celery_fence.testing import processes
+from celery_fence.testing.broker import delete_queues
 
 #: What the plugin's workers run (``-A``), and the variable that carries the test's settings to it.
 WORKER_APP = "celery_fence.testing.worker_app"

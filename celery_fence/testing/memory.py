@@ -1,7 +1,8 @@
 """In-memory doubles of the two backends, for fast unit tests of the orchestration:
-:class:`MemoryStore` (a :class:`~celery_fence.ports.JobStore`, like
+:class:`MemoryStore` (a :class:`~celery_fence.pipeline.ports.JobStore`, like
 :class:`celery_fence.store.Store`) and :class:`MemoryLeaseStore` (a
-:class:`~celery_fence.ports.LeaseBackend`, like :class:`celery_fence.lease.LeaseStore`).
+:class:`~celery_fence.pipeline.ports.LeaseBackend`, like
+:class:`celery_fence.leases.lease.LeaseStore`).
 
 Pure Python, no I/O, thread-safe (one lock each). Each verb (each ending of
 :meth:`MemoryStore.end`) is the real one's statement or Lua script, transcribed: the same
@@ -28,11 +29,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..actions import INTERRUPTED_BY, Action
-from ..config import DEFAULT_GENERATION_TTL
-from ..errors import JobDead, LeaseBusy, StaleGeneration
-from ..lease import LeaseKeys
-from ..records import (
+from celery_fence.actions import INTERRUPTED_BY, Action
+from celery_fence.config import DEFAULT_GENERATION_TTL
+from celery_fence.errors import JobDead, LeaseBusy, StaleGeneration
+from celery_fence.leases.lease import LeaseKeys
+from celery_fence.schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
+from celery_fence.store.records import (
     ENCODED_REQUEST,
     Completion,
     Dead,
@@ -50,7 +52,6 @@ from ..records import (
     decode_request,
     dumps_strict,
 )
-from ..schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
 
 __all__ = ["MemoryLeaseStore", "MemoryStore"]
 
@@ -550,7 +551,8 @@ class MemoryStore:
 
 
 class MemoryLeaseStore:
-    """The Redis lease scripts on a dict: the operations of :class:`celery_fence.lease.LeaseStore`.
+    """The Redis lease scripts on a dict: the operations of
+    :class:`celery_fence.leases.lease.LeaseStore`.
 
     ``clock``: monotonic seconds, for the lease and counter expiries (inject a fake one to expire
     leases without sleeping). ``generation_ttl``: seconds a generation counter lives after its

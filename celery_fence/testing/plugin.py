@@ -90,7 +90,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def _fence_session(
     pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
-    from .environment import DEFAULT_LEASE_TTL, FenceSession
+    from celery_fence.testing.environment import DEFAULT_LEASE_TTL, FenceSession
 
     session = FenceSession(
         tmp_path_factory.mktemp("celery-fence"),
@@ -119,7 +119,7 @@ def fence_app(pytestconfig: pytest.Config) -> Any:
 @pytest.fixture
 def _fence_django(request: pytest.FixtureRequest) -> Any:
     """Under pytest-django: the test databases (set up now), else None."""
-    from .django_db import test_databases
+    from celery_fence.testing.django_db import test_databases
 
     return test_databases(request)
 
@@ -129,8 +129,7 @@ def fence_store(_fence_session: Any, _fence_django: Any, tmp_path: Any) -> Itera
     """The test's store (SQLite file, or the session's PostgreSQL schema with rows cleared; under
     pytest-django with ``CELERY_FENCE_DATABASE``, that alias's test database)."""
     from celery_fence.store import Store
-
-    from .environment import clear_rows
+    from celery_fence.testing.environment import clear_rows
 
     own = f"sqlite:///{tmp_path / 'fence.sqlite3'}"
     url = _fence_session.database_url
@@ -154,7 +153,7 @@ def fence_store(_fence_session: Any, _fence_django: Any, tmp_path: Any) -> Itera
 @pytest.fixture
 def fence_redis(_fence_session: Any, fence_app: Any) -> Iterator[Any]:
     """The test's Redis URL and private key prefix (keys deleted after the test)."""
-    from .environment import DEFAULT_REDIS_URL, FenceRedis, resolve_app
+    from celery_fence.testing.environment import DEFAULT_REDIS_URL, FenceRedis, resolve_app
 
     app, _ = resolve_app(fence_app)
     wanted = _fence_session.redis_url or app.conf.get("fence_redis_url") or DEFAULT_REDIS_URL
@@ -177,7 +176,7 @@ def fence_env(
 ) -> Iterator[Any]:
     """Your app pointed at the test's store, Redis prefix, queue and short lease TTL (and,
     under pytest-django, its workers at the test databases)."""
-    from .environment import FenceEnv
+    from celery_fence.testing.environment import FenceEnv
 
     env = FenceEnv(
         fence_app,
@@ -209,6 +208,6 @@ def fenced_worker(fence_env: Any) -> Any:
 @pytest.fixture
 def fence_chaos(fence_env: Any) -> Any:
     """The failure windows against your own task (see ``celery_fence.testing.chaos``)."""
-    from .chaos import FenceChaos
+    from celery_fence.testing.chaos import FenceChaos
 
     return FenceChaos(fence_env)

@@ -11,10 +11,22 @@ ever killed by name.
 
 from __future__ import annotations
 
-from .groups import cleanup, group_alive, install_handlers, kill_group, register, register_closer
-from .redis_server import RedisServer, redis_answers, redis_server_binary, redis_url_or_server
-from .waiting import WaitTimeout, free_port, poll_until, wait_until
-from .workers import Worker, running
+from celery_fence.testing.groups import (
+    cleanup,
+    group_alive,
+    install_handlers,
+    kill_group,
+    register,
+    register_closer,
+)
+from celery_fence.testing.redis_server import (
+    RedisServer,
+    redis_answers,
+    redis_server_binary,
+    redis_url_or_server,
+)
+from celery_fence.testing.waiting import WaitTimeout, free_port, poll_until, wait_until
+from celery_fence.testing.workers import Worker, running
 
 __all__ = [
     "RedisServer",

@@ -13,8 +13,8 @@ import struct
 import threading
 import time
 
-from .groups import register_closer
-from .waiting import free_port
+from celery_fence.testing.groups import register_closer
+from celery_fence.testing.waiting import free_port
 
 
 class TcpProxy:

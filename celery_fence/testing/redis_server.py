@@ -10,8 +10,8 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .groups import kill_group, read_log, register
-from .waiting import free_port, wait_until
+from celery_fence.testing.groups import kill_group, read_log, register
+from celery_fence.testing.waiting import free_port, wait_until
 
 
 def redis_server_binary() -> str | None:

@@ -132,7 +132,7 @@ class Hooks:
 def watch_blocks(hooks: Hooks) -> None:
     """Give the outermost ``fence.transaction()`` / ``fence.session()`` block the ``block``
     fault point before its commit, and record each block that committed."""
-    from celery_fence.fence import Fence
+    from celery_fence.body.fence import Fence
 
     for name in ("transaction", "session"):
         original = getattr(Fence, name)

@@ -10,8 +10,8 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from .groups import kill_group, read_log, register
-from .waiting import WaitTimeout, poll_until
+from celery_fence.testing.groups import kill_group, read_log, register
+from celery_fence.testing.waiting import WaitTimeout, poll_until
 
 
 class Worker:

@@ -18,8 +18,8 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from celery_fence.records import Completion
 from celery_fence.store import Store
+from celery_fence.store.records import Completion
 from celery_fence.testing import faults
 from tests.support import ledger
 from tests.support.worker import SpawnWorker, wait_until

@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 import redis
 
-from celery_fence.lease import LeaseStore
+from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import JobRecord, Store, decode_request
 from celery_fence.testing import faults
 from tests.support import ledger

@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 import redis
 
-from celery_fence.lease import LeaseStore
+from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import Store
 from celery_fence.testing import faults
 from tests.acceptance.test_celery_driven_exits import _broker_drained, _ended
@@ -82,7 +82,7 @@ def test_an_enqueued_job_s_first_attempt_completes_its_pending_row_in_one_statem
     # And a re-send of it (recovery, requeue) registers first as before: the operator's re-run
     # of the completed key runs once more and completes it again, in two statements.
     fence_store.requeue(key, completed=True)
-    from celery_fence.recovery import recover
+    from celery_fence.ops.recovery import recover
 
     # (recover scans the whole store: on the session's shared PostgreSQL database it may also
     # re-send other tests' stranded rows, so only this key's re-sends are counted)

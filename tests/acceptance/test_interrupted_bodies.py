@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_fence.lease import LeaseStore
+from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import Store
 from tests.support import ledger
 from tests.support.broker import broker_queue_length

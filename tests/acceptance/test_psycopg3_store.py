@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 import redis
 
-from celery_fence.lease import LeaseStore
+from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import Store
 from tests.support import ledger
 from tests.support.worker import SpawnWorker, wait_until

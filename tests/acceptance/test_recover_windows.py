@@ -26,7 +26,7 @@ import kombu
 import pytest
 import redis
 
-from celery_fence.lease import LeaseStore
+from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import JobRecord, Store
 from celery_fence.testing import faults
 from tests.integration.test_cli import APP, CELERY, fence_cli, ok
@@ -599,7 +599,7 @@ def test_recover_does_not_re_send_a_backlogged_job_once_per_pass(
     fence_store: Store,
     worker_env: dict[str, str],
 ) -> None:
-    from celery_fence.recovery import recover
+    from celery_fence.ops.recovery import recover
 
     # Given a job left running by a worker that died (no lease), and no worker consuming its
     # queue (a backlog: every re-send waits there) ...

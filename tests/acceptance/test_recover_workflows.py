@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 import redis
 
-from celery_fence.lease import LeaseStore
+from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import Store
 from celery_fence.testing import faults
 from tests.acceptance.test_recover_windows import _lease_gone, _lose_unacked, _status

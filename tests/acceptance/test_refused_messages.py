@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 import redis
 
-from celery_fence.lease import LeaseStore
+from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import Store, decode_request
 from celery_fence.testing import faults
 from tests.acceptance.test_celery_driven_exits import (  # noqa: F401 - the broker fixtures

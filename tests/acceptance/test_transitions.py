@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import redis
 
-from celery_fence.records import Completion
 from celery_fence.store import Store
+from celery_fence.store.records import Completion
 from celery_fence.testing.processes import free_port
 from tests.support import ledger
 from tests.support.env import BROKER_URL

@@ -14,9 +14,9 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from celery_fence.lease import LeaseStore
-from celery_fence.records import Completion
+from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import Store
+from celery_fence.store.records import Completion
 from celery_fence.testing.proxy import TcpProxy
 from tests.support.worker import wait_until
 

@@ -25,10 +25,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 from celery_fence import migrate
-from celery_fence.lease import LeaseStore
-from celery_fence.records import Completion, Dead, RetryScheduled
+from celery_fence.leases.lease import LeaseStore
 from celery_fence.schema import metadata
 from celery_fence.store import Effect, Store
+from celery_fence.store.records import Completion, Dead, RetryScheduled
 from tests.support.env import PG_ADMIN_URL
 from tests.support.worker import ROOT, SpawnWorker, wait_until
 

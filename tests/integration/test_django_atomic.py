@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from celery_fence.body.fence import Fence
 from celery_fence.errors import ConfigurationError, FenceError, LeaseLost, StaleGeneration
-from celery_fence.fence import Fence
-from celery_fence.lease import HeldLease
+from celery_fence.leases.lease import HeldLease
 from celery_fence.store import Store
 
 if TYPE_CHECKING:

@@ -21,8 +21,9 @@ import redis
 
 from celery_fence.actions import INTERRUPTED_BY, Action
 from celery_fence.errors import LeaseBusy, ResultNotSerializable, StaleGeneration
-from celery_fence.lease import LeaseStore
-from celery_fence.records import (
+from celery_fence.leases.lease import LeaseStore
+from celery_fence.store import Store
+from celery_fence.store.records import (
     FENCED_ENDINGS,
     Completion,
     Dead,
@@ -36,12 +37,11 @@ from celery_fence.records import (
     JobRecord,
     RetryScheduled,
 )
-from celery_fence.store import Store
 from celery_fence.testing.memory import MemoryLeaseStore, MemoryStore
 from tests.support.stores import store_url
 
 if TYPE_CHECKING:
-    from celery_fence.ports import JobStore, LeaseBackend
+    from celery_fence.pipeline.ports import JobStore, LeaseBackend
 
     def _the_real_ones_and_the_doubles_satisfy_the_ports(
         store: Store, leases: LeaseStore, memory: MemoryStore, memory_leases: MemoryLeaseStore

@@ -33,7 +33,7 @@ import json, sys, time
 
 import gevent
 
-from celery_fence.records import Completion
+from celery_fence.store.records import Completion
 from celery_fence.store import Store
 
 url, key, wait_for_go = sys.argv[1], sys.argv[2], sys.argv[3] == "1"

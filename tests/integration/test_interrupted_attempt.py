@@ -13,7 +13,7 @@ import redis
 from celery import Celery
 
 from celery_fence import FencedTask
-from celery_fence.lease import LeaseStore
+from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import Store
 from tests.support.env import REDIS_URL
 from tests.support.worker import wait_until

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from celery_fence.errors import LeaseBusy
-from celery_fence.lease import LeaseStore
+from celery_fence.leases.lease import LeaseStore
 
 
 def test_claim_increments_generation_and_sets_the_lease(leases: LeaseStore) -> None:

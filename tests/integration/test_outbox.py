@@ -27,10 +27,10 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_fence import FencedTask, PermanentError, StaleGeneration
-from celery_fence.lease import LeaseStore
-from celery_fence.outbox import Outbox, idempotency_key
-from celery_fence.records import Completion, Dead
+from celery_fence.body.outbox import Outbox, idempotency_key
+from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import Effect, Store, utcnow
+from celery_fence.store.records import Completion, Dead
 from tests.support.env import PG_ADMIN_URL, REDIS_URL
 from tests.support.stores import EVERY_DRIVER, store_url
 from tests.support.worker import wait_until

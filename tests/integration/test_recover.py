@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 import redis
 
-from celery_fence import recovery
-from celery_fence.lease import LeaseStore
-from celery_fence.records import Completion, Dead, DeadUnregistered, RetryScheduled
+from celery_fence.leases.lease import LeaseStore
+from celery_fence.ops import recovery
 from celery_fence.store import JobRecord, Store
+from celery_fence.store.records import Completion, Dead, DeadUnregistered, RetryScheduled
 from tests.integration.test_cli import assert_one_line_error, fence_cli, ok
 from tests.support.env import BROKER_URL
 

@@ -25,9 +25,9 @@ from redis.crc import key_slot
 
 from celery_fence.config import FenceConfig
 from celery_fence.errors import StaleGeneration
-from celery_fence.lease import LeaseStore, make_redis_client
-from celery_fence.records import Completion
+from celery_fence.leases.lease import LeaseStore, make_redis_client
 from celery_fence.store import Store
+from celery_fence.store.records import Completion
 from tests.support import ledger
 from tests.support.redis_servers import (
     RedisServer,

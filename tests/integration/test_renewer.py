@@ -8,9 +8,9 @@ import time
 import redis
 
 from celery_fence.errors import LeaseLost
-from celery_fence.lease import HeldLease, LeaseStore
-from celery_fence.renewer import Renewer
-from celery_fence.runtime import runtime
+from celery_fence.leases.lease import HeldLease, LeaseStore
+from celery_fence.leases.renewer import Renewer
+from celery_fence.process.runtime import runtime
 from tests.integration.test_lease_scripts import CountingConnection
 from tests.support.worker import wait_until
 

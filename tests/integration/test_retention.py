@@ -11,9 +11,9 @@ from celery import Celery
 from celery_fence import install
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError
-from celery_fence.records import Completion, Dead
-from celery_fence.retention import PURGE_TASK, purge_expired
+from celery_fence.ops.retention import PURGE_TASK, purge_expired
 from celery_fence.store import Store
+from celery_fence.store.records import Completion, Dead
 
 
 def _app(db_url: str, **settings: object) -> Celery:

@@ -14,7 +14,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from celery_fence.config import FenceConfig
-from celery_fence.retry import RetryBudget
+from celery_fence.pipeline.retry import RetryBudget
 from tests.unit.test_retry import Clock
 
 

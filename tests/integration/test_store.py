@@ -16,8 +16,11 @@ import sqlalchemy as sa
 
 from celery_fence.chaos.arms import UnfencedStore
 from celery_fence.errors import ResultNotSerializable, StaleGeneration, StoreError
-from celery_fence.lease import LeaseStore
-from celery_fence.records import (
+from celery_fence.leases.lease import LeaseStore
+from celery_fence.schema import create_schema
+from celery_fence.store import Effect, Store, utcnow
+from celery_fence.store.probe import PROBE_KEY_PREFIX
+from celery_fence.store.records import (
     Completion,
     Dead,
     DeadRefused,
@@ -27,9 +30,6 @@ from celery_fence.records import (
     FirstCompletion,
     RetryScheduled,
 )
-from celery_fence.schema import create_schema
-from celery_fence.store import Effect, Store, utcnow
-from celery_fence.store.probe import PROBE_KEY_PREFIX
 from tests.support.stores import EVERY_DRIVER, store_url
 
 

@@ -17,6 +17,7 @@ from celery import Celery
 from sqlalchemy.orm import registry, sessionmaker
 
 from celery_fence import FencedTask
+from celery_fence.body.fence import Fence
 from celery_fence.chaos.arms import UnfencedStore
 from celery_fence.errors import (
     ConfigurationError,
@@ -24,8 +25,7 @@ from celery_fence.errors import (
     LeaseLost,
     StaleGeneration,
 )
-from celery_fence.fence import Fence
-from celery_fence.lease import HeldLease
+from celery_fence.leases.lease import HeldLease
 from celery_fence.store import Store
 from tests.support.stores import EVERY_DRIVER, store_url
 from tests.support.worker import wait_until

@@ -222,7 +222,7 @@ def default_keyed(self: Any, label: str, *, fail_first: bool = False, sleep: flo
 if E.get("FENCE_T_FAIL_RAISE") == "1":
     # Fault injection for the regression branch of the claim: raising the Redis counter above the
     # store's generation fails once per key (as it would during a failover).
-    from celery_fence.lease import LeaseStore
+    from celery_fence.leases.lease import LeaseStore
 
     _raise_generation = LeaseStore.raise_generation
 
@@ -451,39 +451,39 @@ def interrupted(self: Any, key: str, *, kind: str, sleep: float = 0.0) -> dict[s
 if E.get("FENCE_T_RELEASE_DELAY"):
     # Widen the window in which a finished attempt's lease release waits in the worker (for the
     # next claim to carry it): a worker stopped in it must still send it.
-    import celery_fence.renewer
+    import celery_fence.leases.renewer
 
-    celery_fence.renewer.RELEASE_DELAY = float(E["FENCE_T_RELEASE_DELAY"])
+    celery_fence.leases.renewer.RELEASE_DELAY = float(E["FENCE_T_RELEASE_DELAY"])
 
 
 if E.get("FENCE_T_UNRUN_DELAY"):
     # Delay the worker's record of a revoke (terminate=True included) by this many seconds, so
     # that a terminated body's own settle step reaches the store first.
-    import celery_fence.worker
+    import celery_fence.adapters.worker
 
-    _settle_unrun = celery_fence.worker.FencedRequest._settle_unrun
+    _settle_unrun = celery_fence.adapters.worker.FencedRequest._settle_unrun
 
     def _settle_unrun_later(self: Any, why: str, terminated: bool) -> Any:
         time.sleep(float(E["FENCE_T_UNRUN_DELAY"]))  # green under gevent
         return _settle_unrun(self, why, terminated)
 
-    celery_fence.worker.FencedRequest._settle_unrun = _settle_unrun_later  # type: ignore[method-assign]
+    celery_fence.adapters.worker.FencedRequest._settle_unrun = _settle_unrun_later  # type: ignore[method-assign]
 
 
 if E.get("FENCE_T_INTERRUPT_SETTLE_DELAY"):
     # Delay a body's own settle step after an interrupt (GreenletExit from revoke(terminate=True))
     # by this many seconds, so that the worker's record of the revoke reaches the store first.
-    import celery_fence.execution
-    import celery_fence.outcomes
+    import celery_fence.pipeline.execution
+    import celery_fence.pipeline.outcomes
 
-    _settle = celery_fence.execution.Execution.settle
+    _settle = celery_fence.pipeline.execution.Execution.settle
 
     def _settle_interrupt_later(self: Any, outcome: Any) -> Any:
-        if isinstance(outcome, celery_fence.outcomes.Interrupted):
+        if isinstance(outcome, celery_fence.pipeline.outcomes.Interrupted):
             time.sleep(float(E["FENCE_T_INTERRUPT_SETTLE_DELAY"]))  # green under gevent
         return _settle(self, outcome)
 
-    celery_fence.execution.Execution.settle = _settle_interrupt_later  # type: ignore[method-assign]
+    celery_fence.pipeline.execution.Execution.settle = _settle_interrupt_later  # type: ignore[method-assign]
 
 
 # -- recovery with per-task settings, and workflows kept on a re-send ---------------------------

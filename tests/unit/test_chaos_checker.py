@@ -10,8 +10,8 @@ from typing import Any
 from celery_fence.chaos import app_metadata
 from celery_fence.chaos.arms import UnfencedStore
 from celery_fence.chaos.checker import Job, ScenarioResult, check
-from celery_fence.records import Completion
 from celery_fence.store import Store
+from celery_fence.store.records import Completion
 
 
 def _store(tmp_path: Path, store_class: type[Store] = Store, **kw: Any) -> Store:

@@ -13,7 +13,7 @@ import pytest
 from celery.exceptions import Retry
 from sqlalchemy import exc as sa_exc
 
-from celery_fence import outcomes as o
+from celery_fence.body.fence import Fence
 from celery_fence.config import FenceConfig
 from celery_fence.errors import (
     ConfigurationError,
@@ -22,11 +22,11 @@ from celery_fence.errors import (
     ResultNotSerializable,
     StaleGeneration,
 )
-from celery_fence.execution import CLAIM_ROUNDS, Execution
-from celery_fence.fence import Fence
-from celery_fence.records import Completion, DeadUnrun, Ending, RetryScheduled
-from celery_fence.renewer import Renewer
-from celery_fence.retry import RetryPolicy
+from celery_fence.leases.renewer import Renewer
+from celery_fence.pipeline import outcomes as o
+from celery_fence.pipeline.execution import CLAIM_ROUNDS, Execution
+from celery_fence.pipeline.retry import RetryPolicy
+from celery_fence.store.records import Completion, DeadUnrun, Ending, RetryScheduled
 from celery_fence.testing.memory import MemoryLeaseStore, MemoryStore
 
 KEY = "job:1"

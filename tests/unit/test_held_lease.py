@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from celery_fence.errors import LeaseLost
-from celery_fence.lease import HeldLease
+from celery_fence.leases.lease import HeldLease
 
 
 class Clock:

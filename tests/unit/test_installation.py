@@ -15,10 +15,10 @@ from celery import signals as celery_signals
 from celery.utils.dispatch import Signal
 
 from celery_fence import FencedTask, install
+from celery_fence.adapters.installation import RECEIVERS
 from celery_fence.app_state import installed
-from celery_fence.installation import RECEIVERS
-from celery_fence.recovery import RECOVER_TASK
-from celery_fence.retention import PURGE_TASK
+from celery_fence.ops.recovery import RECOVER_TASK
+from celery_fence.ops.retention import PURGE_TASK
 
 FENCE_TASKS = {RECOVER_TASK, PURGE_TASK}
 
@@ -30,8 +30,9 @@ from celery import Celery, signals
 from celery.utils.dispatch import Signal
 
 import celery_fence
-import celery_fence.events, celery_fence.logs, celery_fence.outbox, celery_fence.recovery
-import celery_fence.retention, celery_fence.signals, celery_fence.store.probe, celery_fence.worker
+import celery_fence.announce.events, celery_fence.announce.logs, celery_fence.adapters.worker
+import celery_fence.body.outbox, celery_fence.ops.recovery, celery_fence.ops.retention
+import celery_fence.signals, celery_fence.store.probe
 
 app = Celery("plain", set_as_current=False)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_fence.lease import LeaseStore
+from celery_fence.leases.lease import LeaseStore
 
 
 @pytest.fixture

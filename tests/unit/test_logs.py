@@ -1,4 +1,5 @@
-"""The log filters of celery_fence.logs: attempt context on task records, payload redaction."""
+"""The log filters of celery_fence.announce.logs: attempt context on task records, payload
+redaction."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from celery.app.log import TaskFormatter
 from celery.app.task import _task_stack
 from celery.worker.consumer import consumer
 
-from celery_fence import install, logs
-from celery_fence.logs import (
+from celery_fence import install
+from celery_fence.announce import logs
+from celery_fence.announce.logs import (
     REDACTED,
     FenceContextFilter,
     RedactCeleryPayloads,

@@ -9,7 +9,7 @@ import pytest
 
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError
-from celery_fence.redis_client import parse_redis_settings
+from celery_fence.leases.redis_client import parse_redis_settings
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import sqlalchemy.exc
 
 from celery_fence import ConfigurationError, LeaseBusy, PermanentError, ResultNotSerializable
 from celery_fence.config import FenceConfig
-from celery_fence.retry import (
+from celery_fence.pipeline.retry import (
     RetryBudget,
     RetryPolicy,
     TokenBucket,

@@ -17,16 +17,16 @@ import pytest
 from celery import Celery
 
 from celery_fence import FencedTask
-from celery_fence import backends as b
+from celery_fence.announce.events import EventSender
 from celery_fence.app_state import app_state
-from celery_fence.background import Background, BackgroundWriter
 from celery_fence.config import FenceConfig
-from celery_fence.events import EventSender
-from celery_fence.redis_client import client_identity
-from celery_fence.renewer import Renewer
-from celery_fence.runtime import Runtime, runtime
+from celery_fence.leases.redis_client import client_identity
+from celery_fence.leases.renewer import Renewer
+from celery_fence.process import backends as b
+from celery_fence.process.background import Background, BackgroundWriter
+from celery_fence.process.runtime import Runtime, runtime
+from celery_fence.store.watchdog import Watchdog, watchdog
 from celery_fence.testing.memory import MemoryLeaseStore
-from celery_fence.watchdog import Watchdog, watchdog
 
 
 @pytest.fixture

@@ -15,8 +15,6 @@ import pytest
 import sqlalchemy.exc as sa_exc
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_fence import outcomes as o
-from celery_fence import settle as s
 from celery_fence.config import FenceConfig
 from celery_fence.errors import (
     ConfigurationError,
@@ -27,10 +25,12 @@ from celery_fence.errors import (
     RetryNotSent,
     StaleGeneration,
 )
-from celery_fence.execution import Execution
-from celery_fence.records import Ending, Registration
-from celery_fence.retry import RetryPolicy
+from celery_fence.pipeline import outcomes as o
+from celery_fence.pipeline import settle as s
+from celery_fence.pipeline.execution import Execution
+from celery_fence.pipeline.retry import RetryPolicy
 from celery_fence.store import JobRecord
+from celery_fence.store.records import Ending, Registration
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 

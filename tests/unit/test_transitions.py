@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from celery.utils.dispatch import Signal
 
-from celery_fence import signals, transitions
+from celery_fence import signals
 from celery_fence.actions import Action
-from celery_fence.transitions import TABLE, Announcer, emit_transition
+from celery_fence.announce import transitions
+from celery_fence.announce.transitions import TABLE, Announcer, emit_transition
 
 README = Path(__file__).resolve().parents[2] / "docs" / "operating.md"
 ROW = re.compile(r"^\| `(\w+)` \| (.+?) \| (\w+) \| `([\w.]+)` \| (.+?) \| (yes|no) \|$")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_fence.watchdog import Watchdog
+from celery_fence.store.watchdog import Watchdog
 
 
 @pytest.fixture

@@ -9,10 +9,14 @@ from typing import Any
 
 from django.contrib import admin, messages
 
-from ...schema import PENDING
-from .models import Job, Transition
-from .operations import current_celery_app, recover_stranded, requeue_dead
-from .settings import fence_alias
+from celery_fence.contrib.django.models import Job, Transition
+from celery_fence.contrib.django.operations import (
+    current_celery_app,
+    recover_stranded,
+    requeue_dead,
+)
+from celery_fence.contrib.django.settings import fence_alias
+from celery_fence.schema import PENDING
 
 
 class ReadOnly:

@@ -15,4 +15,4 @@ class CeleryFenceConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import checks  # noqa: F401 - registers the system checks
+        from celery_fence.contrib.django import checks  # noqa: F401 - registers the system checks

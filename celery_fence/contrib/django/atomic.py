@@ -45,14 +45,14 @@ from typing import TYPE_CHECKING, Any
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db import transaction as django_transaction
 
-from ... import signals
-from ...errors import ConfigurationError, FenceError, LeaseLost
-from .database import same_database_problem
-from .guard import refuse_uncovered_writes
+from celery_fence import signals
+from celery_fence.contrib.django.database import same_database_problem
+from celery_fence.contrib.django.guard import refuse_uncovered_writes
+from celery_fence.errors import ConfigurationError, FenceError, LeaseLost
 
 if TYPE_CHECKING:
-    from ...fence import Fence
-    from ...store import Store
+    from celery_fence.body.fence import Fence
+    from celery_fence.store import Store
 
 
 class _Refused(Exception):

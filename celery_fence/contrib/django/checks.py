@@ -7,10 +7,10 @@ from typing import Any
 from django.core import checks
 from django.db import connections
 
-from ...config import DEFAULT_DATABASE_URL
-from ...errors import ConfigurationError
-from .database import same_database_problem
-from .settings import fence_alias, fence_config
+from celery_fence.config import DEFAULT_DATABASE_URL
+from celery_fence.contrib.django.database import same_database_problem
+from celery_fence.contrib.django.settings import fence_alias, fence_config
+from celery_fence.errors import ConfigurationError
 
 
 @checks.register(checks.Tags.database, "celery_fence")

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db import transaction as django_transaction
 
-from ... import durable
-from ...errors import ConfigurationError
-from .database import same_database_problem
+from celery_fence import durable
+from celery_fence.contrib.django.database import same_database_problem
+from celery_fence.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from ...store import Store
+    from celery_fence.store import Store
 
 
 class DjangoTarget:

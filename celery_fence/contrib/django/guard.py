@@ -20,8 +20,8 @@ from typing import Any
 
 from django.db import connections
 
-from ...errors import ConfigurationError
-from ...writes import write_verb
+from celery_fence.body.writes import write_verb
+from celery_fence.errors import ConfigurationError
 
 
 @contextlib.contextmanager

@@ -1,15 +1,15 @@
 """What the admin's actions do, through the same functions as ``celery fence requeue``
-(:func:`celery_fence.requeue.requeue_finished`) and ``celery fence recover``."""
+(:func:`celery_fence.ops.requeue.requeue_finished`) and ``celery fence recover``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ... import recovery
-from ...backends import store_for
-from ...config import FenceConfig
-from ...requeue import SendFailed, requeue_finished
-from ...schema import DEAD
+from celery_fence.config import FenceConfig
+from celery_fence.ops import recovery
+from celery_fence.ops.requeue import SendFailed, requeue_finished
+from celery_fence.process.backends import store_for
+from celery_fence.schema import DEAD
 
 
 def current_celery_app() -> Any:

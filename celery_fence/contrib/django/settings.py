@@ -8,7 +8,7 @@ from typing import Any
 
 from django.conf import settings
 
-from ...config import FenceConfig
+from celery_fence.config import FenceConfig
 
 PREFIXES = ("CELERY_FENCE_", "FENCE_")
 

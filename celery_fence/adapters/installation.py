@@ -1,0 +1,75 @@
+"""``celery_fence.install(app)``: what celery-fence adds to a Celery app, done once, on request.
+
+Importing ``celery_fence`` connects no Celery signal receiver and registers no task on any app.
+:func:`install` does both, for one app:
+
+- it registers the beat tasks :data:`~celery_fence.ops.recovery.RECOVER_TASK`
+  (``celery_fence.recover``) and :data:`~celery_fence.ops.retention.PURGE_TASK`
+  (``celery_fence.purge``) on ``app``, and on no other app;
+- the first call in a process connects the process-wide receivers of Celery's signals
+  (:data:`RECEIVERS`: the worker's settings check and ``-A`` value at ``worker_init``, the task
+  events flag, the release of leases and the flush of events at shutdown, the logging filters);
+  Celery's signals belong to the process, so they are connected once, never per app, and each
+  receiver acts only for an installed app and ignores every other.
+
+:class:`~celery_fence.FencedTask` calls it for its app when Celery binds the task
+(``on_bound``), so an app with a fenced task is installed without a line of its own; call it
+yourself for an app that runs the beat tasks without defining a fenced task. Calling it again,
+for the same app, does nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from celery.utils.dispatch import Signal
+
+from celery_fence.adapters import worker
+from celery_fence.announce import events, logs
+from celery_fence.app_state import installed, mark_installed, real_app
+from celery_fence.ops.retention import PURGE_TASK, purge_task
+
+#: Every process-wide receiver, in the order the first :func:`install` connects them.
+RECEIVERS: tuple[tuple[Signal, Any], ...] = (*worker.RECEIVERS, *events.RECEIVERS, *logs.RECEIVERS)
+
+_lock = threading.RLock()  # registering a task binds it, which may ask for install() again
+_connected = False
+
+
+def install(app: Any) -> None:
+    """Install celery-fence on ``app``: its beat tasks, and (once per process) the receivers.
+
+    Idempotent; thread-safe. ``app`` may be Celery's ``current_app`` proxy.
+    """
+    app = real_app(app)
+    with _lock:
+        if not mark_installed(app):
+            return
+        _connect_receivers()
+        _register_tasks(app)
+
+
+def _connect_receivers() -> None:
+    global _connected
+    if _connected:
+        return
+    for signal, receiver in RECEIVERS:
+        uid = f"celery_fence:{receiver.__module__}.{receiver.__qualname__}:{signal.name}"
+        signal.connect(receiver, weak=False, dispatch_uid=uid)
+    _connected = True
+
+
+def _register_tasks(app: Any) -> None:
+    """The beat tasks, on ``app`` only (lazily when the app is not finalized yet, as Celery's
+    own ``@app.task`` does)."""
+    # recovery reads the app's fenced tasks (through scope, which imports the task module), and
+    # the task module installs: imported here, when the first app is installed.
+    from celery_fence.ops.recovery import RECOVER_TASK, recover_task
+
+    options: dict[str, Any] = {"bind": True, "ignore_result": True, "shared": False}
+    app.task(name=RECOVER_TASK, **options)(recover_task)
+    app.task(name=PURGE_TASK, **options)(purge_task)
+
+
+__all__ = ["RECEIVERS", "install", "installed"]

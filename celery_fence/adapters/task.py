@@ -1,0 +1,328 @@
+"""FencedTask: the body's side of a fenced task, an adapter between Celery and one
+:class:`~celery_fence.pipeline.execution.Execution` per attempt.
+
+``__call__`` reads what the execution needs from Celery's request (the key, whether this is the
+message's first delivery, the stored request), lets the execution claim, register, run the body
+and settle, and carries out the disposition it returns in Celery's terms
+(:meth:`FencedTask._carry_out`: return, raise, re-send, give the message back). The exits Celery
+drives in the worker's main process (hard time limit, expired or revoked message) are
+:class:`~celery_fence.adapters.worker.FencedRequest`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from celery import Task
+from celery.app.task import _task_stack
+from celery.exceptions import Reject
+
+from celery_fence.actions import LogAction
+from celery_fence.adapters.installation import install
+from celery_fence.adapters.worker import FENCED_REQUEST, celery_command
+from celery_fence.announce.transitions import Announcer
+from celery_fence.app_state import app_state
+from celery_fence.body.fence import Fence
+from celery_fence.body.outbox import trigger_delivery
+from celery_fence.config import FenceConfig
+from celery_fence.errors import (
+    ConfigurationError,
+    FenceEagerWarning,
+    FenceError,
+    Rescheduled,
+    RetryNotSent,
+)
+from celery_fence.pipeline import outcomes as o
+from celery_fence.pipeline.execution import Execution
+from celery_fence.process.backends import Backends, backends
+from celery_fence.schema import KEY_LENGTH
+from celery_fence.store.records import ENQUEUED_HEADER, request_text
+
+logger = logging.getLogger("celery_fence")
+
+#: Seconds before a message is re-sent when the settings are invalid (fix them and restart).
+CONFIG_ERROR_COUNTDOWN = 30.0
+
+#: Bounds (seconds) of the pause before a message whose re-send the broker refused goes back to
+#: the broker: the re-send's countdown, at least the first, at most the second.
+REFUSED_RESEND_PAUSE = (1.0, 10.0)
+
+
+class FencedTask(Task):
+    """Base class for fenced tasks: ``@app.task(base=FencedTask, bind=True, fence_key=...)``.
+
+    Task options: ``fence_key`` (callable given the task's args and kwargs, returning the stable
+    logical key; default: the Celery task id), ``lease_ttl``, ``renew_interval``,
+    ``max_attempts`` and any ``fence_<setting>`` to override a setting for this task.
+    """
+
+    abstract = True
+    acks_late = True
+    reject_on_worker_lost = True
+    max_retries = None  # the store counts attempts (fence_max_attempts); busy reschedules are free
+    #: Settles the exits Celery drives in the worker (hard time limit, expiry, revoke).
+    Request = FENCED_REQUEST
+    fence_key: Callable[..., str] | None = None
+    lease_ttl: float | None = None
+    renew_interval: float | None = None
+    max_attempts: int | None = None
+    #: What runs each attempt (the chaos harness's control arms put a demonstration one here).
+    execution_class: type[Execution] = Execution
+    #: The worker refuses to start when this task's settings are invalid (``worker_init``).
+    settings_checked_at_start = True
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Celery binds the task to its app: install celery-fence on that app (its beat tasks,
+        the process's receivers; idempotent). A class that declares itself ``abstract`` is a
+        base of fenced tasks, not one: it installs nothing."""
+        super().on_bound(app)
+        if not cls.__dict__.get("abstract", False):
+            install(app)
+
+    # -- configuration ---------------------------------------------------------------------------
+
+    def fence_config(self) -> FenceConfig:
+        return self.fence_backends().config
+
+    def fence_backends(self) -> Backends:
+        """This task's settings and this process's backends for them (made again after a fork)."""
+        cache: Backends | None = self.__dict__.get("_fence_cache")
+        if cache is None or cache.runtime.forked:
+            cache = self.__dict__["_fence_cache"] = self.make_backends(FenceConfig.for_task(self))
+        return cache
+
+    def make_backends(self, config: FenceConfig) -> Backends:
+        """This process's backends for ``config`` (a demonstration task gives another store)."""
+        return backends(config)
+
+    def fence_execution(
+        self, *, message_id: str | None = None, hostname: str | None = None, retries: int = 0
+    ) -> Execution:
+        """A new execution of this task for a message (its id and worker, for the events)."""
+        config, store, leases, policy, renewer, _ = self.fence_backends()
+        return self.execution_class(
+            task_name=self.name,
+            config=config,
+            store=store,
+            leases=leases,
+            renewer=renewer,
+            policy=policy,
+            announcer=Announcer(self, (message_id, hostname), events=config.send_events),
+            retries=retries,
+            celery_command=celery_command(self.app),
+        )
+
+    def logical_key(self, args: Any, kwargs: Any, task_id: str | None) -> str:
+        """The stable logical key of a call: ``fence_key(*args, **kwargs)`` or the task id."""
+        fn = None
+        for klass in type(self).__mro__:
+            if "fence_key" in klass.__dict__:
+                raw = klass.__dict__["fence_key"]
+                fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+                break
+        if fn is None:
+            if not task_id:
+                raise FenceError(
+                    f"task {self.name} was called directly without a fence_key: call it with "
+                    ".delay()/.apply_async(), or give the task a fence_key=lambda ...: '...'"
+                )
+            return str(task_id)
+        try:
+            key = fn(*(args or ()), **(kwargs or {}))
+        except Exception as exc:
+            raise ConfigurationError(
+                f"fence_key of task {self.name} raised {type(exc).__name__}: {exc}; it is called "
+                "with the task's own args and kwargs and must return a str"
+            ) from exc
+        if not isinstance(key, str) or not key or len(key) > KEY_LENGTH or "\x00" in key:
+            raise ConfigurationError(
+                f"fence_key of task {self.name} returned a {type(key).__name__} "
+                f"({len(key) if isinstance(key, str) else '-'} chars); it must return a non-empty "
+                f"str of at most {KEY_LENGTH} characters without NUL (\\x00), e.g. "
+                "f'report:{report_id}'"
+            )
+        return key
+
+    # -- the current attempt ---------------------------------------------------------------------
+
+    @property
+    def fence(self) -> Fence:
+        fence = getattr(self.request, "fence", None)
+        if fence is None:
+            raise FenceError(f"self.fence is only available while fenced task {self.name} runs")
+        return fence
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.request.called_directly:  # a plain function call: set up what the tracer does
+            _task_stack.push(self)
+            self.push_request(args=args, kwargs=kwargs)
+            try:
+                return self._run_fenced(args, kwargs)
+            finally:
+                self.pop_request()
+                _task_stack.pop()
+        return self._run_fenced(args, kwargs)
+
+    # -- one attempt ---------------------------------------------------------------------------
+
+    def _run_fenced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        request = self.request
+        if request.is_eager:
+            warnings.warn(
+                FenceEagerWarning(
+                    f"fenced task {self.name} ran eagerly (task_always_eager or .apply()): no "
+                    "worker, no redelivery — fencing is not exercised here. Test it with the "
+                    "fenced_worker / fence_chaos fixtures of celery_fence.testing."
+                ),
+                stacklevel=3,
+            )
+        try:
+            execution = self.fence_execution(
+                message_id=request.id, hostname=request.hostname, retries=request.retries or 0
+            )
+        except ConfigurationError as exc:  # checked at worker start; still, lose nothing
+            logger.critical("fence settings invalid for task %s: %s", self.name, exc)
+            return self._carry_out(self.invalid_settings(exc))
+        try:
+            key = self._key_of(args, kwargs)
+        except ConfigurationError as exc:
+            if request.called_directly:
+                raise
+            stored = request_text(self.name, args, kwargs, request)
+            decoded = None if stored is None else json.loads(stored)
+            return self._carry_out(execution.run_unkeyed(exc, request.id, decoded))
+        disposition = execution.run(
+            key,
+            functools.partial(self._body, args, kwargs),
+            request_json=functools.partial(request_text, self.name, args, kwargs, request),
+            first_delivery=self._first_delivery(),
+            max_runtime=self._max_runtime(execution.config),
+        )
+        return self._carry_out(disposition)
+
+    def invalid_settings(self, error: ConfigurationError) -> o.Disposition:
+        """The disposition of a message whose task's settings are invalid: re-sent later."""
+        return o.Resend(CONFIG_ERROR_COUNTDOWN, "invalid fence settings", error)
+
+    def _key_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """This message's key: the ``fence_key`` header of a recovery's or a requeue's re-send
+        (the job's own key), else :meth:`logical_key`."""
+        override = None if self.request.called_directly else self.request.get("fence_key")
+        if isinstance(override, str) and override:
+            return override
+        return self.logical_key(args, kwargs, self.request.id)
+
+    def _body(self, args: tuple[Any, ...], kwargs: dict[str, Any], fence: Fence) -> Any:
+        """The task's own ``run``, with ``self.fence`` bound for its duration."""
+        self.request.fence = fence
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            self.request.fence = None
+
+    def _first_delivery(self) -> bool:
+        """This message's first delivery: not a re-send (Celery's ``retries``: the fence's own,
+        the body's ``self.retry()``), not redelivered by the broker, not re-sent by recovery or
+        requeue (a ``fence_key`` header without the ``fence_enqueued`` one: :func:`enqueue`'s own
+        send is a first delivery). Only then may a first claim defer its registration: a repeat
+        may find its job completed, which only a registration sees (Redis may have lost the
+        counter). Brokers also flag a message given back unstarted (a consumer cancelled, a
+        warm shutdown): it registers first too, one statement more."""
+        request = self.request
+        redelivered = (request.delivery_info or {}).get("redelivered")
+        resent = request.get("fence_key") and not request.get(ENQUEUED_HEADER)
+        return not (request.retries or redelivered or resent)
+
+    def _max_runtime(self, config: FenceConfig) -> float | None:
+        """``fence_max_runtime``, else the hard time limit of this message or task, else None."""
+        if config.max_runtime is not None:
+            return config.max_runtime
+        limit = (self.request.timelimit or (None, None))[0]
+        return limit or self.time_limit or self.app.conf.task_time_limit or None
+
+    # -- Celery's side ---------------------------------------------------------------------------
+
+    def _carry_out(self, disposition: o.Disposition) -> Any:
+        """A settled disposition in Celery's terms, for the body's side (Celery then acks late);
+        the exits the worker drives are applied by
+        :meth:`~celery_fence.adapters.worker.FencedRequest._apply`."""
+        if isinstance(disposition, o.Return):
+            replay_only = disposition.replay and app_state(self.app).outbox is None
+            if disposition.deliver is not None and not replay_only:
+                trigger_delivery(self.app, disposition.deliver)
+            return disposition.result
+        if isinstance(disposition, (o.Fail, o.Reraise)):
+            raise disposition.error
+        if isinstance(disposition, o.Requeue):
+            raise Reject(disposition.reason, requeue=True)
+        if isinstance(disposition, o.Acknowledge):
+            return None
+        return self._resend(disposition)
+
+    def _resend(self, disposition: o.Resend) -> Any:
+        """Re-send this message (same task id) after the countdown; never drop it. ``expires``
+        is not carried over: a message the fence re-sends must arrive."""
+        if self.request.called_directly:  # a direct call raises instead of re-sending
+            raise disposition.error
+        countdown = max(0.0, disposition.countdown)
+        logger.info(
+            "fence re-send task=%s id=%s in %.2fs: %s",
+            self.name,
+            self.request.id,
+            countdown,
+            disposition.reason,
+            extra={"action": LogAction.RESCHEDULE, "reason": disposition.reason},
+        )
+        # A publish the broker refuses raises RetryNotSent: the message goes back (requeue).
+        retry = self.retry(
+            exc=Rescheduled(disposition.reason),
+            countdown=countdown,
+            max_retries=None,
+            throw=False,
+            **self.resend_options(),
+        )
+        raise retry from None
+
+    def resend_options(self) -> dict[str, Any]:
+        """Options of the fence's own re-send: ``expires`` is not carried over."""
+        return {"expires": None}
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``retry``, except when the broker refuses the retry message: Celery would
+        reject the original message for good (``Reject(requeue=False)``, the message dropped);
+        here it goes back to the broker instead (:class:`RetryNotSent`, a requeue), and the
+        settle step records the job ``retrying``, so the next delivery runs it. The message
+        goes back after a pause (the retry's countdown within :data:`REFUSED_RESEND_PAUSE`): a
+        broker that refuses every publish must not make the worker redeliver, claim and re-send
+        in a tight loop."""
+        try:
+            return super().retry(*args, **kwargs)
+        except Reject as rejected:
+            if rejected.requeue:
+                raise
+            # Celery turns a failed publish of the retry message into Reject(requeue=False).
+            countdown = kwargs.get("countdown")
+            if countdown is None:
+                countdown = (
+                    REFUSED_RESEND_PAUSE[1] if kwargs.get("eta") else self.default_retry_delay
+                )
+            low, high = REFUSED_RESEND_PAUSE
+            pause = min(max(float(countdown or 0.0), low), high)
+            logger.error(
+                "fence could not publish the retry of task=%s id=%s (%s); the original message "
+                "goes back to the broker in %.1fs",
+                self.name,
+                self.request.id,
+                type(rejected.reason).__name__,
+                pause,
+                extra={"action": LogAction.REQUEUE, "reason": "retry publish failed"},
+            )
+            time.sleep(pause)  # the message stays unacked meanwhile; the lease is renewed
+            raise RetryNotSent(rejected.reason) from None

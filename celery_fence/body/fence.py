@@ -1,0 +1,143 @@
+"""``self.fence``: the current attempt as the task body sees it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING
+
+from celery_fence.body.effects import StagedEffects
+from celery_fence.body.orm import session as _session
+from celery_fence.body.transaction import OpenBlocks, unrecorded_loss
+from celery_fence.body.transaction import transaction as _transaction
+from celery_fence.leases.lease import HeldLease
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+    from sqlalchemy.orm import Session
+
+    from celery_fence.pipeline.execution import Execution
+    from celery_fence.store import Store
+
+
+class Fence:
+    """One execution attempt of one logical job.
+
+    ``key`` is the stable logical key, ``attempt_id`` is new for every execution, ``generation``
+    is the number this attempt's claim received. ``check()`` and ``guard()`` raise
+    :class:`~celery_fence.LeaseLost` once the lease is lost: a check on entry, not a fence.
+    Writes to the app's own tables go through ``transaction()`` or ``session()``, whose commit is
+    fenced; effects on other systems are staged on ``effects`` (also reachable as ``outbox``).
+    """
+
+    __slots__ = (
+        "attempt_id",
+        "attempts",
+        "blocks",
+        "effects",
+        "execution",
+        "generation",
+        "key",
+        "lease",
+        "store",
+    )
+
+    def __init__(
+        self,
+        *,
+        key: str,
+        attempt_id: str,
+        generation: int,
+        attempts: int,
+        lease: HeldLease,
+        store: Store | None = None,
+        execution: Execution | None = None,
+    ) -> None:
+        self.key = key
+        self.attempt_id = attempt_id
+        self.generation = generation
+        self.attempts = attempts
+        #: The effects this attempt stages: ``self.fence.effects.add("email", {...})``.
+        self.effects = StagedEffects(key)
+        #: This attempt's lease, and the store its fenced blocks check ownership in.
+        self.lease = lease
+        self.store = store
+        #: The execution this fence belongs to (None: a fence made by hand, e.g. in a test).
+        self.execution = execution
+        #: The open fence.transaction()/session()/atomic() blocks, and a refused commit.
+        self.blocks = OpenBlocks()
+
+    def check(self) -> None:
+        """Raise ``LeaseLost`` if this attempt no longer holds its lease (decided locally)."""
+        if self.blocks.defer_loss(self.lease):
+            # While a fence block is open the loss is recorded once it has closed: on SQLite the
+            # block holds the database's write lock, which the record would wait for.
+            raise unrecorded_loss(self)
+        self.lease.check()
+
+    def prepare_block(self) -> None:
+        """Before a fenced block opens: a refused commit stays refused, a lost lease stops the
+        work (``guard()`` semantics), and a deferred first claim registers now (the block's
+        ownership check is a statement on its row)."""
+        self.blocks.raise_refused()
+        self.check()
+        if self.execution is not None:
+            self.execution.register_for_block()
+
+    @contextmanager
+    def guard(self) -> Iterator[Fence]:
+        """``with self.fence.guard(): publish(...)`` — checks the lease before the effect starts.
+
+        A check on entry, not a fence: for the app's own tables use ``transaction()``."""
+        self.check()
+        yield self
+
+    def transaction(self, bind: sa.Engine | None = None) -> AbstractContextManager[sa.Connection]:
+        """``with self.fence.transaction() as conn:`` — a SQLAlchemy ``Connection`` in a
+        transaction on the store's database (or on ``bind``, your own ``Engine`` on that same
+        database) that commits only if this attempt still owns its key at commit time.
+
+        Otherwise nothing of the block commits and :class:`~celery_fence.StaleGeneration` is
+        raised out of it (the attempt then settles as stale). The lease is checked on entry and
+        again just before the commit. Nested blocks are savepoints of the outermost one, which
+        commits. See :mod:`celery_fence.body.transaction`.
+        """
+        return _transaction(self, bind)
+
+    def session(
+        self, factory: Callable[..., Session], bind: sa.Engine | None = None
+    ) -> AbstractContextManager[Session]:
+        """``with self.fence.session(SessionFactory) as session:`` — an ORM ``Session`` on a
+        fenced connection: every ``session.commit()`` is fenced like ``transaction()``'s, and the
+        block commits what is left at its end. ``bind`` defaults to the factory's own engine."""
+        return _session(self, factory, bind)
+
+    def atomic(self, using: str | None = None) -> AbstractContextManager[None]:
+        """``with self.fence.atomic():`` — Django's ``transaction.atomic(using=using)`` whose
+        commit is fenced: just before it, on the same connection and in the same transaction,
+        the ownership check ``transaction()`` makes runs; stale, everything inside rolls back and
+        :class:`~celery_fence.StaleGeneration` is raised. Needs the store in that alias's
+        database (``CELERY_FENCE_DATABASE``). See :mod:`celery_fence.contrib.django.atomic`."""
+        from celery_fence.contrib.django.atomic import (
+            atomic,  # Django is optional: imported when used
+        )
+
+        return atomic(self, using)
+
+    @property
+    def outbox(self) -> StagedEffects:
+        """``self.fence.outbox.add(...)``: an alias of :attr:`effects`, for code written
+        against that name."""
+        return self.effects
+
+    @property
+    def remaining(self) -> float:
+        """Seconds until the local lease deadline (negative once passed)."""
+        return self.lease.remaining()
+
+    @property
+    def lost(self) -> bool:
+        return self.lease.lost
+
+    def __repr__(self) -> str:
+        return f"<Fence key={self.key!r} generation={self.generation} attempt={self.attempt_id}>"

@@ -1,0 +1,489 @@
+"""``self.fence.transaction()`` and ``self.fence.session()``: the app's own writes, fenced.
+
+The block's connection is in one transaction on the store's database. Its commit — at the end of
+the block, or any ``conn.commit()`` / ``session.commit()`` inside it — first checks, in that same
+transaction, that this attempt still owns its key:
+
+1. the lease, locally (``fence.check()``: an attempt that was paused past its lease stops here,
+   without a round trip), then
+2. the store: one fenced ``UPDATE fence_jobs ... WHERE key, generation, attempt, status =
+   'running' RETURNING`` (:meth:`Store.commit_check`), at Read Committed on PostgreSQL and in one
+   ``BEGIN IMMEDIATE`` transaction on SQLite. Why that is enough: docs/design.md, "Why the check
+   is enough (Read Committed)".
+
+No row: the transaction is rolled back and :class:`StaleGeneration` is raised out of the block
+(and again on entry to any later block of the attempt). The lease is also checked on entry, like
+``guard()``. An exception inside the block rolls it back and goes on up.
+
+**Sessions**: ``fence.session()`` (:mod:`celery_fence.body.orm`) is an ORM session on this block.
+
+**Every wait is bounded by** ``fence_database_timeout``: each statement (the ownership check
+too), the COMMIT and the ROLLBACK. On PostgreSQL the block sets ``statement_timeout`` and the
+watchdog (:mod:`celery_fence.store.watchdog`) cuts a call still waiting past the timeout — a peer
+that stopped answering — which fails it as a lost connection; on SQLite the block's busy timeout is
+the timeout. A commit cut that way has an unknown outcome, like any commit whose answer was lost:
+the block raises, the attempt takes its error path (a retry), and a write keyed by the job makes
+the retry converge.
+
+A holder paused inside a block holds its transaction's locks. On PostgreSQL the block sets
+``idle_in_transaction_session_timeout`` to the lease TTL (the server ends a session that waits that
+long between two statements, which rolls it back) and ``lock_timeout`` to
+:data:`~celery_fence.store.jobs.LOCK_TIMEOUT_TTLS` TTLs, at most ``fence_database_timeout`` (a
+newer attempt's block waits that long for rows a paused holder locked, then fails and retries); the
+store's own statements wait ``fence_lock_timeout`` (a registration then fails and its message is
+re-sent). On SQLite nothing can end a stopped process's transaction: every write to the database
+waits until the holder resumes (its commit is then refused: the lease is lost) or dies.
+
+Nested blocks share the outermost block's connection: an inner block is a SAVEPOINT (an exception
+inside it rolls back to the savepoint), and the commit — fenced — is the outermost block's. Each
+thread has its own outermost block (a connection is never shared between threads). A lease loss
+seen while a block is open is recorded once the last open block has closed (on SQLite the block
+holds the write lock the record needs). The chaos harness's store without the fence (its control
+arm, never a production setting) turns the block into what it replaces: ``guard()`` on entry,
+then a plain transaction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from celery_fence.body.writes import on_fence_tables, write_verb
+from celery_fence.errors import ConfigurationError, FenceError, LeaseLost
+from celery_fence.store import sql
+from celery_fence.store.watchdog import watchdog
+
+if TYPE_CHECKING:
+    from celery_fence.body.fence import Fence
+    from celery_fence.leases.lease import HeldLease
+    from celery_fence.store import Store
+
+_LOCAL_HOSTS = frozenset({"", "localhost", "127.0.0.1", "::1"})
+
+
+@dataclass
+class Block:
+    """The outermost open block of one attempt on one thread: its engine, its connection, and
+    the refusal of its commit (kept so a refusal swallowed inside the block still ends it)."""
+
+    engine: sa.Engine
+    conn: sa.Connection
+    thread: int = field(default_factory=threading.get_ident)
+    refused: FenceError | None = None
+
+
+class OpenBlocks:
+    """The fenced blocks of one attempt: its open outermost ``transaction()``/``session()``
+    blocks (one per thread at most), the Django aliases with an open ``atomic()`` block, the
+    refusal of a fenced commit (every later block is refused too), and a lease loss seen while a
+    block was open, whose record waits for the last one to close."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, Block] = {}
+        self._lock = threading.Lock()
+        self._loss_seen = False
+        #: Django aliases with an open ``fence.atomic()`` block.
+        self.atomic: set[str] = set()
+        #: A fenced commit found a newer generation: no later block of this attempt commits.
+        self.refused: FenceError | None = None
+
+    def raise_refused(self) -> None:
+        """Raise (a fresh copy of) the refusal of an earlier fenced commit, if any."""
+        if self.refused is not None:
+            raise _again(self.refused)
+
+    def current(self) -> Block | None:
+        """This thread's open block."""
+        return self._open.get(threading.get_ident())
+
+    def add(self, block: Block) -> None:
+        with self._lock:
+            self._open[block.thread] = block
+
+    def defer_loss(self, lease: HeldLease) -> bool:
+        """True when the lease is lost while a block is open: the caller raises
+        :func:`unrecorded_loss`, and :meth:`remove` records the loss."""
+        with self._lock:
+            if self._open and lease.lost:
+                self._loss_seen = True
+                return True
+            return bool(self.atomic) and lease.lost
+
+    def remove(self, block: Block, lease: HeldLease) -> None:
+        """``block`` closed (its connection holds no lock any more): the last one to close
+        records a loss seen meanwhile — once, whatever the threads did."""
+        with self._lock:
+            self._open.pop(block.thread, None)
+            if self._open:
+                return
+            seen, self._loss_seen = self._loss_seen, False
+        try:
+            lease.check()  # records a loss (HeldLease.mark_lost: once)
+        except LeaseLost:
+            return
+        if seen:  # raised inside the block, then a late renewal moved the deadline on:
+            # what was raised stands.
+            lease.mark_lost("deadline passed without a confirmed renewal")
+
+
+@contextlib.contextmanager
+def transaction(fence: Fence, bind: sa.Engine | None = None) -> Iterator[sa.Connection]:
+    """``with self.fence.transaction() as conn:`` — see the module docstring."""
+    block = fence.blocks.current()
+    if block is not None:
+        conn = join_block(fence, block, bind, "transaction")
+        with conn.begin_nested():
+            yield conn
+        return
+    with open_block(fence, bind) as block:
+        block.conn.begin()
+        yield block.conn
+        if block.conn.in_transaction():
+            block.conn.commit()  # fenced: _on_commit
+
+
+@contextlib.contextmanager
+def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
+    store = store_of(fence)
+    if fence.blocks.atomic:
+        raise FenceError(
+            "fence.transaction()/session() inside an open fence.atomic() block: the two are "
+            "separate connections, and a fenced commit covers one. Write through Django's ORM "
+            "inside fence.atomic(), or run the blocks one after another."
+        )
+    fence.prepare_block()
+    engine = store.engine if bind is None else checked_bind(store, bind)
+    conn = engine.connect()
+    block = Block(engine, conn)
+    busy_timeout: int | None = None
+    try:
+        busy_timeout = _bound_waits(store, block)
+        sa.event.listen(conn, "begin", functools.partial(_on_begin, fence, store))
+        sa.event.listen(conn, "commit", functools.partial(_on_commit, fence, store, block))
+        sa.event.listen(conn, "rollback", functools.partial(_on_rollback, store))
+        fence.blocks.add(block)
+        _install_write_guard()
+        outer, _this_thread.block = getattr(_this_thread, "block", None), block
+        try:
+            with _django_writes_refused():
+                yield block
+        except BaseException:
+            _rollback(store, conn)
+            raise
+        if block.refused is not None:  # refused inside the block, and the refusal swallowed
+            _rollback(store, conn)
+            raise _again(block.refused)
+    finally:
+        try:
+            if busy_timeout is not None and not conn.invalidated:
+                with contextlib.suppress(Exception):
+                    _raw(conn, sql.sqlite_busy_timeout(busy_timeout))
+            if not conn.invalidated:  # (an invalidated connection would reconnect here)
+                _disarm_statement(conn)  # a statement that ended without either event
+            conn.close()
+        finally:
+            _this_thread.block = outer
+            fence.blocks.remove(block, fence.lease)  # records a loss seen inside the block
+
+
+_this_thread = threading.local()  # .block: this thread's open outermost block, if any
+_guard_lock = threading.Lock()
+_guard_installed = False
+
+
+def _install_write_guard() -> None:
+    """Listen, once per process, to every SQLAlchemy engine's statements: see
+    :func:`_refuse_uncovered_write`."""
+    global _guard_installed
+    if not _guard_installed:
+        with _guard_lock:
+            if not _guard_installed:
+                sa.event.listen(sa.Engine, "before_cursor_execute", _refuse_uncovered_write)
+                _guard_installed = True
+
+
+def _refuse_uncovered_write(
+    conn: sa.Connection, cursor: Any, statement: str, parameters: Any, context: Any, many: bool
+) -> None:
+    """While this thread has a block open, a writing statement on any other SQLAlchemy
+    connection (another engine, or another connection of the same one: a Flask-SQLAlchemy
+    ``db.session``, an ``engine.begin()``) is refused: the block's fenced commit covers its own
+    connection only, so that write would commit unchecked. The fence's own statements (on its
+    tables) pass; so do reads."""
+    block = getattr(_this_thread, "block", None)
+    if block is None or conn is block.conn:
+        return
+    verb = write_verb(statement)
+    if verb is None or on_fence_tables(statement):
+        return
+    raise ConfigurationError(
+        f"a write ({verb}) on a connection that is not the fenced block's, inside "
+        "fence.transaction()/session(): the block's fenced commit covers its own connection only, "
+        "so this write would commit unchecked and a stale worker's write would land. Write "
+        "through the block: `with self.fence.transaction() as conn: conn.execute(...)`, or "
+        "`with self.fence.session(YourSession) as session:` for the ORM (a Flask-SQLAlchemy app: "
+        "self.fence.session(db.session)); or make the write outside the block."
+    )
+
+
+def _django_writes_refused() -> contextlib.AbstractContextManager[None]:
+    """In a process with Django configured, Django ORM writes inside the block are refused: they
+    run on Django's connection, which this block's fenced commit does not cover
+    (:mod:`celery_fence.contrib.django.guard`). Django is never imported here."""
+    conf = sys.modules.get("django.conf")
+    try:
+        configured = conf is not None and "django.db" in sys.modules and conf.settings.configured
+    except Exception:  # settings that cannot be read: nothing of Django's to guard
+        configured = False
+    if not configured:
+        return contextlib.nullcontext()
+    from celery_fence.contrib.django.guard import refuse_uncovered_writes
+
+    return refuse_uncovered_writes(frozenset, "fence.transaction()/session()", _use_atomic_instead)
+
+
+def _use_atomic_instead(alias: str) -> str:
+    return (
+        f"Write through Django's ORM inside `with self.fence.atomic(using={alias!r}):` (its commit "
+        "is fenced on Django's connection), and keep fence.transaction()/session() for "
+        "SQLAlchemy writes."
+    )
+
+
+def _bound_waits(store: Store, block: Block) -> int | None:
+    """Set the block's connection up so that each of its waits ends within
+    ``fence_database_timeout``. SQLite: its busy timeout for the block's duration (returned, to be
+    put back). PostgreSQL: statements on an engine that is not the store's are armed on the
+    watchdog (the store's engine arms its own); ``_on_begin`` sets ``statement_timeout``, and
+    COMMIT and ROLLBACK are armed by :func:`_end_driver_transaction`."""
+    conn = block.conn
+    if conn.dialect.name == "sqlite":
+        # The driver's own transaction handling off: the BEGIN (IMMEDIATE) is ours.
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        previous = int(_raw(conn, sql.sqlite_busy_timeout()))
+        _raw(conn, sql.sqlite_busy_timeout(math.ceil(store.database_timeout * 1000)))
+        return previous
+    conn.execution_options(isolation_level="READ COMMITTED")
+    if block.engine is not store.engine:
+        _watch_statements(block.engine)
+        conn.execution_options(fence_block_timeout=store.database_timeout)
+    return None
+
+
+def _raw(conn: sa.Connection, statement: str) -> Any:
+    """Run one statement on the driver's connection, outside SQLAlchemy's transaction (which
+    would begin the block's); the first column of its first row."""
+    cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        cursor.execute(statement)
+        row = cursor.fetchone() if cursor.description else None
+        return None if row is None else row[0]
+    finally:
+        cursor.close()
+
+
+_watching = threading.Lock()
+
+
+def _watch_statements(engine: sa.Engine) -> None:
+    """Arm the watchdog for every statement a fenced block runs on ``engine`` (your engine,
+    passed as ``bind=``): three listeners added once, which act only on a connection with the
+    execution option ``fence_block_timeout``."""
+    with _watching:
+        if not sa.event.contains(engine, "before_cursor_execute", _arm_statement):
+            sa.event.listen(engine, "before_cursor_execute", _arm_statement)
+            sa.event.listen(engine, "after_cursor_execute", _disarm_statement)
+            sa.event.listen(engine, "handle_error", _disarm_statement_on_error)
+
+
+def _arm_statement(conn: sa.Connection, cursor: Any, *_: Any) -> None:
+    timeout = conn.get_execution_options().get("fence_block_timeout")
+    if timeout is not None:
+        conn.info["fence_block_watch"] = watchdog().arm(cursor.connection.fileno(), timeout)
+
+
+def _disarm_statement(conn: sa.Connection, *_: Any) -> None:
+    watchdog().disarm(conn.info.pop("fence_block_watch", None))
+
+
+def _disarm_statement_on_error(context: Any) -> None:
+    if context.connection is not None:
+        _disarm_statement(context.connection)
+
+
+def join_block(fence: Fence, block: Block, bind: sa.Engine | None, what: str) -> sa.Connection:
+    if bind is not None and bind is not block.engine:
+        raise FenceError(
+            f"fence.{what}(bind=...) inside an open fence block on another engine: a nested block "
+            "shares the outer block's connection and transaction. Pass the same engine (or none), "
+            "or run the blocks one after another."
+        )
+    fence.check()
+    return block.conn
+
+
+def _on_begin(fence: Fence, store: Store, conn: sa.Connection) -> None:
+    """Every transaction the block's connection begins (the block's, and one after a commit
+    inside it)."""
+    store.block_begin(conn, fence.lease.ttl)
+
+
+def _on_commit(fence: Fence, store: Store, block: Block, conn: sa.Connection) -> None:
+    """Just before the connection commits: the lease check and the ownership check, in the same
+    transaction, then the driver's COMMIT, bounded. A refusal rolls the transaction back here
+    (SQLAlchemy would otherwise leave the driver's transaction open behind a failed commit) and
+    raises out of the commit."""
+    try:
+        owner = store.block_owner(conn, fence)  # LeaseLost: paused past the lease in the block
+    except BaseException as exc:
+        _end_driver_transaction(store, conn, "rollback", quiet=True)
+        if isinstance(exc, FenceError):
+            block.refused = exc
+        raise
+    if not owner:
+        _end_driver_transaction(store, conn, "rollback", quiet=True)
+        refused = store._rejected(fence.key, fence.generation, fence.attempt_id, "fenced commit")
+        block.refused = fence.blocks.refused = refused
+        raise refused
+    _end_driver_transaction(store, conn, "commit")
+
+
+def _on_rollback(store: Store, conn: sa.Connection) -> None:
+    """Every rollback of the block's transaction: the driver's ROLLBACK, bounded."""
+    _end_driver_transaction(store, conn, "rollback", quiet=True)
+
+
+def _end_driver_transaction(
+    store: Store, conn: sa.Connection, verb: str, *, quiet: bool = False
+) -> None:
+    """The driver's ``commit()`` or ``rollback()``, bounded by ``fence_database_timeout`` (on
+    PostgreSQL armed on the watchdog; on SQLite the block's busy timeout). SQLAlchemy's own call
+    after it finds no transaction open and returns without a round trip. A failure invalidates
+    the connection (never back to the pool inside a transaction; the server rolls a lost
+    session's transaction back) and is raised as SQLAlchemy's error, unless ``quiet``."""
+    if conn.invalidated:
+        return
+    dbapi_conn: Any = conn.connection.dbapi_connection
+    token = None
+    try:
+        if conn.dialect.name == "postgresql":
+            token = watchdog().arm(dbapi_conn.fileno(), store.database_timeout)
+        getattr(dbapi_conn, verb)()
+    except conn.dialect.loaded_dbapi.Error as exc:
+        conn.invalidate()
+        if quiet:
+            return
+        raise sa.exc.DBAPIError.instance(
+            None,
+            None,
+            exc,
+            conn.dialect.loaded_dbapi.Error,
+            hide_parameters=True,
+            connection_invalidated=True,
+            dialect=conn.dialect,
+        ) from exc
+    finally:
+        watchdog().disarm(token)
+
+
+def unrecorded_loss(fence: Fence) -> LeaseLost:
+    """The ``LeaseLost`` of a check while a block is open, whose loss is recorded (and
+    signalled) once the blocks have closed: :meth:`OpenBlocks.remove`."""
+    return LeaseLost(
+        f"lease lost for key {fence.key!r} at generation {fence.generation}: "
+        f"{fence.lease.lost_reason or 'deadline passed without a confirmed renewal'}",
+        key=fence.key,
+        generation=fence.generation,
+    )
+
+
+def _rollback(store: Store, conn: sa.Connection) -> None:
+    if conn.invalidated:
+        return
+    try:
+        if conn.in_transaction():
+            conn.rollback()  # _on_rollback
+        _end_driver_transaction(store, conn, "rollback", quiet=True)  # a BEGIN of our own
+    except Exception:
+        conn.invalidate()
+
+
+def _again(refused: FenceError) -> FenceError:
+    """A fresh exception with the refusal's message and context (a raised exception object
+    carries its traceback; do not raise the same one twice)."""
+    return type(refused)(str(refused), **refused.context)
+
+
+def store_of(fence: Fence) -> Store:
+    if fence.store is None:
+        raise FenceError(
+            f"fence.transaction() for {fence.key!r} has no store: it is only available inside "
+            "a fenced task's body (self.fence, with @app.task(base=FencedTask, bind=True))"
+        )
+    return fence.store
+
+
+def checked_bind(store: Store, bind: Any) -> sa.Engine:
+    """``bind`` if it is an ``Engine`` on the store's database, else a clear
+    :class:`ConfigurationError` (never a silent write past the fence)."""
+    if type(bind).__module__.startswith("django."):
+        raise ConfigurationError(
+            "fence.transaction(bind=...) got a Django database connection: Django's ORM writes on "
+            "its own connection, which an SQLAlchemy block cannot fence. Use "
+            "`with self.fence.atomic():` (Django's transaction.atomic with a fenced commit) "
+            "instead, with CELERY_FENCE_DATABASE set to that connection's alias."
+        )
+    if not isinstance(bind, sa.Engine):
+        raise ConfigurationError(
+            f"fence.transaction(bind=...) takes an SQLAlchemy Engine, not {type(bind).__name__}"
+        )
+    ours = sa.engine.make_url(store.url)
+    reason = different_database(ours, bind.url)
+    if reason is not None:
+        raise ConfigurationError(
+            f"fence.transaction(bind=engine): the engine is on {bind.url.render_as_string()}, "
+            f"not on the fence store's database {ours.render_as_string()} ({reason}). A fenced "
+            "commit checks ownership in the same transaction as your writes, so both live in one "
+            "database: pass an engine on fence_database_url's database, or set "
+            "fence_database_url to your app's database."
+        )
+    return bind
+
+
+def different_database(ours: sa.URL, theirs: sa.URL) -> str | None:
+    """Why two URLs name different databases, or None when they name the same one: the same
+    backend, host (local names alike), port and database; for SQLite the same file."""
+    if ours.get_backend_name() != theirs.get_backend_name():
+        return f"backend {theirs.get_backend_name()}, the store's is {ours.get_backend_name()}"
+    if ours.get_backend_name() == "sqlite":
+        a, b = _sqlite_file(ours), _sqlite_file(theirs)
+        if a is None or b is None:
+            return "an in-memory SQLite database is never the store's"
+        return None if a == b else f"file {b}, the store's is {a}"
+    host = [(u.host or "").lower() for u in (ours, theirs)]
+    host = ["localhost" if h in _LOCAL_HOSTS else h for h in host]
+    if host[0] != host[1]:
+        return f"host {theirs.host}, the store's is {ours.host}"
+    if (ours.port or 5432) != (theirs.port or 5432):
+        return f"port {theirs.port}, the store's is {ours.port}"
+    if ours.database != theirs.database:
+        return f"database {theirs.database}, the store's is {ours.database}"
+    return None
+
+
+def _sqlite_file(url: sa.URL) -> str | None:
+    database = url.database or ""
+    if database in ("", ":memory:") or "mode=memory" in database:
+        return None
+    if database.startswith("file:"):
+        database = database[len("file:") :].split("?", 1)[0]
+    return os.path.realpath(database)

@@ -1,0 +1,1 @@
+"""The operator's side: recovery, retention, requeue and the ``celery fence`` command."""

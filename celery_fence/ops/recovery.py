@@ -1,0 +1,361 @@
+"""Stranded jobs: found, and re-sent under their own key, with their workflow.
+
+A job row can stay ``running``, ``retrying`` or ``pending`` with no message left to finish it: a
+purged queue, a broker that lost messages, a ``fence requeue`` that died between its commit and
+its send, a worker killed while the Redis broker's visibility timeout is still hours away.
+Such a row is **stranded** when no live lease holds its key in Redis and it has not moved for
+``fence_recover_after`` seconds (default: 10 x ``fence_lease_ttl``) — for a ``retrying`` job,
+counted from its ``retry_at`` too. A job :func:`~celery_fence.enqueue` wrote and no attempt has
+claimed (``pending``, generation 0) has no attempt to wait out: its threshold is the shorter
+``fence_recover_pending_after`` (counted from its countdown or eta, if it has one). One whose
+message is still waiting in a long broker backlog is then sent twice; the claim fences both
+copies on the key, so it completes once. Each job is judged with its own task's settings
+(:class:`~celery_fence.ops.scope.Scope`): its lease is looked up under its task's Redis and key
+prefix, its threshold is its task's ``fence_recover_after``, and every database the app's fenced
+tasks write to is scanned.
+
+:func:`recover` re-sends each stranded job from its stored request: task, args, kwargs, the
+exchange and routing key it was delivered with, and what Celery needs to carry its workflow on
+(chain, link/link_error callbacks, chord, group, root and parent ids, time limits, custom
+headers: :data:`celery_fence.store.records.EXECUTION_OPTIONS`), under the same key. Before the send,
+the row is moved to ``pending`` by a compare-and-set on what was observed (status, generation,
+attempt, ``updated_at``), so two recoveries running at once send it once. The re-sent message goes
+through the ordinary claim: if the original message was only late and turns up too, both are
+fenced on the key and one completion is stored. A job that ended ``dead`` (also a revoked one)
+is never stranded.
+
+Three ways to run it: ``celery -A proj fence recover [--older-than S] [--dry-run]``, the task
+:data:`RECOVER_TASK` in beat (registered by :func:`celery_fence.install` on each app that has a
+fenced task, or that you install yourself)::
+
+    beat_schedule = {"fence-recover": {"task": "celery_fence.recover", "schedule": 60.0}}
+
+or :func:`recover` from your own code. ``fence ls --stuck`` lists the same set. The app must know
+its fenced tasks (the CLI imports the app's task modules, a worker has them): a job whose task
+the app lacks is judged with the app's settings.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery_fence.actions import Action, LogAction
+from celery_fence.announce.transitions import emit_transition
+from celery_fence.errors import FenceError
+from celery_fence.ops.scope import Scope
+from celery_fence.schema import PENDING
+from celery_fence.store import JobRecord, Store
+from celery_fence.store.records import ENQUEUED_HEADER, EXECUTION_OPTIONS, DeadStranded
+
+logger = logging.getLogger("celery_fence.recovery")
+
+#: The beat task: ``{"task": RECOVER_TASK, "schedule": 60.0}``.
+RECOVER_TASK = "celery_fence.recover"
+#: Stranded jobs one run looks at, at most (the next run takes the rest).
+DEFAULT_LIMIT = 1000
+#: The message header that names the job's key on a re-send (see :func:`send_stored`).
+KEY_HEADER = "fence_key"
+#: Celery task ids longer than this are not sent as they are (AMQP's correlation id is a
+#: short string of at most 255 bytes).
+MAX_TASK_ID = 255
+UNKEYED_PREFIX = "unkeyed:"
+
+
+class NotResendable(FenceError):
+    """The job cannot be re-sent: it has no stored request (its arguments or workflow were not
+    JSON)."""
+
+
+@dataclass
+class RecoveryReport:
+    """What one :func:`recover` run found and did (keys only, never payloads)."""
+
+    stranded: list[str] = field(default_factory=list)
+    sent: list[str] = field(default_factory=list)
+    raced: list[str] = field(default_factory=list)  # another recovery or an attempt moved it
+    dead: list[str] = field(default_factory=list)  # no stored request: moved to dead
+    failed: list[str] = field(default_factory=list)  # the send failed (retried next run)
+    dry_run: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "stranded": len(self.stranded),
+            "sent": len(self.sent),
+            "raced": len(self.raced),
+            "dead": len(self.dead),
+            "failed": len(self.failed),
+            "dry_run": self.dry_run,
+        }
+
+
+def stranded_jobs(
+    scope: Scope,
+    *,
+    older_than: float | None = None,
+    limit: int = DEFAULT_LIMIT,
+    task_name: str | None = None,
+    resend_backoff: bool = True,
+) -> list[tuple[Store, JobRecord]]:
+    """Unfinished jobs, in every database of the app's fenced tasks, that have not moved for
+    ``older_than`` seconds (None: each for its own task's ``fence_recover_after``) and whose
+    lease is gone from their own task's Redis and prefix; oldest first within a database.
+    ``resend_backoff``: leave out a job whose last re-send is not yet due again
+    (:func:`_resend_due`); listing (``fence ls --stuck``) shows every stranded job."""
+    found: list[tuple[Store, JobRecord]] = []
+    floor = scope.min_threshold(older_than)
+    for database in scope.databases():
+        candidates = database.store.stranded(older_than=floor, limit=limit, task_name=task_name)
+        for record in candidates:
+            if (
+                scope.quiet_enough(record, older_than)
+                and not scope.lease_held(record)
+                and (not resend_backoff or _resend_due(scope, database.store, record, older_than))
+            ):
+                found.append((database.store, record))
+    return found[:limit]
+
+
+#: A job recovery re-sent that nobody claimed since waits 2, 4, 8, 16 thresholds (at most)
+#: before its next re-send: its message may only be waiting in a long queue.
+MAX_RESEND_DOUBLINGS = 4
+
+
+def _resend_due(scope: Scope, store: Store, record: JobRecord, older_than: float | None) -> bool:
+    """Whether a stranded ``pending`` job is due for a re-send: the n-th re-send in a row that
+    nobody claimed waits 2**n thresholds (n at most :data:`MAX_RESEND_DOUBLINGS`)."""
+    if record.status != PENDING:
+        return True
+    unclaimed = store.resends_unclaimed(record.key)
+    if unclaimed == 0:
+        return True
+    windows = 2 ** min(unclaimed, MAX_RESEND_DOUBLINGS)
+    return scope.quiet_enough(record, scope.threshold(record, older_than) * windows)
+
+
+def task_id_for(app: Any, record: JobRecord) -> str:
+    """The Celery task id of a re-send: never a new key.
+
+    The stored request's ``id`` (the original task id, so callers' ``AsyncResult`` converges)
+    when it has one; for ``unkeyed:<task>:<id>`` the id in the key; a task the app knows with a
+    ``fence_key`` gets a fresh id (its key comes from its arguments); otherwise the key itself —
+    the default key is the Celery task id, and a task this app lacks may be using it.
+    """
+    request = record.request or {}
+    stored = request.get("id")
+    if isinstance(stored, str) and stored:
+        return stored
+    if record.key.startswith(UNKEYED_PREFIX):
+        original = record.key.rsplit(":", 1)[-1]
+        if original:
+            return original
+    task = app.tasks.get(str(request.get("task") or record.task_name))
+    if task is not None and getattr(task, "fence_key", None) is not None:
+        return uuid.uuid4().hex
+    if len(record.key.encode()) > MAX_TASK_ID:
+        raise NotResendable(
+            f"job {record.key!r} may use its key as its task id, and the key is longer than "
+            f"{MAX_TASK_ID} bytes: re-send it from your code"
+        )
+    return record.key
+
+
+def routing_for(record: JobRecord, app: Any = None) -> dict[str, Any]:
+    """``send_task`` routing options that reach the queue the original message reached.
+
+    The stored request keeps the exchange and routing key as delivered. A queue of ``app``'s
+    own bound that way is named (Celery declares it before the send); otherwise, with a named
+    exchange, both are sent as they were (a topic or direct exchange on RabbitMQ routes on them);
+    with the default exchange the routing key is the queue's name. Rows stored before the
+    routing key was kept name the delivered routing key ``queue``.
+    """
+    options = dict((record.request or {}).get("options") or {})
+    exchange = options.get("exchange") or None
+    routing_key = options.get("routing_key")
+    if routing_key is None:
+        routing_key = options.get("queue")
+    send: dict[str, Any] = {}
+    if exchange and routing_key is not None:
+        queue = _queue_bound(app, exchange, routing_key)
+        if queue is not None:
+            send["queue"] = queue
+        else:
+            send.update(exchange=exchange, routing_key=routing_key)
+    elif routing_key:
+        send["queue"] = routing_key
+    if options.get("priority") is not None:
+        send["priority"] = options["priority"]
+    return send
+
+
+def _queue_bound(app: Any, exchange: str, routing_key: str) -> str | None:
+    """The name of ``app``'s queue bound to ``exchange`` with exactly ``routing_key``."""
+    if app is None:
+        return None
+    for queue in app.amqp.queues.values():
+        bound = queue.exchange.name if queue.exchange is not None else None
+        if bound == exchange and queue.routing_key == routing_key:
+            return str(queue.name)
+    return None
+
+
+def execution_for(record: JobRecord) -> dict[str, Any]:
+    """The ``send_task`` options that carry the job's workflow on, as stored with its request
+    (chain, link, link_error, chord, group, root/parent ids, time limits, custom headers and
+    stamps: Celery's own ``Task.retry`` re-sends with the same), plus the key header."""
+    stored: Mapping[str, Any] = (record.request or {}).get("execution") or {}
+    options = {name: stored[name] for name in EXECUTION_OPTIONS if stored.get(name) is not None}
+    headers = {k: v for k, v in (options.get("headers") or {}).items() if k != ENQUEUED_HEADER}
+    options["headers"] = {**headers, KEY_HEADER: record.key}  # a re-send: registers first
+    stamps = options.pop("stamps", None) or {}
+    for stamp in options.get("stamped_headers") or ():
+        if stamp in stamps:  # a stamp travels as an option of its own name (as_execution_options)
+            options[stamp] = stamps[stamp]
+    return options
+
+
+def send_stored(app: Any, record: JobRecord) -> str:
+    """Send ``record``'s stored request again, under its key, with its workflow; return the
+    Celery task id.
+
+    The message carries the key in the ``fence_key`` header, so a worker can run it under the
+    same key even when its ``fence_key`` callable would compute another (an ``unkeyed:`` job
+    whose key function is fixed now). ``expires`` is not carried: the re-send must arrive.
+    """
+    request = dict(record.request or {})
+    if not request:
+        raise NotResendable(
+            f"job {record.key!r} has no stored request (its arguments or workflow were not "
+            "JSON): re-send it from your code"
+        )
+    task_name = str(request.get("task") or record.task_name)
+    task_id = task_id_for(app, record)
+    app.send_task(
+        task_name,
+        args=list(request.get("args") or []),
+        kwargs=dict(request.get("kwargs") or {}),
+        task_id=task_id,
+        **execution_for(record),
+        **routing_for(record, app),
+    )
+    return task_id
+
+
+def resend(app: Any, store: Store, record: JobRecord, *, reason: str) -> str | None:
+    """Take ``record`` for a re-send (compare-and-set to ``pending``) and send it.
+
+    Returns the task id, or None when the row moved since it was read (another recovery, or an
+    attempt, got there first). A failed send raises; the row stays ``pending`` and the next
+    recovery past the threshold sends it.
+    """
+    if not record.request:
+        raise NotResendable(
+            f"job {record.key!r} has no stored request (its arguments or workflow were not "
+            "JSON): re-send it from your code"
+        )
+    taken = store.take_for_resend(record, reason=reason)
+    if taken is None:
+        return None
+    return send_stored(app, taken)
+
+
+def recover(
+    app: Any,
+    *,
+    older_than: float | None = None,
+    dry_run: bool = False,
+    limit: int = DEFAULT_LIMIT,
+) -> RecoveryReport:
+    """Find stranded jobs and re-send each under its key (see the module docstring).
+
+    ``older_than`` applies to every job; None (the default) judges each job by its own task's
+    ``fence_recover_after``."""
+    report = RecoveryReport(dry_run=dry_run)
+    with Scope(app) as scope:
+        found = stranded_jobs(scope, older_than=older_than, limit=limit)
+    for store, record in found:
+        report.stranded.append(record.key)
+        if not dry_run:
+            _recover_one(app, store, record, report)
+    return report
+
+
+def _recover_one(app: Any, store: Store, record: JobRecord, report: RecoveryReport) -> None:
+    if not record.request:  # nothing to re-send: dead, where an operator sees it
+        error = NotResendable(
+            f"stranded {record.status} with no stored request (its arguments or workflow were "
+            "not JSON): re-send it from your code"
+        )
+        stranded = DeadStranded(record, error, "stranded, not resendable")
+        if store.end(record.key, stranded):
+            report.dead.append(record.key)
+            emit_transition(
+                Action.DEAD,
+                _sender(app, record),
+                key=record.key,
+                attempt_id=record.attempt_id,
+                generation=record.generation,
+                reason="stranded, not resendable",
+                attempts=record.attempts,
+            )
+        else:
+            report.raced.append(record.key)
+        return
+    try:
+        task_id = resend(app, store, record, reason=f"stranded {record.status}")
+    except Exception as exc:  # one job's failure must not stop the others
+        report.failed.append(record.key)
+        logger.error(
+            "fence recover could not re-send key=%s: %s",
+            record.key,
+            type(exc).__name__,
+            extra={"action": LogAction.RECOVER_FAILED, "fence_key": record.key, "reason": str(exc)},
+        )
+        return
+    if task_id is None:
+        report.raced.append(record.key)
+        return
+    report.sent.append(record.key)
+    emit_transition(
+        Action.RECOVERED,
+        _sender(app, record),
+        key=record.key,
+        attempt_id=record.attempt_id,
+        generation=record.generation,
+        reason=f"stranded {record.status}, re-sent as {task_id}",
+        countdown=0.0,
+        attempts=record.attempts,
+    )
+
+
+def _sender(app: Any, record: JobRecord) -> Any:
+    """The signal's sender for a job: its task, or the task's name when this app lacks it."""
+    name = str((record.request or {}).get("task") or record.task_name)
+    return app.tasks.get(name, name)
+
+
+def recover_task(self: Any, older_than: float | None = None) -> dict[str, Any]:
+    """The beat task's body (:data:`RECOVER_TASK`, registered per app by
+    :func:`celery_fence.install`): one :func:`recover` run on this worker's app."""
+    return recover(self.app, older_than=older_than).as_dict()
+
+
+__all__ = [
+    "DEFAULT_LIMIT",
+    "KEY_HEADER",
+    "MAX_RESEND_DOUBLINGS",
+    "RECOVER_TASK",
+    "NotResendable",
+    "RecoveryReport",
+    "execution_for",
+    "recover",
+    "recover_task",
+    "resend",
+    "routing_for",
+    "send_stored",
+    "stranded_jobs",
+    "task_id_for",
+]

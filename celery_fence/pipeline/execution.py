@@ -1,0 +1,357 @@
+"""One :class:`Execution` per attempt of a fenced task: claim -> register -> body -> settle.
+
+The execution owns the attempt from its first step to the disposition Celery is given, in one
+direction: it claims a generation (Redis, one script call), registers it (SQL, one statement, or
+none for a deferred first claim), runs the body with ``self.fence`` bound to it, and settles
+whatever happened through :func:`celery_fence.pipeline.settle.settle`, which writes the one fenced
+store state the outcome needs and returns one :data:`~celery_fence.pipeline.outcomes.Disposition`.
+It never calls Celery: :class:`~celery_fence.adapters.task.FencedTask` (the body's side) and
+:class:`~celery_fence.adapters.worker.FencedRequest` (the exits Celery drives in the worker: the
+hard time limit, an expired or revoked message) build one and carry out the disposition it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from celery.exceptions import Ignore, Reject, Retry
+from sqlalchemy import exc as sa_exc
+
+from celery_fence.actions import Action, LogAction
+from celery_fence.announce.transitions import Announcer, lease_observers
+from celery_fence.body.fence import Fence
+from celery_fence.config import FenceConfig
+from celery_fence.errors import (
+    ConfigurationError,
+    FenceError,
+    LeaseBusy,
+    LeaseLost,
+    StaleGeneration,
+)
+from celery_fence.leases.lease import HeldLease
+from celery_fence.leases.renewer import Renewer
+from celery_fence.pipeline import outcomes as o
+from celery_fence.pipeline.ports import JobStore, LeaseBackend
+from celery_fence.pipeline.retry import RetryPolicy
+from celery_fence.pipeline.settle import settle
+from celery_fence.store import Store
+from celery_fence.store.engine import refusal_reason
+
+logger = logging.getLogger("celery_fence")
+
+#: How many times a claim is retried after the store showed Redis had lost its counter.
+CLAIM_ROUNDS = 3
+
+#: How JSON writes the NUL character, which PostgreSQL's jsonb refuses.
+NUL_ESCAPE = "\\u0000"
+
+
+class Execution:
+    """One execution of one logical job, as far as it got: the claim fills in ``generation`` and
+    ``lease``, the registration ``attempts`` (executions counted by the store, this one
+    included)."""
+
+    def __init__(
+        self,
+        *,
+        task_name: str,
+        config: FenceConfig,
+        store: JobStore,
+        leases: LeaseBackend,
+        renewer: Renewer,
+        policy: RetryPolicy,
+        announcer: Announcer,
+        retries: int = 0,
+        celery_command: str = "celery -A <app>",
+        attempt_id: str | None = None,
+    ) -> None:
+        self.task_name = task_name
+        self.config = config
+        self.store = store
+        self.leases = leases
+        self.renewer = renewer
+        self.policy = policy
+        self.announcer = announcer
+        #: Celery's re-send count of this message: backs off before a registration.
+        self.retries = retries
+        #: ``celery -A <app>`` as the operator types it, for the hints of the errors a job ends
+        #: with.
+        self.celery_command = celery_command
+        self.attempt_id = attempt_id or uuid.uuid4().hex
+        self.key = ""
+        self.generation: int | None = None
+        self.attempts = 0
+        self.lease: HeldLease | None = None
+        self.registered = False
+        #: A first claim whose registration is deferred (``fence_defer_first_registration``): its
+        #: row is written by its completion, or registered late by any other outcome.
+        self.deferred = False
+        self.request_json: str | None = None
+
+    # -- the path ----------------------------------------------------------------------------------
+
+    def run(
+        self,
+        key: str,
+        body: Callable[[Fence], Any],
+        *,
+        request_json: Callable[[], str | None],
+        first_delivery: bool,
+        max_runtime: float | None,
+    ) -> o.Disposition:
+        """Claim, register, run ``body(fence)`` and settle: the disposition for Celery. Every
+        exit of the path, an exception or not, is settled; the lease is given back whatever
+        happens."""
+        self.key = key
+        try:
+            try:
+                outcome = self._execute(body, request_json, first_delivery, max_runtime)
+            except Exception as exc:  # anything raised in the fenced path settles too
+                outcome = o.Unexpected(exc)
+            except BaseException as exc:  # SystemExit, CancelledError, gevent's Timeout, ...
+                outcome = o.Interrupted(exc)
+            return self.settle(outcome)
+        finally:  # whatever ends the attempt, even an exit raised in the settle step itself
+            if self.lease is not None:
+                self.renewer.discard(self.lease)  # compare-and-delete, batched by the renewer
+
+    def settle(self, outcome: o.Outcome) -> o.Disposition:
+        """The one step every ending passes through: see :mod:`celery_fence.pipeline.settle`."""
+        return settle(self, outcome)
+
+    def run_unkeyed(
+        self, error: ConfigurationError, message_id: str | None, request: Mapping[str, Any] | None
+    ) -> o.Disposition:
+        """``fence_key`` failed for this message: the job is recorded ``dead`` under
+        ``unkeyed:<task>:<message id>`` so nothing is lost silently."""
+        self.key = f"unkeyed:{self.task_name}:{message_id}"
+        return self.settle(o.Unkeyed(error, message_id, request))
+
+    def settle_time_limit(self, key: str, timeout: float | None) -> o.Disposition:
+        """The pool killed this message's attempt at its hard time limit: record it; the message
+        goes back to the broker (the next delivery claims once the killed lease runs out)."""
+        self.key = key
+        return self.settle(o.TimeLimited(timeout))
+
+    def settle_unrun(
+        self,
+        key: str,
+        *,
+        why: str,
+        message_id: str | None,
+        request: Mapping[str, Any] | None,
+        terminated: bool,
+    ) -> o.Disposition:
+        """Celery acks this message without running it (``why``: expired or revoked), or after
+        ``revoke(terminate=True)`` killed its attempt: the job is settled first."""
+        self.key = key
+        shared_key = key != message_id
+        return self.settle(o.Unrun(why, message_id, request, terminated, shared_key=shared_key))
+
+    def announce(self, action: Action, reason: str | None = None, **extra: Any) -> None:
+        """Log, signal and (with events on) queue the Celery event of one transition."""
+        self.announcer(
+            action,
+            key=self.key,
+            attempt_id=self.attempt_id,
+            generation=self.generation,
+            reason=reason,
+            **extra,
+        )
+
+    def _execute(
+        self,
+        body: Callable[[Fence], Any],
+        request_json: Callable[[], str | None],
+        first_delivery: bool,
+        max_runtime: float | None,
+    ) -> o.Outcome:
+        """Claim -> register -> body, as far as it gets: the outcome, never an exit."""
+        self.policy.budget.record_call(self.task_name)
+        stop = self._claim_and_register(request_json, first_delivery, max_runtime)
+        if stop is not None:
+            return stop
+        assert self.lease is not None and self.generation is not None
+        fence = Fence(
+            key=self.key,
+            attempt_id=self.attempt_id,
+            generation=self.generation,
+            attempts=self.attempts,
+            lease=self.lease,
+            # the fenced blocks run SQL on the store's database: a store double has none
+            store=self.store if isinstance(self.store, Store) else None,
+            execution=self,
+        )
+        try:
+            result = body(fence)
+        except (Retry, Ignore, Reject) as exc:
+            return o.Control(exc)
+        except LeaseLost as exc:
+            return o.Lost(exc)
+        except StaleGeneration as exc:
+            return o.Stale(exc)
+        except Exception as exc:
+            return o.Failed(exc)
+        return o.Completed(result, fence.effects.staged)
+
+    def _claim_and_register(
+        self,
+        request_json: Callable[[], str | None],
+        first_delivery: bool,
+        max_runtime: float | None,
+    ) -> o.Outcome | None:
+        """Claim a generation and register it; None when the body may run, else the outcome."""
+        config, leases, renewer = self.config, self.leases, self.renewer
+        on_lost, on_renewed = lease_observers(self.announcer, self.store)
+        request: str | None = None
+        for _ in range(CLAIM_ROUNDS):
+            claimed_at = time.monotonic()
+            releases = renewer.take_releases()
+            try:
+                self.generation = leases.claim(
+                    self.key, self.attempt_id, config.lease_ttl_ms, releases=releases
+                )
+            except LeaseBusy as busy:
+                return o.Busy(busy.remaining)
+            except BaseException as exc:  # Redis unreachable or refusing: re-send, never drop
+                # The claim may have run with its reply lost (a timeout, a dropped connection,
+                # an exit raised while it waited): release this attempt's lease by its token,
+                # whatever its generation, so the next delivery does not find it busy for a
+                # whole TTL; the other attempts' releases it carried go back to the queue.
+                lost_claim = (leases.keys_for(self.key).lease, f"{self.attempt_id}:")
+                renewer.return_releases([*releases, lost_claim])
+                if not isinstance(exc, Exception):
+                    raise
+                return o.Unavailable(exc, f"lease store unavailable ({type(exc).__name__})")
+            self.lease = HeldLease(
+                key=self.key,
+                lease_key=leases.keys_for(self.key).lease,
+                token=self.attempt_id,
+                generation=self.generation,
+                ttl=config.lease_ttl,
+                interval=config.renew_interval,
+                margin=config.lease_margin,
+                claimed_at=claimed_at,
+                max_runtime=max_runtime,
+                on_lost=on_lost,
+                on_renewed=on_renewed,
+            )
+            renewer.add(self.lease)
+            self.announce(Action.CLAIMED)
+            if request is None:
+                request = request_json() or ""
+            self.request_json = request or None
+            if (
+                self.generation == 1
+                and config.defer_first_registration
+                and first_delivery
+                and NUL_ESCAPE not in request  # PostgreSQL refuses it: register to know
+            ):
+                # Nothing to fence out yet: the completion writes the row in one statement.
+                self.deferred, self.registered, self.attempts = True, True, 1
+                return None
+            try:
+                outcome = self._register()
+            except sa_exc.DataError as exc:  # the database refuses the request: every time
+                return self.refused_registration(exc)
+            except sa_exc.ProgrammingError as exc:  # e.g. the tables do not exist
+                reason = refusal_reason(exc, "registration")
+                return o.Unavailable(exc, reason, max(5.0, config.retry_backoff_max / 10))
+            except Exception as exc:  # nothing was registered: re-send, never drop
+                return o.Unavailable(exc, f"store unavailable ({type(exc).__name__})")
+            if outcome is None:
+                self.registered = True
+                return o.Exhausted() if self.attempts > config.max_attempts else None
+            if not isinstance(outcome, o.Stale):
+                return outcome
+            # Redis handed out a generation the store already saw (its counter was lost): raise
+            # the counter above the store's and claim again. The store stays the authority.
+            stored = outcome.error.context.get("stored_generation")
+            stored = stored if isinstance(stored, int) else 0
+            renewer.discard(self.lease, release=False)
+            lease, self.lease = self.lease, None
+            leases.release(lease.lease_key, lease.value)  # now, so the re-claim does not meet it
+            logger.warning(
+                "fence generation regressed key=%s generation=%s stored=%s; raising the counter",
+                self.key,
+                self.generation,
+                stored,
+                extra={
+                    "action": LogAction.REGRESSED,
+                    "fence_key": self.key,
+                    "attempt_id": self.attempt_id,
+                    "generation": self.generation,
+                    "reason": "redis counter behind the store",
+                },
+            )
+            leases.raise_generation(self.key, stored)
+        return o.Unavailable(
+            FenceError(f"could not claim a generation above the store's for {self.key!r}"),
+            "generation regressed on every claim round",
+        )
+
+    def refused_registration(self, error: sa_exc.DataError) -> o.Outcome:
+        """The database refused the registration's request: it would every time."""
+        return o.Refused(error, self.request_json)
+
+    # -- registration ------------------------------------------------------------------------------
+
+    def _register(self) -> o.Outcome | None:
+        """Register this claim: None when it registered, else the outcome the store's state
+        calls for (replayed, already dead, or stale: a newer generation got there first)."""
+        assert self.generation is not None
+        registration = self.store.register(
+            self.key,
+            generation=self.generation,
+            attempt_id=self.attempt_id,
+            task_name=self.task_name,
+            request_json=self.request_json,
+        )
+        self.attempts = registration.attempts
+        if registration.outcome == "registered":
+            return None
+        if registration.outcome == "completed":
+            assert registration.record is not None
+            return o.Replayed(registration.record)
+        if registration.outcome == "dead":
+            return o.AlreadyDead(registration.record)
+        return o.Stale(
+            StaleGeneration(
+                f"generation {self.generation} of {self.key!r} was superseded before it registered",
+                stored_generation=registration.stored_generation,
+            )
+        )
+
+    def register_late(self) -> o.Outcome | None:
+        """Register a deferred first claim before an outcome that writes its row (or a fenced
+        block, whose ownership check is a statement on that row); None when it registered."""
+        self.deferred = False
+        outcome = self._register()
+        if outcome is None:
+            self.registered = True
+        return outcome
+
+    def register_for_block(self) -> None:
+        """Before a ``fence.transaction()``/``session()``/``atomic()`` block of a deferred first
+        claim: register it now. Raises :class:`StaleGeneration` when the store says a newer
+        generation (or a completion) got there first: the body stops, and the attempt settles
+        as stale, converging on the stored result."""
+        if not self.deferred:
+            return
+        outcome = self.register_late()
+        if isinstance(outcome, o.Stale):
+            raise outcome.error
+        if outcome is not None:  # replayed or dead: the job was finished by another attempt
+            record = getattr(outcome, "record", None)
+            raise StaleGeneration(
+                f"generation {self.generation} of {self.key!r} cannot write: the job is already "
+                "finished",
+                stored_generation=None if record is None else record.generation,
+            )
+
+
+__all__ = ["CLAIM_ROUNDS", "Execution"]

@@ -1,0 +1,357 @@
+"""The values the store hands out and takes in: job records, transitions, registrations, the
+endings of a job (:data:`Ending`), staged effects, and the request kept with a job (as sent, also
+when the database refused it as is).
+
+No SQL here: :mod:`celery_fence.store` runs every statement.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+from celery_fence.errors import ResultNotSerializable
+from celery_fence.schema import PENDING, RETRYING, RUNNING
+
+#: What a registration found (:attr:`Registration.outcome`).
+RegistrationOutcome = Literal["registered", "completed", "dead", "stale"]
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One logical job as the store knows it."""
+
+    key: str
+    task_name: str
+    status: str
+    generation: int
+    attempt_id: str
+    attempts: int
+    result: Any
+    request: Mapping[str, Any] | None
+    error_type: str | None
+    error_message: str | None
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    finished_at: dt.datetime | None
+    retry_at: dt.datetime | None
+
+
+def never_claimed(record: JobRecord) -> bool:
+    """True for a job no attempt has claimed yet: enqueued (:func:`celery_fence.enqueue`) and
+    waiting for its first run, ``pending`` at generation 0."""
+    return record.status == PENDING and record.generation == 0
+
+
+@dataclass(frozen=True)
+class Transition:
+    key: str
+    generation: int | None
+    attempt_id: str | None
+    action: str
+    reason: str | None
+    at: dt.datetime
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What :meth:`Store.register` found: run the body only when ``outcome == "registered"``."""
+
+    outcome: RegistrationOutcome
+    attempts: int
+    stored_generation: int
+    record: JobRecord | None = None
+
+
+@dataclass(frozen=True)
+class Effect:
+    """An external effect staged by a task body, written with the fenced completion."""
+
+    name: str
+    payload: Any
+    idempotency_key: str
+
+
+# -- the endings of a job ------------------------------------------------------------------------
+#
+# Every way a job ends is one value, applied by one store method
+# (:meth:`celery_fence.store.Store.end`), each through its one statement. The fenced ones
+# (:data:`FENCED_ENDINGS`) name the attempt they are fenced on (``generation``, ``attempt_id``)
+# and raise :class:`~celery_fence.errors.StaleGeneration` when the row is not theirs to end.
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The result and ``completed``, where this attempt still owns the running row; the staged
+    ``effects`` in the same statement."""
+
+    generation: int
+    attempt_id: str
+    result: Any
+    effects: Sequence[Effect] = ()
+
+
+@dataclass(frozen=True)
+class FirstCompletion:
+    """The completion of a first claim whose registration was deferred: the row inserted as
+    completed (its ``claimed`` and ``completed`` transitions, its staged ``effects``), only where
+    no row exists or the only one is a never-claimed ``pending`` job (a newer generation
+    registered meanwhile, or Redis handed out generation 1 again: stale)."""
+
+    generation: int
+    attempt_id: str
+    task_name: str
+    request_json: str | None
+    result: Any
+    effects: Sequence[Effect] = ()
+
+
+@dataclass(frozen=True)
+class RetryScheduled:
+    """``retrying`` until ``retry_at``, where this attempt still owns the running row."""
+
+    generation: int
+    attempt_id: str
+    error: BaseException | None
+    retry_at: dt.datetime
+    reason: str
+
+
+@dataclass(frozen=True)
+class Dead:
+    """The terminal ``dead`` state, where this attempt still owns the running row.
+    ``attempts``, when given, is the number of executions to keep (a delivery that only found
+    the budget spent was counted by its registration but ran nothing)."""
+
+    generation: int
+    attempt_id: str
+    error: BaseException | None
+    reason: str
+    attempts: int | None = None
+
+
+@dataclass(frozen=True)
+class DeadRefused:
+    """A registration the database refused (its request holds a value the column cannot store):
+    ``dead`` at once, fenced like a registration (only over a row with an older generation that
+    is neither completed nor dead), the request kept as JSON text inside a JSON string
+    (``{"encoded": "..."}``), which every database accepts."""
+
+    generation: int
+    attempt_id: str
+    task_name: str
+    request_json: str | None
+    error: BaseException
+    reason: str
+
+
+@dataclass(frozen=True)
+class DeadUnregistered:
+    """A message that cannot even be registered (e.g. its ``fence_key`` failed) kept as a
+    ``dead`` job, so nothing is lost. Inserted; an existing row is taken only when it is
+    ``pending`` (an operator re-sent this message and its key failed again). Not fenced on an
+    attempt (there is none): :meth:`~celery_fence.store.Store.end` returns whether it wrote."""
+
+    task_name: str
+    request: Mapping[str, Any] | None
+    error: BaseException
+    reason: str
+
+
+@dataclass(frozen=True)
+class DeadUnrun:
+    """A message Celery acks without running it to its end (``reason``: expired, revoked, or
+    revoked with ``terminate=True`` while it ran).
+
+    No row yet: the job is recorded ``dead`` with its request, unless not ``insert`` (an attempt
+    that claimed the key before this message may still write its row). A row that waits for
+    this message (``retrying`` or ``pending``) goes ``dead`` by compare-and-set on the state just
+    read; with ``only_insert`` (other messages may share the key), only when its stored request
+    has this message's task id ``message_id`` (the job's own message, e.g. its retry).
+    ``terminated_id``: the Celery task id of a message whose attempt was terminated; a row still
+    unfinished under that message (its stored request has that id) goes ``dead`` too. Any other
+    row keeps its state; the transition is recorded (and ``end`` returns False)."""
+
+    task_name: str
+    request: Mapping[str, Any] | None
+    reason: str
+    only_insert: bool = False
+    terminated_id: str | None = None
+    insert: bool = True
+    message_id: str | None = None
+
+    def waits_for(self, record: JobRecord) -> bool:
+        """Whether ``record`` is the job of the message this ending settles."""
+        stored_id = (record.request or {}).get("id")
+        if self.terminated_id is not None and record.status in (RUNNING, RETRYING, PENDING):
+            return bool(stored_id == self.terminated_id)
+        if record.status not in (RETRYING, PENDING):
+            return False
+        return not self.only_insert or (
+            self.message_id is not None and stored_id == self.message_id
+        )
+
+
+@dataclass(frozen=True)
+class DeadStranded:
+    """An unfinished job that cannot be re-sent (no stored request) moved to ``dead`` by
+    recovery, by compare-and-set on ``record`` as it was read (status, generation, attempt and
+    ``updated_at``): ``end`` returns False when it moved meanwhile."""
+
+    record: JobRecord
+    error: BaseException
+    reason: str
+
+
+#: Every way a job ends (:meth:`celery_fence.store.Store.end`).
+Ending: TypeAlias = (
+    Completion
+    | FirstCompletion
+    | RetryScheduled
+    | Dead
+    | DeadRefused
+    | DeadUnregistered
+    | DeadUnrun
+    | DeadStranded
+)
+#: The endings fenced on an attempt: :class:`~celery_fence.errors.StaleGeneration` when the row
+#: is not that attempt's to end.
+FENCED_ENDINGS = (Completion, FirstCompletion, RetryScheduled, Dead, DeadRefused)
+
+
+def dumps_strict(value: Any, what: str = "value") -> str:
+    """JSON or a clear error; never a lossy conversion (no NaN, no ``default=str``)."""
+    try:
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise ResultNotSerializable(
+            f"the {what} is not JSON ({exc}); return plain dicts, lists, str, int, float, bool "
+            "or None, e.g. convert dates with .isoformat()"
+        ) from None
+
+
+#: The stored request of a job whose arguments the database refused: ``{"encoded": "<json>"}``.
+ENCODED_REQUEST = "encoded"
+#: The header of the message :func:`celery_fence.enqueue` publishes after the caller's commit:
+#: the first delivery of a job whose ``pending`` row exists (re-sends do not carry it).
+ENQUEUED_HEADER = "fence_enqueued"
+
+
+def decode_request(request: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The request as sent (task, args, kwargs, options, execution), also when it was stored
+    encoded."""
+    if request is not None and set(request) == {ENCODED_REQUEST}:
+        decoded: Mapping[str, Any] = json.loads(request[ENCODED_REQUEST])
+        return decoded
+    return request
+
+
+#: What a stored request keeps of the message, besides task, id, args, kwargs and routing, so
+#: that a re-send (``fence recover``, ``fence requeue``) carries the workflow on: the options
+#: Celery's own ``Task.retry`` re-sends with (``Context.as_execution_options``), named as
+#: ``send_task`` takes them, except ``expires`` (a re-send must arrive) and ``retries``.
+EXECUTION_OPTIONS = (
+    "chain",
+    "link",
+    "link_error",
+    "chord",
+    "group_id",
+    "group_index",
+    "root_id",
+    "parent_id",
+    "shadow",
+    "time_limit",
+    "soft_time_limit",
+    "reply_to",
+    "replaced_task_nesting",
+    "ignore_result",
+    "headers",
+    "stamped_headers",
+    "stamps",
+)
+
+
+def execution_options(context: Any) -> dict[str, Any]:
+    """The :data:`EXECUTION_OPTIONS` of a Celery task request (``Task.request`` in the body, the
+    worker request's context), without the unset ones: the shape of Celery's
+    ``Context.as_execution_options``, read from the same fields. Custom headers are kept when
+    they are JSON (the broker's own ``x-*`` headers never)."""
+    get = context.__dict__.get  # a Context keeps the message's fields as instance attributes
+    hard, soft = get("timelimit") or (None, None)
+    stamped = get("stamped_headers") or None
+    stamps = get("stamps") or {}
+    kept: dict[str, Any] = {
+        "chain": get("chain") or None,
+        "link": get("callbacks") or None,
+        "link_error": get("errbacks") or None,
+        "chord": get("chord") or None,
+        "group_id": get("group"),
+        "group_index": get("group_index"),
+        "root_id": get("root_id"),
+        "parent_id": get("parent_id"),
+        "shadow": get("shadow"),
+        "time_limit": hard,
+        "soft_time_limit": soft,
+        "reply_to": get("reply_to"),
+        "replaced_task_nesting": get("replaced_task_nesting") or None,
+        "ignore_result": True if get("ignore_result") is True else None,
+        "headers": _json_headers(get("headers")) if get("headers") else None,
+        "stamped_headers": stamped,
+        "stamps": {k: stamps[k] for k in stamped if k in stamps} if stamped else None,
+    }
+    return {name: value for name, value in kept.items() if value is not None}
+
+
+def _json_headers(headers: Any) -> dict[str, Any] | None:
+    out = {}
+    for name, value in dict(headers or {}).items():
+        if str(name).lower().startswith("x-") or name == ENQUEUED_HEADER:
+            continue  # (a re-send is never the enqueued first delivery)
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            continue
+        out[str(name)] = value
+    return out or None
+
+
+def request_text(task_name: str, args: Any, kwargs: Any, context: Any) -> str | None:
+    """The request as stored for a re-send, as JSON text: task, Celery task id, args, kwargs,
+    routing as delivered (exchange, routing key, priority) and, under ``execution``, the
+    workflow (:func:`execution_options`). ``context`` is the Celery task request. None when the
+    arguments or the workflow are not JSON (a re-send without its workflow would break it)."""
+    delivery = getattr(context, "delivery_info", None) or {}
+    doc: dict[str, Any] = {
+        "task": task_name,
+        "id": getattr(context, "id", None),
+        "args": list(args or ()),
+        "kwargs": dict(kwargs or {}),
+        "options": {
+            "exchange": delivery.get("exchange") or None,
+            "routing_key": delivery.get("routing_key") or None,
+            "priority": delivery.get("priority"),
+        },
+    }
+    execution = execution_options(context)
+    if execution:
+        doc["execution"] = execution
+    try:
+        return json.dumps(doc, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return None
+
+
+def encode_request(task_name: str, args: Any, kwargs: Any, context: Any) -> dict[str, Any] | None:
+    """:func:`request_text` as a dict (None when it is not JSON)."""
+    text = request_text(task_name, args, kwargs, context)
+    return None if text is None else dict(json.loads(text))
+
+
+def job_record(row: Any) -> JobRecord:
+    m = row._mapping
+    fields = {name: m[name] for name in JobRecord.__dataclass_fields__}
+    fields["request"] = decode_request(fields["request"])  # as sent, also when stored encoded
+    return JobRecord(**fields)
