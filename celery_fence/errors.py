@@ -1,10 +1,13 @@
 """Every exception celery-fence raises, under one root, :class:`FenceError`; except
 :class:`RetryNotSent`, which is Celery's control flow (a ``Reject``).
 
-The class docstring is the default message, so ``raise LeaseLost()`` still says something useful.
+Each class's :attr:`~FenceError.default` is its message when none is given, so ``raise
+LeaseLost()`` still says something useful.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 from celery.exceptions import Reject
 
@@ -12,25 +15,36 @@ from celery.exceptions import Reject
 class FenceError(Exception):
     """A celery-fence error."""
 
+    #: The message when none is given.
+    default: ClassVar[str] = "a celery-fence error"
+
     def __init__(self, message: str | None = None, **context: object) -> None:
         self.context = context
-        super().__init__(message or (self.__doc__ or "").strip().splitlines()[0])
+        super().__init__(message or self.default)
 
 
 class ConfigurationError(FenceError):
     """A celery-fence setting is missing or invalid."""
 
+    default = "a celery-fence setting is missing or invalid"
+
 
 class LeaseError(FenceError):
     """The Redis lease for a key could not be used."""
+
+    default = "the Redis lease for a key could not be used"
 
 
 class LeaseLost(LeaseError):
     """The lease was lost: this attempt must not start new side effects."""
 
+    default = "the lease was lost: this attempt must not start new side effects"
+
 
 class LeaseBusy(LeaseError):
     """Another attempt holds a live lease for this key."""
+
+    default = "another attempt holds a live lease for this key"
 
     def __init__(self, message: str | None = None, *, remaining: float = 0.0, **ctx: object):
         self.remaining = remaining  # seconds left on the holder's lease
@@ -40,21 +54,33 @@ class LeaseBusy(LeaseError):
 class StoreError(FenceError):
     """The result store refused an operation."""
 
+    default = "the result store refused an operation"
+
 
 class StaleGeneration(StoreError):
     """A newer generation owns this key: the write from the older one was rejected."""
+
+    default = "a newer generation owns this key: the write from the older one was rejected"
 
 
 class JobDead(StoreError):
     """The job is in the terminal ``dead`` state; requeue it with ``celery fence requeue``."""
 
+    default = "the job is dead; requeue it with `celery fence requeue KEY`"
+
 
 class ResultNotSerializable(StoreError):
     """The task's return value is not JSON; return plain dicts, lists, str, int, float, bool."""
 
+    default = (
+        "the task's return value is not JSON; return plain dicts, lists, str, int, float, bool"
+    )
+
 
 class Rescheduled(FenceError):
     """celery-fence re-sent this message (lease busy, store unavailable, newer generation)."""
+
+    default = "celery-fence re-sent this message"
 
 
 class RetryNotSent(Reject):
@@ -69,6 +95,8 @@ class RetryNotSent(Reject):
 
 class PermanentError(FenceError):
     """Raised by a task body: this input will never succeed, so do not retry it."""
+
+    default = "this input will never succeed: not retried"
 
 
 class FenceEagerWarning(UserWarning):

@@ -191,7 +191,7 @@ class Outbox:
         """
         store = self.store
         report = DeliveryReport()
-        for row in store.outbox_rows.bury_exhausted(max_attempts=self.max_attempts, key=key):
+        for row in store.outbox_rows.dead_exhausted(max_attempts=self.max_attempts, key=key):
             report.dead += 1  # its handler never returned (a killed or hung sender)
             logger.error(
                 "outbox dead key=%s effect=%s id=%s after %s claims that never finished",

@@ -151,7 +151,9 @@ HEADERS = dict(COLUMNS)
 
 
 @dataclass
-class Outcome:
+class MutationRun:
+    """One breakage applied and run: which columns of the checker fired."""
+
     name: str
     what: str
     scenario: str
@@ -224,7 +226,7 @@ def check(
     *,
     postgresql: bool,
     pg_admin_url: str,
-) -> Outcome:
+) -> MutationRun:
     name = breakage.name if breakage else "baseline"
     what = breakage.what if breakage else "the package as it is"
     label = " ".join(scenario) + (" (PostgreSQL)" if postgresql else "")
@@ -232,7 +234,7 @@ def check(
     with contextlib.ExitStack() as stack:
         root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"fence-{name}-")))
         if not mutant(root, breakage):
-            return Outcome(name, what, label, False, {}, "", -1, 0.0)
+            return MutationRun(name, what, label, False, {}, "", -1, 0.0)
         args = list(scenario)
         if postgresql:
             args += ["--database-url", stack.enter_context(pg_database(pg_admin_url))]
@@ -246,7 +248,7 @@ def check(
         if not first and row.get("violations"):
             first = str(row["violations"][0])
     error = "; ".join(data.get("errors", [])) if data else output.strip().splitlines()[-1:][0]
-    return Outcome(
+    return MutationRun(
         name,
         what,
         label,
@@ -279,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [b for b in BREAKAGES if not a.only or b.name in a.only]
     common = ("--ttl", str(a.ttl), "--seed", str(a.seed))
     started = time.monotonic()
-    outcomes: list[Outcome] = []
+    outcomes: list[MutationRun] = []
     for postgresql in (False, True) * (not a.no_baseline):
         # the same scenarios, unbroken: every safety column must stay zero
         scenarios = sorted({b.scenario[1] for b in chosen if b.postgresql == postgresql})
@@ -313,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if missed or baseline_dirty else 0
 
 
-def _print(o: Outcome, *, baseline: bool = False) -> None:
+def _print(o: MutationRun, *, baseline: bool = False) -> None:
     if not o.applied:
         print(f"- {o.name}: NOT APPLIED (its text is not in the package any more): {o.what}")
         return

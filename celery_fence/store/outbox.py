@@ -70,7 +70,7 @@ class OutboxRows:
         with self._store.db.connect() as conn:
             return conn.execute(stmt).first() is not None
 
-    def bury_exhausted(self, *, max_attempts: int, key: str | None = None) -> Sequence[OutboxRow]:
+    def dead_exhausted(self, *, max_attempts: int, key: str | None = None) -> Sequence[OutboxRow]:
         """Move due ``pending`` rows already claimed ``max_attempts`` times to ``dead``.
 
         Each claim counts an attempt when it is made, so a row whose handler kills its worker
@@ -78,7 +78,7 @@ class OutboxRows:
         claim expired unmarked, it goes ``dead`` here instead of being claimed again.
         """
         return self._all(
-            sql.outbox_bury_exhausted(now=self._now(), max_attempts=max_attempts, key=key)
+            sql.outbox_dead_exhausted(now=self._now(), max_attempts=max_attempts, key=key)
         )
 
     def claim(

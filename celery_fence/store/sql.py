@@ -510,7 +510,7 @@ def _due(now: Any) -> Any:
     )
 
 
-def outbox_bury_exhausted(*, now: Any, max_attempts: int, key: str | None) -> Any:
+def outbox_dead_exhausted(*, now: Any, max_attempts: int, key: str | None) -> Any:
     exhausted = _due(now) & (outbox.c.attempts >= max_attempts)
     if key is not None:
         exhausted = exhausted & (outbox.c.key == key)

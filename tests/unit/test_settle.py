@@ -1,4 +1,4 @@
-"""Outcome -> store write -> action, table-driven, against a fake store (the failure windows
+"""Outcome -> store ending -> disposition, table-driven, against a fake store (the failure windows
 themselves are tested with real workers in tests/acceptance)."""
 
 from __future__ import annotations
