@@ -327,10 +327,7 @@ def _unexpected(a: Execution, o: Unexpected) -> Disposition:
         a.attempt_id,
         extra={"action": LogAction.UNEXPECTED, "fence_key": a.key, "generation": a.generation},
     )
-    reason = f"unexpected {type(o.error).__name__} in the {o.where}"
-    if not a.registered:
-        return _unavailable(a, Unavailable(o.error, reason))
-    return _retry(a, o.error, backoff(max(1, a.attempts), a.config), reason)
+    return _again(a, o.error, f"unexpected {type(o.error).__name__} in the {o.where}")
 
 
 def _interrupted(a: Execution, o: Interrupted) -> Disposition:
@@ -345,10 +342,15 @@ def _interrupted(a: Execution, o: Interrupted) -> Disposition:
         a.attempt_id,
         extra={"action": LogAction.INTERRUPTED, "fence_key": a.key, "generation": a.generation},
     )
-    reason = f"{INTERRUPTED_BY} {name}"
+    return _again(a, o.error, f"{INTERRUPTED_BY} {name}")
+
+
+def _again(a: Execution, error: BaseException, reason: str) -> Disposition:
+    """An attempt cut short, not failed: retried with backoff once registered (counted against
+    ``fence_max_attempts``), else re-sent as when the store was unavailable."""
     if not a.registered:
-        return _unavailable(a, Unavailable(o.error, reason))
-    return _retry(a, o.error, backoff(max(1, a.attempts), a.config), reason)
+        return _unavailable(a, Unavailable(error, reason))
+    return _retry(a, error, backoff(max(1, a.attempts), a.config), reason)
 
 
 def _time_limited(a: Execution, o: TimeLimited) -> Disposition:
