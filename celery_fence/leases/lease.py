@@ -151,6 +151,14 @@ class HeldLease:
             )
 
 
+def lease_keys(prefix: str, key: str) -> LeaseKeys:
+    """The Redis keys of ``key``'s lease and generation counter under ``prefix``: one hash tag
+    (a digest of the key), so both live in one Cluster slot."""
+    tag = hashlib.blake2b(key.encode("utf-8"), digest_size=12).hexdigest()
+    base = f"{prefix}:{{{tag}}}"
+    return LeaseKeys(lease=f"{base}:lease", generation=f"{base}:gen")
+
+
 class LeaseStore:
     """Lease operations against one Redis client. Safe to share between threads."""
 
@@ -168,9 +176,7 @@ class LeaseStore:
         return isinstance(self.client, RedisCluster)
 
     def keys_for(self, key: str) -> LeaseKeys:
-        tag = hashlib.blake2b(key.encode("utf-8"), digest_size=12).hexdigest()
-        base = f"{self.prefix}:{{{tag}}}"
-        return LeaseKeys(lease=f"{base}:lease", generation=f"{base}:gen")
+        return lease_keys(self.prefix, key)
 
     def claim(
         self, key: str, token: str, ttl_ms: int, *, releases: Sequence[tuple[str, str]] = ()

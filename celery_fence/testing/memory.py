@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import hashlib
 import json
 import threading
 import time
@@ -32,7 +31,7 @@ from typing import Any
 from celery_fence.actions import INTERRUPTED_BY, Action
 from celery_fence.config import DEFAULT_GENERATION_TTL
 from celery_fence.errors import JobDead, LeaseBusy, StaleGeneration
-from celery_fence.leases.lease import LeaseKeys
+from celery_fence.leases.lease import LeaseKeys, lease_keys
 from celery_fence.schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
 from celery_fence.store.records import (
     ENCODED_REQUEST,
@@ -634,9 +633,7 @@ class MemoryLeaseStore:
     # -- LeaseBackend -------------------------------------------------------------------------
 
     def keys_for(self, key: str) -> LeaseKeys:
-        tag = hashlib.blake2b(key.encode("utf-8"), digest_size=12).hexdigest()
-        base = f"{self.prefix}:{{{tag}}}"
-        return LeaseKeys(lease=f"{base}:lease", generation=f"{base}:gen")
+        return lease_keys(self.prefix, key)
 
     def claim(
         self, key: str, token: str, ttl_ms: int, *, releases: Sequence[tuple[str, str]] = ()
