@@ -199,3 +199,35 @@ def test_a_fenced_task_installs_its_app_when_celery_binds_it() -> None:
         return None
 
     assert installed(late) and set(late.tasks) >= FENCE_TASKS
+
+
+#: A fenced task put in the current app's registry as is (Celery does not bind it), in a fresh
+#: process (in this one, Celery's shared tasks of other tests would install the app first).
+_UNBOUND = """
+import json
+from celery import Celery
+from celery_fence import FencedTask
+from celery_fence.app_state import installed
+
+app = Celery("unbound")  # the current app, as a worker's is: an unbound task runs under it
+
+class Export(FencedTask):
+    name = "unbound.export"
+
+    def run(self, key):
+        return key
+
+app.tasks.register(Export())
+before = [installed(app), sorted(t for t in app.tasks if t.startswith("celery_fence."))]
+app.tasks[Export.name].fence_backends()  # what its first run does
+after = [installed(app), sorted(t for t in app.tasks if t.startswith("celery_fence."))]
+print(json.dumps({"before": before, "after": after}))
+"""
+
+
+def test_a_fenced_task_registered_without_being_bound_installs_its_app_at_first_use() -> None:
+    # Given a fenced task registered without being bound: its app is not installed yet,
+    report = _run(_UNBOUND)
+    assert report["before"] == [False, []]
+    # and its first use installs it like any other.
+    assert report["after"] == [True, sorted(FENCE_TASKS)]
