@@ -95,7 +95,6 @@ class FencedTask(Task):
         """This task's settings and this process's backends for them (made again after a fork)."""
         cache: Backends | None = self.__dict__.get("_fence_cache")
         if cache is None or cache.runtime.forked:
-            install(self.app)  # a task registered without being bound was not installed yet
             cache = self.__dict__["_fence_cache"] = self.make_backends(FenceConfig.for_task(self))
         return cache
 

@@ -201,8 +201,8 @@ def test_a_fenced_task_installs_its_app_when_celery_binds_it() -> None:
     assert installed(late) and set(late.tasks) >= FENCE_TASKS
 
 
-#: A fenced task put in the current app's registry as is (Celery does not bind it), in a fresh
-#: process (in this one, Celery's shared tasks of other tests would install the app first).
+#: A fenced task put in the current app's registry as is (not bound: Celery binds it when it first
+#: reads its ``app``), in a fresh process (here, other tests' shared tasks would install the app).
 _UNBOUND = """
 import json
 from celery import Celery
@@ -229,5 +229,5 @@ def test_a_fenced_task_registered_without_being_bound_installs_its_app_at_first_
     # Given a fenced task registered without being bound: its app is not installed yet,
     report = _run(_UNBOUND)
     assert report["before"] == [False, []]
-    # and its first use installs it like any other.
+    # and its first use binds it, which installs it like any other.
     assert report["after"] == [True, sorted(FENCE_TASKS)]
