@@ -123,8 +123,8 @@ def _fence_receivers() -> dict[str, int]:
 
 
 def test_importing_celery_fence_gives_a_plain_app_no_task_and_no_receiver() -> None:
-    # Given a fresh process that imports celery_fence and every module that used to connect
-    # receivers or register tasks at import, and a plain app that never uses FencedTask,
+    # Given a fresh process that imports celery_fence and every module with receivers or built-in
+    # tasks, and a plain app that never uses FencedTask,
     got = _run(_PLAIN_APP)
     # then the app has only its own task, no celery-fence state, and no signal of Celery's
     # has a celery-fence receiver.
