@@ -237,7 +237,7 @@ def _scans(store: Store, engine: sa.Engine) -> dict[str, Any]:
     dead_q = statements.list_jobs(status="dead", task_name=None, limit=50)
     out: dict[str, Any] = {}
     for name, call, query in (
-        ("stranded", lambda: store.stranded(older_than=90, limit=1000), stranded_q),
+        ("stranded", lambda: store.admin.stranded(older_than=90, limit=1000), stranded_q),
         ("ls_dead", lambda: store.list(status="dead", limit=50), dead_q),
     ):
         first, warm = _timed(call)
@@ -448,7 +448,7 @@ def run(svc: Services, *, sizes: list[int], samples: int, out: Any) -> dict[str,
         last[0] = now
 
     started = time.monotonic()
-    deleted = store.purge(
+    deleted = store.admin.purge(
         finished_before=dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=PURGE_DAYS),
         progress=progress,
     )

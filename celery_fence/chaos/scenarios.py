@@ -429,7 +429,7 @@ def _lose_messages(s: Scenario) -> int:
 
 def _resend_bare(s: Scenario, record: Any) -> None:
     """The control arm's recovery: take the row, re-send task, args, kwargs and key only."""
-    taken = s.store.take_for_resend(record, reason="stranded (bare re-send)")
+    taken = s.store.admin.take_for_resend(record, reason="stranded (bare re-send)")
     request = decode_request(record.request) or {}
     if taken is not None:
         s.client.send_task(

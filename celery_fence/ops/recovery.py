@@ -108,7 +108,9 @@ def stranded_jobs(
     found: list[tuple[Store, JobRecord]] = []
     floor = scope.min_threshold(older_than)
     for database in scope.databases():
-        candidates = database.store.stranded(older_than=floor, limit=limit, task_name=task_name)
+        candidates = database.store.admin.stranded(
+            older_than=floor, limit=limit, task_name=task_name
+        )
         for record in candidates:
             if (
                 scope.quiet_enough(record, older_than)
@@ -256,7 +258,7 @@ def resend(app: Any, store: Store, record: JobRecord, *, reason: str) -> str | N
             f"job {record.key!r} has no stored request (its arguments or workflow were not "
             "JSON): re-send it from your code"
         )
-    taken = store.take_for_resend(record, reason=reason)
+    taken = store.admin.take_for_resend(record, reason=reason)
     if taken is None:
         return None
     return send_stored(app, taken)

@@ -56,12 +56,12 @@ def requeue_finished(
             f"job {key!r} has no stored request (its arguments or workflow were not JSON): "
             "re-send it from your code"
         )
-    before = store.requeue(key, completed=completed)  # durable first: pending, fresh budget
+    before = store.admin.requeue(key, completed=completed)  # durable first: pending, fresh budget
     try:
         task_id = send_stored(app, before)
     except Exception as exc:
         try:
-            store.restore_finished(before, reason=f"send failed ({type(exc).__name__})")
+            store.admin.restore_finished(before, reason=f"send failed ({type(exc).__name__})")
         except StaleGeneration:
             raise SendFailed(before, exc, restored=False) from None
         raise SendFailed(before, exc, restored=True) from None

@@ -46,7 +46,7 @@ def purge_expired(app: Any, *, now: dt.datetime | None = None) -> int:
         )
         return 0
     cutoff = (now or dt.datetime.now(dt.timezone.utc)) - dt.timedelta(seconds=config.retention)
-    count = store_for(config).purge(finished_before=cutoff, statuses=(COMPLETED,))
+    count = store_for(config).admin.purge(finished_before=cutoff, statuses=(COMPLETED,))
     logger.info(
         "fence purge: %d completed job(s) finished before %s deleted",
         count,

@@ -2,7 +2,7 @@
 message cannot be sent), find stranded jobs and take them for a re-send (one that cannot be
 re-sent ends as :class:`~celery_fence.store.records.DeadStranded`), purge finished jobs. Each write
 is a compare-and-set on the row as it was read (:func:`as_read`), through the one fenced write
-(:mod:`.fenced`); :class:`~celery_fence.store.Store` exposes them as its methods."""
+(:mod:`.fenced`). A store's are ``store.admin`` (:class:`JobAdmin`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from celery_fence.store.jobs import Store
 
 #: Statuses of a job that is not finished: each needs a live lease, a pending retry time or a
-#: message on its way, or it is stranded (:func:`stranded`).
+#: message on its way, or it is stranded (:meth:`stranded`).
 UNFINISHED = (RUNNING, RETRYING, PENDING)
 
 
@@ -37,130 +37,137 @@ def as_read(store: Store, before: JobRecord, **values: Any) -> dict[str, Any]:
     }
 
 
-def requeue(store: Store, key: str, *, completed: bool = False) -> JobRecord:
-    """Move a dead job to ``pending`` with a fresh attempt budget; refuse any other status.
-
-    ``completed=True`` does the same to a completed job instead (an operator runs its key again
-    on purpose): its stored result stays until the new attempt's completion replaces it, and the
-    history records the re-run. Returns the job as it was (its stored request is what to
-    re-send). The write is conditional on the row still being that record (status, generation
-    and attempt), so two operators cannot both requeue it and a requeue never touches a job
-    someone else changed.
-    """
-    before = store.get(key)
-    if before is None:
-        raise StoreError(f"no job with key {key!r}")
-    wanted = COMPLETED if completed else DEAD
-    if before.status != wanted:
-        raise StoreError(f"job {key!r} is {before.status}, not {wanted}: not requeued")
-    statement = sql.cas_sql(store.dialect, sql.REQUEUE, sql.SAME)
-    reason = "completed job re-run by operator" if completed else "by operator"
-    store.fenced_write("requeue", statement, as_read(store, before), Action.REQUEUED, reason=reason)
-    return before
-
-
-def restore_finished(store: Store, before: JobRecord, *, reason: str) -> None:
-    """Undo :func:`requeue` when the message could not be sent: back to ``dead`` (or
-    ``completed``) as it was.
-
-    Fenced on the requeued row (``pending``, same generation and attempt): if an attempt
-    claimed the job meanwhile, nothing changes and :class:`StaleGeneration` says so.
-    """
-    params = as_read(
-        store,
-        before,
-        was_status=PENDING,
-        status=before.status,
-        attempts=before.attempts,
-        finished_at=store.db.stamp(before.finished_at),
-    )
-    statement = sql.cas_sql(store.dialect, sql.RESTORE_FINISHED, sql.SAME)
-    store.fenced_write("restore", statement, params, Action.REQUEUE_REVERTED, reason=reason)
-
-
-def stranded(
-    store: Store,
-    *,
-    older_than: float,
-    limit: int = 1000,
-    task_name: str | None = None,
-    now: dt.datetime | None = None,
-) -> Sequence[JobRecord]:
-    """Unfinished jobs (``running``, ``retrying``, ``pending``) that have not moved for
-    ``older_than`` seconds, oldest first: ``updated_at`` before the cutoff and, for a
-    ``retrying`` job, its ``retry_at`` too. Whether a live lease still holds one is for the
-    caller to ask Redis (:func:`celery_fence.ops.recovery.stranded_jobs`)."""
-    cutoff = (now or utcnow()) - dt.timedelta(seconds=older_than)
-    query = sql.stranded(unfinished=UNFINISHED, cutoff=cutoff, limit=limit, task_name=task_name)
-    with store.db.connect() as conn:
-        return [job_record(r) for r in conn.execute(query).all()]
-
-
-def take_for_resend(store: Store, before: JobRecord, *, reason: str) -> JobRecord | None:
-    """Move an unfinished job that is about to be re-sent to ``pending`` — only if it is
-    still exactly ``before`` (status, generation, attempt and ``updated_at``): of two
-    recoveries racing for it, one gets the row and the other None, so one of them sends.
-
-    The attempt count is kept (a job that keeps stranding still ends ``dead``); the owner
-    attempt, if it is alive after all, can no longer write: its fenced writes need
-    ``running``. If the send that follows never happens, the row is ``pending`` with a
-    fresh ``updated_at``, and the next recovery past the threshold takes it again.
-    """
-    if before.status not in UNFINISHED:
-        raise StoreError(f"job {before.key!r} is {before.status}: only unfinished jobs")
-    statement = sql.cas_sql(store.dialect, sql.TAKE_FOR_RESEND, sql.UNCHANGED)
-    actions = (Action.RECOVERED,)
-    now = utcnow()
-    params = as_read(store, before)
-    if store.writer.write(statement, params, actions=actions, reason=reason, now=now) is None:
-        return None
-    return dataclasses.replace(before, status=PENDING, updated_at=now, retry_at=None)
-
-
-def delete_all_rows(store: Store) -> None:
-    """Delete every job, transition and outbox row: the testing plugin's reset between tests that
-    share a PostgreSQL schema. Not a :class:`~celery_fence.store.Store` method, and no CLI verb
-    calls it."""
-    with store.db.tx(unbounded=True) as conn:
-        for statement in sql.delete_all():
-            conn.execute(statement)
-
-
 #: Jobs deleted (with their history) in one purge transaction.
 PURGE_BATCH = 1000
 
 
-def purge(
-    store: Store,
-    *,
-    finished_before: dt.datetime,
-    statuses: Sequence[str] = (COMPLETED, DEAD),
-    batch_size: int = PURGE_BATCH,
-    progress: Callable[[int], None] | None = None,
-) -> int:
-    """Delete finished jobs of ``statuses`` (and their history) finished before the date, oldest
-    first, ``batch_size`` jobs a transaction: no transaction holds locks for long, and a purge
-    that is stopped keeps what it deleted and goes on where it was when run again.
+class JobAdmin:
+    """The operator's and the recovery's verbs on one store's jobs: ``store.admin``."""
 
-    ``progress(total)`` is called after each batch. Outbox rows are left to the outbox's own
-    lifecycle. Returns the number of jobs deleted.
-    """
-    unfinished = set(statuses) - {COMPLETED, DEAD}
-    if unfinished:
-        raise StoreError(f"only finished jobs are purged, not {sorted(unfinished)}")
-    if batch_size < 1:
-        raise StoreError(f"purge batch size must be at least 1, not {batch_size}")
-    select, delete_jobs, delete_history = sql.purge_batch(statuses, finished_before, batch_size)
-    total = 0
-    while True:
-        with store.db.tx() as conn:  # bounded like every store call: one short batch
-            keys = [row[0] for row in conn.execute(select)]
-            if keys:
-                deleted = [row[0] for row in conn.execute(delete_jobs(keys))]
-                if deleted:
-                    conn.execute(delete_history(deleted))
-                total += len(deleted)
-        if keys and progress is not None:
-            progress(total)
-        if len(keys) < batch_size:
-            return total
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def requeue(self, key: str, *, completed: bool = False) -> JobRecord:
+        """Move a dead job to ``pending`` with a fresh attempt budget; refuse any other status.
+
+        ``completed=True`` does the same to a completed job instead (an operator runs its key again
+        on purpose): its stored result stays until the new attempt's completion replaces it, and the
+        history records the re-run. Returns the job as it was (its stored request is what to
+        re-send). The write is conditional on the row still being that record (status, generation
+        and attempt), so two operators cannot both requeue it and a requeue never touches a job
+        someone else changed.
+        """
+        before = self.store.get(key)
+        if before is None:
+            raise StoreError(f"no job with key {key!r}")
+        wanted = COMPLETED if completed else DEAD
+        if before.status != wanted:
+            raise StoreError(f"job {key!r} is {before.status}, not {wanted}: not requeued")
+        statement = sql.cas_sql(self.store.dialect, sql.REQUEUE, sql.SAME)
+        reason = "completed job re-run by operator" if completed else "by operator"
+        self.store.fenced_write(
+            "requeue", statement, as_read(self.store, before), Action.REQUEUED, reason=reason
+        )
+        return before
+
+    def restore_finished(self, before: JobRecord, *, reason: str) -> None:
+        """Undo :meth:`requeue` when the message could not be sent: back to ``dead`` (or
+        ``completed``) as it was.
+
+        Fenced on the requeued row (``pending``, same generation and attempt): if an attempt
+        claimed the job meanwhile, nothing changes and :class:`StaleGeneration` says so.
+        """
+        params = as_read(
+            self.store,
+            before,
+            was_status=PENDING,
+            status=before.status,
+            attempts=before.attempts,
+            finished_at=self.store.db.stamp(before.finished_at),
+        )
+        statement = sql.cas_sql(self.store.dialect, sql.RESTORE_FINISHED, sql.SAME)
+        self.store.fenced_write(
+            "restore", statement, params, Action.REQUEUE_REVERTED, reason=reason
+        )
+
+    def stranded(
+        self,
+        *,
+        older_than: float,
+        limit: int = 1000,
+        task_name: str | None = None,
+        now: dt.datetime | None = None,
+    ) -> Sequence[JobRecord]:
+        """Unfinished jobs (``running``, ``retrying``, ``pending``) that have not moved for
+        ``older_than`` seconds, oldest first: ``updated_at`` before the cutoff and, for a
+        ``retrying`` job, its ``retry_at`` too. Whether a live lease still holds one is for the
+        caller to ask Redis (:func:`celery_fence.ops.recovery.stranded_jobs`)."""
+        cutoff = (now or utcnow()) - dt.timedelta(seconds=older_than)
+        query = sql.stranded(unfinished=UNFINISHED, cutoff=cutoff, limit=limit, task_name=task_name)
+        with self.store.db.connect() as conn:
+            return [job_record(r) for r in conn.execute(query).all()]
+
+    def take_for_resend(self, before: JobRecord, *, reason: str) -> JobRecord | None:
+        """Move an unfinished job that is about to be re-sent to ``pending`` — only if it is
+        still exactly ``before`` (status, generation, attempt and ``updated_at``): of two
+        recoveries racing for it, one gets the row and the other None, so one of them sends.
+
+        The attempt count is kept (a job that keeps stranding still ends ``dead``); the owner
+        attempt, if it is alive after all, can no longer write: its fenced writes need
+        ``running``. If the send that follows never happens, the row is ``pending`` with a
+        fresh ``updated_at``, and the next recovery past the threshold takes it again.
+        """
+        if before.status not in UNFINISHED:
+            raise StoreError(f"job {before.key!r} is {before.status}: only unfinished jobs")
+        statement = sql.cas_sql(self.store.dialect, sql.TAKE_FOR_RESEND, sql.UNCHANGED)
+        actions = (Action.RECOVERED,)
+        now = utcnow()
+        params = as_read(self.store, before)
+        if (
+            self.store.writer.write(statement, params, actions=actions, reason=reason, now=now)
+            is None
+        ):
+            return None
+        return dataclasses.replace(before, status=PENDING, updated_at=now, retry_at=None)
+
+    def delete_all_rows(self) -> None:
+        """Delete every job, transition and outbox row: the testing plugin's reset between tests
+        that share a PostgreSQL schema (no CLI verb calls it)."""
+        with self.store.db.tx(unbounded=True) as conn:
+            for statement in sql.delete_all():
+                conn.execute(statement)
+
+    def purge(
+        self,
+        *,
+        finished_before: dt.datetime,
+        statuses: Sequence[str] = (COMPLETED, DEAD),
+        batch_size: int = PURGE_BATCH,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Delete finished jobs of ``statuses`` (and their history) finished before the date, oldest
+        first, ``batch_size`` jobs a transaction: no transaction holds locks for long, and a purge
+        that is stopped keeps what it deleted and goes on where it was when run again.
+
+        ``progress(total)`` is called after each batch. Outbox rows are left to the outbox's own
+        lifecycle. Returns the number of jobs deleted.
+        """
+        unfinished = set(statuses) - {COMPLETED, DEAD}
+        if unfinished:
+            raise StoreError(f"only finished jobs are purged, not {sorted(unfinished)}")
+        if batch_size < 1:
+            raise StoreError(f"purge batch size must be at least 1, not {batch_size}")
+        select, delete_jobs, delete_history = sql.purge_batch(statuses, finished_before, batch_size)
+        total = 0
+        while True:
+            with self.store.db.tx() as conn:  # bounded like every store call: one short batch
+                keys = [row[0] for row in conn.execute(select)]
+                if keys:
+                    deleted = [row[0] for row in conn.execute(delete_jobs(keys))]
+                    if deleted:
+                        conn.execute(delete_history(deleted))
+                    total += len(deleted)
+            if keys and progress is not None:
+                progress(total)
+            if len(keys) < batch_size:
+                return total

@@ -1,6 +1,6 @@
 """The fenced result store: the job verbs of the task's path (register, and :meth:`Store.end`,
-which applies every ending of a job), the reads, and the operator's verbs (functions of
-:mod:`.admin`, bound as methods). Its SQL is in :mod:`.sql`, its connection in :mod:`.engine`,
+which applies every ending of a job), the reads; the operator's verbs are ``store.admin``
+(:class:`.admin.JobAdmin`). Its SQL is in :mod:`.sql`, its connection in :mod:`.engine`,
 its one fenced write in :mod:`.fenced`, its outbox in :mod:`.outbox`."""
 
 from __future__ import annotations
@@ -91,6 +91,8 @@ class Store:
         self.error_message_length = error_message_length
         self.writer = FencedWriter(self.db, record_transitions=record_transitions)
         self.outbox_rows = self.outbox = OutboxRows(self)  # ``outbox``: an alias for scripts
+        #: The operator's and the recovery's verbs: requeue, stranded, take_for_resend, purge.
+        self.admin = admin.JobAdmin(self)
 
     @property
     def engine(self) -> sa.Engine:
@@ -102,6 +104,7 @@ class Store:
         view.db = db
         view.writer = FencedWriter(db, record_transitions=self.record_transitions)
         view.outbox_rows = view.outbox = OutboxRows(view)
+        view.admin = admin.JobAdmin(view)
         return view
 
     def dispose(self) -> None:
@@ -512,15 +515,9 @@ class Store:
         with self.db.connect() as conn:
             return [job_record(r) for r in conn.execute(query).all()]
 
-    # -- the operator's self-test (celery_fence.store.probe) and the operator's and the
-    # recovery's verbs (celery_fence.store.admin) ---------------------------------------------
+    # -- the operator's self-test (celery_fence.store.probe) ---------------------------------
 
     write_probe = probe.write_probe
-    requeue = admin.requeue
-    restore_finished = admin.restore_finished
-    stranded = admin.stranded
-    take_for_resend = admin.take_for_resend
-    purge = admin.purge
 
 
 def _json(value: Mapping[str, Any] | None) -> str | None:

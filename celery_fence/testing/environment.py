@@ -166,9 +166,7 @@ class FenceRedis:
 
 def clear_rows(store: Store) -> None:
     """Delete every job, transition and outbox row (a PostgreSQL schema shared by the session)."""
-    from celery_fence.store.admin import delete_all_rows
-
-    delete_all_rows(store)
+    store.admin.delete_all_rows()
 
 
 class FenceEnv:

@@ -81,7 +81,7 @@ def test_an_enqueued_job_s_first_attempt_completes_its_pending_row_in_one_statem
     assert record.request is not None and record.request["args"] == [key]
     # And a re-send of it (recovery, requeue) registers first as before: the operator's re-run
     # of the completed key runs once more and completes it again, in two statements.
-    fence_store.requeue(key, completed=True)
+    fence_store.admin.requeue(key, completed=True)
     from celery_fence.ops.recovery import recover
 
     # (recover scans the whole store: on the session's shared PostgreSQL database it may also

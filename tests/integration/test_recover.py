@@ -112,7 +112,7 @@ def test_stranded_is_unfinished_and_not_moved_and_the_take_is_compare_and_set(
     later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=60)
 
     def keys(**kw: Any) -> set[str]:
-        return {r.key for r in fence_store.stranded(**kw)} & {
+        return {r.key for r in fence_store.admin.stranded(**kw)} & {
             running.key,
             retrying.key,
             done.key,
@@ -135,11 +135,11 @@ def test_stranded_is_unfinished_and_not_moved_and_the_take_is_compare_and_set(
             reason="test",
         ),
     )
-    assert future.key not in {r.key for r in fence_store.stranded(older_than=30, now=later)}
+    assert future.key not in {r.key for r in fence_store.admin.stranded(older_than=30, now=later)}
 
     # Two recoveries that read the same row: one takes it, the other gets None.
-    first = fence_store.take_for_resend(running, reason="test")
-    second = fence_store.take_for_resend(running, reason="test")
+    first = fence_store.admin.take_for_resend(running, reason="test")
+    second = fence_store.admin.take_for_resend(running, reason="test")
     assert first is not None and first.status == "pending" and second is None
     stored = fence_store.get(running.key)
     assert stored is not None
@@ -162,7 +162,7 @@ def test_a_requeued_unkeyed_message_whose_key_fails_again_goes_back_to_dead(
             task_name=WORK, request={"task": WORK}, error=ValueError("1"), reason="fence_key"
         ),
     )
-    fence_store.requeue(key)
+    fence_store.admin.requeue(key)
     assert (fence_store.get(key) or pytest.fail()).status == "pending"
     assert fence_store.end(
         key,
@@ -194,7 +194,7 @@ def test_ls_stuck_and_recover_resend_stranded_jobs_under_their_key(
     retrying = _stranded(fence_store, queue, "retrying")
     # a job left pending by a requeue that died between its commit and its send
     requeued = _stranded(fence_store, queue, "dead")
-    fence_store.requeue(requeued.key)
+    fence_store.admin.requeue(requeued.key)
     # held: unfinished and not moved, but a live lease holds it
     held = _stranded(fence_store, queue, "running")
     token = uuid.uuid4().hex

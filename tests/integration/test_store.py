@@ -93,23 +93,23 @@ def test_an_operators_rerun_of_a_completed_job_keeps_its_result_until_the_new_on
     store.register(key, generation=1, attempt_id="A", task_name="t", request_json='{"a": 1}')
     store.end(key, Completion(generation=1, attempt_id="A", result={"v": 1}))
     # When an operator requeues it on purpose: pending, the old result still stored ...
-    before = store.requeue(key, completed=True)
+    before = store.admin.requeue(key, completed=True)
     pending = store.get(key)
     assert pending is not None and (pending.status, pending.result) == ("pending", {"v": 1})
     # ... and its send failed: back to completed as it was
-    store.restore_finished(before, reason="send failed")
+    store.admin.restore_finished(before, reason="send failed")
     restored = store.get(key)
     assert restored is not None and (restored.status, restored.result) == ("completed", {"v": 1})
     assert restored.attempts == before.attempts and restored.finished_at is not None
     # Sent this time: the next attempt registers and its completion replaces the result
-    store.requeue(key, completed=True)
+    store.admin.requeue(key, completed=True)
     store.register(key, generation=2, attempt_id="B", task_name="t")
     store.end(key, Completion(generation=2, attempt_id="B", result={"v": 2}))
     record = store.get(key)
     assert record is not None and (record.status, record.result) == ("completed", {"v": 2})
     # A plain requeue of a completed job, or a re-run of a dead one, is refused
     with pytest.raises(StoreError):
-        store.requeue(key)
+        store.admin.requeue(key)
 
 
 def test_purge_goes_in_batches_oldest_first_and_resumes_where_it_stopped(store: Store) -> None:
@@ -117,7 +117,7 @@ def test_purge_goes_in_batches_oldest_first_and_resumes_where_it_stopped(store: 
 
     # Given (older finished jobs of the shared database purged first) 6 completed jobs with
     # history, and one requeued (pending) job of the same age
-    store.purge(finished_before=dt.datetime.now(dt.timezone.utc))
+    store.admin.purge(finished_before=dt.datetime.now(dt.timezone.utc))
     keys = []
     for i in range(7):
         key = _key()
@@ -125,7 +125,7 @@ def test_purge_goes_in_batches_oldest_first_and_resumes_where_it_stopped(store: 
         store.end(key, Completion(generation=1, attempt_id="A", result=i))
         keys.append(key)
     rerun = keys.pop()
-    store.requeue(rerun, completed=True)
+    store.admin.requeue(rerun, completed=True)
     cutoff = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=1)
     ours = set(keys)
     # When a purge of batches of 2 is stopped after its first batch (its callback raises)
@@ -136,14 +136,14 @@ def test_purge_goes_in_batches_oldest_first_and_resumes_where_it_stopped(store: 
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        store.purge(finished_before=cutoff, batch_size=2, progress=stop_after_one)
+        store.admin.purge(finished_before=cutoff, batch_size=2, progress=stop_after_one)
     left = {k for k in ours if store.get(k) is not None}
     # Then that batch is gone for good (history too), the rest untouched
     assert seen == [2] and len(ours - left) == 2
     assert all(store.history(k) == [] for k in ours - left)
     # And run again it goes on, batch by batch, and keeps the unfinished job
     totals: list[int] = []
-    store.purge(finished_before=cutoff, batch_size=2, progress=totals.append)
+    store.admin.purge(finished_before=cutoff, batch_size=2, progress=totals.append)
     assert all(store.get(k) is None for k in ours)
     steps = [b - a for a, b in itertools.pairwise([0, *totals])]
     assert totals and all(0 < step <= 2 for step in steps)
@@ -369,10 +369,10 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     store.end(key, Dead(generation=4, attempt_id="C", error=None, reason="d", attempts=7))
     assert _state(store, key) == ("dead", 4, "C", 7)
     # The operator's requeue and its undo, then a completion with a staged effect.
-    before = store.requeue(key)
-    store.restore_finished(before, reason="send failed")
+    before = store.admin.requeue(key)
+    store.admin.restore_finished(before, reason="send failed")
     assert _state(store, key) == ("dead", 4, "C", 7)
-    store.requeue(key)
+    store.admin.requeue(key)
     store.register(key, generation=5, attempt_id="D", task_name="t")
     effect = Effect(name="mail", payload={"to": "x"}, idempotency_key=f"{key}:mail")
     store.end(key, Completion(generation=5, attempt_id="D", result={"ok": True}, effects=[effect]))
@@ -417,10 +417,10 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     strays = [_key(), _key()]
     for stray in strays:
         store.register(stray, generation=2, attempt_id="S", task_name=strays[0])
-    found = store.stranded(older_than=0, now=later, task_name=strays[0])
+    found = store.admin.stranded(older_than=0, now=later, task_name=strays[0])
     assert sorted(r.key for r in found) == sorted(strays)
     by_key = {r.key: r for r in found}
-    assert store.take_for_resend(by_key[strays[0]], reason="stranded") is not None
+    assert store.admin.take_for_resend(by_key[strays[0]], reason="stranded") is not None
     assert store.end(
         by_key[strays[1]].key,
         DeadStranded(by_key[strays[1]], error=ValueError("no request"), reason="x"),
@@ -434,7 +434,7 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     assert not store.outbox_rows.requeue(row.id)  # delivered, not dead
     assert store.outbox_rows.purge(delivered_before=later) >= 1
     assert store.outbox_rows.rows(key=key) == []
-    assert store.purge(finished_before=later) >= 5
+    assert store.admin.purge(finished_before=later) >= 5
     assert store.get(key) is None and store.history(key) == []
 
 

@@ -320,7 +320,7 @@ def purge(ctx: click.Context, before: str, include_dead: bool, batch_size: int) 
     count = delivered = 0
     with scope_of(ctx) as scope:
         for database in scope.databases():
-            count += database.store.purge(
+            count += database.store.admin.purge(
                 finished_before=when,
                 statuses=statuses,
                 batch_size=batch_size,
