@@ -97,6 +97,28 @@ class MemoryStore:
         self._effects: dict[str, Effect] = {}  # by idempotency key, in insertion order
         self._effect_keys: dict[str, str] = {}  # idempotency key -> job key
 
+    @staticmethod
+    def _new_row(
+        key: str, task_name: str, status: str, now: dt.datetime, **fields: Any
+    ) -> JobRecord:
+        """A new job row written at ``now``; ``fields`` set what differs from a never-claimed,
+        unfinished row without result, request or error."""
+        values: dict[str, Any] = {
+            "generation": 0,
+            "attempt_id": NEVER_CLAIMED,
+            "attempts": 0,
+            "result": None,
+            "request": None,
+            "error_type": None,
+            "error_message": None,
+            "finished_at": None,
+            "retry_at": None,
+        }
+        values.update(fields)
+        return JobRecord(
+            key=key, task_name=task_name, status=status, created_at=now, updated_at=now, **values
+        )
+
     # -- the fenced path ----------------------------------------------------------------------
 
     def register(
@@ -116,21 +138,15 @@ class MemoryStore:
             row = self._jobs.get(key)
             if row is None:
                 attempts = 2 if self.defer_first_registration and generation > 1 else 1
-                row = JobRecord(
-                    key=key,
-                    task_name=task_name,
-                    status=RUNNING,
+                row = self._new_row(
+                    key,
+                    task_name,
+                    RUNNING,
+                    now,
                     generation=generation,
                     attempt_id=attempt_id,
                     attempts=attempts,
-                    result=None,
                     request=_loads(text),
-                    error_type=None,
-                    error_message=None,
-                    created_at=now,
-                    updated_at=now,
-                    finished_at=None,
-                    retry_at=None,
                 )
             elif row.status not in (COMPLETED, DEAD) and row.generation < generation:
                 row = dataclasses.replace(
@@ -200,21 +216,17 @@ class MemoryStore:
         now = self._now()
         row = self._jobs.get(key)
         if row is None:
-            row = JobRecord(
-                key=key,
-                task_name=e.task_name,
-                status=COMPLETED,
+            row = self._new_row(
+                key,
+                e.task_name,
+                COMPLETED,
+                now,
                 generation=e.generation,
                 attempt_id=e.attempt_id,
                 attempts=1,
                 result=stored,
                 request=_loads(e.request_json),
-                error_type=None,
-                error_message=None,
-                created_at=now,
-                updated_at=now,
                 finished_at=now,
-                retry_at=None,
             )
         elif row.status == PENDING and row.generation == 0:
             row = dataclasses.replace(
@@ -265,19 +277,13 @@ class MemoryStore:
         now = self._now()
         row = self._jobs.get(key)
         if row is None:
-            row = JobRecord(
-                key=key,
-                task_name=e.task_name,
-                status=DEAD,
-                generation=0,
-                attempt_id=NEVER_CLAIMED,
-                attempts=0,
-                result=None,
+            row = self._new_row(
+                key,
+                e.task_name,
+                DEAD,
+                now,
                 request=_loads(_json(e.request)),
-                created_at=now,
-                updated_at=now,
                 finished_at=now,
-                retry_at=None,
                 **self._errors(e.error, nulls=True),
             )
         elif row.status == PENDING:
@@ -301,19 +307,16 @@ class MemoryStore:
         row = self._jobs.get(key)
         errors = self._errors(e.error, nulls=True)
         if row is None:
-            row = JobRecord(
-                key=key,
-                task_name=e.task_name,
-                status=DEAD,
+            row = self._new_row(
+                key,
+                e.task_name,
+                DEAD,
+                now,
                 generation=e.generation,
                 attempt_id=e.attempt_id,
                 attempts=1,
-                result=None,
                 request=_loads(_json(request)),
-                created_at=now,
-                updated_at=now,
                 finished_at=now,
-                retry_at=None,
                 **errors,
             )
         elif row.status not in (COMPLETED, DEAD) and row.generation < e.generation:
@@ -421,20 +424,12 @@ class MemoryStore:
             if existing is not None:
                 return False, self._read(existing)
             now = self._now()
-            self._jobs[key] = JobRecord(
-                key=key,
-                task_name=task_name,
-                status=PENDING,
-                generation=0,
-                attempt_id=NEVER_CLAIMED,
-                attempts=0,
-                result=None,
+            self._jobs[key] = self._new_row(
+                key,
+                task_name,
+                PENDING,
+                now,
                 request=_loads(_json(request)),
-                error_type=None,
-                error_message=None,
-                created_at=now,
-                updated_at=now,
-                finished_at=None,
                 retry_at=due,
             )
             return True, None
