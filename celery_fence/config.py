@@ -17,6 +17,15 @@ from celery_fence.app_state import app_state
 from celery_fence.errors import ConfigurationError
 from celery_fence.leases.redis_client import parse_redis_settings
 
+
+class Fenced:
+    """The mark of a fenced task: :class:`~celery_fence.FencedTask` carries it. The operator
+    side (recovery, the CLI) finds an app's fenced tasks by it and reads each one's settings
+    with :meth:`FenceConfig.for_task`, without importing the Celery adapters."""
+
+    __slots__ = ()
+
+
 #: Redis that holds leases and generation counters.
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 #: The embedded default result store: a SQLite file in the working directory.

@@ -28,6 +28,7 @@ from celery.utils.dispatch import Signal
 from celery_fence.adapters import worker
 from celery_fence.announce import events, logs
 from celery_fence.app_state import installed, mark_installed, real_app
+from celery_fence.ops.recovery import RECOVER_TASK, recover_task
 from celery_fence.ops.retention import PURGE_TASK, purge_task
 
 #: Every process-wide receiver, in the order the first :func:`install` connects them.
@@ -63,10 +64,6 @@ def _connect_receivers() -> None:
 def _register_tasks(app: Any) -> None:
     """The beat tasks, on ``app`` only (lazily when the app is not finalized yet, as Celery's
     own ``@app.task`` does)."""
-    # recovery reads the app's fenced tasks (through scope, which imports the task module), and
-    # the task module installs: imported here, when the first app is installed.
-    from celery_fence.ops.recovery import RECOVER_TASK, recover_task
-
     options: dict[str, Any] = {"bind": True, "ignore_result": True, "shared": False}
     app.task(name=RECOVER_TASK, **options)(recover_task)
     app.task(name=PURGE_TASK, **options)(purge_task)

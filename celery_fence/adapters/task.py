@@ -30,7 +30,7 @@ from celery_fence.announce.transitions import Announcer
 from celery_fence.app_state import app_state
 from celery_fence.body.fence import Fence
 from celery_fence.body.outbox import trigger_delivery
-from celery_fence.config import FenceConfig
+from celery_fence.config import FenceConfig, Fenced
 from celery_fence.errors import (
     ConfigurationError,
     FenceEagerWarning,
@@ -54,7 +54,7 @@ CONFIG_ERROR_COUNTDOWN = 30.0
 REFUSED_RESEND_PAUSE = (1.0, 10.0)
 
 
-class FencedTask(Task):
+class FencedTask(Task, Fenced):
     """Base class for fenced tasks: ``@app.task(base=FencedTask, bind=True, fence_key=...)``.
 
     Task options: ``fence_key`` (callable given the task's args and kwargs, returning the stable

@@ -16,11 +16,14 @@ import logging
 import math
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from celery_fence.actions import LogAction
 from celery_fence.leases.lease import HeldLease
-from celery_fence.pipeline.ports import LeaseBackend
 from celery_fence.process.background import Background
+
+if TYPE_CHECKING:  # the renewer is typed against the pipeline's port; it imports nothing above it
+    from celery_fence.pipeline.ports import LeaseBackend
 
 logger = logging.getLogger("celery_fence.renewer")
 

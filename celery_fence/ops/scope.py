@@ -21,8 +21,7 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
-from celery_fence.adapters.task import FencedTask
-from celery_fence.config import FenceConfig
+from celery_fence.config import FenceConfig, Fenced
 from celery_fence.leases.lease import LeaseStore, make_redis_client
 from celery_fence.leases.redis_client import client_identity
 from celery_fence.process.backends import store_for
@@ -49,9 +48,9 @@ class Scope(contextlib.AbstractContextManager["Scope"]):
         self.app = app
         self.default = FenceConfig.from_app(app)
         self._by_task: dict[str, FenceConfig] = {}
-        for task in list(app.tasks.values()):
-            if isinstance(task, FencedTask):
-                self._by_task[task.name] = FenceConfig.for_task(task)  # raises, naming the task
+        for name, task in list(app.tasks.items()):
+            if isinstance(task, Fenced):
+                self._by_task[name] = FenceConfig.for_task(task)  # raises, naming the task
         self._clients: dict[tuple[Any, ...], Any] = {}
         self._leases: dict[tuple[Any, ...], LeaseStore] = {}
 

@@ -12,6 +12,7 @@ import sqlalchemy as sa
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
+from celery_fence.body.transaction import different_database
 from celery_fence.errors import ConfigurationError
 
 POSTGRESQL_ENGINES = frozenset(
@@ -92,8 +93,6 @@ def url_for_settings(alias: str, db: Mapping[str, Any]) -> str:
 
 def same_database_problem(store_url: str, alias: str, db: Mapping[str, Any]) -> str | None:
     """Why Django's ``alias`` (settings ``db``) is not the store's database, or None."""
-    from celery_fence.body.transaction import different_database
-
     try:
         theirs = sa.engine.make_url(url_for_settings(alias, db))
     except ConfigurationError as exc:

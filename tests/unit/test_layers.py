@@ -1,0 +1,158 @@
+"""The package's import graph: layers that only import downwards, and no cycle hidden in a
+function.
+
+Read from the source (``ast``), so a test needs no import order to be right: an import inside a
+function, or under ``if TYPE_CHECKING:``, is not a module-level edge.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import celery_fence
+
+PACKAGE = Path(celery_fence.__file__).resolve().parent
+#: Tools beside the product, free to import any of it (and the plugin imports lazily on purpose:
+#: pytest loads it in every run of a user's suite).
+TOOLS = ("celery_fence.testing", "celery_fence.chaos", "celery_fence.migrations")
+#: Django is optional: the core reaches its integration only inside the function that needs it.
+OPTIONAL = "celery_fence.contrib.django"
+#: The layers below the Celery adapters and the operator side.
+CORE = (
+    "celery_fence.leases",
+    "celery_fence.store",
+    "celery_fence.pipeline",
+    "celery_fence.body",
+    "celery_fence.announce",
+    "celery_fence.process",
+)
+ABOVE_CORE = ("celery_fence.adapters", "celery_fence.ops", OPTIONAL, *TOOLS)
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts).removesuffix(".__init__")
+        out[name] = ast.parse(path.read_text(encoding="utf-8"))
+    return out
+
+
+MODULES = _modules()
+
+
+def _targets(node: ast.Import | ast.ImportFrom) -> Iterator[str]:
+    """The celery_fence modules an import statement loads (a name that is a module counts)."""
+    if isinstance(node, ast.Import):
+        yield from (a.name for a in node.names if a.name.startswith("celery_fence"))
+    elif node.module and node.module.startswith("celery_fence") and not node.level:
+        loaded = (f"{node.module}.{a.name}" for a in node.names)
+        yield from dict.fromkeys(full if full in MODULES else node.module for full in loaded)
+
+
+def _module_level(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test):
+            continue
+        yield from (n for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom)))
+
+
+def _in_functions(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield from (n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)))
+
+
+def _under(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def graph() -> dict[str, set[str]]:
+    return {
+        name: {t for node in _module_level(tree) for t in _targets(node) if t != name}
+        for name, tree in MODULES.items()
+    }
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``edges`` (Tarjan's strongly connected components of two or more)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_module_level_imports_have_no_cycle() -> None:
+    assert cycles(graph()) == []
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    # (a check that cannot fire is no check)
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_in_a_function_stands_in_for_a_module_level_one() -> None:
+    # Given every import inside a function of the product (the tools beside it left out) ...
+    deferred = [
+        f"{name}: {target}"
+        for name, tree in MODULES.items()
+        if not _under(name, TOOLS)
+        for node in _in_functions(tree)
+        for target in _targets(node)
+        # ... the only ones are the core reaching the optional Django integration, and that
+        # integration's own AppConfig.ready (Django's place to register system checks)
+        if not (_under(target, (OPTIONAL,)) and not _under(name, (OPTIONAL,)))
+        and name != f"{OPTIONAL}.apps"
+    ]
+    assert deferred == []
+
+
+def test_the_core_imports_neither_the_celery_adapters_nor_the_operator_side() -> None:
+    upward = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph().items()
+        if _under(name, CORE)
+        for target in targets
+        if _under(target, ABOVE_CORE)
+    )
+    assert upward == []
+
+
+def test_the_operator_side_does_not_import_the_celery_adapters() -> None:
+    # (the adapters install the operator side's beat tasks: the edge goes one way)
+    upward = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph().items()
+        if _under(name, ("celery_fence.ops",))
+        for target in targets
+        if _under(target, ("celery_fence.adapters",))
+    )
+    assert upward == []
