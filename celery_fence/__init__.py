@@ -31,7 +31,6 @@ loads it from ``INSTALLED_APPS``.
 from celery_fence.adapters.installation import install
 from celery_fence.adapters.task import FencedTask
 from celery_fence.body.fence import Fence
-from celery_fence.body.outbox import Outbox, idempotency_key, register_handler, storage_key
 from celery_fence.config import FenceConfig
 from celery_fence.durable import Enqueued, enqueue
 from celery_fence.errors import (
@@ -46,9 +45,10 @@ from celery_fence.errors import (
     StaleGeneration,
     StoreError,
 )
+from celery_fence.ops.outbox import Outbox, idempotency_key, register_handler, storage_key
 from celery_fence.ops.recovery import recover
 from celery_fence.ops.retention import purge_expired
-from celery_fence.process.backends import get_store
+from celery_fence.pipeline.backends import get_store
 from celery_fence.schema import metadata
 from celery_fence.store import JobRecord, Store
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from celery_fence.body.outbox import Outbox
     from celery_fence.config import FenceConfig
+    from celery_fence.ops.outbox import Outbox
 
 
 @dataclass
@@ -19,7 +19,7 @@ class AppState:
 
     #: The app's settings (:meth:`FenceConfig.from_app`); None until first read.
     config: FenceConfig | None = None
-    #: The app's :class:`~celery_fence.body.outbox.Outbox` (its handler registry), if one was made.
+    #: The app's :class:`~celery_fence.ops.outbox.Outbox` (its handler registry), if one was made.
     outbox: Outbox | None = None
     #: Whether the worker sends task events (``-E`` sets the worker's flag, not ``app.conf``);
     #: None until ``worker_init`` says (see

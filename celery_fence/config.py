@@ -15,6 +15,7 @@ from typing import Any
 
 from celery_fence.app_state import app_state
 from celery_fence.errors import ConfigurationError
+from celery_fence.leases.lease import DEFAULT_GENERATION_TTL  # (the lease's own default)
 from celery_fence.leases.redis_client import parse_redis_settings
 
 
@@ -55,12 +56,6 @@ DEFAULT_ERROR_MESSAGE_LENGTH = 500
 #: Seconds any one database call may take (statement timeout, TCP user timeout, keepalive
 #: detection, connect timeout and the client-side deadline all derive from it).
 DEFAULT_DATABASE_TIMEOUT = 10.0
-#: Seconds a generation counter lives in Redis after its last claim (0: never expires). The SQL
-#: store is the authority on generations, so an expired counter costs one raised counter (a few
-#: round trips) when its key is claimed again unfinished, never correctness. Ten minutes covers
-#: the default backoff cap and recovery threshold; Redis then holds at most ten minutes' worth
-#: of distinct keys.
-DEFAULT_GENERATION_TTL = 600.0
 #: ``fence recover`` / the recover task: a non-terminal job whose lease is gone counts as
 #: stranded once it has not moved for this many lease TTLs (unless ``fence_recover_after`` is set).
 RECOVER_AFTER_TTLS = 10

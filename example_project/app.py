@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from celery_fence.body.outbox import SWEEP_TASK, Outbox
+from celery_fence import Outbox
 
 from . import settings
 
@@ -29,7 +29,7 @@ app.conf.update(
     fence_retry_backoff=0.3,
     fence_retry_backoff_max=5.0,
     fence_redact_celery_logs=True,  # keep task args and results out of Celery's own log lines
-    beat_schedule={"outbox-sweep": {"task": SWEEP_TASK, "schedule": 30.0}},
+    beat_schedule={"outbox-sweep": {"task": "celery_fence.outbox.sweep", "schedule": 30.0}},
 )
 
 #: Effects staged with ``self.fence.effects.add(...)`` are delivered by this app's handlers.

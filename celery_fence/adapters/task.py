@@ -29,7 +29,6 @@ from celery_fence.adapters.worker import FENCED_REQUEST, celery_command
 from celery_fence.announce.transitions import Announcer
 from celery_fence.app_state import app_state
 from celery_fence.body.fence import Fence
-from celery_fence.body.outbox import trigger_delivery
 from celery_fence.config import FenceConfig, Fenced
 from celery_fence.errors import (
     ConfigurationError,
@@ -38,9 +37,10 @@ from celery_fence.errors import (
     Rescheduled,
     RetryNotSent,
 )
+from celery_fence.ops.outbox import trigger_delivery
 from celery_fence.pipeline import outcomes as o
+from celery_fence.pipeline.backends import Backends, backends
 from celery_fence.pipeline.execution import Execution
-from celery_fence.process.backends import Backends, backends
 from celery_fence.schema import KEY_LENGTH
 from celery_fence.store.records import ENQUEUED_HEADER, request_text
 

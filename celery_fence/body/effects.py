@@ -2,7 +2,7 @@
 
 Nothing is written when an effect is staged: the fenced completion writes the staged effects in
 its own statement/transaction, so a stale attempt's effects are never recorded and a completed
-job's are recorded exactly once (:mod:`celery_fence.body.outbox` delivers them). An effect's
+job's are recorded exactly once (:mod:`celery_fence.ops.outbox` delivers them). An effect's
 idempotency key is derived from the logical key and the effect's name — the same across every
 retry and redelivery.
 """

@@ -25,8 +25,8 @@ from celery_fence.adapters.worker import FencedRequest
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError
 from celery_fence.pipeline import outcomes as o
+from celery_fence.pipeline.backends import Backends, backends
 from celery_fence.pipeline.execution import Execution
-from celery_fence.process.backends import Backends, backends
 from celery_fence.store import Store, sql
 
 if TYPE_CHECKING:

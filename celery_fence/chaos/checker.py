@@ -15,8 +15,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_fence.body.outbox import idempotency_key
 from celery_fence.chaos import APP_ROWS, CHARGE
+from celery_fence.ops.outbox import idempotency_key
 from celery_fence.store import Store, Transition
 
 #: Store writes that are fenced (each recorded in the same statement as the write itself).

@@ -17,11 +17,11 @@ from typing import Any
 import redis
 from celery import Celery
 
-from celery_fence.body.outbox import SWEEP_TASK
 from celery_fence.chaos import TASK_NAME, app_metadata
 from celery_fence.chaos.checker import Job
 from celery_fence.chaos.options import OWN_WORKERS, Options
 from celery_fence.leases.lease import LeaseStore
+from celery_fence.ops.outbox import SWEEP_TASK
 from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues, queued
 from celery_fence.testing.processes import RedisServer, Worker, poll_until

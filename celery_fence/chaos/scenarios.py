@@ -13,11 +13,11 @@ from typing import Any
 
 from celery import signature
 
-from celery_fence.body.outbox import idempotency_key
 from celery_fence.chaos import CHARGE, TASK_NAME
 from celery_fence.chaos.checker import Job
 from celery_fence.chaos.scenario import Scenario
 from celery_fence.chaos.scenarios_enqueue import RUNS as ENQUEUE_RUNS
+from celery_fence.ops.outbox import idempotency_key
 from celery_fence.ops.recovery import KEY_HEADER, RECOVER_TASK
 from celery_fence.store import decode_request
 from celery_fence.testing import faults

@@ -62,9 +62,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_fence import FencedTask, PermanentError
 from celery_fence import signals as fence_signals
 from celery_fence.actions import Action
-from celery_fence.body.outbox import Outbox, idempotency_key
 from celery_fence.chaos import APP_ROWS, CHARGE, NOTIFY, TASK_NAME
 from celery_fence.chaos.arms import UnfencedTask, UnsettledTask
+from celery_fence.ops.outbox import Outbox, idempotency_key
 from celery_fence.store import Store
 from celery_fence.store.fenced import FencedWriter
 from celery_fence.testing import faults

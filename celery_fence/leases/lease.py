@@ -21,19 +21,28 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from celery_fence.config import DEFAULT_GENERATION_TTL, FenceConfig
 from celery_fence.errors import LeaseBusy, LeaseLost
 from celery_fence.leases.redis_client import make_client
 from celery_fence.leases.scripts import LuaScript
 
+if TYPE_CHECKING:  # the settings are read above this layer; the lease takes them as a value
+    from celery_fence.config import FenceConfig
+
 logger = logging.getLogger(__name__)
 
 CLAIMED, BUSY = 1, 0
+
+#: Seconds a generation counter lives in Redis after its last claim (0: never expires). The SQL
+#: store is the authority on generations, so an expired counter costs one raised counter (a few
+#: round trips) when its key is claimed again unfinished, never correctness. Ten minutes covers
+#: the default backoff cap and recovery threshold; Redis then holds at most ten minutes' worth
+#: of distinct keys.
+DEFAULT_GENERATION_TTL = 600.0
 
 
 CLAIM = LuaScript("claim")

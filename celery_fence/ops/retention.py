@@ -26,7 +26,7 @@ from typing import Any
 
 from celery_fence.actions import LogAction
 from celery_fence.config import FenceConfig
-from celery_fence.process.backends import store_for
+from celery_fence.pipeline.backends import store_for
 from celery_fence.schema import COMPLETED
 
 logger = logging.getLogger("celery_fence.retention")

@@ -24,7 +24,7 @@ from typing import Any
 from celery_fence.config import FenceConfig, Fenced
 from celery_fence.leases.lease import LeaseStore, make_redis_client
 from celery_fence.leases.redis_client import client_identity
-from celery_fence.process.backends import store_for
+from celery_fence.pipeline.backends import store_for
 from celery_fence.schema import PENDING, RETRYING
 from celery_fence.store import Store
 from celery_fence.store.records import JobRecord, never_claimed

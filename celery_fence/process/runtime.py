@@ -2,13 +2,13 @@
 
 A socket, a thread or a lock belongs to one process, and Celery's prefork pool forks its children
 after the app (and often its first stores) were set up. So the process's SQL stores, Redis
-clients, lease stores, retry budgets and background threads (:mod:`celery_fence.process.background`)
-live on one :class:`Runtime`, a registry that knows none of them
-(:mod:`celery_fence.process.backends` makes them). :func:`runtime` returns the current process's; an
-at-fork hook gives a forked child a fresh, empty one, which builds its own on first use. The
-parent's objects are left alone in the child: its threads are not there, and its engines and clients
-are kept referenced but never used, so garbage collection does not close a socket the parent still
-uses.
+clients, lease stores, retry budgets and background threads
+(:mod:`celery_fence.process.background`) live on one :class:`Runtime`, a registry that knows none
+of them (:mod:`celery_fence.pipeline.backends` makes them). :func:`runtime` returns the current
+process's; an at-fork hook gives a forked child a fresh, empty one, which builds its own on first
+use. The parent's objects are left alone in the child: its threads are not there, and its engines
+and clients are kept referenced but never used, so garbage collection does not close a socket the
+parent still uses.
 
 Whoever caches an object got from the runtime checks :attr:`Runtime.forked` (an attribute read,
 no system call) to know the copy it holds belongs to a parent.
@@ -36,7 +36,7 @@ _SHUTDOWN_ORDER = {"writer": 0, "events": 2}
 
 class Runtime:
     """The process-wide objects of one process, made on first use by the factory their caller
-    passes (see :mod:`celery_fence.process.backends`); thread-safe. A registry: it knows no kind of
+    passes (see :mod:`celery_fence.pipeline.backends`); thread-safe. A registry: it knows no kind of
     object, only how to keep one per identity and how to stop the ones with a thread."""
 
     def __init__(self) -> None:

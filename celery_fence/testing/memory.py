@@ -29,9 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from celery_fence.actions import INTERRUPTED_BY, Action
-from celery_fence.config import DEFAULT_GENERATION_TTL
 from celery_fence.errors import JobDead, LeaseBusy, StaleGeneration
-from celery_fence.leases.lease import LeaseKeys, lease_keys
+from celery_fence.leases.lease import DEFAULT_GENERATION_TTL, LeaseKeys, lease_keys
 from celery_fence.schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
 from celery_fence.store.records import (
     ENCODED_REQUEST,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from celery_fence.body.outbox import idempotency_key, storage_key
+from celery_fence.ops.outbox import idempotency_key, storage_key
 from celery_fence.store import Store
 from tests.support.leftovers import ctrl_c_default, kill_groups, processes_mentioning
 from tests.support.worker import ROOT, wait_until

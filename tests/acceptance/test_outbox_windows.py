@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 import redis
 
-from celery_fence.body.outbox import SWEEP_TASK, idempotency_key
+from celery_fence.ops.outbox import SWEEP_TASK, idempotency_key
 from celery_fence.store import Store
 from celery_fence.testing import ProviderStub, faults
 from tests.support import ledger

@@ -27,8 +27,8 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_fence import FencedTask, PermanentError, StaleGeneration
-from celery_fence.body.outbox import Outbox, idempotency_key
 from celery_fence.leases.lease import LeaseStore
+from celery_fence.ops.outbox import Outbox, idempotency_key
 from celery_fence.store import Effect, Store, utcnow
 from celery_fence.store.records import Completion, Dead
 from tests.support.env import PG_ADMIN_URL, REDIS_URL

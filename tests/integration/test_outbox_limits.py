@@ -13,7 +13,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_fence.body.outbox import Outbox
+from celery_fence.ops.outbox import Outbox
 from celery_fence.store import Store
 from celery_fence.store import outbox as outbox_store
 from tests.integration.test_outbox import _completed_job, _effect

@@ -22,7 +22,7 @@ import redis
 from celery import Celery
 
 from celery_fence import FencedTask
-from celery_fence.body.outbox import Outbox
+from celery_fence.ops.outbox import Outbox
 from celery_fence.testing import faults
 
 E = os.environ

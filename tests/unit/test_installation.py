@@ -31,7 +31,7 @@ from celery.utils.dispatch import Signal
 
 import celery_fence
 import celery_fence.announce.events, celery_fence.announce.logs, celery_fence.adapters.worker
-import celery_fence.body.outbox, celery_fence.ops.recovery, celery_fence.ops.retention
+import celery_fence.ops.outbox, celery_fence.ops.recovery, celery_fence.ops.retention
 import celery_fence.signals, celery_fence.store.probe
 
 app = Celery("plain", set_as_current=False)

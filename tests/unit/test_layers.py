@@ -19,16 +19,37 @@ PACKAGE = Path(celery_fence.__file__).resolve().parent
 TOOLS = ("celery_fence.testing", "celery_fence.chaos", "celery_fence.migrations")
 #: Django is optional: the core reaches its integration only inside the function that needs it.
 OPTIONAL = "celery_fence.contrib.django"
-#: The layers below the Celery adapters and the operator side.
-CORE = (
-    "celery_fence.leases",
-    "celery_fence.store",
-    "celery_fence.pipeline",
-    "celery_fence.body",
-    "celery_fence.announce",
-    "celery_fence.process",
+#: The layers, bottom first: a module imports (at module level) only from its own layer and the
+#: layers below it. Two packages in one layer import neither of each other.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "actions", "schema", "signals", "app_state", "migrate"),  # what everything uses
+    ("process",),  # the per-process registry and the background threads' lifecycle
+    ("leases",),  # the Redis side
+    ("config",),  # the settings, each validated by the layer it configures
+    ("store",),  # the fence tables
+    ("body", "announce"),  # what a task body sees; transitions, events and log records
+    ("pipeline",),  # one attempt: execution, settle, retry, and the backends it is built from
+    ("ops",),  # the operator's side: recovery, retention, requeue, outbox delivery, the CLI
+    ("adapters",),  # Celery's side: FencedTask, FencedRequest, install(app)
+    ("durable",),  # enqueue(): a task's pending row in the caller's transaction
+    ("contrib",),  # the optional Django integration
+    ("__init__",),  # the public names: ``from celery_fence import FencedTask``
+    ("testing",),  # the pytest plugin, the doubles, the worker harness
+    ("chaos",),  # the chaos harness and its control arms
+    ("migrations",),  # Alembic's scripts
 )
+CORE = tuple(f"celery_fence.{name}" for layer in LAYERS[: LAYERS.index(("ops",))] for name in layer)
 ABOVE_CORE = ("celery_fence.adapters", "celery_fence.ops", OPTIONAL, *TOOLS)
+
+
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` of ``module`` (``celery_fence`` itself: its ``__init__``)."""
+    parts = module.split(".")
+    first = parts[1] if len(parts) > 1 else "__init__"
+    for index, layer in enumerate(LAYERS):
+        if first in layer:
+            return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -135,6 +156,32 @@ def test_no_import_in_a_function_stands_in_for_a_module_level_one() -> None:
     assert deferred == []
 
 
+def test_every_module_level_import_goes_down_the_layers_or_stays_in_its_own() -> None:
+    upward = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph().items()
+        for target in targets
+        if layer_of(target) > layer_of(name)
+    )
+    assert upward == []
+
+
+def test_two_packages_of_one_layer_import_neither_of_each_other() -> None:
+    def package(module: str) -> str:
+        return module.split(".")[1] if "." in module else "__init__"
+
+    across = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph().items()
+        for target in targets
+        if layer_of(target) == layer_of(name)
+        and len(LAYERS[layer_of(name)]) > 1
+        and package(target) != package(name)
+        and layer_of(name) != 0  # the base modules are one layer of small leaves
+    )
+    assert across == []
+
+
 def test_the_core_imports_neither_the_celery_adapters_nor_the_operator_side() -> None:
     upward = sorted(
         f"{name} -> {target}"
@@ -147,7 +194,8 @@ def test_the_core_imports_neither_the_celery_adapters_nor_the_operator_side() ->
 
 
 def test_the_operator_side_does_not_import_the_celery_adapters() -> None:
-    # (the adapters install the operator side's beat tasks: the edge goes one way)
+    # (the adapters install the operator side's beat tasks and trigger outbox delivery: the edge
+    # goes one way)
     upward = sorted(
         f"{name} -> {target}"
         for name, targets in graph().items()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from celery_fence.body.outbox import storage_key
+from celery_fence.ops.outbox import storage_key
 
 
 def test_storage_key_is_deterministic_per_input_version() -> None:

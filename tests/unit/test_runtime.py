@@ -22,7 +22,7 @@ from celery_fence.app_state import app_state
 from celery_fence.config import FenceConfig
 from celery_fence.leases.redis_client import client_identity
 from celery_fence.leases.renewer import Renewer
-from celery_fence.process import backends as b
+from celery_fence.pipeline import backends as b
 from celery_fence.process.background import Background, BackgroundWriter
 from celery_fence.process.runtime import Runtime, runtime
 from celery_fence.store.watchdog import Watchdog, watchdog

@@ -8,7 +8,7 @@ from typing import Any
 from celery_fence.config import FenceConfig
 from celery_fence.ops import recovery
 from celery_fence.ops.requeue import SendFailed, requeue_finished
-from celery_fence.process.backends import store_for
+from celery_fence.pipeline.backends import store_for
 from celery_fence.schema import DEAD
 
 

@@ -15,7 +15,7 @@ from celery.exceptions import CeleryCommandException
 from celery_fence.config import FenceConfig
 from celery_fence.errors import FenceError
 from celery_fence.ops.scope import Scope
-from celery_fence.process.backends import store_for
+from celery_fence.pipeline.backends import store_for
 from celery_fence.store import JobRecord, Store
 from celery_fence.store.records import never_claimed
 

@@ -54,8 +54,8 @@ from celery_fence.app_state import app_state
 from celery_fence.body.effects import StagedEffects, idempotency_key, storage_key
 from celery_fence.config import FenceConfig
 from celery_fence.errors import FenceError
+from celery_fence.pipeline.backends import store_for
 from celery_fence.pipeline.retry import backoff, give_up
-from celery_fence.process.backends import store_for
 from celery_fence.store import OutboxRow, Store
 
 logger = logging.getLogger("celery_fence.outbox")
@@ -339,7 +339,7 @@ def trigger_delivery(app: Any, key: str) -> None:
     if outbox is None:
         logger.warning(
             "outbox rows committed for key=%s but the app has no Outbox: create "
-            "celery_fence.body.outbox.Outbox(app) where the app is defined; the rows stay pending",
+            "celery_fence.ops.outbox.Outbox(app) where the app is defined; the rows stay pending",
             key,
             extra={"action": LogAction.OUTBOX_NO_SENDER, "fence_key": key},
         )
