@@ -39,10 +39,10 @@ pytestmark = [
 ]
 
 
-def _bench(tmp_path: Path, *args: str) -> tuple[str, dict[str, Any]]:
+def _bench(tmp_path: Path, *args: str, module: str = "bench") -> tuple[str, Any]:
     out = tmp_path / "result.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", *args, "--json", str(out)],
+        [sys.executable, "-m", module, *args, "--json", str(out)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
@@ -201,21 +201,12 @@ def test_latency_mode_times_every_variant_from_publish_to_stored_result(tmp_path
 @pytest.mark.timeout(180)
 def test_the_happy_path_count_follows_one_task_from_the_message_to_the_ack(tmp_path: Path) -> None:
     # Given the happy-path count of the working tree (a solo worker, SQLite store, local Redis)
-    out = tmp_path / "files.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.happy_path", "--json", str(out)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    files = json.loads(out.read_text())["working tree"]
+    stdout, result = _bench(tmp_path, module="bench.happy_path")
+    files = result["working tree"]
     # Then its window held the whole attempt: the adapter, the execution, the claim, the store's
     # fenced completion and the settle step, and nothing of the operator's side
     for name in ("adapters/task.py", "pipeline/execution.py", "leases/lease.py", "store/jobs.py"):
         assert f"celery_fence/{name}" in files
     assert "celery_fence/pipeline/settle.py" in files
     assert not [f for f in files if f.startswith("celery_fence/ops/")]
-    assert f"working tree: {len(files)} celery_fence files" in proc.stdout
+    assert f"working tree: {len(files)} celery_fence files" in stdout
