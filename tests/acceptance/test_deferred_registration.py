@@ -88,8 +88,7 @@ def test_an_enqueued_job_s_first_attempt_completes_its_pending_row_in_one_statem
     # (the worker releases a finished attempt's lease on its renewer's next round trip, not in
     # the completing statement: until then recovery rightly sees a live lease and leaves the key)
     wait_until(lambda: leases.remaining(key)[0] is None, 10, what="the lease released")
-    # (recover scans the whole store: on the session's shared PostgreSQL database it may also
-    # re-send other tests' stranded rows, so only this key's re-sends are counted)
+    # (recover scans the whole store: only this key's re-sends are counted)
     assert recover(client_app.app, older_than=0).sent.count(key) == 1
     wait_until(lambda: ledger.run_count(redis_client, prefix, key) == 2, 30, what="the re-run")
     record = _ended(fence_store, key, timeout=30)

@@ -127,7 +127,7 @@ def test_a_crash_after_the_commit_and_a_lost_queue_are_recovered(
     spawn_worker("w", concurrency=2)
     report = recover(client_app.app, older_than=0)
     # Then every job is sent once more and completes once
-    assert set(keys) <= set(report.sent)  # (the session's PostgreSQL database has other tests')
+    assert set(keys) <= set(report.sent)  # (asserted for this test's keys only)
     wait_until(
         lambda: all(_status(fence_store, k) == "completed" for k in keys), 60, what="completed"
     )

@@ -75,8 +75,8 @@ def _message_key(raw: Any) -> Any:
 
 
 def _queued(broker: redis.Redis, queue: str, key: str) -> int:
-    """This key's messages in ``queue`` (recover scans the session's shared PostgreSQL database:
-    other tests' stranded rows, re-sent without routing, land in the app's default queue too)."""
+    """This key's messages in ``queue`` (recover scans every row of the store: another job's
+    stranded row, re-sent without routing, lands in the app's default queue too)."""
     return sum(1 for raw in broker.lrange(queue, 0, -1) if _message_key(raw) == key)
 
 
@@ -619,11 +619,11 @@ def test_recover_does_not_re_send_a_backlogged_job_once_per_pass(
     sent = 0
     for _ in range(6):
         time.sleep(1.1)
-        sent += recover(client_app.app, older_than=1.0).sent.count(key)  # (the database is shared)
+        sent += recover(client_app.app, older_than=1.0).sent.count(key)  # (this key's re-sends)
     # then the re-sent message, still waiting in the queue, is not re-sent at every pass: each
     # re-send nobody claimed doubles the wait before the next (1, 2, 4 thresholds),
     mine = [m for m in broker.lrange(queue, 0, -1) if _message_key(m) == key]
-    assert len(mine) == sent  # (other tests' stranded rows of the shared database come too)
+    assert len(mine) == sent  # (this key's messages only)
     assert sent <= 3, sent
     # while fence ls --stuck lists it all along (the back-off is for re-sends only),
     time.sleep(1.1)

@@ -5,6 +5,9 @@ fixture shares.
 - ``postgresql``: the session's PostgreSQL database through psycopg2 (``postgresql+psycopg2://``);
 - ``psycopg3``: the same database through psycopg 3 (``postgresql+psycopg://``).
 
+Each pytest-xdist worker has a PostgreSQL database of its own, and its rows are deleted before
+each test that asks for it, so a test counts (and recovery re-sends) only rows it made.
+
 Most tests run on the first two (``DEFAULT``); the store's own tests, the fenced commit check, the
 outbox and one real-worker test run on all three (``EVERY_DRIVER``), so both drivers are covered
 without running every test twice on PostgreSQL.
@@ -38,6 +41,12 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         url = f"sqlite:///{tmp_path / 'fence.sqlite3'}"
         Store(url).create_schema()
         return url
-    if request.param == "psycopg3":
-        return str(request.getfixturevalue("pg_url_psycopg3"))
-    return str(request.getfixturevalue("pg_url"))
+    url = str(
+        request.getfixturevalue("pg_url_psycopg3" if request.param == "psycopg3" else "pg_url")
+    )
+    store = Store(url)
+    try:  # the session's database: a test sees no row of an earlier one (recover scans them all)
+        store.admin.delete_all_rows()
+    finally:
+        store.dispose()
+    return url
