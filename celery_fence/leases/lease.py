@@ -296,6 +296,16 @@ class LeaseStore:
         flags = [bool(r) for r in results]
         return flags[: len(renewals)], flags[len(renewals) :]
 
+    def held(self, keys: Sequence[str]) -> set[str]:
+        """Which of ``keys`` a live lease holds (as :meth:`remaining` judges one), in one
+        pipelined round trip."""
+        if not keys:
+            return set()
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.pttl(self.keys_for(key).lease)
+        return {key for key, pttl in zip(keys, pipe.execute(), strict=True) if pttl >= 0}
+
     def remaining(self, key: str) -> tuple[float | None, int | None]:
         """(seconds left on the live lease or None, the lease's generation or None)."""
         keys = self.keys_for(key)

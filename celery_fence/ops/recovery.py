@@ -37,9 +37,10 @@ the app lacks is judged with the app's settings.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +48,8 @@ from celery_fence.actions import Action, LogAction
 from celery_fence.announce.transitions import emit_transition
 from celery_fence.errors import FenceError
 from celery_fence.ops.scope import Scope
-from celery_fence.schema import PENDING
-from celery_fence.store import JobRecord, Store
+from celery_fence.schema import PENDING, utcnow
+from celery_fence.store import UNFINISHED, JobRecord, Store
 from celery_fence.store.records import ENQUEUED_HEADER, EXECUTION_OPTIONS, DeadStranded
 
 logger = logging.getLogger("celery_fence.recovery")
@@ -99,25 +100,48 @@ def stranded_jobs(
     limit: int = DEFAULT_LIMIT,
     task_name: str | None = None,
     resend_backoff: bool = True,
+    statuses: Sequence[str] = UNFINISHED,
+    where: Callable[[JobRecord], bool] | None = None,
 ) -> list[tuple[Store, JobRecord]]:
     """Unfinished jobs, in every database of the app's fenced tasks, that have not moved for
     ``older_than`` seconds (None: each for its own task's ``fence_recover_after``) and whose
-    lease is gone from their own task's Redis and prefix; oldest first within a database.
-    ``resend_backoff``: leave out a job whose last re-send is not yet due again
-    (:func:`_resend_due`); listing (``fence ls --stuck``) shows every stranded job."""
+    lease is gone from their own task's Redis and prefix; oldest first within a database, at
+    most ``limit``. ``resend_backoff``: leave out a job whose last re-send is not yet due again
+    (:func:`_resend_due`); listing (``fence ls --stuck``) shows every stranded job.
+    ``statuses`` and ``where`` narrow the jobs looked for (``ls --stuck --status``,
+    ``--never-claimed``).
+
+    The scan pages through each database's candidates, oldest first, until ``limit`` jobs are
+    found or none is left: however many older jobs are not stranded (held by a live lease,
+    judged by a longer threshold, or a re-send not yet due), none of them hides one that is. A
+    page's leases are looked up in one round trip per lease Redis."""
     found: list[tuple[Store, JobRecord]] = []
     floor = scope.min_threshold(older_than)
+    now = utcnow()
     for database in scope.databases():
-        candidates = database.store.admin.stranded(
-            older_than=floor, limit=limit, task_name=task_name
-        )
-        for record in candidates:
-            if (
-                scope.quiet_enough(record, older_than)
-                and not scope.lease_held(record)
+        after: tuple[dt.datetime, str] | None = None
+        while len(found) < limit:
+            page = database.store.admin.stranded(
+                older_than=floor,
+                limit=limit,
+                task_name=task_name,
+                now=now,
+                statuses=statuses,
+                after=after,
+            )
+            quiet = [
+                r for r in page if (where is None or where(r)) and scope.quiet_enough(r, older_than)
+            ]
+            held = scope.held(quiet)
+            found += [
+                (database.store, record)
+                for record in quiet
+                if record.key not in held
                 and (not resend_backoff or _resend_due(scope, database.store, record, older_than))
-            ):
-                found.append((database.store, record))
+            ]
+            if len(page) < limit:
+                break
+            after = (page[-1].updated_at, page[-1].key)
     return found[:limit]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +116,14 @@ class Scope(contextlib.AbstractContextManager["Scope"]):
     def lease_held(self, record: JobRecord) -> bool:
         """True while a live lease holds the job's key (looked up where its task claims it)."""
         return self.lease(record)[0] is not None
+
+    def held(self, records: Sequence[JobRecord]) -> set[str]:
+        """The keys of ``records`` a live lease holds: one round trip per lease Redis and prefix."""
+        by_store: dict[int, tuple[LeaseStore, list[str]]] = {}
+        for record in records:
+            leases = self.leases_for(self.config_of(record))
+            by_store.setdefault(id(leases), (leases, []))[1].append(record.key)
+        return {key for leases, keys in by_store.values() for key in leases.held(keys)}
 
     def quiet_enough(
         self, record: JobRecord, older_than: float | None, now: dt.datetime | None = None

@@ -97,13 +97,21 @@ class JobAdmin:
         limit: int = 1000,
         task_name: str | None = None,
         now: dt.datetime | None = None,
+        statuses: Sequence[str] = UNFINISHED,
+        after: tuple[dt.datetime, str] | None = None,
     ) -> Sequence[JobRecord]:
-        """Unfinished jobs (``running``, ``retrying``, ``pending``) that have not moved for
-        ``older_than`` seconds, oldest first: ``updated_at`` before the cutoff and, for a
-        ``retrying`` job, its ``retry_at`` too. Whether a live lease still holds one is for the
-        caller to ask Redis (:func:`celery_fence.ops.recovery.stranded_jobs`)."""
+        """Unfinished jobs (``running``, ``retrying``, ``pending``; or those of ``statuses``)
+        that have not moved for ``older_than`` seconds, oldest first: ``updated_at`` before the
+        cutoff and, for a ``retrying`` job, its ``retry_at`` too. ``after`` (the last row's
+        ``(updated_at, key)``) gives the next page. Whether a live lease still holds one is for
+        the caller to ask Redis (:func:`celery_fence.ops.recovery.stranded_jobs`)."""
+        unknown = set(statuses) - set(UNFINISHED)
+        if unknown:
+            raise StoreError(f"stranded jobs are unfinished ({', '.join(UNFINISHED)}): {unknown}")
         cutoff = (now or utcnow()) - dt.timedelta(seconds=older_than)
-        query = sql.stranded(unfinished=UNFINISHED, cutoff=cutoff, limit=limit, task_name=task_name)
+        query = sql.stranded(
+            unfinished=tuple(statuses), cutoff=cutoff, limit=limit, task_name=task_name, after=after
+        )
         with self.store.db.connect() as conn:
             return [job_record(r) for r in conn.execute(query).all()]
 

@@ -452,10 +452,16 @@ def format_style(statement: Any, dialect: str) -> tuple[str, list[Any]]:
 
 
 def stranded(
-    *, unfinished: Sequence[str], cutoff: dt.datetime, limit: int, task_name: str | None
+    *,
+    unfinished: Sequence[str],
+    cutoff: dt.datetime,
+    limit: int,
+    task_name: str | None,
+    after: tuple[dt.datetime, str] | None = None,
 ) -> sa.Select[Any]:
     """Unfinished jobs unchanged since ``cutoff`` (a ``retrying`` one, or a ``pending`` one
-    enqueued with a countdown or eta: due since then too)."""
+    enqueued with a countdown or eta: due since then too), oldest first; ``after`` (the
+    ``updated_at`` and key of the last row of the previous page) pages on."""
     # The statuses as literals, so the planner matches the partial index on the unfinished
     # jobs (a bound parameter would hide them from a generic plan).
     statuses: Any = sa.bindparam(
@@ -467,11 +473,15 @@ def stranded(
     query = (
         sa.select(jobs)
         .where(still & (sa.not_(waits) | retry_due))
-        .order_by(jobs.c.updated_at)
+        .order_by(jobs.c.updated_at, jobs.c.key)
         .limit(limit)
     )
     if task_name is not None:
         query = query.where(jobs.c.task_name == task_name)
+    if after is not None:
+        at = sa.bindparam("after_at", after[0], type_=jobs.c.updated_at.type)
+        key = sa.bindparam("after_key", after[1], type_=jobs.c.key.type)
+        query = query.where(sa.tuple_(jobs.c.updated_at, jobs.c.key) > sa.tuple_(at, key))
     return query
 
 

@@ -212,10 +212,11 @@ def test_ls_lists_filters_and_limits(
     assert listed[0]["error_type"] == "builtins.ValueError"
     assert listed[0]["error_message"] == "bad input"
 
-    newest = json.loads(
-        ok(fence_cli(worker_env, "ls", "--task", task_name, "--limit", "1", "--json"))
-    )
+    cut = fence_cli(worker_env, "ls", "--task", task_name, "--limit", "1", "--json")
+    newest = json.loads(ok(cut))
     assert [j["key"] for j in newest] == [running]  # most recently updated first
+    assert "1 shown (--limit); more may match" in cut.stderr  # a cut list says so
+    assert "more may match" not in fence_cli(worker_env, "ls", "--task", task_name).stderr
     assert other not in ok(fence_cli(worker_env, "ls", "--task", task_name))
     assert ok(fence_cli(worker_env, "ls", "--task", "no.such.task")).strip() == "no jobs"
 

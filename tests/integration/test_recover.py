@@ -238,6 +238,64 @@ def test_ls_stuck_and_recover_resend_stranded_jobs_under_their_key(
     leases.release(leases.keys_for(held.key).lease, f"{token}:{generation}")
 
 
+def test_a_stranded_job_behind_more_held_jobs_than_the_limit_is_still_found(
+    fence_store: Store,
+    worker_env: dict[str, str],
+    leases: LeaseStore,
+    broker: redis.Redis,
+    client_app: ModuleType,
+) -> None:
+    # Given more long-running jobs than the scan's limit, older than the threshold but each held
+    # by a live lease (healthy: recovery must leave them), and a stranded job newer than them all
+    queue = worker_env["FENCE_T_QUEUE"]
+    held = [_stranded(fence_store, queue, "running") for _ in range(3)]
+    token = uuid.uuid4().hex
+    claims = [(r.key, leases.claim(r.key, token, 30_000)) for r in held]
+    stuck = _stranded(fence_store, queue, "running")
+    try:
+        # When ls --stuck and recover look with a limit of 2
+        listed = json.loads(
+            ok(
+                fence_cli(
+                    worker_env, "ls", "--stuck", "--older-than", "0", "--limit", "2", "--json"
+                )
+            )
+        )
+        report = recovery.recover(client_app.app, older_than=0, limit=2)
+        # Then the scan goes past the held ones: the stranded job is listed and re-sent once
+        assert stuck.key in {j["key"] for j in listed}
+        assert report.sent.count(stuck.key) == 1
+        assert not {r.key for r in held} & set(report.stranded)
+        assert [m["body"][0][0] for m in _messages(broker, queue)] == [stuck.key]
+    finally:
+        for key, generation in claims:
+            leases.release(leases.keys_for(key).lease, f"{token}:{generation}")
+
+
+def test_ls_stuck_filters_before_its_limit(
+    fence_store: Store, worker_env: dict[str, str], db_url: str, client_app: ModuleType
+) -> None:
+    import sqlalchemy as sa
+
+    from celery_fence import enqueue
+
+    # Given two stranded running jobs, then a never-claimed enqueued one (newest)
+    queue = worker_env["FENCE_T_QUEUE"]
+    running = [_stranded(fence_store, queue, "running") for _ in range(2)]
+    never = f"never:{uuid.uuid4().hex[:8]}"
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:
+        enqueue(conn, client_app.work, args=(never,))
+    engine.dispose()
+    # When ls --stuck asks for never-claimed jobs, or for pending ones, one at most
+    for flag in ("--never-claimed", "--status=pending"):
+        args = ("ls", "--stuck", "--older-than", "0", "--limit", "1", flag, "--json")
+        listed = json.loads(ok(fence_cli(worker_env, *args)))
+        # Then it shows that job: the filter picks before the limit cuts
+        assert [j["key"] for j in listed] == [never], flag
+    assert all((fence_store.get(r.key) or pytest.fail()).status == "running" for r in running)
+
+
 def test_two_recover_runs_at_once_send_each_job_once(
     worker_env: dict[str, str],
     broker: redis.Redis,

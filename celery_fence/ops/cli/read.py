@@ -27,7 +27,7 @@ from celery_fence.ops.cli.common import (
     utc_iso,
     utc_text,
 )
-from celery_fence.schema import STATUSES
+from celery_fence.schema import PENDING, STATUSES
 from celery_fence.store import COMPLETED, UNFINISHED, JobRecord, Store, Transition
 from celery_fence.store.engine import sqlstate
 from celery_fence.store.records import never_claimed as unclaimed
@@ -186,15 +186,17 @@ def ls(
                 f"--stuck lists unfinished jobs ({', '.join(UNFINISHED)}), not {status}",
                 exit_code=EX_USAGE,
             )
-        with scope_of(ctx) as scope:
+        with scope_of(ctx) as scope:  # filtered in the scan, before the limit cuts
             found = recovery.stranded_jobs(
-                scope, older_than=older_than, limit=limit, task_name=task, resend_backoff=False
+                scope,
+                older_than=older_than,
+                limit=limit,
+                task_name=task,
+                resend_backoff=False,
+                statuses=(status,) if status else (PENDING,) if never_claimed else UNFINISHED,
+                where=unclaimed if never_claimed else None,
             )
-        records = [
-            r
-            for _, r in found
-            if (status is None or r.status == status) and (not never_claimed or unclaimed(r))
-        ]
+        records = [r for _, r in found]
     else:
         with scope_of(ctx) as scope:
             listed = [
@@ -205,6 +207,8 @@ def ls(
                 )
             ]
         records = sorted(listed, key=lambda r: utc(r.updated_at), reverse=True)[:limit]
+    if len(records) == limit:  # on stderr, so --json stays one array
+        click.echo(f"fence ls: {limit} shown (--limit); more may match", err=True)
     if as_json:
         ctx.obj.echo(json.dumps([record_json(r) for r in records]))
         return
