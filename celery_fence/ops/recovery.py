@@ -107,14 +107,15 @@ def stranded_jobs(
     ``older_than`` seconds (None: each for its own task's ``fence_recover_after``) and whose
     lease is gone from their own task's Redis and prefix; oldest first within a database, at
     most ``limit``. ``resend_backoff``: leave out a job whose last re-send is not yet due again
-    (:func:`_resend_due`); listing (``fence ls --stuck``) shows every stranded job.
+    (:func:`_resends_due`); listing (``fence ls --stuck``) shows every stranded job.
     ``statuses`` and ``where`` narrow the jobs looked for (``ls --stuck --status``,
     ``--never-claimed``).
 
     The scan pages through each database's candidates, oldest first, until ``limit`` jobs are
     found or none is left: however many older jobs are not stranded (held by a live lease,
     judged by a longer threshold, or a re-send not yet due), none of them hides one that is. A
-    page's leases are looked up in one round trip per lease Redis."""
+    page costs one statement, one round trip per lease Redis for its leases, and one statement
+    for its ``pending`` jobs' re-sends."""
     found: list[tuple[Store, JobRecord]] = []
     floor = scope.min_threshold(older_than)
     now = utcnow()
@@ -133,12 +134,10 @@ def stranded_jobs(
                 r for r in page if (where is None or where(r)) and scope.quiet_enough(r, older_than)
             ]
             held = scope.held(quiet)
-            found += [
-                (database.store, record)
-                for record in quiet
-                if record.key not in held
-                and (not resend_backoff or _resend_due(scope, database.store, record, older_than))
-            ]
+            free = [r for r in quiet if r.key not in held]
+            if resend_backoff:
+                free = _resends_due(scope, database.store, free, older_than)
+            found += [(database.store, record) for record in free]
             if len(page) < limit:
                 break
             after = (page[-1].updated_at, page[-1].key)
@@ -150,16 +149,22 @@ def stranded_jobs(
 MAX_RESEND_DOUBLINGS = 4
 
 
-def _resend_due(scope: Scope, store: Store, record: JobRecord, older_than: float | None) -> bool:
-    """Whether a stranded ``pending`` job is due for a re-send: the n-th re-send in a row that
-    nobody claimed waits 2**n thresholds (n at most :data:`MAX_RESEND_DOUBLINGS`)."""
-    if record.status != PENDING:
-        return True
-    unclaimed = store.resends_unclaimed(record.key)
-    if unclaimed == 0:
-        return True
-    windows = 2 ** min(unclaimed, MAX_RESEND_DOUBLINGS)
-    return scope.quiet_enough(record, scope.threshold(record, older_than) * windows)
+def _resends_due(
+    scope: Scope, store: Store, records: Sequence[JobRecord], older_than: float | None
+) -> list[JobRecord]:
+    """The stranded jobs due for a re-send: every one but a ``pending`` job whose n-th re-send in
+    a row nobody claimed is younger than 2**n thresholds (n at most
+    :data:`MAX_RESEND_DOUBLINGS`). One statement for the page's ``pending`` jobs."""
+    unclaimed = store.resends_unclaimed([r.key for r in records if r.status == PENDING])
+
+    def due(record: JobRecord) -> bool:
+        count = unclaimed.get(record.key, 0)
+        if count == 0:
+            return True
+        windows = 2 ** min(count, MAX_RESEND_DOUBLINGS)
+        return scope.quiet_enough(record, scope.threshold(record, older_than) * windows)
+
+    return [r for r in records if due(r)]
 
 
 def task_id_for(app: Any, record: JobRecord) -> str:

@@ -418,11 +418,14 @@ class Store:
         with self.db.connect() as conn:
             return conn.execute(sql.last_exit(key)).scalar()
 
-    def resends_unclaimed(self, key: str) -> int:
-        """How many times recovery re-sent the key since its newest claim, as far as the history
-        says (0 with ``fence_record_transitions`` off)."""
+    def resends_unclaimed(self, keys: Sequence[str]) -> dict[str, int]:
+        """How many times recovery re-sent each of ``keys`` since its newest claim, as far as the
+        history says (0 with ``fence_record_transitions`` off), in one statement."""
+        if not keys:
+            return {}
         with self.db.connect() as conn:
-            return int(conn.execute(sql.resends_unclaimed(key)).scalar() or 0)
+            counts: dict[str, int] = dict(conn.execute(sql.resends_unclaimed(keys)).tuples().all())
+        return {key: int(counts.get(key, 0)) for key in keys}
 
     def record(
         self,

@@ -389,18 +389,23 @@ def last_exit(key: str) -> sa.Select[Any]:
     )
 
 
-def resends_unclaimed(key: str) -> sa.Select[Any]:
-    """How many times recovery re-sent the key since its newest claim (or ever, if never
-    claimed): the re-sent messages nobody has taken yet."""
+def resends_unclaimed(keys: Sequence[str]) -> sa.Select[Any]:
+    """(key, count) of each of ``keys`` recovery re-sent since its newest claim (or ever, if
+    never claimed): the re-sent messages nobody has taken yet; a key with none has no row."""
+    claims = transitions.alias("claims")
     claimed = (
-        sa.select(sa.func.max(transitions.c.id))
-        .where((transitions.c.key == key) & (transitions.c.action == Action.CLAIMED.value))
+        sa.select(sa.func.max(claims.c.id))
+        .where((claims.c.key == transitions.c.key) & (claims.c.action == Action.CLAIMED.value))
         .scalar_subquery()
     )
-    return sa.select(sa.func.count()).where(
-        (transitions.c.key == key)
-        & (transitions.c.action == Action.RECOVERED.value)
-        & (transitions.c.id > sa.func.coalesce(claimed, 0))
+    return (
+        sa.select(transitions.c.key, sa.func.count())
+        .where(
+            transitions.c.key.in_(list(keys))
+            & (transitions.c.action == Action.RECOVERED.value)
+            & (transitions.c.id > sa.func.coalesce(claimed, 0))
+        )
+        .group_by(transitions.c.key)
     )
 
 
