@@ -540,3 +540,22 @@ def test_a_revoked_message_of_a_shared_key_ends_the_job_only_when_the_job_waits_
         "revoked",
         "message not run",
     )
+
+
+def test_re_sends_nobody_claimed_are_counted_per_key_in_one_statement(store: Store) -> None:
+    from celery_fence.actions import Action
+
+    # Given a claimed key re-sent twice since, a never-claimed key re-sent once, a key re-sent
+    # and then claimed again, and a key never re-sent
+    tag = uuid.uuid4().hex[:8]
+    twice, once, reclaimed, never = (f"{name}:{tag}" for name in ("twice", "once", "again", "no"))
+    store.register(twice, generation=1, attempt_id="a", task_name="t")
+    store.register(reclaimed, generation=1, attempt_id="a", task_name="t")
+    store.register(never, generation=1, attempt_id="a", task_name="t")
+    for key in (twice, twice, once, reclaimed):
+        store.record(key, action=Action.RECOVERED, reason="stranded running")
+    store.register(reclaimed, generation=2, attempt_id="b", task_name="t")
+    # Then one call counts each: only the re-sends after the key's newest claim
+    counts = store.resends_unclaimed([twice, once, reclaimed, never])
+    assert counts == {twice: 2, once: 1, reclaimed: 0, never: 0}
+    assert store.resends_unclaimed([]) == {}
