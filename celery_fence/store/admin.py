@@ -139,10 +139,11 @@ class JobAdmin:
         return dataclasses.replace(before, status=PENDING, updated_at=now, retry_at=None)
 
     def delete_all_rows(self) -> None:
-        """Delete every job, transition and outbox row: the testing plugin's reset between tests
-        that share a PostgreSQL schema (no CLI verb calls it)."""
+        """Delete every job, transition and outbox row (on PostgreSQL, every one no open
+        transaction has locked): the testing plugin's reset between tests that share a
+        PostgreSQL schema (no CLI verb calls it)."""
         with self.store.db.tx(unbounded=True) as conn:
-            for statement in sql.delete_all():
+            for statement in sql.delete_all(self.store.dialect):
                 conn.execute(statement)
 
     def purge(

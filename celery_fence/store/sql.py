@@ -509,9 +509,20 @@ def purge_batch(
     return select, delete_jobs, delete_history
 
 
-def delete_all() -> tuple[Any, ...]:
-    """Every row of the three tables, children first (the testing plugin's reset)."""
-    return outbox.delete(), transitions.delete(), jobs.delete()
+def delete_all(dialect: str) -> tuple[Any, ...]:
+    """Every row of the three tables, children first (the testing plugin's reset). On
+    PostgreSQL, a row another transaction has locked is left (``SKIP LOCKED``): a worker of an
+    earlier test that is still stopping, or a session the server has not ended yet, must not make
+    the reset wait on it."""
+    if dialect != "postgresql":
+        return outbox.delete(), transitions.delete(), jobs.delete()
+    return tuple(
+        sa.text(
+            f"DELETE FROM {table} WHERE ctid = ANY(ARRAY("
+            f"SELECT ctid FROM {table} FOR UPDATE SKIP LOCKED))"
+        )
+        for table in (OUTBOX, TRANSITIONS, JOBS)
+    )
 
 
 # -- the outbox (SQLAlchemy Core; ``now`` is the database's clock or this process's) -------------
