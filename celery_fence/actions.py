@@ -45,6 +45,7 @@ class LogAction(str, Enum):
 
     DB_TIMEOUT = "db_timeout"
     ENQUEUE_UNSENT = "enqueue_unsent"
+    ENQUEUE_ROLLED_BACK = "enqueue_rolled_back"
     INTERRUPTED = "interrupted"
     OUTBOX_CLAIM_LOST = "outbox_claim_lost"
     OUTBOX_DEAD = "outbox_dead"

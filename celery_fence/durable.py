@@ -25,13 +25,35 @@ removes. :func:`enqueue` closes both windows::
 Django's connection for the store's alias, inside ``transaction.atomic()``
 (:mod:`celery_fence.contrib.django.durable`). Each must be on the store's database, which is what
 makes the row part of your transaction (anything else is refused with
-:class:`ConfigurationError`).
+:class:`ConfigurationError`), in a real transaction: a connection in ``AUTOCOMMIT`` (an engine
+created with ``isolation_level="AUTOCOMMIT"``, the store's own engine) commits the row on its own
+and is refused, and so is a savepoint (``begin_nested()``, or a ``Session`` that joined its
+connection's transaction with a savepoint).
+
+The message goes with the **outermost** commit of the database connection, never with a
+``Session.commit()`` that does not end it: a ``Session`` joined to an outer ``Connection``
+transaction (``Session(bind=conn)`` inside ``with conn.begin():``) sends when that outer
+transaction commits, and nothing when it rolls back.
+
+The options that shape the message are stored with the job, so a re-send by ``fence recover`` or
+``fence requeue`` publishes it as the first send did: routing (``queue``, ``exchange``,
+``routing_key``, ``priority``), workflow (``link``, ``link_error``, ``headers``, ``shadow``,
+time limits), :data:`PUBLISH_OPTIONS` (``serializer``, ``compression``, ``retry``,
+``retry_policy``, ``delivery_mode``, ``ignore_result``) and the due time (``countdown`` or
+``eta``, stored as a UTC instant and re-sent as the ``eta``). ``expires`` is used by the first
+send only (a re-send must arrive). :data:`LOCAL_OPTIONS` (the producer or connection to send
+with) are the sending process's and are not stored; any other option is refused.
+
+An ``eta`` with a timezone is stored as its UTC instant; a naive one is read as UTC, as Celery's
+worker reads a naive ``eta`` (``maybe_make_aware``: naive as UTC).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
+import sqlite3
 import threading
 import uuid
 import weakref
@@ -52,6 +74,38 @@ from celery_fence.schema import utcnow
 from celery_fence.store.records import ENQUEUED_HEADER, encode_request
 
 logger = logging.getLogger("celery_fence.durable")
+
+
+#: ``apply_async`` options stored with the job and given to every re-send as they were given to
+#: the first send (under the execution options of its stored request).
+PUBLISH_OPTIONS = (
+    "serializer",
+    "compression",
+    "retry",
+    "retry_policy",
+    "delivery_mode",
+    "ignore_result",
+)
+#: Options stored with the job in the shape of the message (its routing and workflow).
+_MESSAGE_OPTIONS = (
+    "queue",
+    "exchange",
+    "routing_key",
+    "priority",
+    "link",
+    "link_error",
+    "time_limit",
+    "soft_time_limit",
+    "headers",
+    "shadow",
+    "countdown",
+    "eta",
+)
+#: Options of the sending process, not of the message: used by the first send, not stored.
+LOCAL_OPTIONS = ("producer", "connection", "publisher", "router", "add_to_parent")
+#: Used by the first send only, on purpose: a re-send must arrive (see docs/enqueue.md).
+_FIRST_SEND_ONLY = ("expires",)
+_ACCEPTED = frozenset(PUBLISH_OPTIONS + _MESSAGE_OPTIONS + LOCAL_OPTIONS + _FIRST_SEND_ONLY)
 
 
 @dataclass(frozen=True)
@@ -90,7 +144,8 @@ def enqueue(
 ) -> Enqueued:
     """Write ``task(*args, **kwargs)`` as a ``pending`` job in ``conn``'s transaction and send
     it when that transaction commits. ``options`` are ``apply_async``'s (countdown, eta, queue,
-    priority, headers, expires, task_id). See the module docstring."""
+    priority, headers, expires, task_id, serializer, compression, retry_policy, ...). See the
+    module docstring."""
     if not isinstance(task, FencedTask):
         raise ConfigurationError(
             f"enqueue() takes a fenced task (@app.task(base=FencedTask, ...)), not "
@@ -101,6 +156,8 @@ def enqueue(
         conn = conn()
     args, kwargs = tuple(args), dict(kwargs or {})
     task_id = str(options.pop("task_id", None) or uuid.uuid4())
+    _check_options(task, options)
+    due = _due(options)
     key = task.logical_key(args, kwargs, task_id)
     store = task.fence_backends().store
     if conn is None:  # Django's connection; Django is optional, so imported only when asked for
@@ -117,7 +174,8 @@ def enqueue(
             f"enqueue({task.name}): the arguments are not JSON, so the job cannot be stored to "
             "be re-sent; pass plain dicts, lists, str, int, float, bool or None"
         )
-    created, status, stored = target.insert(key, task.name, request, _due(options))
+    request = _with_publish_options(task, request, options, due)
+    created, status, stored = target.insert(key, task.name, request, due)
     if not created:
         stored_id = (stored or {}).get("id")
         return Enqueued(
@@ -161,41 +219,122 @@ class _SqlAlchemyTarget:
         return False, existing.status, existing.request
 
     def after_commit(self, send: _Send) -> None:
-        _after_commit(self.conn, send)
+        # On the Connection, for a Session too: a Session joined to an outer transaction
+        # (Session(bind=conn) inside conn.begin()) commits nothing of it at session.commit();
+        # the row commits with the connection's outermost transaction, and so goes the message.
+        _after_commit(self.connection, send)
+
+
+def _check_options(task: Any, options: Mapping[str, Any]) -> None:
+    unknown = sorted(set(options) - _ACCEPTED)
+    if unknown:
+        raise ConfigurationError(
+            f"enqueue({task.name}): the option(s) {', '.join(unknown)} cannot be kept with the "
+            "job, so a re-send by fence recover or fence requeue would publish a different "
+            "message; enqueue() takes "
+            f"{', '.join(sorted(_ACCEPTED - set(LOCAL_OPTIONS)))} (and task_id), plus the "
+            f"sending process's {', '.join(LOCAL_OPTIONS)}. Send with task.apply_async() for "
+            "the others."
+        )
+
+
+def _with_publish_options(
+    task: Any, request: dict[str, Any], options: Mapping[str, Any], due: dt.datetime | None
+) -> dict[str, Any]:
+    """The stored request with what a re-send needs besides its workflow: the
+    :data:`PUBLISH_OPTIONS` given, and the due time as the ``eta`` (a UTC instant)."""
+    kept = {name: options[name] for name in PUBLISH_OPTIONS if options.get(name) is not None}
+    if due is not None:
+        kept["eta"] = due.isoformat()
+    if not kept:
+        return request
+    try:
+        json.dumps(kept, allow_nan=False)
+    except (TypeError, ValueError):
+        names = ", ".join(sorted(kept))
+        raise ConfigurationError(
+            f"enqueue({task.name}): the options {names} must be JSON (they are stored with the "
+            "job, so a re-send publishes the message as the first send did)"
+        ) from None
+    execution = dict(request.get("execution") or {})
+    execution.update(kept)
+    return {**request, "execution": execution}
 
 
 def _due(options: Mapping[str, Any]) -> dt.datetime | None:
-    """When the message's countdown or eta lets it run (UTC), or None: recovery does not send a
-    job early."""
-    if options.get("countdown") is not None:
+    """When the message's countdown or eta lets it run, as a UTC instant, or None: recovery does
+    not send a job early, and a re-send carries it as its ``eta``. An aware ``eta`` in any zone
+    is converted to UTC (SQLite keeps no offset); a naive one is UTC, as Celery's worker reads a
+    naive ``eta``."""
+    if options.get("countdown") is not None:  # Celery's apply_async: a countdown wins
         return utcnow() + dt.timedelta(seconds=float(options["countdown"]))
     eta = options.get("eta")
+    if eta is None:
+        return None
     if isinstance(eta, str):
-        eta = dt.datetime.fromisoformat(eta)
-    if isinstance(eta, dt.datetime):
-        return eta if eta.tzinfo is not None else eta.replace(tzinfo=dt.timezone.utc)
-    return None
+        try:
+            eta = dt.datetime.fromisoformat(eta)
+        except ValueError:
+            raise ConfigurationError(
+                f"enqueue(): eta={eta!r} is not an ISO 8601 datetime; pass a datetime"
+            ) from None
+    if not isinstance(eta, dt.datetime):
+        raise ConfigurationError(
+            f"enqueue(): eta must be a datetime (or its ISO 8601 text), not {type(eta).__name__}"
+        )
+    if eta.tzinfo is None or eta.utcoffset() is None:
+        return eta.replace(tzinfo=dt.timezone.utc)
+    return eta.astimezone(dt.timezone.utc)
 
 
 def _connection_of(conn: Any) -> sa.Connection:
     if isinstance(conn, (Session, sa.Connection)) and conn.in_nested_transaction():
-        raise ConfigurationError(
-            "enqueue() inside a savepoint (begin_nested()): enqueue in the outer transaction, "
-            "whose commit sends the message (a rolled-back savepoint would leave a message "
-            "without its row)"
-        )
+        raise _savepoint_refused()
     if isinstance(conn, Session):
-        return conn.connection()
-    if isinstance(conn, sa.Connection):
+        connection = conn.connection()
+    elif isinstance(conn, sa.Connection):
         if not conn.in_transaction():
             raise ConfigurationError(
                 "enqueue(conn, ...) needs a connection in a transaction (with engine.begin() as "
                 "conn:): the job's row must commit or roll back with your data"
             )
-        return conn
-    raise ConfigurationError(
-        f"enqueue() takes an SQLAlchemy Connection or Session, not {type(conn).__name__}"
+        connection = conn
+    else:
+        raise ConfigurationError(
+            f"enqueue() takes an SQLAlchemy Connection or Session, not {type(conn).__name__}"
+        )
+    if connection.in_nested_transaction():  # a Session that joined its bind with a savepoint
+        raise _savepoint_refused()
+    if _autocommits(connection):
+        raise ConfigurationError(
+            "enqueue(conn, ...) on a connection in AUTOCOMMIT (an engine created with "
+            "isolation_level='AUTOCOMMIT', or that execution option; the fence store's own "
+            "engine is one): each statement commits on its own, so the job's row would be "
+            "committed at once, and kept (its message unsent) after your transaction rolls back. "
+            "Enqueue on a connection of your app's engine without isolation_level='AUTOCOMMIT' "
+            "(with engine.begin() as conn:), in the transaction that writes your data."
+        )
+    return connection
+
+
+def _savepoint_refused() -> ConfigurationError:
+    return ConfigurationError(
+        "enqueue() inside a savepoint (begin_nested(), or a Session joined to its connection's "
+        "transaction with a savepoint): enqueue in the outer transaction, whose commit sends the "
+        "message (a rolled-back savepoint would leave a message without its row)"
     )
+
+
+def _autocommits(connection: sa.Connection) -> bool:
+    """Whether the driver's connection commits each statement on its own: psycopg's and
+    psycopg2's ``autocommit``; on SQLite, no transaction begun and none to be begun (SQLAlchemy's
+    AUTOCOMMIT sets ``isolation_level`` None; a fenced block on SQLite has begun its own)."""
+    dbapi = connection.connection.dbapi_connection
+    if isinstance(dbapi, sqlite3.Connection):
+        if dbapi.in_transaction:
+            return False
+        return dbapi.isolation_level is None or getattr(dbapi, "autocommit", None) is True
+    return getattr(dbapi, "autocommit", False) is True
 
 
 def _check_same_database(store_url: str, theirs: sa.URL) -> None:
@@ -242,30 +381,29 @@ def _signatures(value: Any) -> list[Any] | None:
 
 # -- after the commit -----------------------------------------------------------------------------
 
-#: Sends waiting for the commit of each Connection or Session. Keyed by the object itself, never
-#: by the pooled DBAPI connection's ``info``: a connection returned to the pool without a commit
-#: must not carry its sends to the next user. (enqueue refuses a savepoint, so every row belongs
-#: to the outermost transaction and goes with its commit or rollback.)
+#: Sends waiting for the commit of each Connection (a Session's too: its connection on the
+#: store's database). Keyed by the object itself, never by the pooled DBAPI connection's
+#: ``info``: a connection returned to the pool without a commit must not carry its sends to the
+#: next user. (enqueue refuses a savepoint, so every row belongs to the outermost transaction and
+#: goes with its commit or rollback.)
 _WAITING: weakref.WeakKeyDictionary[Any, list[_Send]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
-def _after_commit(conn: Any, send: _Send) -> None:
-    """Send once ``conn``'s transaction commits; forget it when it rolls back."""
+def _after_commit(conn: sa.Connection, send: _Send) -> None:
+    """Send once ``conn``'s outermost transaction commits; forget it when it rolls back."""
     with _LOCK:
         pending = _WAITING.get(conn)
         if pending is None:
             pending = _WAITING[conn] = []
             if not _listening(conn):
-                events = _SESSION_EVENTS if isinstance(conn, Session) else _CONNECTION_EVENTS
-                for name, fn in events.items():
+                for name, fn in _CONNECTION_EVENTS.items():
                     sa.event.listen(conn, name, fn)
         pending.append(send)
 
 
-def _listening(target: Any) -> bool:
-    events = _SESSION_EVENTS if isinstance(target, Session) else _CONNECTION_EVENTS
-    name, fn = next(iter(events.items()))
+def _listening(target: sa.Connection) -> bool:
+    name, fn = next(iter(_CONNECTION_EVENTS.items()))
     return sa.event.contains(target, name, fn)
 
 
@@ -303,10 +441,12 @@ def _publish(sends: list[_Send]) -> None:
             )
 
 
-# SQLAlchemy Core: a Connection has no after-commit event. Its commit listener runs just
-# before the driver's commit: it commits the driver's transaction itself, then sends, and
+# A Connection has no after-commit event. Its commit event fires only for its outermost
+# transaction (not a savepoint's release, not a joined Session's commit), just before the
+# driver's commit: the listener commits the driver's transaction itself, then sends, and
 # SQLAlchemy's own commit that follows finds nothing to commit. A listener registered earlier
-# (a fenced block's ownership check) has run by then.
+# (a fenced block's ownership check) has run by then. An ORM Session commits through the same
+# event of its connection.
 
 
 def _conn_commit(conn: sa.Connection) -> None:
@@ -330,21 +470,4 @@ _CONNECTION_EVENTS: dict[str, Callable[..., None]] = {
 }
 
 
-# The ORM: the Session's own after-commit event.
-
-
-def _session_committed(session: Session) -> None:
-    _publish(_drain(session))
-
-
-def _session_rolled_back(session: Session) -> None:
-    _drain(session)
-
-
-_SESSION_EVENTS: dict[str, Callable[..., None]] = {
-    "after_commit": _session_committed,
-    "after_rollback": _session_rolled_back,
-}
-
-
-__all__ = ["Enqueued", "enqueue"]
+__all__ = ["LOCAL_OPTIONS", "PUBLISH_OPTIONS", "Enqueued", "enqueue"]

@@ -12,6 +12,7 @@ import datetime as dt
 import random
 import time
 from enum import Enum
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
@@ -27,7 +28,29 @@ def utcnow() -> dt.datetime:
 #: BIGSERIAL on PostgreSQL, INTEGER PRIMARY KEY (the rowid) on SQLite.
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 Json = sa.JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
-Timestamp = sa.DateTime(timezone=True)
+
+
+class UtcTimestamp(sa.types.TypeDecorator[dt.datetime]):
+    """A ``timestamptz`` on PostgreSQL, text on SQLite, written as a UTC instant on both: an
+    aware value in any zone is converted to UTC (SQLite keeps no offset, so a value stored as
+    its wall time would move by its offset), a naive one is taken as UTC (as Celery reads a
+    naive ``eta``, and as PostgreSQL would not: it would read it in the session's zone)."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: sa.Dialect) -> Any:
+        return as_utc(value) if isinstance(value, dt.datetime) else value
+
+
+def as_utc(value: dt.datetime) -> dt.datetime:
+    """``value`` as an aware UTC datetime (naive: taken as UTC)."""
+    if value.tzinfo is None or value.utcoffset() is None:
+        return value.replace(tzinfo=dt.timezone.utc)
+    return value.astimezone(dt.timezone.utc)
+
+
+Timestamp = UtcTimestamp()
 
 KEY_LENGTH = 512
 

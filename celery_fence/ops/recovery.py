@@ -17,12 +17,14 @@ tasks write to is scanned.
 :func:`recover` re-sends each stranded job from its stored request: task, args, kwargs, the
 exchange and routing key it was delivered with, and what Celery needs to carry its workflow on
 (chain, link/link_error callbacks, chord, group, root and parent ids, time limits, custom
-headers: :data:`celery_fence.store.records.EXECUTION_OPTIONS`), under the same key. Before the send,
-the row is moved to ``pending`` by a compare-and-set on what was observed (status, generation,
-attempt, ``updated_at``), so two recoveries running at once send it once. The re-sent message goes
-through the ordinary claim: if the original message was only late and turns up too, both are
-fenced on the key and one completion is stored. A job that ended ``dead`` (also a revoked one)
-is never stranded.
+headers; for a job :func:`~celery_fence.enqueue` wrote, also its ``eta`` and how it was
+published: ``ignore_result``, ``serializer``, ``compression``, ``retry``, ``retry_policy``,
+``delivery_mode``: :data:`celery_fence.store.records.EXECUTION_OPTIONS`), under the same key.
+Before the send, the row is moved to ``pending`` by a compare-and-set on what was observed (status,
+generation, attempt, ``updated_at``), so two recoveries running at once send it once. The re-sent
+message goes through the ordinary claim: if the original message was only late and turns up too,
+both are fenced on the key and one completion is stored. A job that ended ``dead`` (also a
+revoked one) is never stranded.
 
 Three ways to run it: ``celery -A proj fence recover [--older-than S] [--dry-run]``, the task
 :data:`RECOVER_TASK` in beat (registered by :func:`celery_fence.install` on each app that has a
@@ -236,7 +238,8 @@ def _queue_bound(app: Any, exchange: str, routing_key: str) -> str | None:
 def execution_for(record: JobRecord) -> dict[str, Any]:
     """The ``send_task`` options that carry the job's workflow on, as stored with its request
     (chain, link, link_error, chord, group, root/parent ids, time limits, custom headers and
-    stamps: Celery's own ``Task.retry`` re-sends with the same), plus the key header."""
+    stamps: Celery's own ``Task.retry`` re-sends with the same; an enqueued job's ``eta``,
+    ``ignore_result`` and publish options), plus the key header."""
     stored: Mapping[str, Any] = (record.request or {}).get("execution") or {}
     options = {name: stored[name] for name in EXECUTION_OPTIONS if stored.get(name) is not None}
     headers = {k: v for k, v in (options.get("headers") or {}).items() if k != ENQUEUED_HEADER}

@@ -223,9 +223,13 @@ class Database:
             conn.exec_driver_sql(sql.COMMIT)
 
     def stamp(self, value: Any) -> Any:
-        """A timestamp parameter for the raw path: as is on PostgreSQL, SQLAlchemy's text on
-        SQLite (so rows written either way compare equal)."""
-        if self.dialect == "sqlite" and value is not None:
+        """A timestamp parameter for the raw path, as a UTC instant (:func:`schema.as_utc`, as
+        the columns' type writes it): as is on PostgreSQL, SQLAlchemy's text on SQLite (so rows
+        written either way compare equal)."""
+        if value is None:
+            return None
+        value = schema.as_utc(value)
+        if self.dialect == "sqlite":
             return value.strftime(SQLITE_TIMESTAMP)
         return value
 

@@ -476,12 +476,22 @@ class Store:
         cursor.execute(*sql.format_style(statement, self.dialect))
         if cursor.fetchone() is not None:
             return True, None, None
+        found = self.status_and_request_cursor(cursor, key)
+        if found is None:
+            return False, None, None
+        return False, found[0], found[1]
+
+    def status_and_request_cursor(
+        self, cursor: Any, key: str
+    ) -> tuple[str, Mapping[str, Any] | None] | None:
+        """The key's job's status and stored request, read on a DB-API cursor that is not
+        SQLAlchemy's (Django's); None when the key has no job."""
         cursor.execute(*sql.format_style(sql.status_and_request(key), self.dialect))
         row = cursor.fetchone()
         if row is None:
-            return False, None, None
+            return None
         stored = json.loads(row[1]) if isinstance(row[1], (str, bytes)) else row[1]
-        return False, str(row[0]), decode_request(stored)
+        return str(row[0]), decode_request(stored)
 
     def _pending(
         self, key: str, task_name: str, request: Mapping[str, Any], due: dt.datetime | None

@@ -252,7 +252,9 @@ def decode_request(request: Mapping[str, Any] | None) -> Mapping[str, Any] | Non
 #: What a stored request keeps of the message, besides task, id, args, kwargs and routing, so
 #: that a re-send (``fence recover``, ``fence requeue``) carries the workflow on: the options
 #: Celery's own ``Task.retry`` re-sends with (``Context.as_execution_options``), named as
-#: ``send_task`` takes them, except ``expires`` (a re-send must arrive) and ``retries``.
+#: ``send_task`` takes them, except ``expires`` (a re-send must arrive) and ``retries``; and,
+#: for a job :func:`celery_fence.enqueue` wrote, the publish options it was given
+#: (:data:`ENQUEUE_OPTIONS`).
 EXECUTION_OPTIONS = (
     "chain",
     "link",
@@ -271,7 +273,16 @@ EXECUTION_OPTIONS = (
     "headers",
     "stamped_headers",
     "stamps",
+    "eta",
+    "serializer",
+    "compression",
+    "retry",
+    "retry_policy",
+    "delivery_mode",
 )
+#: The execution options only :func:`celery_fence.enqueue` stores (a worker's request has no
+#: such fields): how its message was published, and its due time as ``eta`` (ISO 8601, UTC).
+ENQUEUE_OPTIONS = ("eta", "serializer", "compression", "retry", "retry_policy", "delivery_mode")
 
 
 def execution_options(context: Any) -> dict[str, Any]:

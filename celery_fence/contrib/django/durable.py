@@ -8,6 +8,13 @@ savepoint (a nested ``atomic()``) included: Django discards the savepoint's ``on
 it. The publish runs after the outermost commit; a process that dies first leaves the row
 ``pending`` for ``fence recover``.
 
+A manual savepoint (``sid = transaction.savepoint()`` ... ``transaction.savepoint_rollback(sid)``)
+removes the row, but Django keeps the ``on_commit`` callbacks registered inside it (it only
+tracks the savepoints of ``atomic()``). So the send first reads the job's row after the commit,
+on the same connection: it publishes only when the row is there with this send's task id. A
+row rolled back with its savepoint sends nothing; a read that fails sends nothing either and
+leaves a committed row to ``fence recover``.
+
 Outside an atomic block (autocommit) :func:`~celery_fence.enqueue` refuses: each of your ORM
 writes would already be committed on its own, so a crash between them and the enqueue would lose
 the job the promise is about (data committed, no row). Wrap the writes and the enqueue in
@@ -17,6 +24,7 @@ the job the promise is about (data committed, no row). Wrap the writes and the e
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -24,11 +32,14 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db import transaction as django_transaction
 
 from celery_fence import durable
+from celery_fence.actions import LogAction
 from celery_fence.contrib.django.database import same_database_problem
 from celery_fence.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from celery_fence.store import Store
+
+logger = logging.getLogger("celery_fence.durable")
 
 
 class DjangoTarget:
@@ -48,7 +59,33 @@ class DjangoTarget:
             )
 
     def after_commit(self, send: Any) -> None:
-        django_transaction.on_commit(lambda: durable.publish([send]), using=self.alias)
+        django_transaction.on_commit(lambda: self.publish_if_committed(send), using=self.alias)
+
+    def publish_if_committed(self, send: Any) -> None:
+        """Publish ``send`` when its row committed (it is there, with this send's task id)."""
+        try:
+            with connections[self.alias].cursor() as cursor:
+                found = self.store.status_and_request_cursor(cursor, send.key)
+        except Exception as exc:  # committed or not, the row (if any) is the record
+            logger.warning(
+                "fence enqueue could not read key=%s after the commit (%s); not sent: a "
+                "committed job stays pending and 'celery fence recover' sends it",
+                send.key,
+                type(exc).__name__,
+                extra={"action": LogAction.ENQUEUE_UNSENT, "fence_key": send.key},
+            )
+            return
+        stored_id = (found[1] or {}).get("id") if found is not None else None
+        if stored_id != send.task_id:
+            logger.info(
+                "fence enqueue sent nothing for key=%s task=%s: its row was rolled back with a "
+                "savepoint",
+                send.key,
+                send.task_id,
+                extra={"action": LogAction.ENQUEUE_ROLLED_BACK, "fence_key": send.key},
+            )
+            return
+        durable.publish([send])
 
 
 def django_target(task: Any, store: Store) -> DjangoTarget:
