@@ -143,7 +143,8 @@ def test_a_session_joined_with_a_savepoint_is_refused(
     queue = worker_env["FENCE_T_QUEUE"]
     key = f"savepoint:{uuid.uuid4().hex[:8]}"
     engine = sa.create_engine(db_url)
-    for mode, nested in (("create_savepoint", False), ("conditional_savepoint", True)):
+    modes: list[tuple[Any, bool]] = [("create_savepoint", False), ("conditional_savepoint", True)]
+    for mode, nested in modes:
         with engine.connect() as conn, conn.begin():
             if nested:  # conditional_savepoint inside a savepoint: the session's is one too
                 conn.begin_nested()
