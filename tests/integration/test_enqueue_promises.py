@@ -189,6 +189,23 @@ def test_an_autocommit_connection_is_refused(
     plain.dispose()
 
 
+@pytest.mark.parametrize("db_url", EVERY_DRIVER, indirect=True)
+def test_a_fenced_blocks_connection_is_not_autocommit_and_is_taken(
+    client_app: ModuleType, store: Store, worker_env: dict[str, str]
+) -> None:
+    from tests.integration.test_transaction import _attempt
+
+    # Given a fenced block on the store's engine (which runs in AUTOCOMMIT, but the block begins
+    # a transaction of its own: BEGIN IMMEDIATE on SQLite, READ COMMITTED on PostgreSQL)
+    fence = _attempt(store)
+    key = f"block:{uuid.uuid4().hex[:8]}"
+    with fence.transaction() as conn:
+        enqueue(conn, client_app.work, args=(key,))
+        assert _queued(worker_env["FENCE_T_QUEUE"]) == 0
+    # Then the job is written in the block's transaction and sent after its fenced commit
+    assert _status(store, key) == "pending" and _queued(worker_env["FENCE_T_QUEUE"]) == 1
+
+
 # -- 10. instants in UTC --------------------------------------------------------------------------
 
 
