@@ -8,6 +8,7 @@ the session's PostgreSQL database, ``lite`` on the test's SQLite file).
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import uuid
 from types import ModuleType
@@ -47,6 +48,8 @@ def test_a_row_rolled_back_with_a_manual_savepoint_sends_nothing(
     client_app.app.conf.fence_database = alias
     queue = worker_env["FENCE_T_QUEUE"]
     manual, nested, released, kept = (f"dj:{uuid.uuid4().hex[:8]}" for _ in range(4))
+    utc = dt.datetime.now(dt.timezone.utc).replace(microsecond=0) + dt.timedelta(hours=2)
+    eta = utc.astimezone(dt.timezone(dt.timedelta(hours=-5)))  # (Django's cursor: UTC too)
 
     # Given, in one atomic block, a job enqueued inside a manual savepoint rolled back, one inside
     # a nested atomic() rolled back, one inside a manual savepoint released, and one outside
@@ -60,13 +63,17 @@ def test_a_row_rolled_back_with_a_manual_savepoint_sends_nothing(
         sid = transaction.savepoint(using=alias)
         enqueue(None, client_app.work, args=(released,))
         transaction.savepoint_commit(sid, using=alias)
-        enqueue(None, client_app.work, args=(kept,))
+        enqueue(None, client_app.work, args=(kept,), eta=eta)
         assert _queued(queue) == 0  # nothing before the commit
     # When the outermost block commits
     # Then only the jobs whose rows committed are sent, each once
     assert _status(store, manual) is None and _status(store, nested) is None
     assert _status(store, released) == "pending" and _status(store, kept) == "pending"
     assert _sent_keys(queue) == sorted([released, kept])
+    record = store.get(kept)
+    assert record is not None and record.retry_at is not None
+    stored = record.retry_at
+    assert (stored if stored.tzinfo else stored.replace(tzinfo=dt.timezone.utc)) == utc
 
 
 def test_outside_atomic_it_is_refused(
