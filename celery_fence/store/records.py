@@ -253,8 +253,9 @@ def decode_request(request: Mapping[str, Any] | None) -> Mapping[str, Any] | Non
 #: that a re-send (``fence recover``, ``fence requeue``) carries the workflow on: the options
 #: Celery's own ``Task.retry`` re-sends with (``Context.as_execution_options``), named as
 #: ``send_task`` takes them, except ``expires`` (a re-send must arrive) and ``retries``; and,
-#: for a job :func:`celery_fence.enqueue` wrote, the publish options it was given
-#: (:data:`ENQUEUE_OPTIONS`).
+#: for a job :func:`celery_fence.enqueue` wrote, its due time as ``eta`` (ISO 8601, UTC) and the
+#: publish options it was given (:data:`celery_fence.durable.PUBLISH_OPTIONS`; a worker's request
+#: has no such fields).
 EXECUTION_OPTIONS = (
     "chain",
     "link",
@@ -280,9 +281,6 @@ EXECUTION_OPTIONS = (
     "retry_policy",
     "delivery_mode",
 )
-#: The execution options only :func:`celery_fence.enqueue` stores (a worker's request has no
-#: such fields): how its message was published, and its due time as ``eta`` (ISO 8601, UTC).
-ENQUEUE_OPTIONS = ("eta", "serializer", "compression", "retry", "retry_policy", "delivery_mode")
 
 
 def execution_options(context: Any) -> dict[str, Any]:
