@@ -106,6 +106,36 @@ def test_a_direct_call_inside_an_open_sqlalchemy_transaction_that_wrote_is_refus
     assert record is not None and (record.status, record.generation) == ("completed", 1)
 
 
+@pytest.mark.parametrize("db_url", ["sqlite", "postgresql", "psycopg3"], indirect=True)
+def test_a_direct_call_of_a_job_enqueued_in_the_same_open_transaction_is_refused_at_once(
+    store: Store,
+    db_url: str,
+    prefix: str,
+    redis_client: redis.Redis,
+    app_table: tuple[sa.Engine, str],
+) -> None:
+    from celery_fence import enqueue
+
+    engine, table = app_table
+    charge = _charge_task(db_url, prefix, table)
+    order = uuid.uuid4().hex[:8]
+    key = f"charge:{order}"
+    started = time.monotonic()
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"INSERT INTO {table} VALUES (:o, 0)"), {"o": order})
+        # Given the job's own row, written (pending) by enqueue() in the caller's transaction ...
+        enqueue(conn, charge, args=(order,))
+        # When the same job is called directly before that transaction commits
+        with pytest.raises(FenceError, match="inside an open transaction"):
+            charge(order)
+    # Then it is refused at once (its registration would wait on its own uncommitted row until
+    # the lock timeout), and the enqueued job is as enqueue() left it: pending, never claimed
+    assert time.monotonic() - started < 2.5
+    record = store.get(key)
+    assert record is not None and (record.status, record.generation) == ("pending", 0)
+    assert LeaseStore(redis_client, prefix=prefix).remaining(key)[0] is None
+
+
 @pytest.mark.parametrize("db_url", ["sqlite", "postgresql"], indirect=True)
 def test_a_direct_call_inside_a_read_only_sqlalchemy_transaction_runs(
     store: Store, db_url: str, prefix: str, app_table: tuple[sa.Engine, str]
