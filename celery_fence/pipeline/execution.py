@@ -254,6 +254,9 @@ class Execution:
             ):
                 try:
                     fresh = self._never_claimed()
+                except sa_exc.ProgrammingError as exc:  # e.g. the tables do not exist
+                    reason = refusal_reason(exc, "registration")
+                    return o.Unavailable(exc, reason, max(5.0, config.retry_backoff_max / 10))
                 except Exception as exc:  # nothing was written: re-send, never drop
                     return o.Unavailable(exc, f"store unavailable ({type(exc).__name__})")
                 if fresh:
