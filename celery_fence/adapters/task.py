@@ -24,6 +24,7 @@ from celery.app.task import _task_stack
 from celery.exceptions import Reject
 
 from celery_fence.actions import LogAction
+from celery_fence.adapters import direct
 from celery_fence.adapters.installation import install
 from celery_fence.adapters.worker import FENCED_REQUEST, celery_command
 from celery_fence.announce.transitions import Announcer
@@ -42,6 +43,7 @@ from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.backends import Backends, backends
 from celery_fence.pipeline.execution import Execution
 from celery_fence.schema import KEY_LENGTH
+from celery_fence.store import Store
 from celery_fence.store.records import ENQUEUED_HEADER, request_text
 
 logger = logging.getLogger("celery_fence")
@@ -190,6 +192,31 @@ class FencedTask(Task, Fenced):
         except ConfigurationError as exc:  # checked at worker start; still, lose nothing
             logger.critical("fence settings invalid for task %s: %s", self.name, exc)
             return self._carry_out(self.invalid_settings(exc))
+        if request.called_directly or request.is_eager:  # in the caller's thread
+            return self._run_in_caller(execution, args, kwargs)
+        return self._run_keyed(execution, args, kwargs)
+
+    def _run_in_caller(
+        self, execution: Execution, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A direct call, ``.apply()`` or an eager run: refused at once inside the caller's
+        open transaction on the store's database (:mod:`celery_fence.adapters.direct`); the
+        store's idle connections closed afterwards."""
+        store = execution.store
+        if not isinstance(store, Store):  # a store double: no database
+            return self._run_keyed(execution, args, kwargs)
+        problem = direct.refusal(store, self.name)
+        if problem is not None:
+            raise FenceError(problem)
+        try:
+            return self._run_keyed(execution, args, kwargs)
+        finally:
+            direct.release_connections(store)
+
+    def _run_keyed(
+        self, execution: Execution, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        request = self.request
         try:
             key = self._key_of(args, kwargs)
         except ConfigurationError as exc:

@@ -38,6 +38,7 @@ from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.ports import JobStore, LeaseBackend
 from celery_fence.pipeline.retry import RetryPolicy
 from celery_fence.pipeline.settle import settle
+from celery_fence.schema import PENDING
 from celery_fence.store import Store
 from celery_fence.store.engine import refusal_reason
 
@@ -251,9 +252,20 @@ class Execution:
                 and first_delivery
                 and NUL_ESCAPE not in request  # PostgreSQL refuses it: register to know
             ):
-                # Nothing to fence out yet: the completion writes the row in one statement.
-                self.deferred, self.registered, self.attempts = True, True, 1
-                return None
+                try:
+                    fresh = self._never_claimed()
+                except sa_exc.ProgrammingError as exc:  # e.g. the tables do not exist
+                    reason = refusal_reason(exc, "registration")
+                    return o.Unavailable(exc, reason, max(5.0, config.retry_backoff_max / 10))
+                except Exception as exc:  # nothing was written: re-send, never drop
+                    return o.Unavailable(exc, f"store unavailable ({type(exc).__name__})")
+                if fresh:
+                    # Nothing to fence out yet: the completion writes the row in one statement.
+                    self.deferred, self.registered, self.attempts = True, True, 1
+                    return None
+                # The store has this key already: Redis lost its counter (a restart without
+                # persistence, an eviction, a failover) and handed out generation 1 again.
+                # Register as any repeat does: a completed job replays, a newer one is stale.
             try:
                 outcome = self._register()
             except sa_exc.DataError as exc:  # the database refuses the request: every time
@@ -293,6 +305,15 @@ class Execution:
             FenceError(f"could not claim a generation above the store's for {self.key!r}"),
             "generation regressed on every claim round",
         )
+
+    def _never_claimed(self) -> bool:
+        """Whether the store has no row of this key, or only a ``pending`` one nobody claimed
+        (generation 0, written by ``enqueue()``): then a first claim may defer its registration.
+        One read by primary key before the body, no write: Redis may have lost the key's counter
+        and handed out generation 1 for a key the store already completed, and only the store
+        knows (the deferred completion alone would find the row only after the body ran)."""
+        record = self.store.get(self.key)
+        return record is None or (record.status == PENDING and record.generation == 0)
 
     def refused_registration(self, error: sa_exc.DataError) -> o.Outcome:
         """The database refused the registration's request: it would every time."""

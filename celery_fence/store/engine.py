@@ -86,6 +86,13 @@ class Database:
             self._engine.dispose()
             self._engine = None
 
+    def close_idle(self) -> None:
+        """Close the pool's idle connections (a connection in use is closed when it is given
+        back); the engine stays usable and connects again on its next statement."""
+        with self._lock:
+            if self._engine is not None and not self._process.forked:
+                self._engine.dispose(close=True)
+
     def _create_engine(self) -> sa.Engine:
         # hide_parameters: a database error must never print a result or payload into a log.
         options: dict[str, Any] = {

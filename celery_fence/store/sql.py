@@ -363,6 +363,16 @@ def get_job(key: str) -> sa.Select[Any]:
     return sa.select(jobs).where(jobs.c.key == key)
 
 
+def holds_transaction_id(pid: int) -> sa.TextClause:
+    """PostgreSQL: whether backend ``pid`` is in a transaction that has a transaction id (it
+    wrote or locked rows), so other sessions may wait on it. ``pg_locks`` is readable by any
+    role (``pg_stat_activity`` hides other roles' transactions)."""
+    return sa.text(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = :pid AND locktype = 'transactionid' "
+        "AND mode = 'ExclusiveLock' AND granted)"
+    ).bindparams(pid=pid)
+
+
 def status_and_request(key: str) -> sa.Select[Any]:
     return sa.select(jobs.c.status, jobs.c.request).where(jobs.c.key == key)
 

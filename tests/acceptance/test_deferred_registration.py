@@ -219,3 +219,34 @@ def test_a_result_the_database_refuses_ends_a_deferred_first_attempt_dead_at_onc
     assert record.error_message is not None and "return value" in record.error_message
     assert redis_client.get(f"{prefix}:nul_runs:{key}") == b"1"
     _broker_drained(client_app)
+
+
+def test_a_new_message_for_a_completed_key_does_not_run_the_body_again_after_redis_lost_it(
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    leases: LeaseStore,
+) -> None:
+    spawn_worker("w")
+    key = f"defer-loss-new:{uuid.uuid4().hex[:8]}"
+    # Given a key completed by a deferred first claim (generation 1, one body run) ...
+    first = client_app.work.delay(key)
+    record = _ended(fence_store, key, timeout=30)
+    assert (record.status, record.generation) == ("completed", 1)
+    assert first.get(timeout=30) == record.result
+    # ... when Redis loses the key's generation counter and lease (the chaos harness's
+    # "redis-loss" window deletes both) and a new message for the same key arrives: its first
+    # delivery, handed generation 1 again
+    keys = leases.keys_for(key)
+    wait_until(lambda: leases.remaining(key)[0] is None, 10, what="the lease released")
+    redis_client.delete(keys.generation, keys.lease)
+    second = client_app.work.delay(key)
+    # Then it finds the completed job in the store and replays its result: the body ran once
+    assert second.get(timeout=30) == record.result
+    assert ledger.run_count(redis_client, prefix, key) == 1
+    after = fence_store.get(key)
+    assert after is not None and (after.status, after.generation) == ("completed", 1)
+    assert after.result == record.result
+    _broker_drained(client_app)

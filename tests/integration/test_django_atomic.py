@@ -403,7 +403,7 @@ def test_fence_atomic_on_django_with_psycopg2(tmp_path: Path) -> None:
     # this module's PostgreSQL cases again, on that driver, in a process of their own.
     selected = (
         "postgresql and (driver_this_process or commits_while or newer_registration or "
-        "holder_paused or bounded or orm_write_inside or another_alias or nested)"
+        "holder_paused or bounded or orm_write_inside or another_alias or nested or direct_call)"
     )
     proc = subprocess.run(
         [
@@ -540,3 +540,65 @@ def test_migrate_makes_the_fence_tables_only_in_the_fence_alias(django_setup: La
     assert fence_tables("spare") == set()
     for alias in ("elsewhere", "spare"):
         connections[alias].close()
+
+
+# -- a direct call inside the caller's atomic block (ATOMIC_REQUESTS, pytest-django) --------------
+
+
+@pytest.mark.parametrize("db_url", ["sqlite", "postgresql", "psycopg3"], indirect=True)
+def test_a_direct_call_inside_the_callers_atomic_block_is_refused_at_once(
+    alias: str, store: Store, db_url: str, prefix: str, redis_client: Any
+) -> None:
+    import warnings
+
+    from celery import Celery
+    from django.db import transaction
+
+    from celery_fence import FencedTask
+    from celery_fence.errors import FenceEagerWarning
+    from celery_fence.leases.lease import LeaseStore
+    from tests.support.django_ledger.models import Entry
+    from tests.support.env import REDIS_URL
+
+    app = Celery(f"direct-{prefix}", broker="memory://", set_as_current=False)
+    app.conf.update(
+        fence_redis_url=REDIS_URL,
+        fence_database_url=db_url,
+        fence_key_prefix=prefix,
+        fence_lease_ttl=5.0,
+        fence_renew_interval=1.0,
+    )
+
+    @app.task(base=FencedTask, bind=True, fence_key=lambda key: key, shared=False)
+    def bill(self: Any, key: str) -> int:
+        with self.fence.atomic(using=alias):  # the fenced commit checks the job row
+            Entry.objects.using(alias).create(key=key, writer=self.fence.attempt_id)
+        return self.fence.generation
+
+    key = f"direct-dj:{uuid.uuid4().hex[:8]}"
+    leases = LeaseStore(redis_client, prefix=prefix)
+    # Given the caller's own transaction.atomic() on the store's database (ATOMIC_REQUESTS, an
+    # atomic management command, pytest-django's test transaction) ...
+    started = time.monotonic()
+    with transaction.atomic(using=alias):
+        # When the fenced task is called directly, or run eagerly, inside it
+        with pytest.raises(FenceError, match="inside an open transaction") as refused:
+            bill(key)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FenceEagerWarning)
+            eager = bill.apply(args=(key,))
+        assert isinstance(eager.result, FenceError)
+    # Then both are refused at once (not after a lock timeout), saying why and what to do,
+    # and nothing was claimed or written: no job row (nothing for recovery to run later), no
+    # lease, no write of the body
+    assert time.monotonic() - started < 3.0
+    assert f"alias {alias!r}" in str(refused.value)
+    assert "transaction.on_commit" in str(refused.value)
+    assert store.get(key) is None
+    assert leases.remaining(key)[0] is None
+    assert not Entry.objects.using(alias).filter(key=key).exists()
+    # And called outside any transaction, it runs, fenced, once
+    assert bill(key) == 1
+    record = store.get(key)
+    assert record is not None and (record.status, record.generation) == ("completed", 1)
+    assert Entry.objects.using(alias).filter(key=key).count() == 1

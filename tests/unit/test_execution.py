@@ -336,6 +336,29 @@ def test_a_deferred_first_claim_writes_its_row_with_its_completion(run: Any) -> 
     assert [t.action for t in r.store.history(KEY)] == ["claimed", "completed"]
 
 
+def test_a_deferred_first_claim_of_a_completed_key_replays_after_redis_lost_everything(
+    run: Any,
+) -> None:
+    # Given a key completed by a deferred first claim ...
+    first = run(defer_first_registration=True, generation_ttl=0)
+    assert first(first_delivery=True) == o.Return({"generation": 1})
+    # When Redis loses everything (a fresh lease store: generation 1 again) and a new message's
+    # first delivery claims the key
+    again = run(
+        store=first.store,
+        leases=MemoryLeaseStore(generation_ttl=0),
+        defer_first_registration=True,
+        generation_ttl=0,
+    )
+    action = again(first_delivery=True)
+    # Then it registers instead of deferring, finds the job completed and replays it: the body
+    # did not run again
+    assert isinstance(action, o.Return) and action.result == {"generation": 1}
+    assert again.bodies == []
+    record = first.store.get(KEY)
+    assert record is not None and (record.status, record.generation) == ("completed", 1)
+
+
 def test_a_redelivered_message_registers_before_its_body(run: Any) -> None:
     r = run(defer_first_registration=True, generation_ttl=0)
     rows: list[Any] = []

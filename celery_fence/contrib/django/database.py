@@ -11,6 +11,7 @@ from typing import Any
 import sqlalchemy as sa
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
 
 from celery_fence.body.transaction import different_database
 from celery_fence.errors import ConfigurationError
@@ -98,3 +99,17 @@ def same_database_problem(store_url: str, alias: str, db: Mapping[str, Any]) -> 
     except ConfigurationError as exc:
         return str(exc)
     return different_database(sa.engine.make_url(store_url), theirs)
+
+
+def atomic_aliases_on(store_url: str) -> list[str]:
+    """The aliases on the store's database whose connection, in this thread, is inside a
+    ``transaction.atomic()`` block (or has autocommit off): a fenced task run now in this thread
+    would wait on that transaction's locks. Only connections already made in this thread are
+    looked at; none is opened."""
+    found = []
+    for conn in connections.all(initialized_only=True):
+        if not (conn.in_atomic_block or (conn.connection is not None and not conn.autocommit)):
+            continue
+        if same_database_problem(store_url, conn.alias, conn.settings_dict) is None:
+            found.append(conn.alias)
+    return found
