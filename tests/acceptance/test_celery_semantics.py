@@ -239,7 +239,7 @@ def test_an_immediate_retry_does_not_wait_for_its_own_lease(
 # -- 5. the worker's exits read the fence_key header ---------------------------------------------
 
 
-def test_time_limit_and_expiry_settle_the_job_the_header_names(
+def test_a_hard_time_limit_settles_the_job_the_header_names(
     spawn: Callable[..., Worker],
     client: ModuleType,
     redis_client: redis.Redis,
@@ -264,6 +264,16 @@ def test_time_limit_and_expiry_settle_the_job_the_header_names(
     assert "time_limit" in [action for action, _ in _actions(fence_store, header_key)]
     assert fence_store.get(args_key) is None and fence_store.history(args_key) == []
 
+
+def test_an_expired_re_send_settles_the_job_the_header_names(
+    spawn: Callable[..., Worker],
+    client: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+) -> None:
+    spawn("w")
+    u = uuid.uuid4().hex[:8]
     # Given job hdr-exp:... waiting (retrying) for message M, and M re-sent with the header but
     # arguments that give another key, expired before it runs ...
     header_key, args_key, message_id = f"hdr-exp:{u}", f"args-exp:{u}", uuid.uuid4().hex
