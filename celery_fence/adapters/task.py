@@ -1,7 +1,8 @@
 """FencedTask: the body's side of a fenced task, an adapter between Celery and one
 :class:`~celery_fence.pipeline.execution.Execution` per attempt.
 
-``__call__`` reads what the execution needs from Celery's request (the key, whether this is the
+``__call__`` (or a subclass's own ``__call__``, wrapped when its class is made, which then runs
+as the body) reads what the execution needs from Celery's request (the key, whether this is the
 message's first delivery, the stored request), lets the execution claim, register, run the body
 and settle, and carries out the disposition it returns in Celery's terms
 (:meth:`FencedTask._carry_out`: return, raise, re-send, give the message back). The exits Celery
@@ -327,13 +328,14 @@ class FencedTask(Task, Fenced):
         return count if isinstance(count, int) and count > 0 else 0
 
     def _first_delivery(self) -> bool:
-        """This message's first delivery: not a re-send (Celery's ``retries``: the fence's own,
-        the body's ``self.retry()``), not redelivered by the broker, not re-sent by recovery or
-        requeue (a ``fence_key`` header without the ``fence_enqueued`` one: :func:`enqueue`'s own
-        send is a first delivery). Only then may a first claim defer its registration: a repeat
-        may find its job completed, which only a registration sees (Redis may have lost the
-        counter). Brokers also flag a message given back unstarted (a consumer cancelled, a
-        warm shutdown): it registers first too, one statement more."""
+        """This message's first delivery: not a re-send (Celery's ``retries``: the body's
+        ``self.retry()``; :data:`RESENDS_HEADER`: the fence's own), not redelivered by the
+        broker, not re-sent by recovery or requeue (a ``fence_key`` header without the
+        ``fence_enqueued`` one: :func:`enqueue`'s own send is a first delivery). Only then may a
+        first claim defer its registration: a repeat may find its job completed, which only a
+        registration sees (Redis may have lost the counter). Brokers also flag a message given
+        back unstarted (a consumer cancelled, a warm shutdown): it registers first too, one
+        statement more."""
         request = self.request
         redelivered = (request.delivery_info or {}).get("redelivered")
         resent = request.get(KEY_HEADER) and not request.get(ENQUEUED_HEADER)
