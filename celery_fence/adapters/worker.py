@@ -134,7 +134,7 @@ class FencedRequest(Request):
         recovery's or a requeue's re-send (the job's own key, which the arguments may no longer
         give), else the task's ``fence_key`` of the arguments (or the task id)."""
         task: Any = self.task
-        header = self._request_dict.get("fence_key")
+        header = self.request_dict.get("fence_key")
         key: str = task.message_key(self.args, self.kwargs, self.id, header)
         return key
 
