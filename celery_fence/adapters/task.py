@@ -1,7 +1,8 @@
 """FencedTask: the body's side of a fenced task, an adapter between Celery and one
 :class:`~celery_fence.pipeline.execution.Execution` per attempt.
 
-``__call__`` reads what the execution needs from Celery's request (the key, whether this is the
+``__call__`` (or a subclass's own ``__call__``, wrapped when its class is made, which then runs
+as the body) reads what the execution needs from Celery's request (the key, whether this is the
 message's first delivery, the stored request), lets the execution claim, register, run the body
 and settle, and carries out the disposition it returns in Celery's terms
 (:meth:`FencedTask._carry_out`: return, raise, re-send, give the message back). The exits Celery
@@ -17,11 +18,11 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task
 from celery.app.task import _task_stack
-from celery.exceptions import Reject
+from celery.exceptions import Reject, Retry
 
 from celery_fence.actions import LogAction
 from celery_fence.adapters import direct
@@ -55,6 +56,38 @@ CONFIG_ERROR_COUNTDOWN = 30.0
 #: the broker: the re-send's countdown, at least the first, at most the second.
 REFUSED_RESEND_PAUSE = (1.0, 10.0)
 
+#: The header counting the fence's own re-sends of a message (busy lease, store unavailable, the
+#: fence's retry policy). They keep Celery's ``retries`` as it was: the task's ``max_retries``
+#: counts the body's own ``self.retry()`` and ``autoretry_for`` only, as in plain Celery.
+RESENDS_HEADER = "fence_resends"
+
+#: Marks a ``__call__`` that runs the fenced pipeline (:meth:`FencedTask.__init_subclass__`).
+FENCED_ENTRY = "__fence_entry__"
+
+#: Request flags: a subclass's ``__call__`` is the body (``super().__call__`` then runs ``run``
+#: only), and the body's ``retry()`` is about to send its message (release the lease first).
+IN_SUBCLASS_CALL = "fence_in_subclass_call"
+RELEASE_BEFORE_SEND = "fence_release_before_send"
+#: Request slot: the exception the body's ``retry()`` raised because ``max_retries`` is reached.
+RETRIES_EXCEEDED = "fence_retries_exceeded"
+
+#: The header naming the job's key on a recovery's or a requeue's re-send.
+KEY_HEADER = "fence_key"
+
+
+def _fenced_entry(call: Callable[..., Any]) -> Callable[..., Any]:
+    """A subclass's own ``__call__`` (Flask's app-context task, any wrapper), run as the body of
+    a fenced attempt: claim, store row and fence around it, whatever it does inside."""
+
+    @functools.wraps(call)
+    def __call__(self: FencedTask, *args: Any, **kwargs: Any) -> Any:
+        if self.request.get(IN_SUBCLASS_CALL):  # a subclass of a subclass calls super(): fenced
+            return call(self, *args, **kwargs)
+        return self._fenced_call(args, kwargs, call)
+
+    setattr(__call__, FENCED_ENTRY, True)
+    return __call__
+
 
 class FencedTask(Task, Fenced):
     """Base class for fenced tasks: ``@app.task(base=FencedTask, bind=True, fence_key=...)``.
@@ -79,12 +112,29 @@ class FencedTask(Task, Fenced):
     #: The worker refuses to start when this task's settings are invalid (``worker_init``).
     settings_checked_at_start = True
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass whose ``__call__`` is its own (Flask's documented base task runs
+        ``self.run`` inside ``app.app_context()``; a mixin's, too) gets it wrapped: the fenced
+        pipeline runs around it, so the body is fenced whatever that ``__call__`` does, and a
+        ``super().__call__`` inside it runs ``run`` without fencing twice."""
+        super().__init_subclass__(**kwargs)
+        call = cls.__call__
+        if not getattr(call, FENCED_ENTRY, False):
+            cls.__call__ = _fenced_entry(call)  # type: ignore[method-assign]
+
     @classmethod
     def on_bound(cls, app: Any) -> None:
         """Celery binds the task to its app: install celery-fence on that app (its beat tasks,
         the process's receivers; idempotent). A class that declares itself ``abstract`` is a
-        base of fenced tasks, not one: it installs nothing."""
+        base of fenced tasks, not one: it installs nothing. A task whose ``__call__`` was
+        replaced after its class was made (it would run unfenced) is refused."""
         super().on_bound(app)
+        if not getattr(cls.__call__, FENCED_ENTRY, False):
+            raise ConfigurationError(
+                f"task {cls.name or cls.__name__}: its __call__ was replaced after the class was "
+                "made and would run the task without the fence; define __call__ in the class "
+                "body (it then runs fenced), or wrap the work in run()"
+            )
         if not cls.__dict__.get("abstract", False):
             install(app)
 
@@ -162,19 +212,36 @@ class FencedTask(Task, Fenced):
         return fence
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.get(IN_SUBCLASS_CALL):  # super().__call__ from a subclass's fenced __call__
+            setattr(request, IN_SUBCLASS_CALL, False)
+            return self.run(*args, **kwargs)
+        return self._fenced_call(args, kwargs, None)
+
+    __call__.__fence_entry__ = True  # type: ignore[attr-defined]
+
+    def _fenced_call(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], call: Callable[..., Any] | None
+    ) -> Any:
+        """One fenced attempt around ``run`` (``call`` None) or a subclass's ``__call__``."""
         if self.request.called_directly:  # a plain function call: set up what the tracer does
             _task_stack.push(self)
             self.push_request(args=args, kwargs=kwargs)
             try:
-                return self._run_fenced(args, kwargs)
+                return self._run_fenced(args, kwargs, call)
             finally:
                 self.pop_request()
                 _task_stack.pop()
-        return self._run_fenced(args, kwargs)
+        return self._run_fenced(args, kwargs, call)
 
     # -- one attempt ---------------------------------------------------------------------------
 
-    def _run_fenced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run_fenced(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        call: Callable[..., Any] | None = None,
+    ) -> Any:
         request = self.request
         if request.is_eager:
             warnings.warn(
@@ -187,7 +254,9 @@ class FencedTask(Task, Fenced):
             )
         try:
             execution = self.fence_execution(
-                message_id=request.id, hostname=request.hostname, retries=request.retries or 0
+                message_id=request.id,
+                hostname=request.hostname,
+                retries=(request.retries or 0) + self._resends(),
             )
         except ConfigurationError as exc:  # checked at worker start; still, lose nothing
             logger.critical("fence settings invalid for task %s: %s", self.name, exc)
@@ -227,7 +296,7 @@ class FencedTask(Task, Fenced):
             return self._carry_out(execution.run_unkeyed(exc, request.id, decoded))
         disposition = execution.run(
             key,
-            functools.partial(self._body, args, kwargs),
+            functools.partial(self._body, args, kwargs, call),
             request_json=functools.partial(request_text, self.name, args, kwargs, request),
             first_delivery=self._first_delivery(),
             max_runtime=self._max_runtime(execution.config),
@@ -241,31 +310,63 @@ class FencedTask(Task, Fenced):
     def _key_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         """This message's key: the ``fence_key`` header of a recovery's or a requeue's re-send
         (the job's own key), else :meth:`logical_key`."""
-        override = None if self.request.called_directly else self.request.get("fence_key")
-        if isinstance(override, str) and override:
-            return override
-        return self.logical_key(args, kwargs, self.request.id)
+        header = None if self.request.called_directly else self.request.get(KEY_HEADER)
+        return self.message_key(args, kwargs, self.request.id, header)
 
-    def _body(self, args: tuple[Any, ...], kwargs: dict[str, Any], fence: Fence) -> Any:
-        """The task's own ``run``, with ``self.fence`` bound for its duration."""
-        self.request.fence = fence
+    def message_key(self, args: Any, kwargs: Any, task_id: str | None, header: Any) -> str:
+        """The key of a message: its ``fence_key`` header when it has one (a recovery's or a
+        requeue's re-send names the job's own key, which the arguments may no longer give),
+        else :meth:`logical_key`. The body's side and the worker's exits (time limit, expiry,
+        revoke) read it the same way."""
+        if isinstance(header, str) and header:
+            return header
+        return self.logical_key(args, kwargs, task_id)
+
+    def _body(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        call: Callable[..., Any] | None,
+        fence: Fence,
+    ) -> Any:
+        """The task's own ``run`` (or a subclass's ``__call__``, which calls it), with
+        ``self.fence`` bound for its duration. An exception Celery's ``retry()`` raised because
+        ``max_retries`` is reached ends the job, as in plain Celery (:class:`o.Final`)."""
+        request = self.request
+        request.fence = fence
+        if call is not None:
+            setattr(request, IN_SUBCLASS_CALL, True)
         try:
-            return self.run(*args, **kwargs)
+            if call is None:
+                return self.run(*args, **kwargs)
+            return call(self, *args, **kwargs)
+        except Exception as exc:
+            if exc is request.get(RETRIES_EXCEEDED):
+                raise o.Final(exc, "max_retries exceeded (Celery's retry limit)") from None
+            raise
         finally:
-            self.request.fence = None
+            request.fence = None
+            setattr(request, IN_SUBCLASS_CALL, False)
+            setattr(request, RETRIES_EXCEEDED, None)
+
+    def _resends(self) -> int:
+        """How many times the fence itself re-sent this message (:data:`RESENDS_HEADER`)."""
+        count = self.request.get(RESENDS_HEADER)
+        return count if isinstance(count, int) and count > 0 else 0
 
     def _first_delivery(self) -> bool:
-        """This message's first delivery: not a re-send (Celery's ``retries``: the fence's own,
-        the body's ``self.retry()``), not redelivered by the broker, not re-sent by recovery or
-        requeue (a ``fence_key`` header without the ``fence_enqueued`` one: :func:`enqueue`'s own
-        send is a first delivery). Only then may a first claim defer its registration: a repeat
-        may find its job completed, which only a registration sees (Redis may have lost the
-        counter). Brokers also flag a message given back unstarted (a consumer cancelled, a
-        warm shutdown): it registers first too, one statement more."""
+        """This message's first delivery: not a re-send (Celery's ``retries``: the body's
+        ``self.retry()``; :data:`RESENDS_HEADER`: the fence's own), not redelivered by the
+        broker, not re-sent by recovery or requeue (a ``fence_key`` header without the
+        ``fence_enqueued`` one: :func:`enqueue`'s own send is a first delivery). Only then may a
+        first claim defer its registration: a repeat may find its job completed, which only a
+        registration sees (Redis may have lost the counter). Brokers also flag a message given
+        back unstarted (a consumer cancelled, a warm shutdown): it registers first too, one
+        statement more."""
         request = self.request
         redelivered = (request.delivery_info or {}).get("redelivered")
-        resent = request.get("fence_key") and not request.get(ENQUEUED_HEADER)
-        return not (request.retries or redelivered or resent)
+        resent = request.get(KEY_HEADER) and not request.get(ENQUEUED_HEADER)
+        return not (request.retries or self._resends() or redelivered or resent)
 
     def _max_runtime(self, config: FenceConfig) -> float | None:
         """``fence_max_runtime``, else the hard time limit of this message or task, else None."""
@@ -295,26 +396,46 @@ class FencedTask(Task, Fenced):
 
     def _resend(self, disposition: o.Resend) -> Any:
         """Re-send this message (same task id) after the countdown; never drop it. ``expires``
-        is not carried over: a message the fence re-sends must arrive."""
-        if self.request.called_directly:  # a direct call raises instead of re-sending
+        is not carried over: a message the fence re-sends must arrive.
+
+        The fence's own re-send does not count as a Celery retry: the message keeps its
+        ``retries`` (so the task's ``max_retries`` counts the body's own ``self.retry()`` and
+        ``autoretry_for`` only, as in plain Celery; no ``MaxRetriesExceededError`` and no
+        ``FAILURE: Rescheduled`` for a busy lease) and counts its fence re-sends in the
+        :data:`RESENDS_HEADER` header instead (a re-send is no first delivery; store outages
+        back off on it)."""
+        request = self.request
+        if request.called_directly:  # a direct call raises instead of re-sending
             raise disposition.error
         countdown = max(0.0, disposition.countdown)
         logger.info(
             "fence re-send task=%s id=%s in %.2fs: %s",
             self.name,
-            self.request.id,
+            request.id,
             countdown,
             disposition.reason,
             extra={"action": LogAction.RESCHEDULE, "reason": disposition.reason},
         )
-        # A publish the broker refuses raises RetryNotSent: the message goes back (requeue).
-        retry = self.retry(
-            exc=Rescheduled(disposition.reason),
+        headers = {
+            name: value
+            for name, value in dict(request.headers or {}).items()
+            if name not in ("x-death", ENQUEUED_HEADER)  # a re-send is not the first delivery
+        }
+        headers[RESENDS_HEADER] = self._resends() + 1
+        signature = self.signature_from_request(
+            request,
             countdown=countdown,
-            max_retries=None,
-            throw=False,
+            retries=request.retries or 0,
+            headers=headers,
             **self.resend_options(),
         )
+        error = Rescheduled(disposition.reason)
+        retry = Retry(exc=error, when=countdown, is_eager=request.is_eager, sig=signature)
+        if not request.is_eager:  # eagerly, Celery's apply() runs the signature itself
+            try:
+                signature.apply_async()
+            except Exception as exc:  # the broker refused it: the message goes back (requeue)
+                self._publish_refused(exc, countdown)
         raise retry from None
 
     def resend_options(self) -> dict[str, Any]:
@@ -322,15 +443,28 @@ class FencedTask(Task, Fenced):
         return {"expires": None}
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's ``retry``, except when the broker refuses the retry message: Celery would
-        reject the original message for good (``Reject(requeue=False)``, the message dropped);
-        here it goes back to the broker instead (:class:`RetryNotSent`, a requeue), and the
-        settle step records the job ``retrying``, so the next delivery runs it. The message
-        goes back after a pause (the retry's countdown within :data:`REFUSED_RESEND_PAUSE`): a
-        broker that refuses every publish must not make the worker redeliver, claim and re-send
-        in a tight loop."""
+        """Celery's ``retry``, with three differences for a fenced attempt:
+
+        - The attempt gives its lease back (token-compared) right before the retry message is
+          published, so an immediate retry (``countdown=0``, ``autoretry_for``) runs at once
+          instead of meeting this attempt's lease and waiting a whole lease TTL.
+        - When ``max_retries`` is reached, the exception Celery's ``retry`` raises
+          (``MaxRetriesExceededError``, or the ``exc`` given) ends the job ``dead`` and reaches
+          the caller as in plain Celery: the fence's retry policy does not retry it again.
+        - When the broker refuses the retry message, Celery would reject the original message
+          for good (``Reject(requeue=False)``, the message dropped); here it goes back to the
+          broker instead (:class:`RetryNotSent`, a requeue), and the settle step records the job
+          ``retrying``, so the next delivery runs it. The message goes back after a pause (the
+          retry's countdown within :data:`REFUSED_RESEND_PAUSE`): a broker that refuses every
+          publish must not make the worker redeliver, claim and re-send in a tight loop."""
+        request = self.request
+        throw = kwargs.get("throw", args[3] if len(args) > 3 else True)
+        fenced = request.get("fence") is not None
+        setattr(request, RELEASE_BEFORE_SEND, bool(fenced and throw and not request.is_eager))
         try:
             return super().retry(*args, **kwargs)
+        except (Retry, RetryNotSent):
+            raise
         except Reject as rejected:
             if rejected.requeue:
                 raise
@@ -340,16 +474,38 @@ class FencedTask(Task, Fenced):
                 countdown = (
                     REFUSED_RESEND_PAUSE[1] if kwargs.get("eta") else self.default_retry_delay
                 )
-            low, high = REFUSED_RESEND_PAUSE
-            pause = min(max(float(countdown or 0.0), low), high)
-            logger.error(
-                "fence could not publish the retry of task=%s id=%s (%s); the original message "
-                "goes back to the broker in %.1fs",
-                self.name,
-                self.request.id,
-                type(rejected.reason).__name__,
-                pause,
-                extra={"action": LogAction.REQUEUE, "reason": "retry publish failed"},
-            )
-            time.sleep(pause)  # the message stays unacked meanwhile; the lease is renewed
-            raise RetryNotSent(rejected.reason) from None
+            self._publish_refused(rejected.reason, countdown)
+        except Exception as exc:  # max_retries reached: Celery's final exception for this job
+            if fenced and not request.called_directly:
+                setattr(request, RETRIES_EXCEEDED, exc)
+            raise
+        finally:
+            setattr(request, RELEASE_BEFORE_SEND, False)
+
+    def apply_async(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``apply_async``; when it publishes the body's own retry (see :meth:`retry`),
+        this attempt's lease is given back first."""
+        request = self.request
+        if request.get(RELEASE_BEFORE_SEND):
+            setattr(request, RELEASE_BEFORE_SEND, False)
+            fence = request.get("fence")
+            if fence is not None and fence.execution is not None:
+                fence.execution.release_before_retry()
+        return super().apply_async(*args, **kwargs)
+
+    def _publish_refused(self, reason: Any, countdown: Any) -> NoReturn:
+        """The broker refused a retry or re-send message: the original message goes back to the
+        broker after a pause (:class:`RetryNotSent`), never dropped."""
+        low, high = REFUSED_RESEND_PAUSE
+        pause = min(max(float(countdown or 0.0), low), high)
+        logger.error(
+            "fence could not publish the retry of task=%s id=%s (%s); the original message "
+            "goes back to the broker in %.1fs",
+            self.name,
+            self.request.id,
+            type(reason).__name__,
+            pause,
+            extra={"action": LogAction.REQUEUE, "reason": "retry publish failed"},
+        )
+        time.sleep(pause)  # the message stays unacked meanwhile; the lease is renewed
+        raise RetryNotSent(reason) from None

@@ -90,7 +90,7 @@ class FencedRequest(Request):
         try:
             execution = self._execution()
             try:
-                key = self.task.logical_key(self.args, self.kwargs, self.id)
+                key = self._key()
             except ConfigurationError:
                 key = str(self.id)
             disposition = execution.settle_time_limit(key, timeout)
@@ -111,7 +111,7 @@ class FencedRequest(Request):
         try:
             execution = self._execution()
             try:
-                key = self.task.logical_key(self.args, self.kwargs, self.id)
+                key = self._key()
             except ConfigurationError:
                 return o.Acknowledge()  # an unkeyed message that never ran: nothing to record
             request = encode_request(self.task_name, self.args, self.kwargs, self._context)
@@ -128,6 +128,15 @@ class FencedRequest(Request):
         return execution.settle_unrun(
             key, why=why, message_id=self.id, request=request, terminated=terminated
         )
+
+    def _key(self) -> str:
+        """This message's key as its body would read it: the ``fence_key`` header of a
+        recovery's or a requeue's re-send (the job's own key, which the arguments may no longer
+        give), else the task's ``fence_key`` of the arguments (or the task id)."""
+        task: Any = self.task
+        header = self.request_dict.get("fence_key")
+        key: str = task.message_key(self.args, self.kwargs, self.id, header)
+        return key
 
     def _execution(self) -> Execution:
         task: Any = self.task

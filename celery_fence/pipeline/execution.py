@@ -92,6 +92,8 @@ class Execution:
         #: row is written by its completion, or registered late by any other outcome.
         self.deferred = False
         self.request_json: str | None = None
+        #: The lease was given back before the attempt ended (:meth:`release_before_retry`).
+        self.released = False
 
     # -- the path ----------------------------------------------------------------------------------
 
@@ -117,7 +119,7 @@ class Execution:
                 outcome = o.Interrupted(exc)
             return self.settle(outcome)
         finally:  # whatever ends the attempt, even an exit raised in the settle step itself
-            if self.lease is not None:
+            if self.lease is not None and not self.released:
                 self.renewer.discard(self.lease)  # compare-and-delete, batched by the renewer
 
     def settle(self, outcome: o.Outcome) -> o.Disposition:
@@ -195,6 +197,8 @@ class Execution:
             return o.Lost(exc)
         except StaleGeneration as exc:
             return o.Stale(exc)
+        except o.Final as final:
+            return o.Failed(final.error, final=final.reason)
         except Exception as exc:
             return o.Failed(exc)
         return o.Completed(result, fence.effects.staged)
@@ -355,6 +359,32 @@ class Execution:
         if outcome is None:
             self.registered = True
         return outcome
+
+    def release_before_retry(self) -> bool:
+        """The body's own retry is about to be sent (``self.retry()``, ``autoretry_for``): give
+        the lease back now, compared on its token, so the retry does not find this attempt's
+        lease busy and wait a whole TTL. A deferred first claim registers first (the retry's
+        claim is no first delivery: it registers, and must find this attempt's row). True when
+        the lease was given back; False leaves it to the end of the attempt (the store's
+        fencing, not the lease, decides whose writes count either way)."""
+        lease = self.lease
+        if lease is None or self.released:
+            return False
+        if self.deferred:
+            try:
+                outcome = self.register_late()
+            except Exception:
+                self.deferred = True  # the settle step registers it, as it would have
+                return False
+            if outcome is not None:  # finished or superseded meanwhile: the settle step says so
+                return False
+        self.renewer.discard(lease, release=False)
+        self.released = True
+        try:
+            self.leases.release(lease.lease_key, lease.value)
+        except Exception:  # Redis unreachable: the renewer's thread sends it (or the TTL ends it)
+            self.renewer.return_releases([(lease.lease_key, lease.value)])
+        return True
 
     def register_for_block(self) -> None:
         """Before a ``fence.transaction()``/``session()``/``atomic()`` block of a deferred first

@@ -44,7 +44,24 @@ class Exhausted:
 
 @dataclass(frozen=True)
 class Failed:
+    """The body raised ``error``. ``final``: why it ends the job now, whatever the retry policy
+    says (Celery's own retry limit was reached: ``self.retry()`` or ``autoretry_for`` raised it
+    after ``max_retries``), else None."""
+
     error: Exception
+    final: str | None = None
+
+
+class Final(Exception):
+    """Raised by the body's side around ``error``, the exception that ends the job now (Celery's
+    retry limit was reached: ``retry()`` raised it after ``max_retries``): the execution settles
+    it as :class:`Failed` with ``final=reason``, so the job goes ``dead`` and the caller gets
+    ``error`` itself, as plain Celery gives it."""
+
+    def __init__(self, error: Exception, reason: str) -> None:
+        super().__init__(reason)
+        self.error = error
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -210,6 +227,7 @@ __all__ = [
     "Exhausted",
     "Fail",
     "Failed",
+    "Final",
     "Interrupted",
     "Lost",
     "Outcome",

@@ -53,6 +53,7 @@ the broker (a lost worker, or the gevent pool's hard time limit), and the next d
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import random
 import sys
@@ -108,6 +109,7 @@ from celery_fence.store.records import (
     Ending,
     FirstCompletion,
     RetryScheduled,
+    dumps_strict,
 )
 
 if TYPE_CHECKING:
@@ -154,7 +156,10 @@ def _completed(a: Execution, o: Completed) -> Disposition:
             return _first_refused(a, exc)
         return _dead(a, refused(exc, "the task's return value"), "result refused by the database")
     a.announce(Action.COMPLETED)
-    return Return(o.result, deliver=a.key if o.effects else None)
+    # Every caller sees the stored value: the first one too gets its JSON round trip (a tuple
+    # becomes a list, an int key a str), as a replay or a converging duplicate returns it.
+    stored = json.loads(dumps_strict(o.result, "task's return value"))
+    return Return(stored, deliver=a.key if o.effects else None)
 
 
 def _first_refused(a: Execution, exc: sa_exc.DataError) -> Disposition:
@@ -197,6 +202,8 @@ def _exhausted(a: Execution, o: Exhausted) -> Disposition:
 
 
 def _failed(a: Execution, o: Failed) -> Disposition:
+    if o.final is not None:  # Celery's own retry limit: dead now, as plain Celery fails it
+        return _dead(a, o.error, o.final)
     try:
         decision = a.policy.decide(o.error, attempts=a.attempts, task_name=a.task_name)
     except Exception as exc:  # the retry budget's Redis is down: retry, never drop

@@ -496,3 +496,18 @@ def test_a_deferred_first_completion_to_store_writes_and_action(
     result = s.settle(attempt, o.Completed({"ok": 1}))
     assert type(result) is action
     assert [name for name, _ in store.writes] == writes
+
+
+def test_a_completion_returns_the_stored_json_value_not_the_raw_one() -> None:
+    store = FakeStore()
+    action = s.settle(_attempt(store), o.Completed({1: "a", "t": (1, 2)}))
+    assert action == o.Return({"1": "a", "t": [1, 2]})  # what a replay returns
+
+
+def test_a_final_failure_is_dead_at_once_whatever_the_retry_policy() -> None:
+    store = FakeStore()
+    error = ValueError("the body's own error")
+    action = s.settle(_attempt(store), o.Failed(error, final="max_retries exceeded"))
+    assert action == o.Fail(error)
+    assert [name for name, _ in store.writes] == ["Dead"]
+    assert store.writes[0][1]["reason"] == "max_retries exceeded"
