@@ -262,28 +262,36 @@ class FencedTask(Task, Fenced):
             logger.critical("fence settings invalid for task %s: %s", self.name, exc)
             return self._carry_out(self.invalid_settings(exc))
         if request.called_directly or request.is_eager:  # in the caller's thread
-            return self._run_in_caller(execution, args, kwargs)
-        return self._run_keyed(execution, args, kwargs)
+            return self._run_in_caller(execution, args, kwargs, call)
+        return self._run_keyed(execution, args, kwargs, call)
 
     def _run_in_caller(
-        self, execution: Execution, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        execution: Execution,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        call: Callable[..., Any] | None,
     ) -> Any:
         """A direct call, ``.apply()`` or an eager run: refused at once inside the caller's
         open transaction on the store's database (:mod:`celery_fence.adapters.direct`); the
         store's idle connections closed afterwards."""
         store = execution.store
         if not isinstance(store, Store):  # a store double: no database
-            return self._run_keyed(execution, args, kwargs)
+            return self._run_keyed(execution, args, kwargs, call)
         problem = direct.refusal(store, self.name)
         if problem is not None:
             raise FenceError(problem)
         try:
-            return self._run_keyed(execution, args, kwargs)
+            return self._run_keyed(execution, args, kwargs, call)
         finally:
             direct.release_connections(store)
 
     def _run_keyed(
-        self, execution: Execution, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        execution: Execution,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        call: Callable[..., Any] | None,
     ) -> Any:
         request = self.request
         try:
