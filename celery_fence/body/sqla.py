@@ -146,6 +146,8 @@ def _before_statement(
     if subject is None:
         return
     dbapi = _dbapi(conn)
+    if conn.dialect.name == "sqlite" and _block_open(subject):
+        _refuse_sqlite_write(conn, dbapi, subject, statement, parameters, many)
     if context is not None and (context.isinsert or context.isupdate or context.isdelete):
         table = getattr(getattr(context.compiled, "statement", None), "table", None)
         name = getattr(table, "name", None)
@@ -164,6 +166,35 @@ def _before_statement(
         # here, so a write it would not recognise cannot commit on its own.
         _run(dbapi, "BEGIN")
         conn.info.setdefault(_CHANGES, _total_changes(dbapi))
+
+
+def _block_open(subject: Any) -> bool:
+    if subject is AMBIGUOUS:
+        return watch.block_open_anywhere()
+    return bool(subject.blocks.any_open)
+
+
+def _refuse_sqlite_write(
+    conn: sa.Connection, dbapi: Any, subject: Any, statement: str, parameters: Any, many: bool
+) -> None:
+    """SQLite, a block of the attempt open: the block holds the database's write lock, so a
+    write on another connection would wait for it (the block waits for this code: a deadlock
+    until the busy timeout). Ask SQLite whether the statement writes before it runs — its
+    compiled program opens a write transaction (``EXPLAIN``: a ``Transaction`` opcode with P2
+    set, what ``sqlite3_stmt_readonly()`` reads) — and refuse it then."""
+    if many:
+        parameters = parameters[0] if parameters else ()
+    cursor = dbapi.cursor()
+    try:
+        cursor.execute(f"EXPLAIN {statement}", parameters)
+        writes = any(row[1] == "Transaction" and row[3] for row in cursor.fetchall())
+    finally:
+        cursor.close()
+    if writes:
+        here = where(conn)
+        raise (
+            watch.ambiguous_error(here) if subject is AMBIGUOUS else watch.beside_block_error(here)
+        )
 
 
 def _after_statement(
@@ -193,6 +224,13 @@ def _on_error(context: Any) -> None:
         return
     if conn.info.pop(_WRAP, None) is not None:
         _end(conn, _dbapi(conn), "ROLLBACK")
+
+
+def before_commit(conn: sa.Connection) -> None:
+    """The check of ``conn``'s transaction just before its COMMIT: the engine-wide listener, and
+    what a listener of the connection's own that commits the driver itself must call first
+    (connection listeners run before the engine-wide ones)."""
+    _on_commit(conn)
 
 
 def _on_commit(conn: sa.Connection) -> None:
@@ -248,4 +286,4 @@ def _end(conn: sa.Connection, dbapi: Any, verb: str) -> None:
         watch.release()
 
 
-__all__ = ["BLOCK_INFO", "install", "transaction_wrote", "where"]
+__all__ = ["BLOCK_INFO", "before_commit", "install", "transaction_wrote", "where"]

@@ -230,8 +230,9 @@ def raw_commit_error(where: str) -> ConfigurationError:
         f"the fenced block's transaction on {where} ended before the block's commit: a raw "
         "COMMIT (conn.exec_driver_sql('COMMIT'), a DB-API connection's commit(), a library that "
         "commits on the connection it is given) committed the block's writes so far WITHOUT the "
-        "fence's ownership check, so a stale worker's write may have landed. What was left was "
-        "rolled back. Never commit a fenced block's connection yourself: conn.commit() / "
+        "fence's ownership check, so a stale worker's write may have landed (and statements "
+        "after it may have committed one by one, outside any transaction); what was still open "
+        "was rolled back. Never commit a fenced block's connection yourself: conn.commit() / "
         "session.commit() are fenced, the end of the block commits."
     )
 
