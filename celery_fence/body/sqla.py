@@ -182,12 +182,16 @@ def _refuse_sqlite_write(
     until the busy timeout). Ask SQLite whether the statement writes before it runs — its
     compiled program opens a write transaction (``EXPLAIN``: a ``Transaction`` opcode with P2
     set, what ``sqlite3_stmt_readonly()`` reads) — and refuse it then."""
-    if many:
-        parameters = parameters[0] if parameters else ()
+    if many and parameters and isinstance(parameters[0], (tuple, list, dict)):
+        parameters = parameters[0]  # executemany: one row's (a batched INSERT's are flat)
     cursor = dbapi.cursor()
     try:
         cursor.execute(f"EXPLAIN {statement}", parameters)
         writes = any(row[1] == "Transaction" and row[3] for row in cursor.fetchall())
+    except Exception:
+        # SQLite cannot explain it: the statement runs; a write then waits on the block's lock
+        # (the database still keeps it out) and its COMMIT is checked as any other.
+        writes = False
     finally:
         cursor.close()
     if writes:

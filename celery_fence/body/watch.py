@@ -202,13 +202,15 @@ _FIX_BLOCK = (
 
 def beside_block_error(where: str) -> ConfigurationError:
     """The refusal of a transaction that wrote on ``where`` (a connection the open fenced block
-    does not cover) while a block of the attempt is open: the caller has rolled it back."""
+    does not cover) while a block of the attempt is open: the caller has rolled it back. The fix
+    comes first: the store keeps the first 500 characters of a dead job's error."""
     return ConfigurationError(
-        f"a write on {where}, a connection that is not the fenced block's, while a "
-        "fence.transaction()/session()/atomic() block is open: the block's fenced commit covers "
-        "its own connection only, so this write would commit unchecked and a stale worker's write "
-        f"would land. It was rolled back. {_FIX_BLOCK}; or make the write outside the block "
-        "(it is then flagged per fence_unfenced_writes)."
+        "a write on a connection that is not the fenced block's, while a fenced block is open "
+        "(rolled back): the block's fenced commit covers its own connection only, so the write "
+        "would commit unchecked and a stale worker's write would land. Write through the block: "
+        "`with self.fence.transaction() as conn:`, or `with self.fence.session(YourSession) as "
+        "session:` (Flask-SQLAlchemy: self.fence.session(db.session); Django: "
+        f"self.fence.atomic()), or write after the block. The connection: {where}."
     )
 
 

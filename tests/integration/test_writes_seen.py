@@ -176,7 +176,7 @@ def test_every_text_form_of_a_write_beside_an_open_block_is_refused_at_commit(
         for statement in _forms(app_engine):
             refused = _refused(app_engine, statement)
             assert "not the fenced block's" in str(refused), statement
-            assert "self.fence.transaction()" in str(refused)
+            assert "self.fence.transaction() as conn" in str(refused)
         # the ORM on the app's own engine, and a second connection of the store's own engine
         Session = sessionmaker(app_engine)
         with (
@@ -185,6 +185,13 @@ def test_every_text_form_of_a_write_beside_an_open_block_is_refused_at_commit(
         ):
             session.execute(accounts.update().values(balance=7))
             session.commit()
+        # several rows at once (executemany, SQLAlchemy's batched INSERT)
+        with (
+            app_engine.connect() as other,
+            pytest.raises(ConfigurationError, match="not the fenced block's"),
+        ):
+            other.execute(accounts.insert(), [{"id": 5, "balance": 1}, {"id": 6, "balance": 1}])
+            other.commit()
     assert _balance(store) == 100  # nothing of any of them landed
     if app_engine.dialect.name == "postgresql":
         assert not sa.inspect(app_engine).has_table("t_seen_copy")
