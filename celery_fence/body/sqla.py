@@ -4,7 +4,8 @@ Five listeners on the :class:`sqlalchemy.Engine` class (every engine of the proc
 by :func:`install`. Each starts with ``if WATCH.idle: return`` (no fenced body runs: one
 attribute lookup), then looks only at a connection that is neither a fenced block's (marked
 ``conn.info[BLOCK_INFO]`` while the block is open; its commit is the fenced one) nor the store's
-own (its engine carries the execution option :data:`~celery_fence.store.engine.OWN`), for code
+own (the connections of its own statements carry the execution option
+:data:`~celery_fence.store.engine.OWN`), for code
 :func:`~celery_fence.body.watch.attribution` attributes to a running attempt (never inside
 :func:`~celery_fence.body.watch.bookkeeping`).
 
@@ -16,7 +17,9 @@ own (its engine carries the execution option :data:`~celery_fence.store.engine.O
   began (while a fenced body runs, an SQLite transaction is begun explicitly before its first
   statement, so no write the driver would autocommit slips out of it; DDL is not counted).
   If it wrote: beside an open fenced block of the attempt it is rolled back and refused
-  (:func:`~celery_fence.body.watch.beside_block_error`); outside every block
+  (:func:`~celery_fence.body.watch.beside_block_error`; on SQLite, whose block holds the write
+  lock, a statement SQLite compiles as a write is refused before it runs: see
+  :func:`_refuse_sqlite_write`); outside every block
   :func:`~celery_fence.body.watch.unfenced_write` applies ``fence_unfenced_writes``.
 - **An autocommit statement** (an engine or connection with ``isolation_level="AUTOCOMMIT"``:
   no COMMIT to stop): the statement runs inside a transaction of the fence's own on the
