@@ -99,12 +99,15 @@ def _total_changes(dbapi: Any) -> int:
 
 
 def _in_transaction(conn: sa.Connection, dbapi: Any) -> bool:
-    """Whether the driver's connection is inside a transaction (PostgreSQL: libpq's status)."""
+    """Whether the driver's connection is inside a live transaction (PostgreSQL: libpq's
+    status INTRANS or ACTIVE; an aborted one, INERROR, commits nothing: the server rolls it
+    back)."""
     if conn.dialect.name == "sqlite":
         return bool(dbapi.in_transaction)
     info = getattr(dbapi, "info", None)
     status = getattr(info, "transaction_status", None)
-    return status is not None and int(status) != 0  # 0: IDLE (psycopg2 and psycopg alike)
+    # psycopg2 and psycopg alike: 0 IDLE, 1 ACTIVE, 2 INTRANS, 3 INERROR, 4 UNKNOWN
+    return status is None or int(status) in (1, 2)
 
 
 def transaction_wrote(conn: sa.Connection, dbapi: Any | None = None) -> bool:
