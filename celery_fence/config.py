@@ -70,6 +70,11 @@ MIN_RETENTION = 3600.0
 #: PostgreSQL: seconds a store statement (a registration, a completion) waits for a row lock,
 #: e.g. behind a paused ``fence.transaction()`` holder, before it fails and the message is re-sent.
 DEFAULT_LOCK_TIMEOUT = 5.0
+#: What a write a fenced body commits outside every fenced block gets: ``"warn"`` (one WARNING
+#: per task name and process, an ``unfenced_write`` transition and signal), ``"error"`` (rolled
+#: back, ``ConfigurationError``) or ``"allow"`` (nothing).
+UNFENCED_WRITES = ("warn", "error", "allow")
+DEFAULT_UNFENCED_WRITES = "warn"
 
 
 def _as_float(name: str, value: Any) -> float:
@@ -175,6 +180,7 @@ class FenceConfig:
     recover_pending_after: float = DEFAULT_RECOVER_PENDING_AFTER
     max_runtime: float | None = None  # None: the task's hard time limit, if it has one
     retention: float | None = None  # None: finished jobs are kept until purged by hand
+    unfenced_writes: str = DEFAULT_UNFENCED_WRITES
 
     def __post_init__(self) -> None:
         self.validate()
@@ -286,6 +292,12 @@ class FenceConfig:
                 f"fence_lock_timeout={self.lock_timeout} must be a positive number of seconds "
                 "(the longest a store statement waits for a row lock), e.g. "
                 f"{DEFAULT_LOCK_TIMEOUT}."
+            )
+        if self.unfenced_writes not in UNFENCED_WRITES:
+            raise ConfigurationError(
+                f"fence_unfenced_writes={self.unfenced_writes!r} must be one of 'warn' (the "
+                "default: log and record a write a fenced task commits outside every fenced "
+                "block), 'error' (roll it back and raise) or 'allow' (say nothing)."
             )
         if "://" not in self.database_url:
             raise ConfigurationError(
@@ -405,6 +417,8 @@ def _parse(name: str, raw: Any, setting: str | None = None) -> Any:
                 f"{setting}={raw!r} must be a DATABASES alias, e.g. 'default'."
             )
         return raw
+    if name == "unfenced_writes":  # one of UNFENCED_WRITES, any case; validate() names them
+        return raw.strip().lower() if isinstance(raw, str) else raw
     if name in _STRS:
         if not isinstance(raw, str):
             raise ConfigurationError(f"{setting}={raw!r} must be a string.")
