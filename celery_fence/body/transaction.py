@@ -81,9 +81,42 @@ class Block:
     refused: FenceError | None = None
 
 
+class AtomicAliases:
+    """The Django aliases with an open outermost ``fence.atomic()`` block, per thread: Django's
+    connections are per thread, so each thread's block is on a connection of its own and is
+    fenced on its own (:mod:`celery_fence.contrib.django.atomic`). True while any thread has one
+    open."""
+
+    def __init__(self) -> None:
+        self._by_thread: dict[int, set[str]] = {}
+        self._lock = threading.Lock()
+
+    def here(self) -> frozenset[str]:
+        """This thread's aliases with an open fenced ``atomic()`` block."""
+        with self._lock:
+            return frozenset(self._by_thread.get(threading.get_ident(), ()))
+
+    def add(self, alias: str) -> None:
+        with self._lock:
+            self._by_thread.setdefault(threading.get_ident(), set()).add(alias)
+
+    def discard(self, alias: str) -> None:
+        with self._lock:
+            mine = self._by_thread.get(threading.get_ident())
+            if mine is not None:
+                mine.discard(alias)
+                if not mine:
+                    del self._by_thread[threading.get_ident()]
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return bool(self._by_thread)
+
+
 class OpenBlocks:
     """The fenced blocks of one attempt: its open outermost ``transaction()``/``session()``
-    blocks (one per thread at most), the Django aliases with an open ``atomic()`` block, the
+    blocks (one per thread at most), the Django aliases with an open ``atomic()`` block (per
+    thread), the
     refusal of a fenced commit (every later block is refused too), and a lease loss seen while a
     block was open, whose record waits for the last one to close."""
 
@@ -91,8 +124,8 @@ class OpenBlocks:
         self._open: dict[int, Block] = {}
         self._lock = threading.Lock()
         self._loss_seen = False
-        #: Django aliases with an open ``fence.atomic()`` block.
-        self.atomic: set[str] = set()
+        #: Django aliases with an open ``fence.atomic()`` block, per thread.
+        self.atomic = AtomicAliases()
         #: A fenced commit found a newer generation: no later block of this attempt commits.
         self.refused: FenceError | None = None
 
@@ -154,7 +187,7 @@ def transaction(fence: Fence, bind: sa.Engine | None = None) -> Iterator[sa.Conn
 @contextlib.contextmanager
 def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
     store = store_of(fence)
-    if fence.blocks.atomic:
+    if fence.blocks.atomic.here():
         raise FenceError(
             "fence.transaction()/session() inside an open fence.atomic() block: the two are "
             "separate connections, and a fenced commit covers one. Write through Django's ORM "

@@ -56,6 +56,20 @@ def django_setup(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> LazyS
                 "lite": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(elsewhere)},
                 "elsewhere": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(elsewhere)},
                 "spare": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(spare)},
+                # AUTOCOMMIT off: the store's databases (NAME set by the test on SQLite)
+                "manual": {
+                    "ENGINE": "django.db.backends.postgresql",
+                    "NAME": pg.database,
+                    "USER": pg.username,
+                    "HOST": pg.host,
+                    "PORT": str(pg.port or 5432),
+                    "AUTOCOMMIT": False,
+                },
+                "manual_lite": {
+                    "ENGINE": "django.db.backends.sqlite3",
+                    "NAME": str(spare),
+                    "AUTOCOMMIT": False,
+                },
             },
             USE_TZ=True,
             DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
@@ -274,6 +288,92 @@ def test_inside_a_plain_atomic_a_stale_block_rolls_back_to_its_savepoint(
     assert _writers(alias, fence.key) == []
 
 
+def _in_thread(target: Any) -> BaseException | None:
+    """Run ``target`` on a thread of its own (Django gives it its own connections, closed at its
+    end); what it raised, if anything."""
+    from django.db import connections
+
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            target()
+        except BaseException as exc:
+            raised.append(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    return raised[0] if raised else None
+
+
+def test_two_threads_in_atomic_each_commit_is_fenced(store: Store, alias: str) -> None:
+    # Given an attempt with fence.atomic() open on this thread (nothing written yet, so on SQLite
+    # it holds no lock),
+    fence = _attempt(store)
+    with pytest.raises(StaleGeneration), fence.atomic(using=alias):
+
+        def second() -> None:
+            # and a second thread of the attempt opening fence.atomic() too (its own connection:
+            # an outermost block of its own, not a savepoint of the first),
+            with fence.atomic(using=alias):
+                _takeover(store, fence)  # when a newer generation registers meanwhile,
+                _write(alias, fence)
+
+        raised = _in_thread(second)
+        # then the second thread's commit is checked and refused: its write does not land,
+        assert isinstance(raised, StaleGeneration), raised
+        assert _writers(alias, fence.key) == []
+        _write(alias, fence)  # and the first thread's block is refused at its end too.
+    assert _writers(alias, fence.key) == []
+
+
+def test_two_threads_in_atomic_both_commit_while_the_attempt_owns_its_key(
+    store: Store, alias: str
+) -> None:
+    fence = _attempt(store)
+    with fence.atomic(using=alias):
+
+        def second() -> None:
+            with fence.atomic(using=alias):
+                _write(alias, fence)
+                with fence.atomic(using=alias):  # nested on this thread: a savepoint
+                    _write(alias, fence)
+
+        assert _in_thread(second) is None
+        assert fence.blocks.atomic.here() == {alias}  # the other thread's block is its own
+        _write(alias, fence)
+    assert _writers(alias, fence.key) == [fence.attempt_id] * 3
+    assert not fence.blocks.atomic
+
+
+def test_autocommit_off_is_refused(store: Store, alias: str, db_url: str) -> None:
+    from django.db import connections
+
+    # Given DATABASES[...]["AUTOCOMMIT"] = False on the store's database (Django then never
+    # commits an outermost atomic block: the writes would roll back, the job say completed),
+    manual = "manual" if store.dialect == "postgresql" else "manual_lite"
+    connection = connections[manual]
+    if manual == "manual_lite":
+        connection.close()
+        connection.settings_dict["NAME"] = str(Path(db_url.split("///", 1)[1]))
+    fence = _attempt(store)
+    # then fence.atomic() refuses to run, naming the setting and the fix.
+    try:
+        with (
+            pytest.raises(ConfigurationError, match=r"\['AUTOCOMMIT'\] is False.*Remove"),
+            fence.atomic(using=manual),
+        ):
+            _write(manual, fence)
+    finally:
+        connection.rollback()
+        connection.close()
+    assert _writers(alias, fence.key) == []
+
+
 def test_postgresql_the_block_is_bounded_and_the_connection_reusable(
     store: Store, alias: str
 ) -> None:
@@ -403,7 +503,8 @@ def test_fence_atomic_on_django_with_psycopg2(tmp_path: Path) -> None:
     # this module's PostgreSQL cases again, on that driver, in a process of their own.
     selected = (
         "postgresql and (driver_this_process or commits_while or newer_registration or "
-        "holder_paused or bounded or orm_write_inside or another_alias or nested)"
+        "holder_paused or bounded or orm_write_inside or another_alias or nested or "
+        "two_threads or autocommit_off)"
     )
     proc = subprocess.run(
         [
@@ -430,7 +531,7 @@ def test_fence_atomic_on_django_with_psycopg2(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed[1]) >= 7, proc.stdout[-2000:]
+    assert passed and int(passed[1]) >= 10, proc.stdout[-2000:]
 
 
 # -- CELERY_FENCE_DATABASE ------------------------------------------------------------------------
@@ -498,6 +599,26 @@ def test_manage_py_check_reports_bad_fence_settings(django_setup: LazySettings) 
     assert [w.id for w in check_settings()] == ["celery_fence.W001"]  # the embedded SQLite file
 
 
+def test_manage_py_check_refuses_autocommit_off(django_setup: LazySettings, pg_url: str) -> None:
+    from django.test import override_settings
+
+    from celery_fence.contrib.django.checks import check_settings
+
+    # The fence's alias with AUTOCOMMIT off: an Error (manage.py check fails), naming the fix;
+    with override_settings(CELERY_FENCE_DATABASE="manual"):
+        errors = check_settings()
+    assert [(e.id, e.level) for e in errors] == [("celery_fence.E002", 40)]
+    assert "DATABASES['manual']['AUTOCOMMIT'] is False" in errors[0].msg
+    # the store set by URL on a database an AUTOCOMMIT-off alias is on: the same Error;
+    with override_settings(CELERY_FENCE_DATABASE_URL=pg_url):
+        assert [e.id for e in check_settings()] == ["celery_fence.E002"]
+    # and the settings a worker reads refuse it.
+    from celery_fence.config import FenceConfig
+
+    with pytest.raises(ConfigurationError, match=r"CELERY_FENCE_DATABASE='manual'.*AUTOCOMMIT"):
+        FenceConfig.from_mapping({"CELERY_FENCE_DATABASE": "manual"})
+
+
 # -- manage.py migrate ----------------------------------------------------------------------------
 
 
@@ -540,3 +661,67 @@ def test_migrate_makes_the_fence_tables_only_in_the_fence_alias(django_setup: La
     assert fence_tables("spare") == set()
     for alias in ("elsewhere", "spare"):
         connections[alias].close()
+
+
+# -- AUTOCOMMIT off: celery fence check and worker start ------------------------------------------
+
+
+MANUAL_APP = "tests.support.django_manual_app"
+
+
+def _celery_django(
+    tmp_path: Path, autocommit: bool, *args: str, timeout: float = 90.0
+) -> subprocess.CompletedProcess[str]:
+    """``celery -A tests.support.django_manual_app ...``: a Django project whose fence store is
+    DATABASES['default'] (a SQLite file), AUTOCOMMIT on or off."""
+    import os
+
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "DJANGO_SETTINGS_MODULE": "tests.support.django_manual_app",
+        "FENCE_T_DJANGO_DB": str(tmp_path / "manual.sqlite3"),
+        "FENCE_T_DJANGO_AUTOCOMMIT": "1" if autocommit else "0",
+    }
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("celery")), "-A", MANUAL_APP, *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_celery_fence_check_refuses_autocommit_off(tmp_path: Path) -> None:
+    # With AUTOCOMMIT on, the settings check passes (the schema is missing: init-db it first);
+    assert _celery_django(tmp_path, True, "fence", "init-db").returncode == 0
+    good = _celery_django(tmp_path, True, "fence", "check")
+    assert good.returncode == 0, good.stdout + good.stderr
+    # with AUTOCOMMIT off, `celery fence check` fails on one line naming the setting and the fix.
+    bad = _celery_django(tmp_path, False, "fence", "check")
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert bad.returncode != 0 and len(lines) == 1, bad.stdout + bad.stderr
+    assert "['AUTOCOMMIT'] is False" in lines[0] and "Remove 'AUTOCOMMIT': False" in lines[0]
+    assert "Traceback" not in bad.stderr
+
+
+def test_worker_start_refuses_autocommit_off(tmp_path: Path) -> None:
+    # A worker of a project with AUTOCOMMIT off does not start: it exits at once, saying why.
+    proc = _celery_django(
+        tmp_path,
+        False,
+        "worker",
+        "--pool=solo",
+        "--concurrency=1",
+        "--without-heartbeat",
+        "--without-gossip",
+        "--without-mingle",
+        "--loglevel=WARNING",
+        timeout=120.0,
+    )
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "invalid settings, the worker does not start" in out, out[-3000:]
+    assert "['AUTOCOMMIT'] is False" in out

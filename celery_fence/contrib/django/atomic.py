@@ -15,8 +15,19 @@ Why that check is enough (also at other isolation levels, and on SQLite): docs/d
 the check is enough (Read Committed)".
 
 Nesting: ``fence.atomic()`` or ``transaction.atomic()`` inside the block is a savepoint; the
-check runs once, at the end of the outermost fenced block. ``transaction.on_commit`` callbacks
-registered inside run only after the fenced commit (Django discards them on a rollback).
+check runs once, at the end of the outermost fenced block. Nesting is per thread, as Django's
+connections are: a block is nested when this thread already has a fenced block open on the alias
+(and Django's connection of this thread says it is in an atomic block). Two threads of one attempt
+each opening ``fence.atomic()`` have two connections, two transactions, and two fenced commits:
+each is checked on its own: a stale thread's block rolls back, whatever the other did.
+
+``DATABASES[alias]["AUTOCOMMIT"] = False`` is refused with a
+:class:`~celery_fence.ConfigurationError`: Django then never commits an outermost
+``atomic()``, so the block's writes would roll back when the session ends while the job is stored
+``completed`` (``manage.py check``, ``celery fence check`` and worker start refuse it too).
+
+``transaction.on_commit`` callbacks registered inside run only after the fenced commit (Django
+discards them on a rollback).
 
 Inside a plain ``transaction.atomic()`` of your own (or ``ATOMIC_REQUESTS``), ``fence.atomic()``
 is a savepoint of your transaction and the check runs at the end of the fenced block, in it; the
@@ -46,7 +57,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db import transaction as django_transaction
 
 from celery_fence import signals
-from celery_fence.contrib.django.database import same_database_problem
+from celery_fence.contrib.django.database import autocommit_off, same_database_problem
 from celery_fence.contrib.django.guard import refuse_uncovered_writes
 from celery_fence.errors import ConfigurationError, FenceError, LeaseLost
 
@@ -76,13 +87,23 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
             "separate connections, and a fenced commit covers one. Use fence.atomic() alone for "
             "Django ORM writes, or run the blocks one after another."
         )
-    if alias in fence.blocks.atomic:  # a savepoint of the open fenced block; it checks at its end
-        fence.check()
-        with django_transaction.atomic(using=alias):
-            yield
-        return
+    connection = connections[alias]  # this thread's: Django's connections are per thread
+    off = autocommit_off(alias, connection.settings_dict)
+    if off is not None:
+        raise ConfigurationError(off)
+    if alias in fence.blocks.atomic.here():
+        if connection.in_atomic_block:  # a savepoint of this thread's open fenced block
+            fence.check()
+            with django_transaction.atomic(using=alias):
+                yield
+            return
+        raise FenceError(
+            f"fence.atomic(using={alias!r}): the enclosing fenced block's transaction on this "
+            "thread's connection has ended under it (a raw COMMIT/ROLLBACK, a set_autocommit() or "
+            "a closed connection inside the block): its writes were not fenced. Commit only by "
+            "leaving the fenced block."
+        )
     fence.blocks.raise_refused()
-    connection = connections[alias]
     problem = same_database_problem(store.url, alias, connection.settings_dict)
     if problem is not None:
         raise ConfigurationError(
@@ -96,7 +117,7 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
     try:
         with (
             refuse_uncovered_writes(
-                lambda: fence.blocks.atomic, f"fence.atomic(using={alias!r})", _fix
+                lambda: fence.blocks.atomic.here(), f"fence.atomic(using={alias!r})", _fix
             ),
             django_transaction.atomic(using=alias),
         ):
@@ -105,7 +126,7 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
             if not connection.needs_rollback:  # else Django rolls back: nothing to check
                 _check(fence, store, connection)
     except _Refused:
-        fence.blocks.atomic.discard(alias)
+        fence.blocks.atomic.discard(alias)  # before the loss is recorded: no block left open
         refused = store._rejected(fence.key, fence.generation, fence.attempt_id, "fenced commit")
         fence.blocks.refused = refused
         raise refused from None
