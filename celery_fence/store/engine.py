@@ -30,6 +30,10 @@ SQLITE_TIMESTAMP = "%Y-%m-%d %H:%M:%S.%f"
 #: both take the ``%(name)s`` parameters of :mod:`.sql`'s statements.
 PG_DRIVERS = ("psycopg", "psycopg2")
 
+#: The execution option every connection of a store's own engine carries: the fence's own
+#: statements, never the app's write (:mod:`celery_fence.body.sqla` looks at none of them).
+OWN = "fence_own"
+
 
 class Database:
     """One database URL's engine and execution paths. Safe to share between threads."""
@@ -101,6 +105,7 @@ class Database:
             options["connect_args"] = self._pg_connect_args()
             green.cooperative_waits(sa.engine.make_url(self.url).get_driver_name())
         options.update(self._engine_options)
+        options["execution_options"] = {**dict(options.get("execution_options") or {}), OWN: True}
         engine = sa.create_engine(self.url, **options)
         if self.dialect == "sqlite":
 
