@@ -213,8 +213,9 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
         conn.info[sqla.BLOCK_INFO] = block  # its commit is the fenced one: not watched
         # A fence made by hand (a test) is watched for the block's duration, like a body's.
         watched = contextlib.nullcontext() if watch.is_running(fence) else watch.running(fence)
+        watch_django()
         try:
-            with watched, _django_writes_refused():
+            with watched:
                 yield block
         except BaseException:
             _rollback(store, conn)
@@ -236,28 +237,19 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
             fence.blocks.remove(block, fence.lease)  # records a loss seen inside the block
 
 
-def _django_writes_refused() -> contextlib.AbstractContextManager[None]:
-    """In a process with Django configured, Django ORM writes inside the block are refused: they
-    run on Django's connection, which this block's fenced commit does not cover
+def watch_django() -> None:
+    """In a process with Django configured, watch its ORM writes too (once per process): a Django
+    write beside an open block is refused, one outside every block of a fenced body flagged
     (:mod:`celery_fence.contrib.django.guard`). Django is never imported here."""
     conf = sys.modules.get("django.conf")
     try:
         configured = conf is not None and "django.db" in sys.modules and conf.settings.configured
     except Exception:  # settings that cannot be read: nothing of Django's to guard
         configured = False
-    if not configured:
-        return contextlib.nullcontext()
-    from celery_fence.contrib.django.guard import refuse_uncovered_writes
+    if configured:
+        from celery_fence.contrib.django.guard import install
 
-    return refuse_uncovered_writes(frozenset, "fence.transaction()/session()", _use_atomic_instead)
-
-
-def _use_atomic_instead(alias: str) -> str:
-    return (
-        f"Write through Django's ORM inside `with self.fence.atomic(using={alias!r}):` (its commit "
-        "is fenced on Django's connection), and keep fence.transaction()/session() for "
-        "SQLAlchemy writes."
-    )
+        install()
 
 
 def _bound_waits(store: Store, block: Block) -> int | None:
