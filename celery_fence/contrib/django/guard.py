@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.sqlite3.base import DatabaseWrapper as SQLiteWrapper
 from django.db.backends.utils import CursorWrapper
+from django.db.utils import OperationalError
 
 from celery_fence.body import watch
 from celery_fence.body.watch import AMBIGUOUS, WATCH
@@ -184,16 +185,28 @@ def _statement(db: Any, statement: Any, run: Callable[[], T], cursor: Any = None
         _remember_table(db, statement)
     db.ensure_connection()
     raw = db.connection
-    if db.in_atomic_block or not db.get_autocommit():
-        if db.vendor == "sqlite" and not raw.in_transaction:
-            # pysqlite begins a transaction only before a statement it takes for a write: begin
-            # it here, so a write it would not recognise cannot commit on its own.
-            _run(raw, "BEGIN")
-            db.__dict__[_CHANGES] = raw.total_changes
-        return run()
-    if not _watched_alone(db, subject):
-        return run()
-    return _in_own_transaction(db, subject, raw, run, cursor)
+    try:
+        if db.in_atomic_block or not db.get_autocommit():
+            if db.vendor == "sqlite" and not raw.in_transaction:
+                # pysqlite begins a transaction only before a statement it takes for a write:
+                # begin it here, so a write it would not recognise cannot commit on its own.
+                _run(raw, "BEGIN")
+                db.__dict__[_CHANGES] = raw.total_changes
+            return run()
+        if not _watched_alone(db, subject):
+            return run()
+        return _in_own_transaction(db, subject, raw, run, cursor)
+    except OperationalError as exc:
+        # SQLite: a write on the file an open fence.transaction() block holds the write lock of
+        # waits for it, then fails as "database is locked": say what it was.
+        if (
+            db.vendor == "sqlite"
+            and "locked" in str(exc)
+            and subject is not AMBIGUOUS
+            and cast("Fence", subject).blocks.any_open
+        ):
+            raise watch.beside_block_error(where(db)) from exc
+        raise
 
 
 def _watched_alone(db: Any, subject: Any) -> bool:
