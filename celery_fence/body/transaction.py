@@ -81,9 +81,42 @@ class Block:
     refused: FenceError | None = None
 
 
+class AtomicAliases:
+    """The Django aliases with an open outermost ``fence.atomic()`` block, per thread: Django's
+    connections are per thread, so each thread's block is on a connection of its own and is
+    fenced on its own (:mod:`celery_fence.contrib.django.atomic`). True while any thread has one
+    open."""
+
+    def __init__(self) -> None:
+        self._by_thread: dict[int, set[str]] = {}
+        self._lock = threading.Lock()
+
+    def here(self) -> frozenset[str]:
+        """This thread's aliases with an open fenced ``atomic()`` block."""
+        with self._lock:
+            return frozenset(self._by_thread.get(threading.get_ident(), ()))
+
+    def add(self, alias: str) -> None:
+        with self._lock:
+            self._by_thread.setdefault(threading.get_ident(), set()).add(alias)
+
+    def discard(self, alias: str) -> None:
+        with self._lock:
+            mine = self._by_thread.get(threading.get_ident())
+            if mine is not None:
+                mine.discard(alias)
+                if not mine:
+                    del self._by_thread[threading.get_ident()]
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return bool(self._by_thread)
+
+
 class OpenBlocks:
     """The fenced blocks of one attempt: its open outermost ``transaction()``/``session()``
-    blocks (one per thread at most), the Django aliases with an open ``atomic()`` block, the
+    blocks (one per thread at most), the Django aliases with an open ``atomic()`` block (per
+    thread), the
     refusal of a fenced commit (every later block is refused too), and a lease loss seen while a
     block was open, whose record waits for the last one to close."""
 
@@ -91,8 +124,8 @@ class OpenBlocks:
         self._open: dict[int, Block] = {}
         self._lock = threading.Lock()
         self._loss_seen = False
-        #: Django aliases with an open ``fence.atomic()`` block.
-        self.atomic: set[str] = set()
+        #: Django aliases with an open ``fence.atomic()`` block, per thread.
+        self.atomic = AtomicAliases()
         #: A fenced commit found a newer generation: no later block of this attempt commits.
         self.refused: FenceError | None = None
 
@@ -159,7 +192,7 @@ def transaction(fence: Fence, bind: sa.Engine | None = None) -> Iterator[sa.Conn
 @contextlib.contextmanager
 def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
     store = store_of(fence)
-    if fence.blocks.atomic:
+    if fence.blocks.atomic.here():
         raise FenceError(
             "fence.transaction()/session() inside an open fence.atomic() block: the two are "
             "separate connections, and a fenced commit covers one. Write through Django's ORM "
@@ -180,8 +213,9 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
         conn.info[sqla.BLOCK_INFO] = block  # its commit is the fenced one: not watched
         # A fence made by hand (a test) is watched for the block's duration, like a body's.
         watched = contextlib.nullcontext() if watch.is_running(fence) else watch.running(fence)
+        watch_django()
         try:
-            with watched, _django_writes_refused():
+            with watched:
                 yield block
         except BaseException:
             _rollback(store, conn)
@@ -203,28 +237,19 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
             fence.blocks.remove(block, fence.lease)  # records a loss seen inside the block
 
 
-def _django_writes_refused() -> contextlib.AbstractContextManager[None]:
-    """In a process with Django configured, Django ORM writes inside the block are refused: they
-    run on Django's connection, which this block's fenced commit does not cover
+def watch_django() -> None:
+    """In a process with Django configured, watch its ORM writes too (once per process): a Django
+    write beside an open block is refused, one outside every block of a fenced body flagged
     (:mod:`celery_fence.contrib.django.guard`). Django is never imported here."""
     conf = sys.modules.get("django.conf")
     try:
         configured = conf is not None and "django.db" in sys.modules and conf.settings.configured
     except Exception:  # settings that cannot be read: nothing of Django's to guard
         configured = False
-    if not configured:
-        return contextlib.nullcontext()
-    from celery_fence.contrib.django.guard import refuse_uncovered_writes
+    if configured:
+        from celery_fence.contrib.django.guard import install
 
-    return refuse_uncovered_writes(frozenset, "fence.transaction()/session()", _use_atomic_instead)
-
-
-def _use_atomic_instead(alias: str) -> str:
-    return (
-        f"Write through Django's ORM inside `with self.fence.atomic(using={alias!r}):` (its commit "
-        "is fenced on Django's connection), and keep fence.transaction()/session() for "
-        "SQLAlchemy writes."
-    )
+        install()
 
 
 def _bound_waits(store: Store, block: Block) -> int | None:

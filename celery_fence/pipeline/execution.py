@@ -26,6 +26,7 @@ from celery_fence.actions import Action, LogAction
 from celery_fence.announce.transitions import Announcer, lease_observers
 from celery_fence.body import sqla, watch
 from celery_fence.body.fence import Fence
+from celery_fence.body.transaction import watch_django
 from celery_fence.config import FenceConfig
 from celery_fence.errors import (
     ConfigurationError,
@@ -196,6 +197,7 @@ class Execution:
             execution=self,
         )
         sqla.install()  # once per process: every SQLAlchemy write of the body is seen
+        watch_django()  # and, with Django configured, every Django ORM write
         try:
             with watch.running(fence):  # its writes on any connection are attributed to it
                 result = body(fence)

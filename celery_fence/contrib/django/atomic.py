@@ -15,17 +15,30 @@ Why that check is enough (also at other isolation levels, and on SQLite): docs/d
 the check is enough (Read Committed)".
 
 Nesting: ``fence.atomic()`` or ``transaction.atomic()`` inside the block is a savepoint; the
-check runs once, at the end of the outermost fenced block. ``transaction.on_commit`` callbacks
-registered inside run only after the fenced commit (Django discards them on a rollback).
+check runs once, at the end of the outermost fenced block. Nesting is per thread, as Django's
+connections are: a block is nested when this thread already has a fenced block open on the alias
+(and Django's connection of this thread says it is in an atomic block). Two threads of one attempt
+each opening ``fence.atomic()`` have two connections, two transactions, and two fenced commits:
+each is checked on its own: a stale thread's block rolls back, whatever the other did.
+
+``DATABASES[alias]["AUTOCOMMIT"] = False`` is refused with a
+:class:`~celery_fence.ConfigurationError`: Django then never commits an outermost
+``atomic()``, so the block's writes would roll back when the session ends while the job is stored
+``completed`` (``manage.py check``, ``celery fence check`` and worker start refuse it too).
+
+``transaction.on_commit`` callbacks registered inside run only after the fenced commit (Django
+discards them on a rollback).
 
 Inside a plain ``transaction.atomic()`` of your own (or ``ATOMIC_REQUESTS``), ``fence.atomic()``
 is a savepoint of your transaction and the check runs at the end of the fenced block, in it; the
 fenced writes commit or roll back with your transaction. Your writes outside the fenced block are
 not checked.
 
-While the block is open, an ORM write on another alias (whose transaction the check does not
-cover) is refused with a :class:`~celery_fence.ConfigurationError`, as is any Django ORM write
-inside ``fence.transaction()``/``session()`` (:mod:`.guard`).
+While the block is open, a write committed on any other Django connection (another alias, or
+this alias on another thread), whatever its text, is rolled back and refused with a
+:class:`~celery_fence.ConfigurationError`, as is any Django write inside
+``fence.transaction()``/``session()``; a Django write outside every block of a fenced body is
+flagged per ``fence_unfenced_writes`` (:mod:`.guard`: by what the database says).
 
 On PostgreSQL the block is bounded as ``fence.transaction()`` is, for its transaction only:
 ``idle_in_transaction_session_timeout`` is the lease TTL (the server ends the session of a worker
@@ -46,8 +59,9 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db import transaction as django_transaction
 
 from celery_fence import signals
-from celery_fence.contrib.django.database import same_database_problem
-from celery_fence.contrib.django.guard import refuse_uncovered_writes
+from celery_fence.body import watch
+from celery_fence.contrib.django import guard
+from celery_fence.contrib.django.database import autocommit_off, same_database_problem
 from celery_fence.errors import ConfigurationError, FenceError, LeaseLost
 
 if TYPE_CHECKING:
@@ -76,13 +90,23 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
             "separate connections, and a fenced commit covers one. Use fence.atomic() alone for "
             "Django ORM writes, or run the blocks one after another."
         )
-    if alias in fence.blocks.atomic:  # a savepoint of the open fenced block; it checks at its end
-        fence.check()
-        with django_transaction.atomic(using=alias):
-            yield
-        return
+    connection = connections[alias]  # this thread's: Django's connections are per thread
+    off = autocommit_off(alias, connection.settings_dict)
+    if off is not None:
+        raise ConfigurationError(off)
+    if alias in fence.blocks.atomic.here():
+        if connection.in_atomic_block:  # a savepoint of this thread's open fenced block
+            fence.check()
+            with django_transaction.atomic(using=alias):
+                yield
+            return
+        raise FenceError(
+            f"fence.atomic(using={alias!r}): the enclosing fenced block's transaction on this "
+            "thread's connection has ended under it (a raw COMMIT/ROLLBACK, a set_autocommit() or "
+            "a closed connection inside the block): its writes were not fenced. Commit only by "
+            "leaving the fenced block."
+        )
     fence.blocks.raise_refused()
-    connection = connections[alias]
     problem = same_database_problem(store.url, alias, connection.settings_dict)
     if problem is not None:
         raise ConfigurationError(
@@ -92,20 +116,21 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
             "run manage.py migrate), or pass using= an alias on the store's database."
         )
     fence.prepare_block()
+    guard.install()  # (the execution installs it before the body: for a fence made by hand)
+    # A fence made by hand (a test) is watched for the block's duration, like a body's.
+    watched = contextlib.nullcontext() if watch.is_running(fence) else watch.running(fence)
     fence.blocks.atomic.add(alias)
     try:
-        with (
-            refuse_uncovered_writes(
-                lambda: fence.blocks.atomic, f"fence.atomic(using={alias!r})", _fix
-            ),
-            django_transaction.atomic(using=alias),
-        ):
+        with watched, django_transaction.atomic(using=alias):
             _bound(fence, store, connection)
             yield
             if not connection.needs_rollback:  # else Django rolls back: nothing to check
                 _check(fence, store, connection)
+                # A block nested in a transaction.atomic() of your own: that transaction's
+                # commit holds the job row the check locked, so it is fenced too.
+                connection.__dict__[guard.CHECKED] = True
     except _Refused:
-        fence.blocks.atomic.discard(alias)
+        fence.blocks.atomic.discard(alias)  # before the loss is recorded: no block left open
         refused = store._rejected(fence.key, fence.generation, fence.attempt_id, "fenced commit")
         fence.blocks.refused = refused
         raise refused from None
@@ -115,13 +140,6 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
         raise
     finally:
         fence.blocks.atomic.discard(alias)
-
-
-def _fix(alias: str) -> str:
-    return (
-        f"Make that write in a fence.atomic(using={alias!r}) block of its own (its database must "
-        "be the store's), or outside the fenced block if it needs no fence."
-    )
 
 
 def _bound(fence: Fence, store: Store, connection: Any) -> None:

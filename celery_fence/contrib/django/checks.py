@@ -8,13 +8,18 @@ from django.core import checks
 from django.db import connections
 
 from celery_fence.config import DEFAULT_DATABASE_URL
-from celery_fence.contrib.django.database import same_database_problem
+from celery_fence.contrib.django.database import autocommit_off, same_database_problem
 from celery_fence.contrib.django.settings import fence_alias, fence_config
 from celery_fence.errors import ConfigurationError
 
 
 @checks.register(checks.Tags.database, "celery_fence")
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    alias = fence_alias()
+    if alias is not None and alias in connections:
+        off = autocommit_off(alias, connections[alias].settings_dict)
+        if off is not None:
+            return [_autocommit_error(off)]
     try:
         config = fence_config()
     except ConfigurationError as exc:
@@ -25,8 +30,14 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                 id="celery_fence.E001",
             )
         ]
-    alias = fence_alias()
     if alias is None:
+        # The store set by URL: an alias on its database is one fence.atomic() runs on, and
+        # AUTOCOMMIT off there loses the block's writes (while the job says completed).
+        for name in connections:
+            db = connections[name].settings_dict
+            off = autocommit_off(name, db)
+            if off is not None and same_database_problem(config.database_url, name, db) is None:
+                return [_autocommit_error(off)]
         if config.database_url == DEFAULT_DATABASE_URL:
             return [
                 checks.Warning(
@@ -48,3 +59,11 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
             )
         ]
     return []
+
+
+def _autocommit_error(message: str) -> checks.CheckMessage:
+    return checks.Error(
+        message,
+        hint="Remove 'AUTOCOMMIT': False from that DATABASES entry (see docs/django.md).",
+        id="celery_fence.E002",
+    )

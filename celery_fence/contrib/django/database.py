@@ -48,6 +48,9 @@ def url_for_alias(alias: str) -> str:
             f"CELERY_FENCE_DATABASE={alias!r} is not an alias in DATABASES (aliases: {known}): "
             "set it to one of them, e.g. 'default'."
         )
+    off = autocommit_off(alias, databases[alias])
+    if off is not None:  # the settings' check, worker start and `celery fence check` refuse it
+        raise ConfigurationError(f"CELERY_FENCE_DATABASE={alias!r}: {off}")
     return url_for_settings(alias, databases[alias])
 
 
@@ -113,3 +116,18 @@ def atomic_aliases_on(store_url: str) -> list[str]:
         if same_database_problem(store_url, conn.alias, conn.settings_dict) is None:
             found.append(conn.alias)
     return found
+
+
+def autocommit_off(alias: str, db: Mapping[str, Any]) -> str | None:
+    """The refusal of ``DATABASES[alias]["AUTOCOMMIT"] = False``, or None: Django then never
+    commits an outermost ``atomic()`` block, so ``fence.atomic()``'s writes would roll back when
+    the session ends while the job is stored ``completed``."""
+    if db.get("AUTOCOMMIT", True):
+        return None
+    return (
+        f"DATABASES[{alias!r}]['AUTOCOMMIT'] is False: Django then never commits a transaction "
+        f"itself, so self.fence.atomic(using={alias!r}) would end without committing, its writes "
+        "would roll back when the session ends, and the job would still be stored completed. "
+        f"Remove 'AUTOCOMMIT': False from DATABASES[{alias!r}] (Django's default, True): "
+        "fence.atomic() is the transaction, and it commits only after the ownership check."
+    )

@@ -52,15 +52,25 @@ def test_a_stale_worker_never_lands_its_invoice_write(fence_chaos, fence_store, 
     assert billed["total_cents"] == 30000
 
 
-def test_a_plain_transaction_atomic_lets_the_stale_write_land(fence_chaos):
+def test_a_plain_transaction_atomic_lets_the_stale_write_land(fence_chaos, fence_store):
     inv = Invoice.objects.create(customer="acme")
+    key = f"invoice-unsafe:{inv.pk}"
 
     fence_chaos.inject("pause", bill_invoice_unsafe.s(inv.pk))
 
     with pytest.raises(ConvergenceError, match="invoice_row failed"):
-        fence_chaos.assert_converged(
-            f"invoice-unsafe:{inv.pk}", check=billed_by_the_converged_attempt(inv.pk)
-        )
+        fence_chaos.assert_converged(key, check=billed_by_the_converged_attempt(inv.pk))
+
+    # and the workers said so: each attempt's write outside any fenced block is in the job's
+    # history (fence_unfenced_writes="warn": flagged, not refused), naming Django's connection
+    # and the table.
+    def flagged():
+        return [t for t in fence_store.history(key) if t.action == "unfenced_write"]
+
+    wait_for(lambda: len(flagged()) >= 2, 30, "both attempts' unfenced_write transitions")
+    for transition in flagged():
+        assert "Django's 'default' database connection" in transition.reason
+        assert "billing_invoice" in transition.reason
 
 
 def messages(response):
