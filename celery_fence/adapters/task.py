@@ -42,7 +42,7 @@ from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.backends import Backends, backends
 from celery_fence.pipeline.execution import Execution
 from celery_fence.schema import KEY_LENGTH
-from celery_fence.store.records import ENQUEUED_HEADER, request_text
+from celery_fence.store.records import ENQUEUED_HEADER, message_publish_options, request_text
 
 logger = logging.getLogger("celery_fence")
 
@@ -286,6 +286,7 @@ class FencedTask(Task, Fenced):
             countdown=countdown,
             max_retries=None,
             throw=False,
+            **message_publish_options(self.request),  # Celery's retry keeps none of them
             **self.resend_options(),
         )
         raise retry from None
