@@ -46,7 +46,7 @@ from celery_fence.pipeline.backends import Backends, backends
 from celery_fence.pipeline.execution import Execution
 from celery_fence.schema import KEY_LENGTH
 from celery_fence.store import Store
-from celery_fence.store.records import ENQUEUED_HEADER, request_text
+from celery_fence.store.records import ENQUEUED_HEADER, message_publish_options, request_text
 
 logger = logging.getLogger("celery_fence")
 
@@ -436,7 +436,9 @@ class FencedTask(Task, Fenced):
             countdown=countdown,
             retries=request.retries or 0,
             headers=headers,
-            **self.resend_options(),
+            # the message's serializer and compression (Celery's signature keeps neither), then
+            # the options of this task's re-sends
+            **{**message_publish_options(request), **self.resend_options()},
         )
         error = Rescheduled(disposition.reason)
         retry = Retry(exc=error, when=countdown, is_eager=request.is_eager, sig=signature)

@@ -69,6 +69,17 @@ class FencedRequest(Request):
 
     _fence_time_limit_settled = False
 
+    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(message, *args, **kwargs)
+        # The body's request (Task.request) then says how the message was serialized, as AMQP's
+        # properties already do (Redis' lack it): the stored request and the fence's re-sends
+        # publish with the same serializer (records.message_publish_options).
+        if self._content_type:
+            properties = dict(self._request_dict.get("properties") or {})
+            properties.setdefault("content_type", self._content_type)
+            properties.setdefault("content_encoding", self._content_encoding)
+            self._request_dict["properties"] = properties
+
     def on_timeout(self, soft: bool, timeout: float) -> None:
         if not soft:
             self._settle_time_limit(timeout)

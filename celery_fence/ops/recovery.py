@@ -17,9 +17,9 @@ tasks write to is scanned.
 :func:`recover` re-sends each stranded job from its stored request: task, args, kwargs, the
 exchange and routing key it was delivered with, and what Celery needs to carry its workflow on
 (chain, link/link_error callbacks, chord, group, root and parent ids, time limits, custom
-headers; for a job :func:`~celery_fence.enqueue` wrote, also its ``eta`` and how it was
-published: ``ignore_result``, ``serializer``, ``compression``, ``retry``, ``retry_policy``,
-``delivery_mode``: :data:`celery_fence.store.records.EXECUTION_OPTIONS`), under the same key.
+headers; how it was published: ``ignore_result``, ``serializer``, ``compression``,
+``delivery_mode``; for a job :func:`~celery_fence.enqueue` wrote, also its ``eta``, ``retry``
+and ``retry_policy``: :data:`celery_fence.store.records.EXECUTION_OPTIONS`), under the same key.
 Before the send, the row is moved to ``pending`` by a compare-and-set on what was observed (status,
 generation, attempt, ``updated_at``), so two recoveries running at once send it once. The re-sent
 message goes through the ordinary claim: if the original message was only late and turns up too,

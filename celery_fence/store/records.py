@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
+from kombu import serialization
+
 from celery_fence.errors import ResultNotSerializable
 from celery_fence.schema import PENDING, RETRYING, RUNNING
 
@@ -252,10 +254,12 @@ def decode_request(request: Mapping[str, Any] | None) -> Mapping[str, Any] | Non
 #: What a stored request keeps of the message, besides task, id, args, kwargs and routing, so
 #: that a re-send (``fence recover``, ``fence requeue``) carries the workflow on: the options
 #: Celery's own ``Task.retry`` re-sends with (``Context.as_execution_options``), named as
-#: ``send_task`` takes them, except ``expires`` (a re-send must arrive) and ``retries``; and,
-#: for a job :func:`celery_fence.enqueue` wrote, its due time as ``eta`` (ISO 8601, UTC) and the
-#: publish options it was given (:data:`celery_fence.durable.PUBLISH_OPTIONS`; a worker's request
-#: has no such fields).
+#: ``send_task`` takes them, except ``expires`` (a re-send must arrive) and ``retries``;
+#: how the message was published (``serializer``, ``compression``, ``delivery_mode``: a
+#: worker's request, :func:`message_publish_options`); and, for a job
+#: :func:`celery_fence.enqueue` wrote, its due time as ``eta`` (ISO 8601, UTC) and the publish
+#: options it was given (:data:`celery_fence.durable.PUBLISH_OPTIONS`, also ``retry`` and
+#: ``retry_policy``, which are the producer's and never reach a worker).
 EXECUTION_OPTIONS = (
     "chain",
     "link",
@@ -310,6 +314,28 @@ def execution_options(context: Any) -> dict[str, Any]:
         "headers": _json_headers(get("headers")) if get("headers") else None,
         "stamped_headers": stamped,
         "stamps": {k: stamps[k] for k in stamped if k in stamps} if stamped else None,
+        **message_publish_options(context),
+    }
+    return {name: value for name, value in kept.items() if value is not None}
+
+
+def message_publish_options(context: Any) -> dict[str, Any]:
+    """How the message of a Celery task request was published, as ``send_task`` takes it:
+    ``serializer`` (the name kombu registered for its content type), ``compression`` (its
+    ``compression`` header) and ``delivery_mode``, without the unknown ones. Celery's own
+    ``Task.retry`` keeps none of them; a worker's request carries the content type in its
+    ``properties`` (:class:`~celery_fence.adapters.worker.FencedRequest` adds it where the
+    transport's properties lack it, as Redis' do). ``retry_policy`` is the producer's and never
+    reaches the worker."""
+    get = context.__dict__.get
+    properties = get("properties") or {}
+    serializer = serialization.registry.type_to_name.get(properties.get("content_type"))
+    compression = get("compression")
+    delivery_mode = properties.get("delivery_mode")
+    kept = {
+        "serializer": serializer,
+        "compression": compression if isinstance(compression, str) else None,
+        "delivery_mode": delivery_mode if isinstance(delivery_mode, int) else None,
     }
     return {name: value for name, value in kept.items() if value is not None}
 

@@ -38,6 +38,8 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     result_expires=600,
     broker_connection_retry_on_startup=True,
+    # content types the worker takes (comma-separated: "json,pickle" for the re-send tests)
+    accept_content=E.get("FENCE_T_ACCEPT", "json").split(","),
     fence_redis_url=E.get("FENCE_T_REDIS"),
     fence_database_url=E.get("FENCE_T_DB"),
     fence_key_prefix=PREFIX,

@@ -61,3 +61,24 @@ def test_a_workflow_that_is_not_json_is_not_stored_half() -> None:
     # a custom header that is not JSON is left out; the request is still stored
     text = request_text("task", [1], {}, _context(trace=object()))
     assert text is not None and "headers" not in json.loads(text).get("execution", {})
+
+
+def test_the_message_is_stored_as_it_was_published() -> None:
+    # A worker's request: the content type in its properties (FencedRequest adds it where the
+    # transport's lack it), compression as kombu's header, ignore_result as Celery's header.
+    context = _context(
+        properties={"content_type": "application/x-python-serialize", "delivery_mode": 1},
+        compression="application/x-gzip",
+        ignore_result=True,
+    )
+    text = request_text("task", [1], {}, context)
+    assert text is not None
+    assert json.loads(text)["execution"] == {
+        "serializer": "pickle",
+        "compression": "application/x-gzip",
+        "delivery_mode": 1,
+        "ignore_result": True,
+    }
+    # a content type kombu does not know is left out (the re-send uses the task's serializer)
+    unknown = _context(properties={"content_type": "application/x-unknown"})
+    assert "execution" not in json.loads(request_text("task", [], {}, unknown) or "null")
