@@ -18,6 +18,7 @@ import redis
 from kombu import Connection
 
 from celery_fence import recover
+from celery_fence.adapters.task import RESENDS_HEADER
 from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import Store
 from celery_fence.testing import faults
@@ -148,7 +149,7 @@ def test_the_fences_own_re_send_keeps_the_messages_serializer_and_compression(
 
     def re_sent() -> list[dict[str, Any]]:
         found = _raw_messages(broker, queue, duplicate.id)
-        return [m for m in found if m["headers"].get("retries")]
+        return [m for m in found if m["headers"].get(RESENDS_HEADER)]  # a fence re-send
 
     wait_until(lambda: re_sent(), 30, what="the duplicate re-sent")
     # then the fence's re-send is published as the duplicate was.
