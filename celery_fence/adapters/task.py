@@ -42,7 +42,7 @@ from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.backends import Backends, backends
 from celery_fence.pipeline.execution import Execution
 from celery_fence.schema import KEY_LENGTH
-from celery_fence.store.records import ENQUEUED_HEADER, request_text
+from celery_fence.store.records import ENQUEUED_HEADER, RUN_HEADER, request_text
 
 logger = logging.getLogger("celery_fence")
 
@@ -198,6 +198,7 @@ class FencedTask(Task, Fenced):
             stored = request_text(self.name, args, kwargs, request)
             decoded = None if stored is None else json.loads(stored)
             return self._carry_out(execution.run_unkeyed(exc, request.id, decoded))
+        execution.run_number = self._run_number()
         disposition = execution.run(
             key,
             functools.partial(self._body, args, kwargs),
@@ -218,6 +219,15 @@ class FencedTask(Task, Fenced):
         if isinstance(override, str) and override:
             return override
         return self.logical_key(args, kwargs, self.request.id)
+
+    def _run_number(self) -> int:
+        """The operator's re-run this message belongs to: its ``fence_run`` header (set by
+        ``fence requeue --completed``, carried by retries and recovery's re-sends); 0 if none."""
+        request = self.request
+        value = request.get(RUN_HEADER)
+        if value is None:
+            value = (request.headers or {}).get(RUN_HEADER)  # an eager apply(headers=...)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
     def _body(self, args: tuple[Any, ...], kwargs: dict[str, Any], fence: Fence) -> Any:
         """The task's own ``run``, with ``self.fence`` bound for its duration."""

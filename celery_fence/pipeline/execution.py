@@ -91,6 +91,9 @@ class Execution:
         #: row is written by its completion, or registered late by any other outcome.
         self.deferred = False
         self.request_json: str | None = None
+        #: The operator's re-run this message belongs to (its ``fence_run`` header; 0: the key's
+        #: first run): its outbox effects get idempotency keys of their own.
+        self.run_number = 0
 
     # -- the path ----------------------------------------------------------------------------------
 
@@ -185,6 +188,7 @@ class Execution:
             # the fenced blocks run SQL on the store's database: a store double has none
             store=self.store if isinstance(self.store, Store) else None,
             execution=self,
+            run=self.run_number,
         )
         try:
             result = body(fence)

@@ -154,6 +154,20 @@ def _completed(a: Execution, o: Completed) -> Disposition:
             return _first_refused(a, exc)
         return _dead(a, refused(exc, "the task's return value"), "result refused by the database")
     a.announce(Action.COMPLETED)
+    if o.effects:  # names and payloads never: they may carry what the body sent
+        logger.info(
+            "fence outbox recorded key=%s effects=%d run=%d",
+            a.key,
+            len(o.effects),
+            a.run_number,
+            extra={
+                "action": LogAction.OUTBOX_RECORDED,
+                "fence_key": a.key,
+                "attempt_id": a.attempt_id,
+                "generation": a.generation,
+                "reason": f"run {a.run_number}",
+            },
+        )
     return Return(o.result, deliver=a.key if o.effects else None)
 
 

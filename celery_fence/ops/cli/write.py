@@ -15,6 +15,7 @@ from celery.bin.base import CeleryOption
 from celery_fence import migrate
 from celery_fence.actions import Action
 from celery_fence.announce.transitions import emit_transition
+from celery_fence.config import MIN_RETENTION
 from celery_fence.ops import recovery
 from celery_fence.ops.cli.common import (
     EX_USAGE,
@@ -297,8 +298,18 @@ PROGRESS_EVERY = 2.0
     help_group="Purge Options",
     help="Jobs deleted (with their history) in one transaction.",
 )
+@click.option(
+    "--force",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Purge Options",
+    help=f"Allow a date less than {MIN_RETENTION / 3600:g} hour(s) ago (the retention floor): "
+    "a purged key runs again as new work when it is sent again.",
+)
 @click.pass_context
-def purge(ctx: click.Context, before: str, include_dead: bool, batch_size: int) -> None:
+def purge(
+    ctx: click.Context, before: str, include_dead: bool, batch_size: int, force: bool
+) -> None:
     """Delete finished jobs and their history, and outbox rows delivered before the date.
 
     Oldest first, in batches of one short transaction each: safe to stop (Ctrl-C) and run
