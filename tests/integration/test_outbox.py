@@ -460,3 +460,42 @@ def test_a_completed_key_re_run_by_the_operator_records_and_delivers_its_effects
     assert bill.apply((key, 130), headers=again).get() == 130
     assert delivered[-1] == ({"total": 130}, idempotency_key(key, "email", 2))
     assert len({r.idempotency_key for r in store.outbox_rows.rows(key=key)}) == 3
+
+
+def test_a_purged_key_sent_again_runs_as_new_work_with_the_same_idempotency_keys(
+    app: Celery, store: Store, prefix: str, redis_client: redis.Redis
+) -> None:
+    """What ``fence purge`` promises of a purged key: sent again, it runs again as new work
+    (nothing is left to replay), and its outbox effects carry the same idempotency keys as the
+    first run's, so a provider that dedupes on them does not charge twice."""
+    key = f"charge:{uuid.uuid4().hex[:8]}"
+    outbox = Outbox(app)
+    delivered: list[str] = []
+    runs: list[str] = []
+
+    @outbox.handler("charge")
+    def charge(payload: Any, *, idempotency_key: str) -> None:
+        delivered.append(idempotency_key)
+
+    @app.task(base=FencedTask, bind=True, fence_key=lambda k: k)
+    def pay(self: Any, k: str) -> str:
+        runs.append(self.fence.attempt_id)
+        return self.fence.effects.add("charge", {"cents": 500})
+
+    # Given a key that completed and whose charge was delivered,
+    first = pay(key)
+    assert delivered == [first] == [idempotency_key(key, "charge")]
+    lease_key = LeaseStore(redis_client, prefix=prefix).keys_for(key).lease
+    wait_until(lambda: not redis_client.exists(lease_key), 10, what="lease released")
+    # when everything finished before now is purged (what fence purge --force does),
+    now = utcnow() + dt.timedelta(seconds=1)
+    assert store.admin.purge(finished_before=now) >= 1
+    assert store.outbox_rows.purge(delivered_before=now) >= 1
+    assert store.get(key) is None and store.outbox_rows.rows(key=key) == []
+    # then the key sent again runs its body again (new work: a second run),
+    assert pay(key) == first
+    assert len(runs) == 2
+    # and its charge goes out again with the first run's idempotency key: the provider dedupes.
+    (row,) = store.outbox_rows.rows(key=key)
+    assert (row.idempotency_key, row.status) == (first, "delivered")
+    assert delivered == [first, first]

@@ -316,8 +316,21 @@ def purge(
     again, it goes on where it was; progress goes to stderr every few seconds. Outbox rows are
     written when a job completes, so a row delivered before the date belongs to a job completed
     before it; rows not delivered yet (pending, dead) are kept whatever their age.
+
+    A date less than an hour ago (``fence_retention``'s floor) needs ``--force``: a completed
+    job's row is what replays its result to a late redelivery; once purged, the key runs again
+    as new work (its outbox effects with the same idempotency keys as its first run's).
     """
     when = parse_before(before)
+    floor = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=MIN_RETENTION)
+    if when > floor and not force:
+        raise FenceCLIError(
+            f"--completed-before {before} is less than {MIN_RETENTION / 3600:g} hour(s) ago "
+            "(the retention floor, as fence_retention): a purged key that is sent again runs "
+            "as new work, so a late redelivery would run its body again; pick an older date, "
+            "or add --force to purge it anyway",
+            exit_code=EX_USAGE,
+        )
     statuses = (COMPLETED, DEAD) if include_dead else (COMPLETED,)
     started = shown = time.monotonic()
 
