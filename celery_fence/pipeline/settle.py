@@ -97,7 +97,7 @@ from celery_fence.pipeline.outcomes import (
     Unkeyed,
     Unrun,
 )
-from celery_fence.pipeline.retry import Decision, backoff, expected_outage
+from celery_fence.pipeline.retry import Decision, backoff, expected_outage, outage_backoff
 from celery_fence.schema import COMPLETED, DEAD
 from celery_fence.store.records import (
     Completion,
@@ -271,7 +271,7 @@ def _unavailable(a: Execution, o: Unavailable) -> Disposition:
             type(o.error).__name__,
             extra={"action": LogAction.STORE_ERROR, "fence_key": a.key, "reason": o.reason},
         )
-    countdown = o.countdown if o.countdown is not None else backoff(1 + a.retries, a.config)
+    countdown = o.countdown if o.countdown is not None else outage_backoff(1 + a.retries, a.config)
     a.announce(Action.RETRY_SCHEDULED, reason=o.reason, countdown=countdown, attempts=None)
     return Resend(countdown, o.reason, o.error)
 
@@ -540,7 +540,7 @@ def _unrecorded(a: Execution, exc: Exception, *, what: str) -> Disposition:
             extra={"action": LogAction.STORE_ERROR, "fence_key": a.key, "generation": a.generation},
         )
     reason = f"{what} not recorded: store unavailable ({type(exc).__name__})"
-    countdown = backoff(max(a.attempts, 1 + a.retries), a.config)
+    countdown = outage_backoff(max(a.attempts, 1 + a.retries), a.config)
     a.announce(Action.RETRY_SCHEDULED, reason=reason, countdown=countdown, attempts=None)
     return Resend(countdown, reason, exc)
 
