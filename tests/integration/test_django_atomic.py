@@ -495,7 +495,7 @@ def test_manage_py_check_reports_bad_fence_settings(django_setup: LazySettings) 
         assert [e.id for e in check_settings()] == ["celery_fence.E001"]
     with override_settings(CELERY_FENCE_DATABASE="default"):
         assert check_settings() == []
-    assert [w.id for w in check_settings()] == ["celery_fence.W001"]  # the embedded SQLite file
+    assert [e.id for e in check_settings()] == ["celery_fence.E002"]  # no store named
 
 
 # -- manage.py migrate ----------------------------------------------------------------------------

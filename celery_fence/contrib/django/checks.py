@@ -7,9 +7,8 @@ from typing import Any
 from django.core import checks
 from django.db import connections
 
-from celery_fence.config import DEFAULT_DATABASE_URL
 from celery_fence.contrib.django.database import same_database_problem
-from celery_fence.contrib.django.settings import fence_alias, fence_config
+from celery_fence.contrib.django.settings import STORE_UNSET, fence_alias, fence_config, store_named
 from celery_fence.errors import ConfigurationError
 
 
@@ -27,13 +26,12 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         ]
     alias = fence_alias()
     if alias is None:
-        if config.database_url == DEFAULT_DATABASE_URL:
+        if not store_named():
             return [
-                checks.Warning(
-                    "celery-fence's store is the embedded SQLite file celery_fence.sqlite3, not "
-                    "one of your DATABASES: self.fence.atomic() refuses to run there.",
+                checks.Error(
+                    STORE_UNSET,
                     hint='Set CELERY_FENCE_DATABASE = "default" (the alias your models use).',
-                    id="celery_fence.W001",
+                    id="celery_fence.E002",
                 )
             ]
         return []
