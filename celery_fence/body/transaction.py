@@ -303,28 +303,39 @@ IDLE_TIMEOUT_SQLSTATE = "25P03"
 
 
 def _idle_timeout(fence: Fence, block: Block, exc: BaseException) -> BlockIdleTimeout | None:
-    """The error to raise instead of ``exc`` when PostgreSQL ended the block's session for
-    staying idle in its transaction longer than the lease TTL (its
-    ``idle_in_transaction_session_timeout``), else None. psycopg 3 says so (``25P03``);
-    psycopg2 sees a closed connection: it is the timeout when the block's statement that failed
-    came after an idle gap of at least the TTL."""
+    """:func:`idle_timeout` for a ``transaction()``/``session()`` block."""
     if block.conn.dialect.name != "postgresql" or not isinstance(exc, sa.exc.DBAPIError):
         return None
+    return idle_timeout(fence, block.idle, exc, disconnected=exc.connection_invalidated)
+
+
+def idle_timeout(
+    fence: Fence, idle: float, exc: BaseException, *, disconnected: bool
+) -> BlockIdleTimeout | None:
+    """The error to raise instead of ``exc`` when PostgreSQL ended a fenced block's session for
+    staying idle in its transaction longer than the lease TTL (its
+    ``idle_in_transaction_session_timeout``), else None. psycopg 3 says so (``25P03``, in the
+    chain of ``exc``); psycopg2 sees a closed connection (``disconnected``): it is the timeout
+    when the block's statement that failed came after an idle gap (``idle``) of about a TTL."""
     ttl = fence.lease.ttl
-    orig = exc.orig
-    said = (
-        getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-    ) == IDLE_TIMEOUT_SQLSTATE or "idle-in-transaction timeout" in str(orig)
-    if not said and not (exc.connection_invalidated and block.idle >= ttl * 0.95):
+    said = False
+    seen: BaseException | None = exc
+    for _ in range(4):  # exc, the driver's error it wraps, what that was raised from
+        if seen is None:
+            break
+        code = getattr(seen, "sqlstate", None) or getattr(seen, "pgcode", None)
+        said = said or code == IDLE_TIMEOUT_SQLSTATE or "idle-in-transaction timeout" in str(seen)
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    if not said and not (disconnected and idle >= ttl * 0.95):
         return None
     return BlockIdleTimeout(
-        f"PostgreSQL ended the fenced block of {fence.key!r}: it stayed idle {block.idle:.1f}s "
+        f"PostgreSQL ended the fenced block of {fence.key!r}: it stayed idle {idle:.1f}s "
         f"between two statements, and a block may not stay idle between two statements longer "
         f"than fence_lease_ttl ({ttl:g}s, its idle_in_transaction_session_timeout). Nothing of "
         "the block committed. Do slow work (HTTP calls, sleeps, computation) before the block "
         "and keep only the writes inside it, or raise fence_lease_ttl.",
         lease_ttl=ttl,
-        idle=round(block.idle, 3),
+        idle=round(idle, 3),
     )
 
 

@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from celery_fence.body.fence import Fence
-from celery_fence.errors import ConfigurationError, FenceError, LeaseLost, StaleGeneration
+from celery_fence.errors import (
+    BlockIdleTimeout,
+    ConfigurationError,
+    FenceError,
+    LeaseLost,
+    StaleGeneration,
+)
 from celery_fence.leases.lease import HeldLease
 from celery_fence.store import Store
 
@@ -316,6 +322,29 @@ def test_postgresql_a_holder_paused_inside_is_ended_and_django_reconnects(
     assert _writers(alias, again.key) == [again.attempt_id]
 
 
+def test_postgresql_a_block_idle_past_the_ttl_raises_an_error_naming_the_ttl_and_the_fix(
+    store: Store, alias: str
+) -> None:
+    from django.db import connections
+
+    if store.dialect != "postgresql":
+        pytest.skip("PostgreSQL ends an idle-in-transaction session")
+    fence = _attempt(store, ttl=1.0)
+    # Given a block that writes, does slow work inside it past the TTL, then writes again,
+    with pytest.raises(BlockIdleTimeout) as ended, fence.atomic(using=alias):
+        _write(alias, fence)
+        time.sleep(1.6)
+        _write(alias, fence)
+    # then the error names the limit, the TTL and the fix (psycopg 3 and psycopg2 alike),
+    message = str(ended.value)
+    assert "fence_lease_ttl (1s" in message and "idle between two statements" in message
+    assert "before the block" in message and fence.key in message
+    assert ended.value.__cause__ is not None
+    connections[alias].close_if_unusable_or_obsolete()
+    # and nothing of the block committed.
+    assert _writers(alias, fence.key) == []
+
+
 def test_another_database_is_refused(store: Store, alias: str) -> None:
     fence = _attempt(store)
     with (
@@ -403,7 +432,8 @@ def test_fence_atomic_on_django_with_psycopg2(tmp_path: Path) -> None:
     # this module's PostgreSQL cases again, on that driver, in a process of their own.
     selected = (
         "postgresql and (driver_this_process or commits_while or newer_registration or "
-        "holder_paused or bounded or orm_write_inside or another_alias or nested)"
+        "holder_paused or bounded or orm_write_inside or another_alias or nested or "
+        "idle_past_the_ttl)"
     )
     proc = subprocess.run(
         [
@@ -430,7 +460,7 @@ def test_fence_atomic_on_django_with_psycopg2(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed[1]) >= 7, proc.stdout[-2000:]
+    assert passed and int(passed[1]) >= 8, proc.stdout[-2000:]
 
 
 # -- CELERY_FENCE_DATABASE ------------------------------------------------------------------------
