@@ -34,6 +34,7 @@ from celery_fence.body.fence import Fence
 from celery_fence.config import FenceConfig
 from celery_fence.durable import Enqueued, enqueue
 from celery_fence.errors import (
+    BlockIdleTimeout,
     ConfigurationError,
     FenceError,
     JobDead,
@@ -61,6 +62,7 @@ except PackageNotFoundError:  # pragma: no cover - run from a source tree that i
     __version__ = "0+unknown"
 
 __all__ = [
+    "BlockIdleTimeout",
     "ConfigurationError",
     "Enqueued",
     "Fence",

@@ -52,6 +52,7 @@ class LogAction(str, Enum):
     OUTBOX_DEAD = "outbox_dead"
     OUTBOX_DELIVERED = "outbox_delivered"
     OUTBOX_NO_SENDER = "outbox_no_sender"
+    OUTBOX_RECORDED = "outbox_recorded"
     OUTBOX_RETRY = "outbox_retry"
     OUTBOX_TRIGGER_FAILED = "outbox_trigger_failed"
     PURGE = "purge"

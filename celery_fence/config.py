@@ -67,6 +67,15 @@ RECOVER_AFTER_TTLS = 10
 DEFAULT_RECOVER_PENDING_AFTER = 60.0
 #: ``fence_retention``'s floor, seconds: a completed job's row must outlive any late redelivery.
 MIN_RETENTION = 3600.0
+#: A Django project (``celery_fence.contrib.django`` installed) that names no store: what
+#: ``manage.py check`` (``celery_fence.E002``) and ``celery fence check`` say.
+DJANGO_STORE_UNSET = (
+    "CELERY_FENCE_DATABASE is not set (nor CELERY_FENCE_DATABASE_URL): celery-fence's store "
+    "would be the embedded SQLite file celery_fence.sqlite3 in the working directory, not one "
+    "of your DATABASES, and self.fence.atomic() refuses to run there. Set "
+    'CELERY_FENCE_DATABASE = "default" (the DATABASES alias your models use) in settings.py, '
+    "then run manage.py migrate."
+)
 #: PostgreSQL: seconds a store statement (a registration, a completion) waits for a row lock,
 #: e.g. behind a paused ``fence.transaction()`` holder, before it fails and the message is re-sent.
 DEFAULT_LOCK_TIMEOUT = 5.0
@@ -181,6 +190,9 @@ class FenceConfig:
     max_runtime: float | None = None  # None: the task's hard time limit, if it has one
     retention: float | None = None  # None: finished jobs are kept until purged by hand
     unfenced_writes: str = DEFAULT_UNFENCED_WRITES
+    #: Whether ``renew_interval`` was set (False: it follows ``lease_ttl``, a third of it, also
+    #: for a task that sets its own ``lease_ttl``).
+    _renew_interval_given: bool = dataclasses.field(default=True, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -329,6 +341,9 @@ class FenceConfig:
                 values[f.name] = _parse(f.name, raw, as_written)
         for name, raw in overrides.items():
             values[name] = _parse(name, raw)
+        values["_renew_interval_given"] = "renew_interval" in values
+        if "lease_ttl" in values and "renew_interval" not in values:
+            values["renew_interval"] = derived_renew_interval(values["lease_ttl"])
         if values.get("database") is not None and "database_url" not in values:
             values["database_url"] = django_database_url(values["database"])
         try:
@@ -355,6 +370,9 @@ class FenceConfig:
         if not overrides:
             return base
         current = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        del current["_renew_interval_given"]
+        if not base._renew_interval_given and "renew_interval" not in overrides:
+            del current["renew_interval"]  # it follows the TTL: the task's own, if it has one
         try:
             return cls.from_mapping({}, **{**current, **overrides})
         except ConfigurationError as exc:
@@ -472,14 +490,22 @@ def django_database_url(alias: str) -> str:
 
 
 def _lookup(conf: Mapping[str, Any], name: str) -> tuple[bool, Any, str]:
-    """Whether ``name`` is set (in any of its three spellings), its value, and the spelling."""
-    for candidate in (name, name.upper(), "CELERY_" + name.upper()):
+    """Whether ``name`` is set (in any of its three spellings), its value, and the spelling
+    the user wrote (Celery's namespaced settings answer to every spelling: the one among the
+    mapping's own keys is the one written)."""
+    candidates = (name, name.upper(), "CELERY_" + name.upper())
+    for candidate in candidates:
         try:
             value = conf[candidate]
         except KeyError:
             continue
         if value is not None:
-            return True, value, candidate
+            try:
+                keys = set(conf.keys())
+            except Exception:  # a mapping that cannot list its keys: as looked up
+                return True, value, candidate
+            written = next((c for c in reversed(candidates) if c in keys), candidate)
+            return True, value, written
     return False, None, name
 
 
@@ -526,11 +552,31 @@ def unknown_setting_message(written: str, prefix: str, name: str) -> str:
 
 
 def _as_written(message: str, written: Mapping[str, str]) -> str:
-    """``message`` with each ``fence_<name>`` replaced by the spelling the user wrote."""
-    for name, as_written in written.items():
-        if as_written != f"fence_{name}":
-            message = re.sub(rf"\bfence_{name}\b", as_written, message)
-    return message
+    """``message`` with each ``fence_<name>`` in the spelling the user wrote: as written for a
+    setting they set, and for one they did not (a derived or default value the message names)
+    in the spelling of the settings they did write (``CELERY_FENCE_RENEW_INTERVAL`` next to
+    ``CELERY_FENCE_LEASE_TTL``)."""
+    spellings = {
+        next((p for p in reversed(_PREFIXES) if w.startswith(p)), "fence_")
+        for w in written.values()
+    }
+    prefix = next((p for p in ("CELERY_FENCE_", "FENCE_") if p in spellings), "fence_")
+
+    def spell(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name in written:
+            return written[name]
+        if name not in FIELD_NAMES or prefix == "fence_":
+            return match.group(0)
+        return prefix + name.upper()
+
+    return re.sub(r"\bfence_([a-z_]+[a-z])\b", spell, message)
+
+
+def derived_renew_interval(lease_ttl: Any) -> Any:
+    """``fence_renew_interval`` when only ``fence_lease_ttl`` is set: a third of the TTL (two
+    renewals may fail before the lease's local deadline), as the defaults are (30 s, 10 s)."""
+    return lease_ttl / 3 if isinstance(lease_ttl, (int, float)) and lease_ttl > 0 else lease_ttl
 
 
 #: Task options that override a setting for one task without the ``fence_`` prefix:

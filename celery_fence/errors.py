@@ -63,6 +63,17 @@ class StaleGeneration(StoreError):
     default = "a newer generation owns this key: the write from the older one was rejected"
 
 
+class BlockIdleTimeout(StoreError):
+    """PostgreSQL ended a fenced block's transaction: it stayed idle between two statements
+    longer than ``fence_lease_ttl`` (the block's ``idle_in_transaction_session_timeout``).
+    Nothing of the block committed; do slow work before the block."""
+
+    default = (
+        "a fenced block stayed idle between two statements longer than fence_lease_ttl and "
+        "PostgreSQL ended its transaction: do slow work before the block"
+    )
+
+
 class JobDead(StoreError):
     """The job is in the terminal ``dead`` state; requeue it with ``celery fence requeue``."""
 

@@ -46,7 +46,12 @@ from celery_fence.pipeline.backends import Backends, backends
 from celery_fence.pipeline.execution import Execution
 from celery_fence.schema import KEY_LENGTH
 from celery_fence.store import Store
-from celery_fence.store.records import ENQUEUED_HEADER, message_publish_options, request_text
+from celery_fence.store.records import (
+    ENQUEUED_HEADER,
+    RUN_HEADER,
+    message_publish_options,
+    request_text,
+)
 
 logger = logging.getLogger("celery_fence")
 
@@ -303,6 +308,7 @@ class FencedTask(Task, Fenced):
             stored = request_text(self.name, args, kwargs, request)
             decoded = None if stored is None else json.loads(stored)
             return self._carry_out(execution.run_unkeyed(exc, request.id, decoded))
+        execution.run_number = self._run_number()
         disposition = execution.run(
             key,
             functools.partial(self._body, args, kwargs, call),
@@ -330,6 +336,15 @@ class FencedTask(Task, Fenced):
         if isinstance(header, str) and header:
             return header
         return self.logical_key(args, kwargs, task_id)
+
+    def _run_number(self) -> int:
+        """The operator's re-run this message belongs to: its ``fence_run`` header (set by
+        ``fence requeue --completed``, carried by retries and recovery's re-sends); 0 if none."""
+        request = self.request
+        value = request.get(RUN_HEADER)
+        if value is None:
+            value = (request.headers or {}).get(RUN_HEADER)  # an eager apply(headers=...)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
     def _body(
         self,

@@ -54,6 +54,7 @@ from celery_fence.body import watch
 from celery_fence.errors import ConfigurationError
 from celery_fence.pipeline import outcomes as o
 from celery_fence.process.runtime import runtime
+from celery_fence.store.engine import missing_database
 from celery_fence.store.records import encode_request
 
 if TYPE_CHECKING:
@@ -202,18 +203,27 @@ def _remember_celery_command(sender: Any = None, **_: Any) -> None:
 
 
 def _check_settings_at_start(sender: Any = None, **_: Any) -> None:
-    """Refuse to start when a fenced task's settings are invalid: one line, nothing consumed."""
+    """Refuse to start when a fenced task's settings are invalid, or its store's PostgreSQL
+    database does not exist: one line, nothing consumed."""
     app: Any = getattr(sender, "app", None)
     if not installed(app):
         return
+    databases: dict[str, float] = {}
     for task in list(app.tasks.values()):
         if getattr(task, "settings_checked_at_start", False):
             try:
-                task.fence_config()
+                config = task.fence_config()
             except ConfigurationError as exc:
                 message = f"celery-fence: invalid settings, the worker does not start: {exc}"
                 logger.critical(message)
                 raise SystemExit(message) from None
+            databases.setdefault(config.database_url, config.database_timeout)
+    for url, timeout in databases.items():
+        missing = missing_database(url, timeout, celery_command(app))
+        if missing is not None:  # every claim would fail: refuse, rather than loop on re-sends
+            message = f"celery-fence: {missing}; the worker does not start"
+            logger.critical(message)
+            raise SystemExit(message)
 
 
 def _detach_thread(sender: Any = None, **_: Any) -> None:

@@ -4,7 +4,9 @@ Nothing is written when an effect is staged: the fenced completion writes the st
 its own statement/transaction, so a stale attempt's effects are never recorded and a completed
 job's are recorded exactly once (:mod:`celery_fence.ops.outbox` delivers them). An effect's
 idempotency key is derived from the logical key and the effect's name — the same across every
-retry and redelivery.
+retry and redelivery. A run an operator started on purpose (``fence requeue --completed``) is
+numbered (the message's ``fence_run`` header, 1, 2, ...): its effects get keys of their own, with
+the run number in them, so they are recorded and delivered; the first run's keys never change.
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ from celery_fence.errors import FenceError
 from celery_fence.store.records import Effect, dumps_strict
 
 
-def idempotency_key(key: str, name: str) -> str:
-    """A stable key for effect ``name`` of logical job ``key`` (never attempt-specific)."""
-    digest = hashlib.sha256(f"{key}\x00{name}".encode()).hexdigest()
+def idempotency_key(key: str, name: str, run: int = 0) -> str:
+    """A stable key for effect ``name`` of logical job ``key`` (never attempt-specific).
+
+    ``run``: the operator's re-run it belongs to (``fence requeue --completed``: 1, 2, ...); 0,
+    the key's first run, keeps the key every earlier version gave, so a provider's dedupe of
+    effects recorded before still holds."""
+    text = f"{key}\x00{name}" if not run else f"{key}\x00{name}\x00run:{int(run)}"
+    digest = hashlib.sha256(text.encode()).hexdigest()
     return f"fence-{digest[:48]}"
 
 
@@ -35,8 +42,10 @@ class StagedEffects:
     """The effects one attempt stages (``self.fence.effects``); written only by a successful
     fenced completion, as rows of ``fence_outbox``."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, run: int = 0) -> None:
         self.key = key
+        #: The operator's re-run this attempt belongs to (0: the key's first run).
+        self.run = run
         self._effects: dict[str, Effect] = {}
 
     def add(self, name: str, payload: Any = None) -> str:
@@ -49,7 +58,9 @@ class StagedEffects:
                 "job (they make the idempotency key); use e.g. 'email:alice' and 'email:bob'"
             )
         dumps_strict(payload, f"payload of outbox effect {name!r}")
-        effect = Effect(name=name, payload=payload, idempotency_key=idempotency_key(self.key, name))
+        effect = Effect(
+            name=name, payload=payload, idempotency_key=idempotency_key(self.key, name, self.run)
+        )
         self._effects[name] = effect
         return effect.idempotency_key
 

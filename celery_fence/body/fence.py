@@ -52,13 +52,15 @@ class Fence:
         lease: HeldLease,
         store: Store | None = None,
         execution: Execution | None = None,
+        run: int = 0,
     ) -> None:
         self.key = key
         self.attempt_id = attempt_id
         self.generation = generation
         self.attempts = attempts
         #: The effects this attempt stages: ``self.fence.effects.add("email", {...})``.
-        self.effects = StagedEffects(key)
+        #: ``run``: the operator's re-run this attempt belongs to (``fence requeue --completed``).
+        self.effects = StagedEffects(key, run)
         #: This attempt's lease, and the store its fenced blocks check ownership in.
         self.lease = lease
         self.store = store

@@ -51,6 +51,7 @@ import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from celery_fence.body import sqla, watch
-from celery_fence.errors import ConfigurationError, FenceError, LeaseLost
+from celery_fence.errors import BlockIdleTimeout, ConfigurationError, FenceError, LeaseLost
 from celery_fence.store import sql
 from celery_fence.store.watchdog import watchdog
 
@@ -78,6 +79,10 @@ class Block:
     engine: sa.Engine
     conn: sa.Connection
     thread: int = field(default_factory=threading.get_ident)
+    #: When its last statement ended, and how long it had been idle when the latest began (a
+    #: PostgreSQL block idle past the lease TTL is ended by the server: :func:`_idle_timeout`).
+    active_at: float = field(default_factory=time.monotonic)
+    idle: float = 0.0
     refused: FenceError | None = None
 
 
@@ -208,6 +213,8 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
         sa.event.listen(conn, "begin", functools.partial(_on_begin, fence, store))
         sa.event.listen(conn, "commit", functools.partial(_on_commit, fence, store, block))
         sa.event.listen(conn, "rollback", functools.partial(_on_rollback, store))
+        sa.event.listen(conn, "before_cursor_execute", functools.partial(_statement_starts, block))
+        sa.event.listen(conn, "after_cursor_execute", functools.partial(_statement_ended, block))
         fence.blocks.add(block)
         sqla.install()
         conn.info[sqla.BLOCK_INFO] = block  # its commit is the fenced one: not watched
@@ -217,8 +224,11 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
         try:
             with watched:
                 yield block
-        except BaseException:
+        except BaseException as exc:
             _rollback(store, conn)
+            idle = _idle_timeout(fence, block, exc)
+            if idle is not None:
+                raise idle from exc
             raise
         if block.refused is not None:  # refused inside the block, and the refusal swallowed
             _rollback(store, conn)
@@ -270,6 +280,56 @@ def _bound_waits(store: Store, block: Block) -> int | None:
         _watch_statements(block.engine)
         conn.execution_options(fence_block_timeout=store.database_timeout)
     return None
+
+
+def _statement_starts(block: Block, *_: Any) -> None:
+    block.idle = time.monotonic() - block.active_at
+
+
+def _statement_ended(block: Block, *_: Any) -> None:
+    block.active_at = time.monotonic()
+
+
+#: What PostgreSQL's end of an idle transaction looks like: psycopg 3 gets its SQLSTATE and
+#: message; psycopg2 mostly only sees the connection closed.
+IDLE_TIMEOUT_SQLSTATE = "25P03"
+
+
+def _idle_timeout(fence: Fence, block: Block, exc: BaseException) -> BlockIdleTimeout | None:
+    """:func:`idle_timeout` for a ``transaction()``/``session()`` block."""
+    if block.conn.dialect.name != "postgresql" or not isinstance(exc, sa.exc.DBAPIError):
+        return None
+    return idle_timeout(fence, block.idle, exc, disconnected=exc.connection_invalidated)
+
+
+def idle_timeout(
+    fence: Fence, idle: float, exc: BaseException, *, disconnected: bool
+) -> BlockIdleTimeout | None:
+    """The error to raise instead of ``exc`` when PostgreSQL ended a fenced block's session for
+    staying idle in its transaction longer than the lease TTL (its
+    ``idle_in_transaction_session_timeout``), else None. psycopg 3 says so (``25P03``, in the
+    chain of ``exc``); psycopg2 sees a closed connection (``disconnected``): it is the timeout
+    when the block's statement that failed came after an idle gap (``idle``) of about a TTL."""
+    ttl = fence.lease.ttl
+    said = False
+    seen: BaseException | None = exc
+    for _ in range(4):  # exc, the driver's error it wraps, what that was raised from
+        if seen is None:
+            break
+        code = getattr(seen, "sqlstate", None) or getattr(seen, "pgcode", None)
+        said = said or code == IDLE_TIMEOUT_SQLSTATE or "idle-in-transaction timeout" in str(seen)
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    if not said and not (disconnected and idle >= ttl * 0.95):
+        return None
+    return BlockIdleTimeout(
+        f"PostgreSQL ended the fenced block of {fence.key!r}: it stayed idle {idle:.1f}s "
+        f"between two statements, and a block may not stay idle between two statements longer "
+        f"than fence_lease_ttl ({ttl:g}s, its idle_in_transaction_session_timeout). Nothing of "
+        "the block committed. Do slow work (HTTP calls, sleeps, computation) before the block "
+        "and keep only the writes inside it, or raise fence_lease_ttl.",
+        lease_ttl=ttl,
+        idle=round(idle, 3),
+    )
 
 
 def _raw(conn: sa.Connection, statement: str) -> Any:

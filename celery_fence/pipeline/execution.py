@@ -101,6 +101,9 @@ class Execution:
         self.released = False
         #: The body's write outside every fenced block was announced (once per attempt).
         self.unfenced_reported = False
+        #: The operator's re-run this message belongs to (its ``fence_run`` header; 0: the key's
+        #: first run): its outbox effects get idempotency keys of their own.
+        self.run_number = 0
 
     # -- the path ----------------------------------------------------------------------------------
 
@@ -195,6 +198,7 @@ class Execution:
             # the fenced blocks run SQL on the store's database: a store double has none
             store=self.store if isinstance(self.store, Store) else None,
             execution=self,
+            run=self.run_number,
         )
         sqla.install()  # once per process: every SQLAlchemy write of the body is seen
         watch_django()  # and, with Django configured, every Django ORM write

@@ -161,6 +161,17 @@ def backoff(attempt: int, config: FenceConfig, rng: random.Random | None = None)
     return (rng or random).uniform(0, ceiling(attempt, config))
 
 
+def outage_backoff(resends: int, config: FenceConfig, rng: random.Random | None = None) -> float:
+    """The delay before a message's re-send number ``resends`` (1-based) when celery-fence's own
+    store or Redis could not be reached: ``uniform(ceiling / 2, ceiling)`` (equal jitter), so
+    each re-send of one message waits longer than the one before until the cap
+    (``fence_retry_backoff_max``) — an outage is waited out with a few re-sends, not a burst —
+    while messages of one outage still spread out. Bounded: never more than the cap; never a
+    drop (the fence's re-sends consume no retries)."""
+    top = ceiling(resends, config)
+    return (rng or random).uniform(top / 2, top)
+
+
 # -- the budget -----------------------------------------------------------------------------------
 
 

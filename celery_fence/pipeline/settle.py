@@ -98,7 +98,7 @@ from celery_fence.pipeline.outcomes import (
     Unkeyed,
     Unrun,
 )
-from celery_fence.pipeline.retry import Decision, backoff, expected_outage
+from celery_fence.pipeline.retry import Decision, backoff, expected_outage, outage_backoff
 from celery_fence.schema import COMPLETED, DEAD
 from celery_fence.store.records import (
     Completion,
@@ -156,6 +156,20 @@ def _completed(a: Execution, o: Completed) -> Disposition:
             return _first_refused(a, exc)
         return _dead(a, refused(exc, "the task's return value"), "result refused by the database")
     a.announce(Action.COMPLETED)
+    if o.effects:  # names and payloads never: they may carry what the body sent
+        logger.info(
+            "fence outbox recorded key=%s effects=%d run=%d",
+            a.key,
+            len(o.effects),
+            a.run_number,
+            extra={
+                "action": LogAction.OUTBOX_RECORDED,
+                "fence_key": a.key,
+                "attempt_id": a.attempt_id,
+                "generation": a.generation,
+                "reason": f"run {a.run_number}",
+            },
+        )
     # Every caller sees the stored value: the first one too gets its JSON round trip (a tuple
     # becomes a list, an int key a str), as a replay or a converging duplicate returns it.
     stored = json.loads(dumps_strict(o.result, "task's return value"))
@@ -264,7 +278,7 @@ def _unavailable(a: Execution, o: Unavailable) -> Disposition:
             type(o.error).__name__,
             extra={"action": LogAction.STORE_ERROR, "fence_key": a.key, "reason": o.reason},
         )
-    countdown = o.countdown if o.countdown is not None else backoff(1 + a.retries, a.config)
+    countdown = o.countdown if o.countdown is not None else outage_backoff(1 + a.retries, a.config)
     a.announce(Action.RETRY_SCHEDULED, reason=o.reason, countdown=countdown, attempts=None)
     return Resend(countdown, o.reason, o.error)
 
@@ -533,7 +547,7 @@ def _unrecorded(a: Execution, exc: Exception, *, what: str) -> Disposition:
             extra={"action": LogAction.STORE_ERROR, "fence_key": a.key, "generation": a.generation},
         )
     reason = f"{what} not recorded: store unavailable ({type(exc).__name__})"
-    countdown = backoff(max(a.attempts, 1 + a.retries), a.config)
+    countdown = outage_backoff(max(a.attempts, 1 + a.retries), a.config)
     a.announce(Action.RETRY_SCHEDULED, reason=reason, countdown=countdown, attempts=None)
     return Resend(countdown, reason, exc)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,13 @@ from celery_fence.actions import Action
 from celery_fence.errors import StoreError
 from celery_fence.schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
 from celery_fence.store import sql
-from celery_fence.store.records import JobRecord, job_record
+from celery_fence.store.records import (
+    ENCODED_REQUEST,
+    JobRecord,
+    job_record,
+    run_of,
+    with_run,
+)
 
 if TYPE_CHECKING:
     from celery_fence.store.jobs import Store
@@ -37,6 +44,9 @@ def as_read(store: Store, before: JobRecord, **values: Any) -> dict[str, Any]:
     }
 
 
+#: How JSON writes the NUL character, which PostgreSQL's jsonb refuses.
+NUL_ESCAPE = "\\u0000"
+
 #: Jobs deleted (with their history) in one purge transaction.
 PURGE_BATCH = 1000
 
@@ -52,10 +62,12 @@ class JobAdmin:
 
         ``completed=True`` does the same to a completed job instead (an operator runs its key again
         on purpose): its stored result stays until the new attempt's completion replaces it, and the
-        history records the re-run. Returns the job as it was (its stored request is what to
-        re-send). The write is conditional on the row still being that record (status, generation
-        and attempt), so two operators cannot both requeue it and a requeue never touches a job
-        someone else changed.
+        history records the re-run. The re-run is numbered: its stored request gets the
+        :data:`~celery_fence.store.records.RUN_HEADER` header (1, then 2, ...), which the re-sent
+        message carries, so the run's outbox effects get idempotency keys of their own. Returns
+        the job as it was, with that request (what to re-send). The write is conditional on the
+        row still being that record (status, generation and attempt), so two operators cannot
+        both requeue it and a requeue never touches a job someone else changed.
         """
         before = self.store.get(key)
         if before is None:
@@ -63,11 +75,19 @@ class JobAdmin:
         wanted = COMPLETED if completed else DEAD
         if before.status != wanted:
             raise StoreError(f"job {key!r} is {before.status}, not {wanted}: not requeued")
-        statement = sql.cas_sql(self.store.dialect, sql.REQUEUE, sql.SAME)
+        params = as_read(self.store, before)
+        sets = sql.REQUEUE
+        if completed and before.request:
+            request = with_run(before.request, run_of(before.request) + 1)
+            text = json.dumps(request, separators=(",", ":"))
+            if NUL_ESCAPE in text:  # as a registration stores what jsonb refuses: encoded
+                text = json.dumps({ENCODED_REQUEST: text}, separators=(",", ":"))
+            params["request"] = text
+            sets = sql.REQUEUE_RERUN
+            before = dataclasses.replace(before, request=request)
+        statement = sql.cas_sql(self.store.dialect, sets, sql.SAME)
         reason = "completed job re-run by operator" if completed else "by operator"
-        self.store.fenced_write(
-            "requeue", statement, as_read(self.store, before), Action.REQUEUED, reason=reason
-        )
+        self.store.fenced_write("requeue", statement, params, Action.REQUEUED, reason=reason)
         return before
 
     def restore_finished(self, before: JobRecord, *, reason: str) -> None:

@@ -432,6 +432,64 @@ def sqlstate(exc: BaseException) -> str | None:
     return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
 
 
+#: PostgreSQL's "database does not exist" (``invalid_catalog_name``).
+_MISSING_DATABASE = re.compile(r'database "(?P<name>[^"]*)" does not exist')
+
+
+def missing_database_name(exc: BaseException) -> str | None:
+    """The database's name when ``exc`` says the server has no such database (PostgreSQL's
+    ``3D000``, which psycopg2 reports at connect time without its code), else None."""
+    match = _MISSING_DATABASE.search(str(getattr(exc, "orig", None) or exc))
+    if match:
+        return match.group("name")
+    return "" if sqlstate(exc) == "3D000" else None
+
+
+def missing_database_message(
+    name: str, url: str | None = None, command: str = "celery -A <app>"
+) -> str:
+    """What to do about a store database that does not exist: create it, then the tables."""
+    shown = ""
+    if url is not None:
+        try:
+            shown = f" ({sa.engine.make_url(url).render_as_string(hide_password=True)})"
+            name = name or sa.engine.make_url(url).database or ""
+        except Exception:
+            shown = ""
+    name = name or "NAME"
+    return (
+        f'the store database "{name}" does not exist{shown}: create it first (createdb {name}, '
+        f'or CREATE DATABASE "{name}"), then its tables: {command} fence init-db'
+    )
+
+
+def missing_database(
+    url: str, timeout: float = 5.0, command: str = "celery -A <app>"
+) -> str | None:
+    """:func:`missing_database_message` when the PostgreSQL server at ``url`` says its database
+    does not exist; None when it does, on SQLite (the file is created), and when the server
+    cannot be asked (unreachable: the workers' claims re-send with backoff until it is back).
+    One connection, opened and closed (nothing pooled: a prefork parent must not share one)."""
+    try:
+        parsed = sa.engine.make_url(url)
+    except Exception:
+        return None
+    if parsed.get_backend_name() != "postgresql":
+        return None
+    connect_args = {"connect_timeout": max(1, math.ceil(timeout))}
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool, connect_args=connect_args)
+    try:
+        with engine.connect():
+            return None
+    except sa.exc.DBAPIError as exc:
+        name = missing_database_name(exc)
+        return None if name is None else missing_database_message(name, url, command)
+    except Exception:
+        return None
+    finally:
+        engine.dispose()
+
+
 def refusal_reason(exc: BaseException, what: str) -> str:
     """Why the store refused ``what`` (e.g. ``registration``) with ``exc``: the driver's error
     (:func:`driver_error_line`) and, when it says the fence tables or their columns are

@@ -240,6 +240,25 @@ ENCODED_REQUEST = "encoded"
 #: The header of the message :func:`celery_fence.enqueue` publishes after the caller's commit:
 #: the first delivery of a job whose ``pending`` row exists (re-sends do not carry it).
 ENQUEUED_HEADER = "fence_enqueued"
+#: The header of an operator's re-run of a completed key (``fence requeue --completed``): its
+#: number, 1, 2, ... It is stored with the job's request (``execution.headers``), so recovery's
+#: re-sends and Celery's retries carry it too; the run's outbox effects get idempotency keys of
+#: their own (:func:`celery_fence.body.effects.idempotency_key`).
+RUN_HEADER = "fence_run"
+
+
+def run_of(request: Mapping[str, Any] | None) -> int:
+    """The re-run number a stored request carries (0: none, the key's first run)."""
+    headers = ((request or {}).get("execution") or {}).get("headers") or {}
+    value = headers.get(RUN_HEADER) if isinstance(headers, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def with_run(request: Mapping[str, Any], run: int) -> dict[str, Any]:
+    """``request`` with its :data:`RUN_HEADER` set to ``run``."""
+    execution = dict(request.get("execution") or {})
+    execution["headers"] = {**dict(execution.get("headers") or {}), RUN_HEADER: run}
+    return {**request, "execution": execution}
 
 
 def decode_request(request: Mapping[str, Any] | None) -> Mapping[str, Any] | None:

@@ -248,6 +248,8 @@ REQUEUE = (
     f"status = '{Status.PENDING}', attempts = 0, updated_at = :now, finished_at = NULL, "
     "retry_at = NULL"
 )
+#: ... and, for a completed job's re-run, its stored request with the run's number.
+REQUEUE_RERUN = f"{REQUEUE}, request = :request"
 RESTORE_FINISHED = (
     "status = :status, attempts = :attempts, finished_at = :finished_at, updated_at = :now"
 )
@@ -257,7 +259,7 @@ TAKE_FOR_RESEND = f"status = '{Status.PENDING}', updated_at = :now, retry_at = N
 @cache
 def cas_sql(dialect: str, sets: str, where: str) -> str:
     """A compare-and-set of ``sets`` on the row as it was read (:data:`SAME`, :data:`UNCHANGED`)."""
-    return _update(dialect, sets, where)
+    return _update(dialect, sets.replace(":request", f":request{_json(dialect)}"), where)
 
 
 @cache

@@ -157,3 +157,39 @@ def test_sigkill_after_the_provider_accepted_redelivers_with_the_same_key(
     assert (row.status, row.attempts) == ("delivered", 2)
     # and the provider, deduping on that key, performed it once although it received it twice.
     assert _at(provider, idem) == (2, 1)
+
+
+def test_a_completed_key_requeued_by_the_operator_delivers_the_re_runs_effect_once(
+    spawn: Callable[[str], Worker],
+    client: ModuleType,
+    provider: ProviderStub,
+    db_url: str,
+) -> None:
+    """``fence requeue --completed KEY`` through a real worker: the re-run's effect is recorded
+    and performed once, under an idempotency key of its own; the first run's stays as it was."""
+    from celery_fence.ops.requeue import requeue_finished
+
+    key = f"invoice:{uuid.uuid4().hex[:8]}"
+    first, rerun = idempotency_key(key, "notify"), idempotency_key(key, "notify", 1)
+    store = Store(db_url)
+    spawn("w")
+    # Given a key that completed and whose effect the provider performed,
+    assert client.publish.delay(key).get(timeout=30)["idempotency_key"] == first
+    wait_until(lambda: _at(provider, first) == (1, 1), 20, what="the first run's effect")
+    # when the operator requeues it as completed (the CLI's and the admin's path),
+    requeue_finished(client.app, store, key, completed=True, reason="test re-run")
+
+    def rerun_delivered() -> bool:
+        rows = store.outbox_rows.rows(key=key)
+        return len(rows) == 2 and all(r.status == "delivered" for r in rows)
+
+    wait_until(rerun_delivered, 30, what="the re-run's effect delivered")
+    # then the re-run staged, recorded and delivered its effect under its own key, once,
+    job = store.get(key)
+    assert job is not None and job.status == "completed"
+    assert job.result["idempotency_key"] == rerun != first
+    rows = sorted(store.outbox_rows.rows(key=key), key=lambda r: r.id)
+    assert [(r.idempotency_key, r.attempts) for r in rows] == [(first, 1), (rerun, 1)]
+    assert rows[1].payload["generation"] == job.generation
+    assert _at(provider, rerun) == (1, 1) and _at(provider, first) == (1, 1)
+    store.dispose()

@@ -407,7 +407,7 @@ def test_purge_deletes_finished_jobs_before_the_date(
     new_effects = _job_with_effects(fence_store, task_name, deliver=1, of=1)
     running = _job(fence_store, task_name, "running")
 
-    out = ok(fence_cli(worker_env, "purge", "--completed-before", cutoff.isoformat()))
+    out = ok(fence_cli(worker_env, "purge", "--completed-before", cutoff.isoformat(), "--force"))
     assert out.startswith("purged ") and "completed" in out
     assert re.search(r"and \d+ outbox row\(s\) delivered before", out), out
     assert fence_store.get(old_done) is None and fence_store.history(old_done) == []
@@ -419,12 +419,32 @@ def test_purge_deletes_finished_jobs_before_the_date(
 
     # naive dates are UTC; --include-dead purges dead jobs too
     naive = cutoff.replace(tzinfo=None).isoformat()
-    ok(fence_cli(worker_env, "purge", "--completed-before", naive, "--include-dead"))
+    ok(fence_cli(worker_env, "purge", "--completed-before", naive, "--include-dead", "--force"))
     assert fence_store.get(old_dead) is None
     assert fence_store.get(new_done) is not None and fence_store.get(running) is not None
     # an age: nothing finished more than a day ago is left of ours
     assert ok(fence_cli(worker_env, "purge", "--completed-before", "1d")).startswith("purged ")
     assert fence_store.get(new_done) is not None
+
+
+def test_purge_below_the_retention_floor_needs_force(
+    fence_store: Store, worker_env: dict[str, str], task_name: str
+) -> None:
+    done = _job(fence_store, task_name, "completed")
+    # Given a date less than an hour ago (fence_retention's floor), the purge is refused,
+    # naming --force, and nothing is deleted;
+    for before in ("0d", "30m", dt.datetime.now(dt.timezone.utc).isoformat()):
+        line = assert_one_line_error(
+            fence_cli(worker_env, "purge", "--completed-before", before), 2, "--force", "1 hour"
+        )
+        assert before in line
+    assert fence_store.get(done) is not None
+    # an hour ago or more needs no --force (ours finished just now: kept),
+    assert ok(fence_cli(worker_env, "purge", "--completed-before", "1h")).startswith("purged ")
+    assert fence_store.get(done) is not None
+    # and with --force the operator deletes it all.
+    ok(fence_cli(worker_env, "purge", "--completed-before", "0d", "--force"))
+    assert fence_store.get(done) is None and fence_store.history(done) == []
 
 
 # -- error paths ----------------------------------------------------------------------------------

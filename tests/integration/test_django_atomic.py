@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 
 from celery_fence.body.fence import Fence
-from celery_fence.errors import ConfigurationError, FenceError, LeaseLost, StaleGeneration
+from celery_fence.errors import (
+    BlockIdleTimeout,
+    ConfigurationError,
+    FenceError,
+    LeaseLost,
+    StaleGeneration,
+)
 from celery_fence.leases.lease import HeldLease
 from celery_fence.store import Store
 from tests.support.worker import wait_until
@@ -426,6 +432,29 @@ def test_postgresql_a_holder_paused_inside_is_ended_and_django_reconnects(
     with again.atomic(using=alias):
         _write(alias, again)
     assert _writers(alias, again.key) == [again.attempt_id]
+
+
+def test_postgresql_a_block_idle_past_the_ttl_raises_an_error_naming_the_ttl_and_the_fix(
+    store: Store, alias: str
+) -> None:
+    from django.db import connections
+
+    if store.dialect != "postgresql":
+        pytest.skip("PostgreSQL ends an idle-in-transaction session")
+    fence = _attempt(store, ttl=1.0)
+    # Given a block that writes, does slow work inside it past the TTL, then writes again,
+    with pytest.raises(BlockIdleTimeout) as ended, fence.atomic(using=alias):
+        _write(alias, fence)
+        time.sleep(1.6)
+        _write(alias, fence)
+    # then the error names the limit, the TTL and the fix (psycopg 3 and psycopg2 alike),
+    message = str(ended.value)
+    assert "fence_lease_ttl (1s" in message and "idle between two statements" in message
+    assert "before the block" in message and fence.key in message
+    assert ended.value.__cause__ is not None
+    connections[alias].close_if_unusable_or_obsolete()
+    # and nothing of the block committed.
+    assert _writers(alias, fence.key) == []
 
 
 def test_another_database_is_refused(store: Store, alias: str) -> None:
@@ -843,7 +872,7 @@ def test_fence_atomic_on_django_with_psycopg2(tmp_path: Path) -> None:
         "postgresql and (driver_this_process or commits_while or newer_registration or "
         "holder_paused or bounded or beside_an_open_block or inside_transaction_on_the_store "
         "or nested or two_threads or autocommit_off or outside_any_block or async_orm "
-        "or direct_call)"
+        "or direct_call or idle_past_the_ttl)"
     )
     proc = subprocess.run(
         [
@@ -935,7 +964,7 @@ def test_manage_py_check_reports_bad_fence_settings(django_setup: LazySettings) 
         assert [e.id for e in check_settings()] == ["celery_fence.E001"]
     with override_settings(CELERY_FENCE_DATABASE="default"):
         assert check_settings() == []
-    assert [w.id for w in check_settings()] == ["celery_fence.W001"]  # the embedded SQLite file
+    assert [e.id for e in check_settings()] == ["celery_fence.E002"]  # no store named
 
 
 def test_manage_py_check_refuses_autocommit_off(django_setup: LazySettings, pg_url: str) -> None:
@@ -946,11 +975,11 @@ def test_manage_py_check_refuses_autocommit_off(django_setup: LazySettings, pg_u
     # The fence's alias with AUTOCOMMIT off: an Error (manage.py check fails), naming the fix;
     with override_settings(CELERY_FENCE_DATABASE="manual"):
         errors = check_settings()
-    assert [(e.id, e.level) for e in errors] == [("celery_fence.E002", 40)]
+    assert [(e.id, e.level) for e in errors] == [("celery_fence.E003", 40)]
     assert "DATABASES['manual']['AUTOCOMMIT'] is False" in errors[0].msg
     # the store set by URL on a database an AUTOCOMMIT-off alias is on: the same Error;
     with override_settings(CELERY_FENCE_DATABASE_URL=pg_url):
-        assert [e.id for e in check_settings()] == ["celery_fence.E002"]
+        assert [e.id for e in check_settings()] == ["celery_fence.E003"]
     # and the settings a worker reads refuse it.
     from celery_fence.config import FenceConfig
 

@@ -385,3 +385,117 @@ def race_sender() -> Any:
     import importlib
 
     return importlib.import_module("tests.support.outbox_app").race_sender
+
+
+@pytest.mark.filterwarnings("ignore::celery_fence.errors.FenceEagerWarning")  # apply(headers=)
+def test_a_completed_key_re_run_by_the_operator_records_and_delivers_its_effects_anew(
+    app: Celery, store: Store, prefix: str, redis_client: redis.Redis, caplog: Any
+) -> None:
+    """``fence requeue --completed KEY``: the re-run's effects are recorded and delivered with
+    idempotency keys of their own (its run number in them); the first run's keep theirs, and
+    every attempt of one run stages the same key (a redelivery of the run still dedupes)."""
+    from celery_fence.ops.recovery import execution_for
+
+    RUN_HEADER = "fence_run"  # the header's public name
+
+    key = f"invoice:{uuid.uuid4().hex[:8]}"
+    outbox = Outbox(app)
+    delivered: list[tuple[Any, str]] = []
+    staged: list[str] = []
+
+    @outbox.handler("email")
+    def email(payload: Any, *, idempotency_key: str) -> None:
+        delivered.append((payload, idempotency_key))
+
+    failures = [0]
+
+    @app.task(base=FencedTask, bind=True, fence_key=lambda k, total: k)
+    def bill(self: Any, k: str, total: int) -> int:
+        staged.append(self.fence.effects.add("email", {"total": total}))
+        if failures[0]:
+            failures[0] -= 1
+            raise ConnectionError("transient, after staging")
+        return total
+
+    lease_key = LeaseStore(redis_client, prefix=prefix).keys_for(key).lease
+
+    def released() -> None:
+        wait_until(lambda: not redis_client.exists(lease_key), 10, what="lease released")
+
+    # Given a key that completed once, its email recorded and delivered under the first key,
+    bill.apply((key, 100)).get()
+    first = idempotency_key(key, "email")
+    assert delivered == [({"total": 100}, first)]
+    released()
+    # when the operator requeues it as completed (the message it sends carries the run number),
+    requeued = store.admin.requeue(key, completed=True)
+    headers = execution_for(requeued)["headers"]
+    assert headers[RUN_HEADER] == 1
+    stored = store.get(key)
+    assert stored is not None and stored.request is not None
+    assert stored.request["execution"]["headers"][RUN_HEADER] == 1  # recovery re-sends it too
+    # and the re-run's first attempt fails after staging (Celery's retry re-sends the message
+    # of the same run, with its headers: eagerly, here),
+    failures[0] = 1
+    with caplog.at_level(logging.INFO, logger="celery_fence"):
+        assert bill.apply((key, 120), headers=headers).get() == 120
+    # then both attempts of the re-run staged one key, new for this run and not the first's,
+    rerun = idempotency_key(key, "email", 1)
+    assert staged == [first, rerun, rerun] and rerun != first
+    # the re-run's row is recorded beside the first run's and delivered once, with that key,
+    rows = sorted(store.outbox_rows.rows(key=key), key=lambda r: r.id)
+    assert [(r.idempotency_key, r.payload, r.status, r.attempts) for r in rows] == [
+        (first, {"total": 100}, "delivered", 1),
+        (rerun, {"total": 120}, "delivered", 1),
+    ]
+    assert delivered == [({"total": 100}, first), ({"total": 120}, rerun)]
+    # and the record is a log line (key and run, never the payload).
+    recorded = [r.getMessage() for r in caplog.records if "outbox recorded" in r.getMessage()]
+    assert recorded == [f"fence outbox recorded key={key} effects=1 run=1"]
+    assert "120" not in " ".join(recorded)
+    # A second requeue is run 2: keys of its own again.
+    released()
+    again = execution_for(store.admin.requeue(key, completed=True))["headers"]
+    assert again[RUN_HEADER] == 2
+    assert bill.apply((key, 130), headers=again).get() == 130
+    assert delivered[-1] == ({"total": 130}, idempotency_key(key, "email", 2))
+    assert len({r.idempotency_key for r in store.outbox_rows.rows(key=key)}) == 3
+
+
+def test_a_purged_key_sent_again_runs_as_new_work_with_the_same_idempotency_keys(
+    app: Celery, store: Store, prefix: str, redis_client: redis.Redis
+) -> None:
+    """What ``fence purge`` promises of a purged key: sent again, it runs again as new work
+    (nothing is left to replay), and its outbox effects carry the same idempotency keys as the
+    first run's, so a provider that dedupes on them does not charge twice."""
+    key = f"charge:{uuid.uuid4().hex[:8]}"
+    outbox = Outbox(app)
+    delivered: list[str] = []
+    runs: list[str] = []
+
+    @outbox.handler("charge")
+    def charge(payload: Any, *, idempotency_key: str) -> None:
+        delivered.append(idempotency_key)
+
+    @app.task(base=FencedTask, bind=True, fence_key=lambda k: k)
+    def pay(self: Any, k: str) -> str:
+        runs.append(self.fence.attempt_id)
+        return self.fence.effects.add("charge", {"cents": 500})
+
+    # Given a key that completed and whose charge was delivered,
+    first = pay(key)
+    assert delivered == [first] == [idempotency_key(key, "charge")]
+    lease_key = LeaseStore(redis_client, prefix=prefix).keys_for(key).lease
+    wait_until(lambda: not redis_client.exists(lease_key), 10, what="lease released")
+    # when everything finished before now is purged (what fence purge --force does),
+    now = utcnow() + dt.timedelta(seconds=1)
+    assert store.admin.purge(finished_before=now) >= 1
+    assert store.outbox_rows.purge(delivered_before=now) >= 1
+    assert store.get(key) is None and store.outbox_rows.rows(key=key) == []
+    # then the key sent again runs its body again (new work: a second run),
+    assert pay(key) == first
+    assert len(runs) == 2
+    # and its charge goes out again with the first run's idempotency key: the provider dedupes.
+    (row,) = store.outbox_rows.rows(key=key)
+    assert (row.idempotency_key, row.status) == (first, "delivered")
+    assert delivered == [first, first]

@@ -21,6 +21,7 @@ from celery_fence.body import watch
 from celery_fence.body.fence import Fence
 from celery_fence.chaos.arms import UnfencedStore
 from celery_fence.errors import (
+    BlockIdleTimeout,
     ConfigurationError,
     FenceError,
     LeaseLost,
@@ -508,3 +509,35 @@ def test_a_loss_noticed_by_the_renewer_during_a_block_is_recorded_once(tables: S
         renewer.join(5)
     assert losses == ["lease expired or taken over in Redis"]
     assert _writers(tables, fence.key) == []
+
+
+@pytest.mark.parametrize("db_url", ["postgresql", "psycopg3"], indirect=True)
+def test_postgresql_a_block_idle_past_the_ttl_raises_an_error_naming_the_ttl_and_the_fix(
+    tables: Store,
+) -> None:
+    """The real limit of a block: it may not stay idle between two statements longer than
+    fence_lease_ttl (PostgreSQL's idle_in_transaction_session_timeout for it). The error says so,
+    with the TTL and the fix, on either driver (psycopg2 only sees the connection closed)."""
+    fence = _attempt(tables, ttl=1.0)
+    # Given a block that writes, then does slow work inside it past the TTL, then writes again,
+    with pytest.raises(BlockIdleTimeout) as ended, fence.transaction() as conn:
+        conn.execute(rows.insert().values(key=fence.key, writer="first"))
+        time.sleep(1.6)
+        conn.execute(rows.insert().values(key=fence.key, writer="second"))
+    # then the error names the limit, the TTL and the fix, and chains the driver's error,
+    message = str(ended.value)
+    assert "fence_lease_ttl (1s" in message and "idle between two statements" in message
+    assert "before the block" in message and fence.key in message
+    assert isinstance(ended.value.__cause__, sa.exc.DBAPIError)
+    assert (
+        ended.value.context["lease_ttl"] == 1.0 and float(str(ended.value.context["idle"])) >= 1.0
+    )
+    # and nothing of the block committed.
+    assert _writers(tables, fence.key) == []
+    # A block that is busy (statements closer together than the TTL) is not affected.
+    busy = _attempt(tables, ttl=3.0)
+    with busy.transaction() as conn:
+        for n in range(3):
+            conn.execute(rows.insert().values(key=busy.key, writer=f"w{n}"))
+            time.sleep(0.5)  # each gap well below the TTL
+    assert _writers(tables, busy.key) == ["w0", "w1", "w2"]

@@ -143,3 +143,35 @@ def test_deferred_registration_needs_counters_that_never_expire() -> None:
         {"fence_defer_first_registration": True, "fence_generation_ttl": 0}
     )
     assert config.defer_first_registration and config.generation_ttl_ms == 0
+
+
+def test_the_renew_interval_follows_the_lease_ttl_unless_it_is_set() -> None:
+    # A TTL alone brings its renew interval (a third), in any spelling ...
+    for name in ("fence_lease_ttl", "FENCE_LEASE_TTL", "CELERY_FENCE_LEASE_TTL"):
+        assert FenceConfig.from_mapping({name: 6}).renew_interval == 2.0
+    # ... and a task's own TTL too, when the app set no interval;
+    app = Celery("t", set_as_current=False)
+    app.conf.update(fence_lease_ttl=9.0)
+
+    @app.task(base=FencedTask, bind=True, lease_ttl=1.5, shared=False)
+    def quick(self: FencedTask) -> None: ...
+
+    assert FenceConfig.from_app(app).renew_interval == 3.0
+    assert (quick.fence_config().lease_ttl, quick.fence_config().renew_interval) == (1.5, 0.5)
+    # an interval that is set is kept, and one that does not fit is named as it was written.
+    assert (
+        FenceConfig.from_mapping({"fence_lease_ttl": 6, "fence_renew_interval": 1}).renew_interval
+        == 1
+    )
+    with pytest.raises(ConfigurationError) as bad:
+        FenceConfig.from_mapping(
+            {
+                "CELERY_FENCE_LEASE_TTL": 3,
+                "CELERY_FENCE_LEASE_MARGIN": 0.4,
+                "CELERY_FENCE_RENEW_INTERVAL": 2,
+            }
+        )
+    assert "CELERY_FENCE_RENEW_INTERVAL=2.0" in str(bad.value)
+    assert "CELERY_FENCE_LEASE_TTL x (1 - CELERY_FENCE_LEASE_MARGIN)" in str(bad.value)
+    with pytest.raises(ConfigurationError, match=r"^FENCE_RENEW_INTERVAL=.*FENCE_LEASE_MARGIN"):
+        FenceConfig.from_mapping({"FENCE_RENEW_INTERVAL": 40})  # the margin left at its default

@@ -52,14 +52,17 @@ rollback fails, and Celery's Django fix-up gives the next task a new connection.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from django import db as django_db
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db import transaction as django_transaction
 
 from celery_fence import signals
 from celery_fence.body import watch
+from celery_fence.body.transaction import idle_timeout
 from celery_fence.contrib.django import guard
 from celery_fence.contrib.django.database import autocommit_off, same_database_problem
 from celery_fence.errors import ConfigurationError, FenceError, LeaseLost
@@ -120,8 +123,9 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
     # A fence made by hand (a test) is watched for the block's duration, like a body's.
     watched = contextlib.nullcontext() if watch.is_running(fence) else watch.running(fence)
     fence.blocks.atomic.add(alias)
+    gaps = _IdleGaps()
     try:
-        with watched, django_transaction.atomic(using=alias):
+        with watched, connection.execute_wrapper(gaps), django_transaction.atomic(using=alias):
             _bound(fence, store, connection)
             yield
             if not connection.needs_rollback:  # else Django rolls back: nothing to check
@@ -134,12 +138,33 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
         refused = store._rejected(fence.key, fence.generation, fence.attempt_id, "fenced commit")
         fence.blocks.refused = refused
         raise refused from None
-    except BaseException:
+    except BaseException as exc:
         fence.blocks.atomic.discard(alias)
         _record_loss(fence)  # a loss seen inside, recorded now that the block holds no locks
+        if connection.vendor == "postgresql":
+            disconnected = isinstance(exc, (django_db.OperationalError, django_db.InterfaceError))
+            ended = idle_timeout(fence, gaps.idle, exc, disconnected=disconnected)
+            if ended is not None:
+                raise ended from exc
         raise
     finally:
         fence.blocks.atomic.discard(alias)
+
+
+class _IdleGaps:
+    """A Django execute wrapper: how long the block's connection had been idle when its latest
+    statement began (PostgreSQL ends a block idle past the lease TTL: :func:`idle_timeout`)."""
+
+    def __init__(self) -> None:
+        self.active_at = time.monotonic()
+        self.idle = 0.0
+
+    def __call__(self, execute: Any, sql: Any, params: Any, many: bool, context: Any) -> Any:
+        self.idle = time.monotonic() - self.active_at
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            self.active_at = time.monotonic()
 
 
 def _bound(fence: Fence, store: Store, connection: Any) -> None:

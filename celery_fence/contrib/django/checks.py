@@ -7,9 +7,8 @@ from typing import Any
 from django.core import checks
 from django.db import connections
 
-from celery_fence.config import DEFAULT_DATABASE_URL
 from celery_fence.contrib.django.database import autocommit_off, same_database_problem
-from celery_fence.contrib.django.settings import fence_alias, fence_config
+from celery_fence.contrib.django.settings import STORE_UNSET, fence_alias, fence_config, store_named
 from celery_fence.errors import ConfigurationError
 
 
@@ -38,13 +37,12 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
             off = autocommit_off(name, db)
             if off is not None and same_database_problem(config.database_url, name, db) is None:
                 return [_autocommit_error(off)]
-        if config.database_url == DEFAULT_DATABASE_URL:
+        if not store_named():
             return [
-                checks.Warning(
-                    "celery-fence's store is the embedded SQLite file celery_fence.sqlite3, not "
-                    "one of your DATABASES: self.fence.atomic() refuses to run there.",
+                checks.Error(
+                    STORE_UNSET,
                     hint='Set CELERY_FENCE_DATABASE = "default" (the alias your models use).',
-                    id="celery_fence.W001",
+                    id="celery_fence.E002",
                 )
             ]
         return []
@@ -65,5 +63,5 @@ def _autocommit_error(message: str) -> checks.CheckMessage:
     return checks.Error(
         message,
         hint="Remove 'AUTOCOMMIT': False from that DATABASES entry (see docs/django.md).",
-        id="celery_fence.E002",
+        id="celery_fence.E003",
     )

@@ -8,7 +8,7 @@ from typing import Any
 
 from django.conf import settings
 
-from celery_fence.config import FenceConfig
+from celery_fence.config import DJANGO_STORE_UNSET, FenceConfig
 
 PREFIXES = ("CELERY_FENCE_", "FENCE_")
 
@@ -25,6 +25,22 @@ def fence_alias() -> str | None:
         if found.get(name) is not None:
             return str(found[name])
     return None
+
+
+#: Why a Django project must name its store (``manage.py check``'s ``celery_fence.E002``, and
+#: ``celery fence check``).
+STORE_UNSET = DJANGO_STORE_UNSET
+
+
+def store_named() -> bool:
+    """Whether the project names the store: ``CELERY_FENCE_DATABASE`` or
+    ``CELERY_FENCE_DATABASE_URL`` (or their ``FENCE_`` spellings)."""
+    found = fence_settings()
+    return any(
+        found.get(prefix + name) is not None
+        for prefix in PREFIXES
+        for name in ("DATABASE", "DATABASE_URL")
+    )
 
 
 def fence_config() -> FenceConfig:

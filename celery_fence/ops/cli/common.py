@@ -17,6 +17,7 @@ from celery_fence.errors import FenceError
 from celery_fence.ops.scope import Scope
 from celery_fence.pipeline.backends import store_for
 from celery_fence.store import JobRecord, Store
+from celery_fence.store.engine import missing_database_message, missing_database_name
 from celery_fence.store.records import never_claimed
 
 EX_FAILURE = 1
@@ -41,6 +42,9 @@ def describe(exc: BaseException, command: str = "celery -A <app>") -> str:
         return str(exc)
     if isinstance(exc, sa.exc.DBAPIError):
         detail = str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else ""
+        missing = missing_database_name(exc)
+        if missing is not None:  # not the tables: the database itself
+            return missing_database_message(missing, None, command)
         if "no such table" in detail or "does not exist" in detail:
             return f"the celery-fence tables are missing ({detail}): run '{command} fence init-db'"
         return f"database error ({type(exc.orig).__name__}): {detail}"

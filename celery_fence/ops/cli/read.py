@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from typing import Any
 
 import click
@@ -11,6 +13,7 @@ import sqlalchemy as sa
 from celery.bin.base import CeleryOption
 
 from celery_fence import migrate
+from celery_fence.config import DJANGO_STORE_UNSET, read_setting
 from celery_fence.leases.lease import make_redis_client
 from celery_fence.ops import recovery
 from celery_fence.ops.cli.common import (
@@ -43,6 +46,8 @@ def check(ctx: click.Context) -> None:
     Exits non-zero on the first problem, with one line naming it and the fix."""
     with scope_of(ctx) as scope:  # reads every fenced task's settings: raises on a bad one
         tasks = scope.fenced_tasks()
+        if _django_store_unset(ctx.obj.app):  # before any store is opened (no file is made)
+            raise FenceCLIError(DJANGO_STORE_UNSET)
         ctx.obj.echo(f"settings: ok ({len(tasks)} fenced task{'s' * (len(tasks) != 1)})")
         redises = scope.redis_configs()
         for config in redises:
@@ -53,6 +58,35 @@ def check(ctx: click.Context) -> None:
             _check_schema(ctx, database.url)
         for database in databases:
             _check_writes(ctx, database.store)
+
+
+#: The Django app whose settings name the store.
+DJANGO_APP = "celery_fence.contrib.django"
+
+
+def _django_store_unset(app: Any) -> bool:
+    """A Django project (its settings configured, :data:`DJANGO_APP` installed) that names no
+    store: neither ``CELERY_FENCE_DATABASE`` nor ``CELERY_FENCE_DATABASE_URL`` (any spelling) in
+    its settings or the app's configuration."""
+    django_conf = sys.modules.get("django.conf")
+    if django_conf is None:
+        return False
+    settings = django_conf.settings
+    try:
+        if not (settings.configured or os.environ.get("DJANGO_SETTINGS_MODULE")):
+            return False
+        if DJANGO_APP not in settings.INSTALLED_APPS:
+            return False
+        names = [n for n in dir(settings) if n.startswith(("CELERY_FENCE_", "FENCE_"))]
+        named = any(
+            n.endswith(("FENCE_DATABASE", "FENCE_DATABASE_URL"))
+            and getattr(settings, n) is not None
+            for n in names
+        )
+    except Exception:  # settings that cannot be read: not judged here
+        return False
+    conf = app.conf
+    return not named and all(read_setting(conf, n) is None for n in ("database", "database_url"))
 
 
 def _check_schema(ctx: click.Context, url: str) -> None:

@@ -15,6 +15,7 @@ from celery.bin.base import CeleryOption
 from celery_fence import migrate
 from celery_fence.actions import Action
 from celery_fence.announce.transitions import emit_transition
+from celery_fence.config import MIN_RETENTION
 from celery_fence.ops import recovery
 from celery_fence.ops.cli.common import (
     EX_USAGE,
@@ -297,16 +298,39 @@ PROGRESS_EVERY = 2.0
     help_group="Purge Options",
     help="Jobs deleted (with their history) in one transaction.",
 )
+@click.option(
+    "--force",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Purge Options",
+    help=f"Allow a date less than {MIN_RETENTION / 3600:g} hour(s) ago (the retention floor): "
+    "a purged key runs again as new work when it is sent again.",
+)
 @click.pass_context
-def purge(ctx: click.Context, before: str, include_dead: bool, batch_size: int) -> None:
+def purge(
+    ctx: click.Context, before: str, include_dead: bool, batch_size: int, force: bool
+) -> None:
     """Delete finished jobs and their history, and outbox rows delivered before the date.
 
     Oldest first, in batches of one short transaction each: safe to stop (Ctrl-C) and run
     again, it goes on where it was; progress goes to stderr every few seconds. Outbox rows are
     written when a job completes, so a row delivered before the date belongs to a job completed
     before it; rows not delivered yet (pending, dead) are kept whatever their age.
+
+    A date less than an hour ago (``fence_retention``'s floor) needs ``--force``: a completed
+    job's row is what replays its result to a late redelivery; once purged, the key runs again
+    as new work (its outbox effects with the same idempotency keys as its first run's).
     """
     when = parse_before(before)
+    floor = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=MIN_RETENTION)
+    if when > floor and not force:
+        raise FenceCLIError(
+            f"--completed-before {before} is less than {MIN_RETENTION / 3600:g} hour(s) ago "
+            "(the retention floor, as fence_retention): a purged key that is sent again runs "
+            "as new work, so a late redelivery would run its body again; pick an older date, "
+            "or add --force to purge it anyway",
+            exit_code=EX_USAGE,
+        )
     statuses = (COMPLETED, DEAD) if include_dead else (COMPLETED,)
     started = shown = time.monotonic()
 

@@ -67,6 +67,9 @@ else:
             "TEST": {"NAME": f"test_billing_{os.getpid()}"},
         }
     }
+#: The development database's name, as configured (pytest-django renames DATABASES' NAME to
+#: the test database's): the example's tests open it to show the workers never touch it.
+BILLING_DEVELOPMENT_DATABASE = DATABASES["default"]["NAME"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 TIME_ZONE = "UTC"

@@ -3,6 +3,7 @@ database, a worker paused before and inside ``self.fence.atomic()``, and the uns
 ``transaction.atomic()`` caught by the test's own check of the invoice row."""
 
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -84,8 +85,79 @@ def wait_for(predicate, seconds, what):
         time.sleep(0.1)
 
 
-def test_the_admin_shows_a_dead_job_and_requeues_it(fenced_worker, fence_store, admin_client):
-    """The admin, and the plugin's worker on pytest-django's test database."""
+HERE = Path(__file__).resolve().parent.parent
+#: The development database's tables the example writes: the fence's and the invoices.
+DEVELOPMENT_TABLES = ("billing_invoice", "fence_jobs", "fence_transitions", "fence_outbox")
+
+
+def _on_postgresql(settings):
+    return settings.DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql"
+
+
+def _pg(dbname):
+    import psycopg
+
+    return psycopg.connect(host="127.0.0.1", port=5432, user="postgres", dbname=dbname)
+
+
+@pytest.fixture
+def development_database(settings):
+    """The development database (``BILLING_DB_NAME``, not the test database), opened: made with
+    ``manage.py migrate`` as a developer would when it does not exist (and dropped afterwards),
+    so the workers would have somewhere to write if they were pointed at it. Yields a function
+    that reads its tables' row counts and the fence keys it holds."""
+    name = settings.BILLING_DEVELOPMENT_DATABASE
+    assert name != settings.DATABASES["default"]["NAME"]  # not the test database
+    postgresql = _on_postgresql(settings)
+    created = False
+    if postgresql:
+        with _pg("postgres") as admin:
+            admin.autocommit = True
+            if (
+                admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+                is None
+            ):
+                admin.execute(f'CREATE DATABASE "{name}"')
+                created = True
+    else:
+        created = not Path(name).exists()
+    env = {**os.environ, "BILLING_DB_NAME": name}
+    migrate = [sys.executable, "-m", "django", "migrate", "--noinput"]
+    done = subprocess.run(migrate, env=env, cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    def contents():
+        if postgresql:
+            with _pg(name) as conn:
+                counts = {
+                    t: conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+                    for t in DEVELOPMENT_TABLES
+                }
+                keys = {row[0] for row in conn.execute("SELECT key FROM fence_jobs")}
+        else:
+            with sqlite3.connect(name) as conn:
+                counts = {
+                    t: conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+                    for t in DEVELOPMENT_TABLES
+                }
+                keys = {row[0] for row in conn.execute("SELECT key FROM fence_jobs")}
+        return counts, keys
+
+    yield contents
+    if created and postgresql:
+        with _pg("postgres") as admin:
+            admin.autocommit = True
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    elif created:
+        Path(name).unlink(missing_ok=True)
+
+
+def test_the_admin_shows_a_dead_job_and_requeues_it(
+    fenced_worker, fence_store, admin_client, development_database
+):
+    """The admin, and the plugin's worker on pytest-django's test database: the development
+    database, opened before and after, is left as it was."""
+    development_before = development_database()
     # Given an invoice billed before it existed: the job ran out of attempts and is dead,
     fenced_worker.start()
     missing = 10_000 + Invoice.objects.count()
@@ -102,11 +174,15 @@ def test_the_admin_shows_a_dead_job_and_requeues_it(fenced_worker, fence_store, 
     selected = {"_selected_action": [key]}
     requeued = admin_client.post(changelist, {"action": "requeue_dead", **selected}, follow=True)
     assert messages(requeued)[0].startswith(f"{key}: requeued as")
-    # then the worker bills it under the same key, in the test database (the development
-    # database is never touched), and nothing is left stranded.
+    # then the worker bills it under the same key, in the test database,
     wait_for(lambda: fence_store.get(key).status == "completed", 30, "the requeued job")
     job = fence_store.get(key)
     assert job.result["database"] == connection.settings_dict["NAME"]
+    # and the development database is as it was: no job, transition, outbox row or invoice more,
+    # and not this key.
+    development_after = development_database()
+    assert development_after == development_before
+    assert key not in development_after[1]
     inv = Invoice.objects.get(pk=missing)
     assert (inv.total_cents, inv.billed_generation) == (30000, job.generation)
     recover = {"action": "recover_stranded", **selected}
