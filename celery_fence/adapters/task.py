@@ -201,7 +201,10 @@ class FencedTask(Task, Fenced):
     ) -> Any:
         """A direct call, ``.apply()`` or an eager run: refused at once inside the caller's
         open transaction on the store's database (:mod:`celery_fence.adapters.direct`); the
-        store's idle connections closed afterwards."""
+        store's idle connections closed afterwards. Its failure is the caller's: the job is left
+        ``failed``, never ``retrying`` for recovery to run later (``Execution.in_caller``)."""
+        execution.eager = bool(self.request.is_eager)
+        execution.in_caller = "eager run" if execution.eager else "direct call"
         store = execution.store
         if not isinstance(store, Store):  # a store double: no database
             return self._run_keyed(execution, args, kwargs)

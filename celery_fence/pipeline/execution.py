@@ -92,6 +92,13 @@ class Execution:
         #: row is written by its completion, or registered late by any other outcome.
         self.deferred = False
         self.request_json: str | None = None
+        #: How the attempt runs in the caller's thread, with no message behind it (``"direct
+        #: call"``, ``"eager run"``), else empty: the settle step never leaves its row for a
+        #: re-send (:mod:`celery_fence.pipeline.settle`).
+        self.in_caller = ""
+        #: An eager run (``.apply()``, ``task_always_eager``): Celery runs a ``self.retry()``
+        #: inline.
+        self.eager = False
 
     # -- the path ----------------------------------------------------------------------------------
 
