@@ -299,7 +299,10 @@ class FencedTask(Task, Fenced):
     def _resend(self, disposition: o.Resend) -> Any:
         """Re-send this message (same task id) after the countdown; never drop it. ``expires``
         is not carried over: a message the fence re-sends must arrive."""
-        if self.request.called_directly:  # a direct call raises instead of re-sending
+        if self.request.called_directly or self.request.is_eager:
+            # In the caller's thread there is no message to re-send: the caller gets the error
+            # (an eager retry would run again at once, inline and nested, until the recursion
+            # limit while another attempt holds the lease)
             raise disposition.error
         countdown = max(0.0, disposition.countdown)
         logger.info(

@@ -30,7 +30,9 @@ caller's thread      leaves it; a new call or message runs
                      it)
 Lost                 ``retrying``                             Resend
 Stale                transition ``stale`` only                Return stored result / Resend
-Busy                 none                                     Resend (never an attempt)
+Busy                 none                                     Resend (never an attempt); in
+                                                              the caller's thread the caller
+                                                              gets ``Rescheduled``
 Unavailable          none (the store could not be asked)      Resend with backoff
 Refused              ``dead``, the request kept encoded       Fail (ack)
 Refused, job ended   none (completed or dead already)         Return stored result / Fail
@@ -260,7 +262,14 @@ def _stale(a: Execution, o: Stale) -> Disposition:
 def _busy(a: Execution, o: Busy) -> Disposition:
     a.announce(Action.BUSY, reason=f"held for {o.remaining:.3f}s more", remaining=o.remaining)
     jitter = random.uniform(0, max(0.05, a.config.renew_interval / 4))
-    return Resend(o.remaining + jitter, "lease busy", Rescheduled("lease busy"))
+    error = Rescheduled("lease busy")
+    if a.in_caller:  # not re-sent: the caller gets this error
+        error = Rescheduled(
+            f"lease busy: job {a.key!r} is being run by another attempt (its lease is held "
+            f"{o.remaining:.1f}s more); a {a.in_caller} is not re-sent: call it again later, or "
+            "send it with .delay()"
+        )
+    return Resend(o.remaining + jitter, "lease busy", error)
 
 
 def _unavailable(a: Execution, o: Unavailable) -> Disposition:

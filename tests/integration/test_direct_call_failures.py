@@ -10,9 +10,14 @@ Real Redis and SQLite/PostgreSQL; one test runs the later ``.delay()`` on a real
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import uuid
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -20,10 +25,15 @@ import pytest
 import redis
 from celery.exceptions import Reject
 
-from celery_fence.errors import FenceEagerWarning
+from celery_fence.errors import FenceEagerWarning, Rescheduled, StoreError
+from celery_fence.leases.lease import LeaseStore
 from celery_fence.ops import recovery
 from celery_fence.store import Store
+from celery_fence.testing import faults
+from celery_fence.testing.waiting import poll_until
 from tests.support.env import BROKER_URL
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -62,6 +72,8 @@ def _assert_failed_and_not_recovered(
     assert key not in report.sent and key not in report.stranded
     assert key not in _queued_keys(broker, queue)
     assert (store.get(key) or pytest.fail()).status == "failed"
+    with pytest.raises(StoreError, match=r"failed, not dead: not requeued.*next call or message"):
+        store.admin.requeue(key)
 
 
 @pytest.mark.parametrize("db_url", ["sqlite", "postgresql"], indirect=True)
@@ -161,3 +173,63 @@ def test_celery_control_flow_in_the_caller_s_thread(
     assert requeued not in report.sent and requeued not in _queued_keys(broker, queue)
     assert client_app.control(requeued, kind="requeue")["runs"] == 2
     assert (fence_store.get(requeued) or pytest.fail()).status == "completed"
+
+
+@pytest.mark.parametrize("db_url", ["sqlite", "postgresql"], indirect=True)
+def test_a_direct_call_whose_process_dies_mid_body_is_recovered_and_run_once_more(
+    fence_store: Store,
+    client_app: ModuleType,
+    spawn_worker: Any,
+    worker_env: dict[str, str],
+) -> None:
+    # Given a direct call whose process is SIGKILLed in the body: no caller saw it end
+    key = f"killed:{uuid.uuid4().hex[:10]}"
+    faults.arm(client_app.ledger, client_app.PREFIX, "kill", "before_effect", key)
+    caller = subprocess.run(
+        [sys.executable, "-c", f"from tests.support import app; app.work({key!r})"],
+        env={**os.environ, **worker_env},
+        cwd=ROOT,
+        timeout=60,
+        capture_output=True,
+    )
+    assert caller.returncode == -signal.SIGKILL
+    assert _runs(client_app, key) == 1
+    record = fence_store.get(key)
+    assert record is not None and record.status == "running"
+    # Then, once its lease has run out, recovery re-sends it from its stored request, and a
+    # worker runs it to completion (the caller's failure was never seen: not ``failed``)
+    sent = poll_until(
+        lambda: key in recovery.recover(client_app.app, older_than=0).sent, timeout=30
+    )
+    assert sent
+    spawn_worker()
+    done = poll_until(
+        lambda: (r := fence_store.get(key)) is not None and r.status == "completed", timeout=60
+    )
+    assert done
+    assert _runs(client_app, key) == 2
+
+
+@pytest.mark.parametrize("db_url", ["sqlite", "postgresql"], indirect=True)
+def test_a_call_in_the_caller_s_thread_that_meets_a_busy_lease_raises_at_once(
+    fence_store: Store, client_app: ModuleType, leases: LeaseStore
+) -> None:
+    # Given another attempt holding the key's lease (a worker running it)
+    key = f"busy:{uuid.uuid4().hex[:10]}"
+    token = uuid.uuid4().hex
+    generation = leases.claim(key, token, 30_000)
+    try:
+        # A direct call and an eager run each get Rescheduled naming the key, at once (before,
+        # .apply() re-ran itself inline, nested, until RecursionError); nothing ran or was written
+        with pytest.raises(
+            Rescheduled, match=r"lease busy: job 'busy:.*direct call is not re-sent"
+        ):
+            client_app.work(key)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FenceEagerWarning)
+            outcome = client_app.work.apply((key,))
+        assert outcome.state == "FAILURE" and isinstance(outcome.result, Rescheduled)
+        assert "eager run is not re-sent" in str(outcome.result)
+        assert _runs(client_app, key) == 0 and fence_store.get(key) is None
+    finally:
+        leases.release(leases.keys_for(key).lease, f"{token}:{generation}")
