@@ -27,6 +27,7 @@ class Action(str, Enum):
     STALE = "stale"
     RETRY_SCHEDULED = "retry_scheduled"
     DEAD = "dead"
+    FAILED = "failed"
     TIME_LIMIT = "time_limit"
     EXPIRED = "expired"
     REVOKED = "revoked"

@@ -89,7 +89,9 @@ class ResultNotSerializable(StoreError):
 
 
 class Rescheduled(FenceError):
-    """celery-fence re-sent this message (lease busy, store unavailable, newer generation)."""
+    """celery-fence re-sent this message (lease busy, store unavailable, newer generation); for
+    a call in the caller's thread (a direct call, ``.apply()``, an eager run), which has no
+    message to re-send, the reason it did not run, raised to the caller."""
 
     default = "celery-fence re-sent this message"
 

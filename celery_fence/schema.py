@@ -58,13 +58,16 @@ KEY_LENGTH = 512
 class Status(str, Enum):
     """A job's status. ``completed`` and ``dead`` are terminal (until an operator requeues the
     job); ``pending`` is a job waiting for a message that :func:`~celery_fence.enqueue`, an
-    operator or a recovery sent."""
+    operator or a recovery sent; ``failed`` is an attempt run in the caller's thread (a direct
+    call, ``.apply()``, an eager run) that raised to its caller: no message waits for it, so
+    recovery leaves it, and the next call or message for the key runs it again."""
 
     RUNNING = "running"
     RETRYING = "retrying"
     COMPLETED = "completed"
     DEAD = "dead"
     PENDING = "pending"
+    FAILED = "failed"
 
     def __str__(self) -> str:
         return self.value
@@ -83,7 +86,7 @@ class OutboxStatus(str, Enum):
 
 
 #: The statuses as plain strings (what the driver binds and what rows read back hold).
-RUNNING, RETRYING, COMPLETED, DEAD, PENDING = (s.value for s in Status)
+RUNNING, RETRYING, COMPLETED, DEAD, PENDING, FAILED = (s.value for s in Status)
 STATUSES = tuple(s.value for s in Status)
 FINISHED_PREDICATE = f"status IN ('{COMPLETED}', '{DEAD}')"
 UNFINISHED_PREDICATE = f"status IN ('{RUNNING}', '{RETRYING}', '{PENDING}')"

@@ -280,7 +280,10 @@ class FencedTask(Task, Fenced):
     ) -> Any:
         """A direct call, ``.apply()`` or an eager run: refused at once inside the caller's
         open transaction on the store's database (:mod:`celery_fence.adapters.direct`); the
-        store's idle connections closed afterwards."""
+        store's idle connections closed afterwards. Its failure is the caller's: the job is left
+        ``failed``, never ``retrying`` for recovery to run later (``Execution.in_caller``)."""
+        execution.eager = bool(self.request.is_eager)
+        execution.in_caller = "eager run" if execution.eager else "direct call"
         store = execution.store
         if not isinstance(store, Store):  # a store double: no database
             return self._run_keyed(execution, args, kwargs, call)
@@ -429,7 +432,10 @@ class FencedTask(Task, Fenced):
         :data:`RESENDS_HEADER` header instead (a re-send is no first delivery; store outages
         back off on it)."""
         request = self.request
-        if request.called_directly:  # a direct call raises instead of re-sending
+        if request.called_directly or request.is_eager:
+            # In the caller's thread there is no message to re-send: the caller gets the error
+            # (an eager retry would run again at once, inline and nested, until the recursion
+            # limit while another attempt holds the lease)
             raise disposition.error
         countdown = max(0.0, disposition.countdown)
         logger.info(

@@ -90,6 +90,7 @@ TABLE: Mapping[Action, ActionSpec] = MappingProxyType(
             signals.job_retry_scheduled, _WARNING, event_type("retry"), recorded=True
         ),
         Action.DEAD: _t(signals.job_dead, _ERROR, event_type("dead"), recorded=True),
+        Action.FAILED: _t(None, _WARNING, None, recorded=True),
         Action.TIME_LIMIT: _t(None, _WARNING, None, recorded=True),
         Action.EXPIRED: _t(None, _WARNING, None, recorded=True),
         Action.REVOKED: _t(None, _WARNING, None, recorded=True),

@@ -104,6 +104,13 @@ class Execution:
         #: The operator's re-run this message belongs to (its ``fence_run`` header; 0: the key's
         #: first run): its outbox effects get idempotency keys of their own.
         self.run_number = 0
+        #: How the attempt runs in the caller's thread, with no message behind it (``"direct
+        #: call"``, ``"eager run"``), else empty: the settle step never leaves its row for a
+        #: re-send (:mod:`celery_fence.pipeline.settle`).
+        self.in_caller = ""
+        #: An eager run (``.apply()``, ``task_always_eager``): Celery runs a ``self.retry()``
+        #: inline.
+        self.eager = False
 
     # -- the path ----------------------------------------------------------------------------------
 

@@ -25,14 +25,21 @@ Replayed             none (already completed)                 Return the stored 
 AlreadyDead          none                                     Fail (ack)
 Exhausted            ``dead``, attempts = executions          Fail (ack)
 Failed               ``retrying`` or ``dead`` (retry policy)  Resend / Fail
+Failed, in the       ``failed`` (no message waits: recovery   Fail (the caller sees it)
+caller's thread      leaves it; a new call or message runs
+                     it)
 Lost                 ``retrying``                             Resend
 Stale                transition ``stale`` only                Return stored result / Resend
-Busy                 none                                     Resend (never an attempt)
+Busy                 none                                     Resend (never an attempt); in
+                                                              the caller's thread the caller
+                                                              gets ``Rescheduled``
 Unavailable          none (the store could not be asked)      Resend with backoff
 Refused              ``dead``, the request kept encoded       Fail (ack)
 Refused, job ended   none (completed or dead already)         Return stored result / Fail
 Unkeyed              ``dead`` under ``unkeyed:<task>:<id>``   Fail (ack)
-Control              ``retrying`` or ``dead``                 Reraise (Celery's own rule)
+Control              ``retrying`` or ``dead``; in the         Reraise (Celery's own rule)
+                     caller's thread ``failed`` (but an eager
+                     ``self.retry()``: Celery runs it inline)
 Control: retry not   ``retrying``                             Reraise: the message goes back
 sent (broker refused)                                         (requeue), never dropped
 Interrupted          ``retrying`` if registered               Reraise if Celery needs it
@@ -43,6 +50,13 @@ TimeLimited          transition ``time_limit``                Requeue (the messa
 Unrun                ``dead`` if the job waits for this       Acknowledge; Requeue when the
                      message, else transition only            store cannot say
 ===================  =======================================  =============================
+
+An attempt run in the caller's thread (a direct call ``task(...)``, ``.apply()``, an eager run:
+``Execution.in_caller``) has no message: whatever would leave its row ``retrying`` for a re-send
+(a failure, a lost lease, an interruption, the body's control flow) writes ``failed`` instead and
+raises to the caller, as plain Celery does — never a row recovery would re-send and run after the
+caller saw the call fail. A caller's process that dies mid-body leaves the row ``running``: the
+caller saw no result, and recovery re-sends it (its stored request) once its lease has run out.
 
 Any write that fails (other than a fenced rejection, which means a newer generation owns the
 job) turns into a re-send: never an ack without a durable state. An interruption Celery needs
@@ -101,6 +115,7 @@ from celery_fence.pipeline.outcomes import (
 from celery_fence.pipeline.retry import Decision, backoff, expected_outage, outage_backoff
 from celery_fence.schema import COMPLETED, DEAD
 from celery_fence.store.records import (
+    CallerFailed,
     Completion,
     Dead,
     DeadRefused,
@@ -216,6 +231,8 @@ def _exhausted(a: Execution, o: Exhausted) -> Disposition:
 
 
 def _failed(a: Execution, o: Failed) -> Disposition:
+    if a.in_caller:  # the caller handles it, as in plain Celery: no retry, no dead-letter
+        return _caller_failed(a, o.error, f"raised in the caller's thread ({a.in_caller})")
     if o.final is not None:  # Celery's own retry limit: dead now, as plain Celery fails it
         return _dead(a, o.error, o.final)
     try:
@@ -266,7 +283,14 @@ def _stale(a: Execution, o: Stale) -> Disposition:
 def _busy(a: Execution, o: Busy) -> Disposition:
     a.announce(Action.BUSY, reason=f"held for {o.remaining:.3f}s more", remaining=o.remaining)
     jitter = random.uniform(0, max(0.05, a.config.renew_interval / 4))
-    return Resend(o.remaining + jitter, "lease busy", Rescheduled("lease busy"))
+    error = Rescheduled("lease busy")
+    if a.in_caller:  # not re-sent: the caller gets this error
+        error = Rescheduled(
+            f"lease busy: job {a.key!r} is being run by another attempt (its lease is held "
+            f"{o.remaining:.1f}s more); a {a.in_caller} is not re-sent: call it again later, or "
+            "send it with .delay()"
+        )
+    return Resend(o.remaining + jitter, "lease busy", error)
 
 
 def _unavailable(a: Execution, o: Unavailable) -> Disposition:
@@ -318,6 +342,12 @@ def _unkeyed(a: Execution, o: Unkeyed) -> Disposition:
 def _control(a: Execution, o: Control) -> Disposition:
     """The body's own ``Retry``/``Ignore``/``Reject``: Celery keeps its meaning, the row says it."""
     exc = o.error
+    if a.in_caller and not (isinstance(exc, Retry) and a.eager):
+        # No message to retry, requeue or ack: the caller sees it (an eager self.retry() is run
+        # again inline by Celery's apply(), which registers over the retrying row)
+        reason = f"{type(exc).__name__} raised in the caller's thread ({a.in_caller})"
+        failed = _caller_failed(a, exc, reason)
+        return failed if isinstance(failed, Return) else Reraise(exc)
     try:
         if isinstance(exc, Retry):
             when = exc.when
@@ -518,11 +548,26 @@ def _write_dead(
 
 
 def _retry(a: Execution, error: BaseException, countdown: float, reason: str) -> Disposition:
+    if a.in_caller:  # no message to re-send: the caller sees it
+        return _caller_failed(a, error, f"{reason}, in the caller's thread ({a.in_caller})")
     try:
         _write_retry(a, error, countdown, reason)
     except StaleGeneration as stale:
         return _stale(a, Stale(stale))
     return Resend(countdown, reason, error)
+
+
+def _caller_failed(a: Execution, error: BaseException, reason: str) -> Disposition:
+    """An attempt in the caller's thread raised to its caller: ``failed`` (recovery leaves it;
+    the next call or message runs it), then the caller gets the error."""
+    assert a.generation is not None
+    try:
+        a.store.end(a.key, CallerFailed(a.generation, a.attempt_id, error, reason))
+    except StaleGeneration as stale:  # a newer generation owns the job: converge on it
+        settled = _stale(a, Stale(stale))
+        return settled if isinstance(settled, Return) else Fail(error)
+    a.announce(Action.FAILED, reason=reason, error=error)
+    return Fail(error)
 
 
 def _dead(

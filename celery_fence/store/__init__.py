@@ -14,7 +14,7 @@ Its values (records, requests, effects) live in :mod:`celery_fence.store.records
 
 from __future__ import annotations
 
-from celery_fence.schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
+from celery_fence.schema import COMPLETED, DEAD, FAILED, PENDING, RETRYING, RUNNING, utcnow
 from celery_fence.store.admin import UNFINISHED
 from celery_fence.store.jobs import Store
 from celery_fence.store.outbox import OutboxRow, OutboxRows
@@ -31,6 +31,7 @@ from celery_fence.store.records import (
 __all__ = [
     "COMPLETED",
     "DEAD",
+    "FAILED",
     "PENDING",
     "RETRYING",
     "RUNNING",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_fence.actions import Action
 from celery_fence.errors import StoreError
-from celery_fence.schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
+from celery_fence.schema import COMPLETED, DEAD, FAILED, PENDING, RETRYING, RUNNING, utcnow
 from celery_fence.store import sql
 from celery_fence.store.records import (
     ENCODED_REQUEST,
@@ -73,6 +73,12 @@ class JobAdmin:
         if before is None:
             raise StoreError(f"no job with key {key!r}")
         wanted = COMPLETED if completed else DEAD
+        if before.status == FAILED and not completed:
+            raise StoreError(
+                f"job {key!r} is failed, not dead: not requeued. A direct call or an eager run "
+                "raised to its caller, and no message waits for it; call the task again or send "
+                "it (.delay()): the next call or message for the key runs it"
+            )
         if before.status != wanted:
             raise StoreError(f"job {key!r} is {before.status}, not {wanted}: not requeued")
         params = as_read(self.store, before)

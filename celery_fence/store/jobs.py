@@ -25,6 +25,7 @@ from celery_fence.store.fenced import FencedWriter, Row
 from celery_fence.store.outbox import OutboxRows
 from celery_fence.store.records import (
     ENCODED_REQUEST,
+    CallerFailed,
     Completion,
     Dead,
     DeadRefused,
@@ -332,6 +333,14 @@ class Store:
                 )
                 reason = ending.reason
                 self.fenced_write("dead-letter", statement, params, Action.DEAD, reason=reason)
+            case CallerFailed():  # where this attempt owns the running row (owned_where)
+                errors = self._error_fields(ending.error)
+                params = self._owner(key, ending.generation, ending.attempt_id, **errors)
+                statement = sql.caller_failed_sql(
+                    self.dialect, errors=bool(errors), where=self.owned_where
+                )
+                reason = ending.reason
+                self.fenced_write("failure", statement, params, Action.FAILED, reason=reason)
             case DeadRefused():  # like a registration: over an older generation of a live job
                 request = (
                     None if ending.request_json is None else {ENCODED_REQUEST: ending.request_json}

@@ -136,6 +136,20 @@ class Dead:
 
 
 @dataclass(frozen=True)
+class CallerFailed:
+    """``failed``, where this attempt still owns the running row: an attempt run in the
+    caller's thread (a direct call, ``.apply()``, an eager run) raised to its caller. No message
+    waits for it, so recovery leaves it (``failed`` is not unfinished); the next call or message
+    for the key registers over it (a live status: a newer generation takes it, its attempt count
+    starting again)."""
+
+    generation: int
+    attempt_id: str
+    error: BaseException | None
+    reason: str
+
+
+@dataclass(frozen=True)
 class DeadRefused:
     """A registration the database refused (its request holds a value the column cannot store):
     ``dead`` at once, fenced like a registration (only over a row with an older generation that
@@ -214,6 +228,7 @@ Ending: TypeAlias = (
     | FirstCompletion
     | RetryScheduled
     | Dead
+    | CallerFailed
     | DeadRefused
     | DeadUnregistered
     | DeadUnrun
@@ -221,7 +236,7 @@ Ending: TypeAlias = (
 )
 #: The endings fenced on an attempt: :class:`~celery_fence.errors.StaleGeneration` when the row
 #: is not that attempt's to end.
-FENCED_ENDINGS = (Completion, FirstCompletion, RetryScheduled, Dead, DeadRefused)
+FENCED_ENDINGS = (Completion, FirstCompletion, RetryScheduled, Dead, CallerFailed, DeadRefused)
 
 
 def dumps_strict(value: Any, what: str = "value") -> str:

@@ -171,7 +171,8 @@ def _update(dialect: str, sets: str, where: str) -> str:
 @cache
 def register_sql(dialect: str, *, deferred_first: bool = False, where: str = NEWER_LIVE) -> str:
     """Upsert that takes the row only for a strictly greater generation of a live job
-    (:data:`NEWER_LIVE`).
+    (:data:`NEWER_LIVE`). Over a ``failed`` row (a call in the caller's thread raised to its
+    caller) the attempt count starts again: that call's failure was its caller's.
 
     ``deferred_first``: generation 1 is never registered up front (its row is written by its
     completion), so a new row at a generation above 1 also counts that first execution.
@@ -186,7 +187,8 @@ def register_sql(dialect: str, *, deferred_first: bool = False, where: str = NEW
         f"{first_attempts}, :request{_json(dialect)}, :now, :now) "
         "ON CONFLICT (key) DO UPDATE SET generation = excluded.generation, "
         f"attempt_id = excluded.attempt_id, status = '{Status.RUNNING}', "
-        f"attempts = {JOBS}.attempts + 1, updated_at = excluded.updated_at, retry_at = NULL "
+        f"attempts = CASE WHEN {JOBS}.status = '{Status.FAILED}' THEN 1 "
+        f"ELSE {JOBS}.attempts + 1 END, updated_at = excluded.updated_at, retry_at = NULL "
         f"WHERE {where} {RETURNING}",
     )
 
@@ -238,6 +240,14 @@ def dead_sql(dialect: str, *, where: str, errors: bool, attempts: bool = False) 
     ``attempts``: the count set to ``:attempts``."""
     sets = _DEAD + (", attempts = :attempts" if attempts else "") + (_ERRORS if errors else "")
     return _update(dialect, sets, where)
+
+
+@cache
+def caller_failed_sql(dialect: str, *, errors: bool, where: str = OWNED) -> str:
+    """``failed`` (an attempt in the caller's thread raised to its caller), where this attempt
+    owns the running row."""
+    sets = f"status = '{Status.FAILED}', updated_at = :now, finished_at = :now, retry_at = NULL"
+    return _update(dialect, sets + (_ERRORS if errors else ""), where)
 
 
 #: The operator's and the recovery's writes (:func:`cas_sql`): a dead (or, on purpose, a

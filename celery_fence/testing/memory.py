@@ -31,9 +31,10 @@ from typing import Any
 from celery_fence.actions import INTERRUPTED_BY, Action
 from celery_fence.errors import JobDead, LeaseBusy, StaleGeneration
 from celery_fence.leases.lease import DEFAULT_GENERATION_TTL, LeaseKeys, lease_keys
-from celery_fence.schema import COMPLETED, DEAD, PENDING, RETRYING, RUNNING, utcnow
+from celery_fence.schema import COMPLETED, DEAD, FAILED, PENDING, RETRYING, RUNNING, utcnow
 from celery_fence.store.records import (
     ENCODED_REQUEST,
+    CallerFailed,
     Completion,
     Dead,
     DeadRefused,
@@ -153,7 +154,7 @@ class MemoryStore:
                     generation=generation,
                     attempt_id=attempt_id,
                     status=RUNNING,
-                    attempts=row.attempts + 1,
+                    attempts=1 if row.status == FAILED else row.attempts + 1,
                     updated_at=now,
                     retry_at=None,
                 )
@@ -180,6 +181,8 @@ class MemoryStore:
                     self._retry_scheduled(key, ending)
                 case Dead():
                     self._dead(key, ending)
+                case CallerFailed():
+                    self._caller_failed(key, ending)
                 case DeadRefused():
                     self._dead_refused(key, ending)
                 case DeadUnregistered():
@@ -253,6 +256,20 @@ class MemoryStore:
             row, status=RETRYING, updated_at=now, retry_at=e.retry_at, **self._errors(e.error)
         )
         self._write(row, (Action.RETRY_SCHEDULED,), e.reason, (), now)
+
+    def _caller_failed(self, key: str, e: CallerFailed) -> None:
+        """``failed``, where this attempt owns the row."""
+        row = self._owned(key, e.generation, e.attempt_id, "failure")
+        now = self._now()
+        row = dataclasses.replace(
+            row,
+            status=FAILED,
+            updated_at=now,
+            finished_at=now,
+            retry_at=None,
+            **self._errors(e.error),
+        )
+        self._write(row, (Action.FAILED,), e.reason, (), now)
 
     def _dead(self, key: str, e: Dead) -> None:
         """The terminal ``dead`` state, where this attempt owns the row (``attempts``: the count

@@ -25,6 +25,7 @@ from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import Store
 from celery_fence.store.records import (
     FENCED_ENDINGS,
+    CallerFailed,
     Completion,
     Dead,
     DeadRefused,
@@ -605,6 +606,13 @@ _ENDINGS = {
     "Dead": EndingCase(
         _running, lambda j, k: Dead(1, "A", _ERR, "d"), True, ("dead", 1, "A", 1), "dead"
     ),
+    "CallerFailed": EndingCase(
+        _running,
+        lambda j, k: CallerFailed(1, "A", _ERR, "direct"),
+        True,
+        ("failed", 1, "A", 1),
+        "failed",
+    ),
     "DeadRefused": EndingCase(
         _nothing,
         lambda j, k: DeadRefused(1, "A", "t", None, _ERR, "refused"),
@@ -653,6 +661,7 @@ _FENCED: dict[str, Ending] = {
     "FirstCompletion": FirstCompletion(1, "A", "t", None, "late"),
     "RetryScheduled": RetryScheduled(1, "A", _ERR, _AT, "late"),
     "Dead": Dead(1, "A", _ERR, "late"),
+    "CallerFailed": CallerFailed(1, "A", _ERR, "late"),
     "DeadRefused": DeadRefused(1, "A", "t", None, _ERR, "late"),
 }
 
@@ -662,7 +671,7 @@ def test_the_fenced_cases_are_the_fenced_endings() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(_FENCED))
-@pytest.mark.parametrize("newer", ["running", "retrying", "completed", "dead"])
+@pytest.mark.parametrize("newer", ["running", "retrying", "completed", "dead", "failed"])
 def test_a_fenced_ending_of_an_older_generation_is_refused(
     jobs: Jobs, key: str, name: str, newer: str
 ) -> None:
@@ -675,6 +684,8 @@ def test_a_fenced_ending_of_an_older_generation_is_refused(
         jobs.store.end(key, Completion(2, "B", {"by": "B"}))
     elif newer == "dead":
         jobs.store.end(key, Dead(2, "B", None, "d"))
+    elif newer == "failed":
+        jobs.store.end(key, CallerFailed(2, "B", None, "f"))
     before, history = jobs.row(key), jobs.actions(key)
     # when generation 1 ends the job,
     with pytest.raises(StaleGeneration) as stale:
@@ -691,6 +702,27 @@ def test_a_fenced_ending_of_an_older_generation_is_refused(
         before.error_type,
     )
     assert jobs.actions(key) == history
+
+
+def test_a_failed_job_is_taken_by_a_newer_generation_its_attempts_counted_anew(
+    jobs: Jobs, key: str
+) -> None:
+    # Given a job whose attempt in the caller's thread failed after a retried one
+    jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
+    jobs.store.end(key, RetryScheduled(1, "A", _ERR, _AT, "r"))
+    jobs.store.register(key, generation=2, attempt_id="B", task_name="t")
+    jobs.store.end(key, CallerFailed(2, "B", _ERR, "raised in the caller's thread"))
+    row = jobs.row(key)
+    assert (_state(row), row.retry_at is None, row.finished_at is not None) == (
+        ("failed", 2, "B", 2),
+        True,
+        True,
+    )
+    # an older or equal generation cannot take it; a newer one registers, attempts from 1
+    assert jobs.store.register(key, generation=2, attempt_id="C", task_name="t").outcome == "stale"
+    registration = jobs.store.register(key, generation=3, attempt_id="D", task_name="t")
+    assert (registration.outcome, registration.attempts) == ("registered", 1)
+    assert _state(jobs.row(key)) == ("running", 3, "D", 1)
 
 
 # -- transitions: record, history, last_exit --------------------------------------------------

@@ -511,3 +511,56 @@ def test_a_final_failure_is_dead_at_once_whatever_the_retry_policy() -> None:
     assert action == o.Fail(error)
     assert [name for name, _ in store.writes] == ["Dead"]
     assert store.writes[0][1]["reason"] == "max_retries exceeded"
+
+
+#: What each outcome of an attempt in the caller's thread (no message behind it) ends as: the
+#: ending written and the disposition (the caller gets the error; nothing is left ``retrying``).
+IN_CALLER: list[tuple[str, str, Any, type, str | None]] = [
+    ("failed", "direct call", o.Failed(ValueError("x")), o.Fail, "CallerFailed"),
+    ("permanent", "eager run", o.Failed(PermanentError("x")), o.Fail, "CallerFailed"),
+    ("lost", "direct call", o.Lost(LeaseLost("gone")), o.Fail, "CallerFailed"),
+    ("unexpected", "eager run", o.Unexpected(RuntimeError("bug")), o.Fail, "CallerFailed"),
+    ("direct retry", "direct call", o.Control(Retry("r", when=1)), o.Reraise, "CallerFailed"),
+    ("eager retry", "eager run", o.Control(Retry("r", when=1)), o.Reraise, "RetryScheduled"),
+    ("requeue", "eager run", o.Control(Reject("r", requeue=True)), o.Reraise, "CallerFailed"),
+    ("ignore", "direct call", o.Control(Ignore()), o.Reraise, "CallerFailed"),
+    ("busy", "direct call", o.Busy(1.5), o.Resend, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("how", "outcome", "action", "write"),
+    [case[1:] for case in IN_CALLER],
+    ids=[case[0] for case in IN_CALLER],
+)
+def test_an_attempt_in_the_caller_s_thread_is_never_left_for_a_re_send(
+    how: str, outcome: Any, action: type, write: str | None
+) -> None:
+    store = FakeStore()
+    attempt = _attempt(store)
+    attempt.in_caller, attempt.eager = how, how == "eager run"
+    result = s.settle(attempt, outcome)
+    error = getattr(result, "error", None)
+    assert type(result) is action
+    assert [name for name, _ in store.writes] == ([write] if write else [])
+    if write == "CallerFailed":
+        assert store.writes[0][1]["reason"].endswith(f"in the caller's thread ({how})")
+        assert error is outcome.error  # the caller gets the body's own error
+    if isinstance(outcome, o.Busy):  # raised to the caller: it names the key and the fix
+        assert "a direct call is not re-sent" in str(error)
+
+
+def test_a_failed_ending_a_newer_generation_fenced_out_converges_or_fails() -> None:
+    # the caller's attempt was superseded: a completed job gives the caller its stored result
+    store = FakeStore(fail={"CallerFailed": STALE}, current=_record("completed", result=5))
+    attempt = _attempt(store)
+    attempt.in_caller = "direct call"
+    result = s.settle(attempt, o.Failed(ValueError("x")))
+    assert isinstance(result, o.Return) and result.result == 5
+    # still running elsewhere: the caller gets its own error, not a re-send
+    store = FakeStore(fail={"CallerFailed": STALE}, current=_record("running"))
+    attempt = _attempt(store)
+    attempt.in_caller = "direct call"
+    error = ValueError("x")
+    result = s.settle(attempt, o.Failed(error))
+    assert isinstance(result, o.Fail) and result.error is error
