@@ -60,6 +60,53 @@ block_rows = sa.Table(
 )
 
 
+latest = sa.Table(
+    "proj_latest",
+    block_rows.metadata,
+    sa.Column("key", sa.String(64), nullable=False),
+    sa.Column("generation", sa.Integer, nullable=False),
+)
+
+
+def _put_latest(conn, key, generation):
+    conn.execute(latest.delete().where(latest.c.key == key))
+    conn.execute(latest.insert().values(key=key, generation=generation))
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda n: f"write:{{n}}")
+def check_then_write(self, n):
+    """The mistake: check the lease, then write with a plain transaction."""
+    self.fence.check()
+    engine = sa.create_engine(app.conf.fence_database_url)
+    with engine.begin() as conn:
+        _put_latest(conn, f"write:{{n}}", self.fence.generation)
+    engine.dispose()
+    return {{"n": n}}
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda n: f"write:{{n}}")
+def check_then_write_fenced(self, n):
+    self.fence.check()
+    with self.fence.transaction() as conn:
+        _put_latest(conn, f"write:{{n}}", self.fence.generation)
+    return {{"n": n}}
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda n: f"rows:{{n}}")
+def upsert_in_block(self, n):
+    with self.fence.transaction() as conn:
+        _put_latest(conn, f"rows:{{n}}", self.fence.generation)
+    return {{"n": n}}
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda n: f"rows:{{n}}")
+def append_in_block(self, n):
+    """The mistake: append a row in the block, as if the body ran once."""
+    with self.fence.transaction() as conn:
+        conn.execute(latest.insert().values(key=f"rows:{{n}}", generation=self.fence.generation))
+    return {{"n": n}}
+
+
 @app.task(base=FencedTask, bind=True, fence_key=lambda n: f"block:{{n}}")
 def with_block(self, n):
     with self.fence.transaction() as conn:
@@ -360,6 +407,73 @@ def test_block(fence_chaos, fence_store):
     fence_chaos.inject("pause-inside-block", with_block.s(7))
     fence_chaos.assert_converged("block:7")
 """
+
+
+TEST_WRITE_WINDOWS = """
+import pytest
+import sqlalchemy as sa
+
+from proj import (
+    append_in_block, block_rows, check_then_write, check_then_write_fenced, latest,
+    upsert_in_block,
+)
+
+
+@pytest.fixture
+def my_rows(fence_store):
+    block_rows.metadata.create_all(fence_store.engine)
+
+    def one_row_of_the_completing_generation(record):
+        with fence_store.engine.connect() as conn:
+            gens = conn.execute(
+                sa.select(latest.c.generation).where(latest.c.key == record.key)
+            ).scalars().all()
+        assert gens == [record.generation], (
+            f"my rows say generations {gens}, the job completed at {record.generation}"
+        )
+        return True
+
+    return one_row_of_the_completing_generation
+
+
+@pytest.mark.parametrize(
+    "task", [check_then_write, check_then_write_fenced], ids=["plain", "right"]
+)
+def test_pause_at_write(fence_chaos, my_rows, task):
+    fence_chaos.inject("pause-at-write", task.s(1))
+    fence_chaos.assert_converged("write:1", check=my_rows)
+
+
+@pytest.mark.parametrize("task", [append_in_block, upsert_in_block], ids=["plain", "right"])
+def test_kill_after_block(fence_chaos, my_rows, task):
+    fence_chaos.inject("kill-after-block", task.s(2))
+    fence_chaos.assert_converged("rows:2", check=my_rows)
+"""
+
+
+def test_windows_reach_a_write_after_the_check_and_a_block_that_ran_twice(tmp_path: Path) -> None:
+    # Given tasks that check the lease then write with a plain transaction, or append a row in
+    # their fenced block, and their right versions (a fenced block, an upsert by key), each
+    # checked by the user's check= (one row, of the completing generation),
+    root = _project(tmp_path / "user", test_write_windows=TEST_WRITE_WINDOWS)
+    outcomes = _run(root, "-p", "no:celery")
+    # then pause-at-write (A paused right after its check, before its write) fails the plain
+    # write: A's stale write lands after B completed,
+    assert len(outcomes) == 4, outcomes
+    outcome, text = outcomes["test_pause_at_write[plain]"]
+    assert outcome == "failed", text
+    assert "window 'pause-at-write' broke for key 'write:1'" in text, text[-3000:]
+    assert "your check one_row_of_the_completing_generation failed" in text, text[-3000:]
+    assert "my rows say generations [1], the job completed at 2" in text, text[-3000:]
+    # kill-after-block (A killed after its block committed, before its completion) fails the
+    # appending task: the body ran again and its row is there twice,
+    outcome, text = outcomes["test_kill_after_block[plain]"]
+    assert outcome == "failed", text
+    assert "window 'kill-after-block' broke for key 'rows:2'" in text, text[-3000:]
+    assert "my rows say generations [1, 2], the job completed at 2" in text, text[-3000:]
+    # and the right versions pass both windows.
+    assert outcomes["test_pause_at_write[right]"] == ("passed", ""), outcomes
+    assert outcomes["test_kill_after_block[right]"] == ("passed", ""), outcomes
 
 
 @pytest.mark.parametrize("unfenced", [False, True], ids=["fenced", "unfenced"])
