@@ -175,6 +175,10 @@ class FenceConfig:
     recover_pending_after: float = DEFAULT_RECOVER_PENDING_AFTER
     max_runtime: float | None = None  # None: the task's hard time limit, if it has one
     retention: float | None = None  # None: finished jobs are kept until purged by hand
+    #: Part of every outbox idempotency key: environments (staging, production) sharing one
+    #: provider account set different namespaces so their keys never collide. Empty: the keys
+    #: of earlier versions, unchanged.
+    idempotency_namespace: str = ""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -218,6 +222,12 @@ class FenceConfig:
                 f"fence_lease_ttl x (1 - fence_lease_margin) = {usable:g}, or a lease's local "
                 "deadline passes before its next renewal is even sent: set it to about a third "
                 f"of the TTL (e.g. fence_renew_interval={self.lease_ttl / 3:g})."
+            )
+        if not _NAMESPACE.fullmatch(self.idempotency_namespace):
+            raise ConfigurationError(
+                f"fence_idempotency_namespace={self.idempotency_namespace!r} must be at most 32 "
+                "letters, digits, '.', '_' or '-' (or empty, the default): name the environment "
+                "that shares a provider account with others, e.g. 'staging'."
             )
         if not self.key_prefix or any(c in self.key_prefix for c in "{} "):
             raise ConfigurationError(
@@ -381,7 +391,8 @@ _BOOLS = {
     "redis_cluster",
 }
 _DICTS = {"redis_ssl", "redis_transport_options"}
-_STRS = {"redis_url", "database_url", "key_prefix"}
+_STRS = {"redis_url", "database_url", "key_prefix", "idempotency_namespace"}
+_NAMESPACE = re.compile(r"[A-Za-z0-9._-]{0,32}")
 FIELD_NAMES = frozenset(
     f.name for f in dataclasses.fields(FenceConfig) if not f.name.startswith("_")
 )

@@ -16,10 +16,17 @@ from celery_fence.errors import FenceError
 from celery_fence.store.records import Effect, dumps_strict
 
 
-def idempotency_key(key: str, name: str) -> str:
-    """A stable key for effect ``name`` of logical job ``key`` (never attempt-specific)."""
-    digest = hashlib.sha256(f"{key}\x00{name}".encode()).hexdigest()
-    return f"fence-{digest[:48]}"
+def idempotency_key(key: str, name: str, namespace: str = "") -> str:
+    """A stable key for effect ``name`` of logical job ``key`` (never attempt-specific).
+
+    ``namespace`` (``fence_idempotency_namespace``, e.g. ``"staging"``) is part of the key, so
+    two environments sharing one provider account never send the same key for their own jobs of
+    the same name; empty (the default) gives the keys of earlier versions."""
+    if not namespace:
+        digest = hashlib.sha256(f"{key}\x00{name}".encode()).hexdigest()
+        return f"fence-{digest[:48]}"
+    digest = hashlib.sha256(f"{namespace}\x00{key}\x00{name}".encode()).hexdigest()
+    return f"fence-{namespace}-{digest[:48]}"
 
 
 def storage_key(key: str, version: str | int, *, prefix: str = "exports", suffix: str = "") -> str:
@@ -35,8 +42,9 @@ class StagedEffects:
     """The effects one attempt stages (``self.fence.effects``); written only by a successful
     fenced completion, as rows of ``fence_outbox``."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, namespace: str = "") -> None:
         self.key = key
+        self.namespace = namespace
         self._effects: dict[str, Effect] = {}
 
     def add(self, name: str, payload: Any = None) -> str:
@@ -49,7 +57,8 @@ class StagedEffects:
                 "job (they make the idempotency key); use e.g. 'email:alice' and 'email:bob'"
             )
         dumps_strict(payload, f"payload of outbox effect {name!r}")
-        effect = Effect(name=name, payload=payload, idempotency_key=idempotency_key(self.key, name))
+        idem = idempotency_key(self.key, name, self.namespace)
+        effect = Effect(name=name, payload=payload, idempotency_key=idem)
         self._effects[name] = effect
         return effect.idempotency_key
 

@@ -52,13 +52,14 @@ class Fence:
         lease: HeldLease,
         store: Store | None = None,
         execution: Execution | None = None,
+        idempotency_namespace: str = "",
     ) -> None:
         self.key = key
         self.attempt_id = attempt_id
         self.generation = generation
         self.attempts = attempts
         #: The effects this attempt stages: ``self.fence.effects.add("email", {...})``.
-        self.effects = StagedEffects(key)
+        self.effects = StagedEffects(key, idempotency_namespace)
         #: This attempt's lease, and the store its fenced blocks check ownership in.
         self.lease = lease
         self.store = store

@@ -185,6 +185,7 @@ class Execution:
             # the fenced blocks run SQL on the store's database: a store double has none
             store=self.store if isinstance(self.store, Store) else None,
             execution=self,
+            idempotency_namespace=self.config.idempotency_namespace,
         )
         try:
             result = body(fence)
