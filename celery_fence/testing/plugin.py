@@ -70,7 +70,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="fence_lease_ttl of the plugin's workers, seconds (default 1.5; renewal every ttl/5)",
     )
+    group.addoption(
+        "--fence-real-outbox",
+        action="store_true",
+        default=None,
+        help="the plugin's workers call your real outbox handlers (default: a recording "
+        "handler; with this, idempotency keys get the namespace 'fence-test' unless your app "
+        "sets fence_idempotency_namespace)",
+    )
     parser.addini("fence_app", "the Celery app of your fenced tasks (module:attr)", default="")
+    parser.addini(
+        "fence_real_outbox",
+        "the plugin's workers call your real outbox handlers (default: a recording one)",
+        type="bool",
+        default=False,
+    )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -186,6 +200,10 @@ def fence_env(
         workdir=tmp_path / "celery-fence-workers",
         broker_url=request.config.getoption("fence_broker_url"),
         lease_ttl=_fence_session.lease_ttl,
+        real_outbox=bool(
+            request.config.getoption("fence_real_outbox")
+            or request.config.getini("fence_real_outbox")
+        ),
     )
     env.apply()
     request.node.stash[_ENV_KEY] = env

@@ -281,6 +281,30 @@ def _watched(
         hooks.committed_block(fence, began)
 
 
+def record_outbox(hooks: Hooks) -> None:
+    """Deliver every outbox effect to a recording handler instead of the app's own (which may
+    email real people, or charge a real provider account production shares): each delivery is
+    recorded as an ``outbox`` event (effect name and idempotency key, never the payload). A name
+    with no handler of the app's still fails as it would in production."""
+    from celery_fence.ops.outbox import Outbox
+
+    original = Outbox.handler_for
+    if getattr(original, "_fence_testing_wrapped", False):
+        return
+
+    def handler_for(outbox: Any, name: str) -> Any:
+        if original(outbox, name) is None:
+            return None
+
+        def recording(payload: Any, *, idempotency_key: str) -> None:
+            hooks.record(ev="outbox", effect=name, idem=idempotency_key)
+
+        return recording
+
+    handler_for._fence_testing_wrapped = True  # type: ignore[attr-defined]
+    setattr(Outbox, "handler_for", functools.wraps(original)(handler_for))  # noqa: B010
+
+
 def load(spec: dict[str, Any]) -> Celery:
     """The user's app, configured for the test, with the fault points installed."""
     app: Celery = find_app(spec["app"])
@@ -297,6 +321,8 @@ def load(spec: dict[str, Any]) -> Celery:
     fence_signals.block_committing.connect(hooks.inside_block, weak=False)
     watch_blocks(hooks)
     watch_writes(hooks)
+    if not spec.get("real_outbox"):
+        record_outbox(hooks)
     task_success.connect(hooks.after_commit, weak=False)
     task_postrun.connect(hooks.finished, weak=False)
     return app

@@ -27,6 +27,7 @@ from celery import Celery
 
 from celery_fence import FencedTask
 from celery_fence.errors import FenceEagerWarning
+from celery_fence.ops.outbox import idempotency_key
 from celery_fence.testing.processes import group_alive
 from tests.support.env import BROKER_URL, REDIS_URL
 from tests.support.leftovers import ctrl_c_default
@@ -41,10 +42,21 @@ import os
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_fence import FencedTask
+from celery_fence import FencedTask, Outbox
 from celery_fence.schema import jobs, transitions
 
 app = Celery("proj", broker="{BROKER_URL}")
+outbox = Outbox(app)
+
+
+@outbox.handler("notify")
+def notify(payload, *, idempotency_key):
+    """The app's real handler (it would email someone): writes to PROJ_SENT, for one test."""
+    if os.environ.get("PROJ_SENT"):
+        with open(os.environ["PROJ_SENT"], "a") as f:
+            f.write(idempotency_key + "\\n")
+
+
 app.conf.update(
     fence_redis_url="{REDIS_URL}",
     fence_lease_ttl=30.0,
@@ -474,6 +486,56 @@ def test_windows_reach_a_write_after_the_check_and_a_block_that_ran_twice(tmp_pa
     # and the right versions pass both windows.
     assert outcomes["test_pause_at_write[right]"] == ("passed", ""), outcomes
     assert outcomes["test_kill_after_block[right]"] == ("passed", ""), outcomes
+
+
+TEST_OUTBOX = """
+import json
+import time
+
+from proj import fenced
+
+
+def test_outbox(fence_env, fenced_worker, fence_store):
+    fenced_worker.start()
+    fenced.delay(9).get(timeout=60)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        rows = fence_store.outbox.rows(key="job:9")
+        if rows and rows[0].status == "delivered":
+            break
+        time.sleep(0.1)
+    (row,) = fence_store.outbox.rows(key="job:9")
+    with open("delivered.json", "w") as f:
+        json.dump({"status": row.status, "idem": row.idempotency_key,
+                   "recorded": fence_env.outbox_deliveries()}, f)
+"""
+
+
+@pytest.mark.parametrize("real", [False, True], ids=["recorded", "real"])
+def test_plugin_workers_record_outbox_deliveries_unless_the_real_handlers_are_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, real: bool
+) -> None:
+    # Given an app whose outbox handler would reach the outside world (here: a file),
+    root = _project(tmp_path / "user", test_outbox=TEST_OUTBOX)
+    sent = root / "sent.txt"
+    monkeypatch.setenv("PROJ_SENT", str(sent))
+    # when a fenced task stages an effect on a plugin worker (with --fence-real-outbox or not),
+    outcomes = _run(root, "-p", "no:celery", *(["--fence-real-outbox"] if real else []))
+    assert outcomes == {"test_outbox": ("passed", "")}, outcomes
+    seen = json.loads((root / "delivered.json").read_text())
+    assert seen["status"] == "delivered"
+    if not real:
+        # then by default the recording handler took it, with the job's key, and the app's
+        # handler never ran,
+        assert seen["idem"] == idempotency_key("job:9", "notify")
+        assert seen["recorded"] == [["notify", seen["idem"]]]
+        assert not sent.exists()
+        return
+    # and asked for, the app's own handler ran, with a key production's never equals.
+    assert seen["idem"] == idempotency_key("job:9", "notify", "fence-test")
+    assert seen["idem"] != idempotency_key("job:9", "notify")
+    assert seen["recorded"] == []
+    assert sent.read_text().split() == [seen["idem"]]
 
 
 @pytest.mark.parametrize("unfenced", [False, True], ids=["fenced", "unfenced"])
