@@ -164,6 +164,23 @@ class FenceRedis:
             self._client = None
 
 
+def app_database_url(app: Any, *, alias_only: bool = False) -> str | None:
+    """The store database the app's own settings name (``fence_database_url``, or
+    ``fence_database``'s Django alias: under pytest-django its test database), else None (it
+    relies on the default). ``alias_only``: the alias only."""
+    from celery_fence.config import DEFAULT_DATABASE_URL, FenceConfig, django_database_url
+
+    try:
+        config = FenceConfig.from_mapping(app.conf)
+    except Exception:  # invalid settings: the workers say so, with the fix
+        return None
+    if config.database_url != DEFAULT_DATABASE_URL and not alias_only:
+        return config.database_url
+    if config.database is not None:
+        return django_database_url(config.database)
+    return None
+
+
 def clear_rows(store: Store) -> None:
     """Delete every job, transition and outbox row (a PostgreSQL schema shared by the session)."""
     store.admin.delete_all_rows()

@@ -10,13 +10,16 @@ failure, or Ctrl-C. The plugin also runs beside pytest-celery (and ``celery.cont
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import uuid
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,7 @@ from celery_fence import FencedTask
 from celery_fence.errors import FenceEagerWarning
 from celery_fence.ops.outbox import idempotency_key
 from celery_fence.testing.processes import group_alive
-from tests.support.env import BROKER_URL, REDIS_URL
+from tests.support.env import BROKER_URL, PG_ADMIN_URL, REDIS_URL
 from tests.support.leftovers import ctrl_c_default
 from tests.support.worker import wait_until
 
@@ -536,6 +539,121 @@ def test_plugin_workers_record_outbox_deliveries_unless_the_real_handlers_are_as
     assert seen["idem"] != idempotency_key("job:9", "notify")
     assert seen["recorded"] == []
     assert sent.read_text().split() == [seen["idem"]]
+
+
+FLASK_PROJECT = f'''
+import os
+
+from celery import Celery
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+
+from celery_fence import FencedTask
+
+DB = os.environ["PROJ_DB"]
+flask_app = Flask(__name__)
+flask_app.config["SQLALCHEMY_DATABASE_URI"] = DB
+db = SQLAlchemy(flask_app)
+
+
+class Order(db.Model):
+    __tablename__ = "flaskproj_orders"
+    id = db.Column(db.Integer, primary_key=True)
+    status = db.Column(db.String(20), nullable=False)
+    generation = db.Column(db.Integer, nullable=False)
+
+
+app = Celery("flaskproj", broker="{BROKER_URL}")
+# the app's own database is the fence store's: a fenced session commits both together
+app.conf.update(fence_redis_url="{REDIS_URL}", fence_database_url=DB)
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda order_id: f"order:{{order_id}}")
+def ship(self, order_id):
+    with flask_app.app_context():
+        with self.fence.session(db.session) as session:
+            order = session.get(Order, order_id)
+            order.status, order.generation = "shipped", self.fence.generation
+    return {{"order": order_id}}
+'''
+
+FLASK_CONFTEST = """
+import pytest
+
+from flaskproj import Order, app, db, flask_app
+
+
+@pytest.fixture
+def fence_app():
+    with flask_app.app_context():
+        db.create_all()
+        db.session.merge(Order(id=1, status="new", generation=0))
+        db.session.commit()
+    yield app
+    with flask_app.app_context():
+        db.drop_all()
+        db.engine.dispose()
+"""
+
+FLASK_TEST = """
+from flaskproj import Order, db, flask_app, ship
+
+
+def test_ship(fence_chaos):
+    fence_chaos.inject("pause", ship.s(1))
+
+    def shipped_by_the_completing_attempt(record):
+        with flask_app.app_context():
+            order = db.session.get(Order, 1)
+            assert (order.status, order.generation) == ("shipped", record.generation)
+        return True
+
+    fence_chaos.assert_converged("order:1", check=shipped_by_the_completing_attempt)
+"""
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_the_recipe_works_for_a_flask_sqlalchemy_app_on_its_own_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, database: str
+) -> None:
+    # Given a Flask-SQLAlchemy app whose fenced task writes its own table through
+    # self.fence.session(db.session), with fence_database_url its own database, and a conftest
+    # that only says which app (the README's recipe, nothing about the store),
+    root = tmp_path / "flask"
+    root.mkdir()
+    (root / "flaskproj.py").write_text(FLASK_PROJECT)
+    (root / "conftest.py").write_text(FLASK_CONFTEST)
+    (root / "test_flask.py").write_text(FLASK_TEST)
+    with contextlib.ExitStack() as stack:
+        if database == "sqlite":
+            url = f"sqlite:///{root / 'app.sqlite3'}"
+        else:
+            url = stack.enter_context(_pg_database())
+        monkeypatch.setenv("PROJ_DB", url)
+        # when the window runs,
+        outcomes = _run(root, "-p", "no:celery", "-p", "no:django")
+    # then the job completes and the user's check sees its row written by the completing attempt
+    # (the store was put on the app's database: before, a SQLite store of the plugin's own
+    # made the job dead, and a PostgreSQL schema of its own hid the app's table).
+    assert outcomes == {"test_ship": ("passed", "")}, outcomes
+
+
+@contextlib.contextmanager
+def _pg_database() -> Iterator[str]:
+    name = f"celery_fence_plugin_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    try:
+        yield (
+            sa.engine.make_url(PG_ADMIN_URL)
+            .set(database=name)
+            .render_as_string(hide_password=False)
+        )
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
 
 
 @pytest.mark.parametrize("unfenced", [False, True], ids=["fenced", "unfenced"])
