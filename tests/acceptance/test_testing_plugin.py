@@ -135,6 +135,97 @@ def fenced(self, n):
     return {{"n": n, "pid": os.getpid()}}
 
 
+from celery_fence.chaos.arms import UnfencedStore, UnfencedTask  # control arms: no fence
+from celery_fence.pipeline.backends import backends
+
+
+class RerunStore(UnfencedStore):
+    """Broken: a registration takes a completed job's row (its body runs again)."""
+
+    register_where = "1 = 1"
+
+
+class RerunTask(FencedTask):
+    abstract = True
+
+    def make_backends(self, config):
+        return backends(config, store_class=RerunStore)
+
+
+@app.task(base=RerunTask, bind=True, fence_key=lambda n: f"rerun:{{n}}")
+def rerun(self, n):
+    return {{"n": n, "pid": os.getpid()}}
+
+
+@app.task(base=UnfencedTask, bind=True, fence_key=lambda n: f"arm:{{n}}")
+def arm(self, n):
+    """The fence's own task on a store without the generation fence."""
+    self.fence.effects.add("notify", {{"n": n}})
+    return {{"n": n, "pid": os.getpid()}}
+
+
+def _store_rows(key, task_name, attempt, *, first_writer_wins, result, outbox_effect=False):
+    """What a broken store would do: record a completion (its own generation: one more than the
+    last), and write the job row (over the old one, or only if absent)."""
+    from celery_fence.ops.outbox import idempotency_key
+    from celery_fence.schema import outbox
+
+    now = dt.datetime.now(dt.timezone.utc)
+    engine = sa.create_engine(app.conf.fence_database_url)
+    with engine.begin() as conn:
+        done = conn.execute(sa.select(sa.func.count()).select_from(transitions).where(
+            transitions.c.key == key, transitions.c.action == "completed")).scalar()
+        gen = done + 1
+        row = conn.execute(sa.select(jobs.c.generation).where(jobs.c.key == key)).first()
+        values = dict(task_name=task_name, status="completed", generation=gen, attempts=gen,
+                      attempt_id=attempt, result=result, updated_at=now, finished_at=now)
+        if row is None:
+            conn.execute(jobs.insert().values(key=key, created_at=now, **values))
+        elif not first_writer_wins:
+            conn.execute(jobs.update().where(jobs.c.key == key).values(**values))
+        conn.execute(transitions.insert().values(
+            key=key, generation=gen, attempt_id=attempt, action="completed", at=now))
+        if outbox_effect:
+            conn.execute(outbox.insert().values(
+                key=key, name="notify", idempotency_key=idempotency_key(key, f"notify:{{gen}}"),
+                payload={{}}, status="pending", attempts=0, available_at=now, created_at=now))
+    engine.dispose()
+    return gen
+
+
+@app.task(bind=True)
+def result_not_stored(self, n):
+    """Broken: the job row keeps the first result; each caller gets its own (another pid)."""
+    key, now = f"job:{{n}}", dt.datetime.now(dt.timezone.utc)
+    engine = sa.create_engine(app.conf.fence_database_url)
+    with engine.begin() as conn:
+        if conn.execute(sa.select(jobs.c.key).where(jobs.c.key == key)).first() is None:
+            conn.execute(jobs.insert().values(
+                key=key, task_name=self.name, status="completed", generation=1, attempts=1,
+                attempt_id=self.request.id, result={{"n": n}}, created_at=now, updated_at=now,
+                finished_at=now))
+            conn.execute(transitions.insert().values(
+                key=key, generation=1, attempt_id=self.request.id, action="completed", at=now))
+    engine.dispose()
+    return {{"n": n, "pid": os.getpid()}}
+
+
+@app.task(bind=True)
+def effect_per_run(self, n):
+    """Broken: every run stages its effect again (the job row is the last run's)."""
+    _store_rows(f"job:{{n}}", self.name, self.request.id, first_writer_wins=False,
+                result={{"n": n}}, outbox_effect=True)
+    return {{"n": n}}
+
+
+@app.task(bind=True)
+def first_writer_wins(self, n):
+    """Broken: each run records a completion; the job row keeps the first one."""
+    _store_rows(f"job:{{n}}", self.name, self.request.id, first_writer_wins=True,
+                result={{"n": n}})
+    return {{"n": n}}
+
+
 @app.task(bind=True)
 def unfenced(self, n):
     """The same write without the fence: upsert the result row and its transition."""
@@ -654,6 +745,54 @@ def _pg_database() -> Iterator[str]:
         with admin.connect() as conn:
             conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.dispose()
+
+
+TEST_BROKEN = """
+import pytest
+
+from proj import arm, effect_per_run, first_writer_wins, rerun, result_not_stored
+
+CASES = {
+    "stale-write": ("pause", arm, "arm:1"),
+    "callers": ("duplicate", result_not_stored, "job:2"),
+    "outbox": ("pause", effect_per_run, "job:3"),
+    "stored-job": ("pause", first_writer_wins, "job:4"),
+    "redis-loss": ("redis-loss", arm, "arm:5"),
+    "kill": ("kill", rerun, "rerun:6"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_broken(fence_chaos, case):
+    window, task, key = CASES[case]
+    fence_chaos.inject(window, task.s(int(key.split(":")[1])))
+    fence_chaos.assert_converged(key)
+"""
+
+
+def test_each_check_of_assert_converged_fails_the_broken_task_of_its_kind(tmp_path: Path) -> None:
+    # Given broken tasks, each of the kind a window and a check exist for: the fence's task on a
+    # store without the generation fence (pause, redis-loss), a result the store never kept
+    # (duplicate), an effect staged again by each run (pause), a job row that keeps the first of
+    # two completions (pause), a store whose registration takes a completed job (kill),
+    root = _project(tmp_path / "user", test_broken=TEST_BROKEN)
+    outcomes = _run(root, "-p", "no:celery")
+    failures = {name[len("test_broken[") : -1]: text for name, (_, text) in outcomes.items()}
+    assert all(outcome == "failed" for outcome, _ in outcomes.values()), outcomes
+    assert len(failures) == 6, outcomes
+    # then each fails on its own check, named:
+    expected = {
+        "stale-write": "a stale write was accepted: generation 1 completed after generation 2 "
+        "had claimed the key",
+        "callers": "got a result that is not the stored one",
+        "outbox": "outbox effect 'notify' recorded 2 times",
+        "stored-job": "the stored job (generation 1) is not the one the last completion wrote "
+        "(generation 2)",
+        "redis-loss": "2 completions recorded (generation 1, generation 1)",
+        "kill": "2 completions recorded",
+    }
+    for case, message in expected.items():
+        assert message in failures[case], (case, failures[case][-3000:])
 
 
 @pytest.mark.parametrize("unfenced", [False, True], ids=["fenced", "unfenced"])
