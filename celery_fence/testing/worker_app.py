@@ -136,6 +136,7 @@ class Hooks:
             self.record(ev="block", **attempt)
             self.ledger.blpop([f"{self.base}:release:{task_id}"], timeout=HOLD_SECONDS)
             self.record(ev="released", **attempt)
+        _body.committing = time.time()  # fence.atomic(): its check and commit start now
 
     def committed_block(self, fence: Any, began: float) -> None:
         """An outermost fenced block committed (``began``: just before its commit started)."""
@@ -277,6 +278,9 @@ def _watched(
         if outermost and not atomic:  # (atomic(): at its block_committing signal)
             hooks.inside_block()
         began = time.time()  # the block's fenced commit starts as it closes
+        _body.committing = None
+    if atomic and getattr(_body, "committing", None) is not None:
+        began = _body.committing  # atomic()'s check and commit began at its signal
     if outermost:
         hooks.committed_block(fence, began)
 

@@ -795,6 +795,100 @@ def test_each_check_of_assert_converged_fails_the_broken_task_of_its_kind(tmp_pa
         assert message in failures[case], (case, failures[case][-3000:])
 
 
+DJANGO_PROJECT = f'''
+import os
+
+import django
+import sqlalchemy as sa
+from celery import Celery
+from django.conf import settings
+
+from celery_fence import FencedTask
+
+if os.environ.get("PROJ_UNFENCED") == "1":  # a control arm: the store without the fence
+    from celery_fence.chaos.arms import UnfencedTask as FencedTask  # noqa: F811
+
+url = sa.engine.make_url(os.environ["PROJ_DB"])
+settings.configure(
+    DATABASES={{"default": {{
+        "ENGINE": "django.db.backends.postgresql", "NAME": url.database,
+        "USER": url.username, "HOST": url.host, "PORT": url.port or 5432,
+    }}}},
+    INSTALLED_APPS=[],
+    USE_TZ=True,
+)
+django.setup()
+from django.db import connection  # noqa: E402
+
+app = Celery("djproj", broker="{BROKER_URL}")
+app.conf.update(fence_redis_url="{REDIS_URL}", fence_database="default")
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda n: f"dj:{{n}}")
+def dj_block(self, n):
+    with self.fence.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("INSERT INTO dj_rows (generation) VALUES (%s)", [self.fence.generation])
+    return {{"n": n}}
+'''
+
+DJANGO_CONFTEST = """
+import os
+
+import pytest
+import sqlalchemy as sa
+
+from djproj import app
+
+
+@pytest.fixture
+def fence_app():
+    engine = sa.create_engine(os.environ["PROJ_DB"])
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS dj_rows (id serial, generation int)")
+    engine.dispose()
+    return app
+"""
+
+DJANGO_TEST = """
+from djproj import dj_block
+
+
+def test_atomic_block(fence_chaos):
+    fence_chaos.inject("pause-inside-block", dj_block.s(3))
+    fence_chaos.assert_converged("dj:3")
+"""
+
+
+@pytest.mark.parametrize("unfenced", [False, True], ids=["fenced", "unfenced"])
+def test_pause_inside_block_records_the_commits_of_django_atomic_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unfenced: bool
+) -> None:
+    # Given a Django task whose self.fence.atomic() block inserts a row, paused inside the
+    # block past its lease while worker B takes over; the store fenced or not (the control arm),
+    root = tmp_path / "dj"
+    root.mkdir()
+    (root / "djproj.py").write_text(DJANGO_PROJECT)
+    (root / "conftest.py").write_text(DJANGO_CONFTEST)
+    (root / "test_dj.py").write_text(DJANGO_TEST)
+    monkeypatch.setenv("PROJ_UNFENCED", "1" if unfenced else "0")
+    with _pg_database() as url:
+        monkeypatch.setenv("PROJ_DB", url)
+        outcomes = _run(root, "-p", "no:celery", "-p", "no:django")
+    outcome, text = outcomes["test_atomic_block"]
+    if not unfenced:
+        # then with the fence the stopped block never commits and the job converges,
+        assert (outcome, text) == ("passed", ""), text[-3000:]
+        return
+    # and without it the plugin's block check sees the atomic() block's commit (the watcher
+    # records fence.atomic() commits, not only transaction()/session()).
+    assert outcome == "failed", text
+    assert (
+        "a fenced block of generation 1 committed its rows although generation 2 had registered "
+        "and started before that commit" in text
+    ), text[-3000:]
+
+
 @pytest.mark.parametrize("unfenced", [False, True], ids=["fenced", "unfenced"])
 def test_pause_inside_block_checks_the_blocks_own_commit_on_postgresql(
     tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch, unfenced: bool
