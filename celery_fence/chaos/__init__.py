@@ -257,4 +257,26 @@ APP_ROWS = sa.Table(
     sa.Column("written_at", sa.Float, nullable=False),  # epoch seconds, just before the INSERT
 )
 
-__all__ = ["APP_ROWS", "CHARGE", "NOTIFY", "TASK_NAME", "app_metadata"]
+#: The app's table the ``beside-block`` bodies update on a connection beside their block (one row
+#: per key, seeded by the harness).
+BESIDE_ROWS = sa.Table(
+    "chaos_beside_rows",
+    app_metadata,
+    sa.Column("key", sa.String(200), primary_key=True),
+    sa.Column("generation", sa.BigInteger, nullable=False),
+    sa.Column("attempt_id", sa.String(64), nullable=False),
+    sa.Column("written_at", sa.Float, nullable=False),
+)
+#: The text forms of a write beside a block the ``beside-block`` scenario cycles through (each a
+#: write a statement's first word does not reveal), by name.
+BESIDE_FORMS = ("comment", "with-newline", "function", "call", "do", "select-into")
+
+__all__ = [
+    "APP_ROWS",
+    "BESIDE_FORMS",
+    "BESIDE_ROWS",
+    "CHARGE",
+    "NOTIFY",
+    "TASK_NAME",
+    "app_metadata",
+]

@@ -11,6 +11,8 @@ SCENARIOS = (
     "app-write",
     "orm-binds",
     "django-write",
+    "beside-block",
+    "atomic-threads",
     "kill",
     "duplicate",
     "redis-loss",
@@ -27,7 +29,7 @@ SCENARIOS = (
     "broker-loss",
 )
 #: Scenarios that run against PostgreSQL whatever the store (a throwaway database if need be).
-POSTGRESQL_ONLY = ("db-outage", "refused-arg")
+POSTGRESQL_ONLY = ("db-outage", "refused-arg", "beside-block", "atomic-threads")
 #: Scenarios that start their own workers in each run (none are running in between).
 OWN_WORKERS = ("misconfig", "recovered-chain", "interrupted", "enqueue-crash", "broker-loss")
 
