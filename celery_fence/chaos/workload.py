@@ -371,11 +371,15 @@ def _django_threads(fence: Any, key: str, gen: int, attempt: str, block_sleep: f
 
     model = _django_model()
     errors: list[BaseException] = []
+    first_inside = threading.Event()  # the second thread opens its block once the first is in
 
     def one(n: int) -> None:
         try:
+            if n == 2:
+                first_inside.wait(timeout=30)
             with fence.atomic():
                 record("tx", key, gen, attempt, thread=n)
+                first_inside.set()
                 end = time.monotonic() + block_sleep
                 while time.monotonic() < end:
                     time.sleep(0.02)
@@ -387,6 +391,7 @@ def _django_threads(fence: Any, key: str, gen: int, attempt: str, block_sleep: f
         except BaseException as exc:  # raised again in the body's thread
             errors.append(exc)
         finally:
+            first_inside.set()
             connection.close()  # this thread's own Django connection
 
     threads = [threading.Thread(target=one, args=(n,)) for n in (1, 2)]
