@@ -33,6 +33,7 @@ class Action(str, Enum):
     REQUEUED = "requeued"
     REQUEUE_REVERTED = "requeue_reverted"
     RECOVERED = "recovered"
+    UNFENCED_WRITE = "unfenced_write"
 
     def __str__(self) -> str:
         return self.value

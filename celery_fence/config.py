@@ -70,6 +70,11 @@ MIN_RETENTION = 3600.0
 #: PostgreSQL: seconds a store statement (a registration, a completion) waits for a row lock,
 #: e.g. behind a paused ``fence.transaction()`` holder, before it fails and the message is re-sent.
 DEFAULT_LOCK_TIMEOUT = 5.0
+#: What a write a fenced body commits outside every fenced block gets: ``"warn"`` (one WARNING
+#: per task name and process, an ``unfenced_write`` transition and signal), ``"error"`` (rolled
+#: back, ``ConfigurationError``) or ``"allow"`` (nothing).
+UNFENCED_WRITES = ("warn", "error", "allow")
+DEFAULT_UNFENCED_WRITES = "warn"
 
 
 def _as_float(name: str, value: Any) -> float:
@@ -175,6 +180,7 @@ class FenceConfig:
     recover_pending_after: float = DEFAULT_RECOVER_PENDING_AFTER
     max_runtime: float | None = None  # None: the task's hard time limit, if it has one
     retention: float | None = None  # None: finished jobs are kept until purged by hand
+    unfenced_writes: str = DEFAULT_UNFENCED_WRITES
     #: Part of every outbox idempotency key: environments (staging, production) sharing one
     #: provider account set different namespaces so their keys never collide. Empty: the keys
     #: of earlier versions, unchanged.
@@ -297,6 +303,12 @@ class FenceConfig:
                 "(the longest a store statement waits for a row lock), e.g. "
                 f"{DEFAULT_LOCK_TIMEOUT}."
             )
+        if self.unfenced_writes not in UNFENCED_WRITES:
+            raise ConfigurationError(
+                f"fence_unfenced_writes={self.unfenced_writes!r} must be one of 'warn' (the "
+                "default: log and record a write a fenced task commits outside every fenced "
+                "block), 'error' (roll it back and raise) or 'allow' (say nothing)."
+            )
         if "://" not in self.database_url:
             raise ConfigurationError(
                 f"fence_database_url={self.database_url!r} is not an SQLAlchemy URL: use e.g. "
@@ -391,7 +403,7 @@ _BOOLS = {
     "redis_cluster",
 }
 _DICTS = {"redis_ssl", "redis_transport_options"}
-_STRS = {"redis_url", "database_url", "key_prefix", "idempotency_namespace"}
+_STRS = {"redis_url", "database_url", "key_prefix", "unfenced_writes", "idempotency_namespace"}
 _NAMESPACE = re.compile(r"[A-Za-z0-9._-]{0,32}")
 FIELD_NAMES = frozenset(
     f.name for f in dataclasses.fields(FenceConfig) if not f.name.startswith("_")

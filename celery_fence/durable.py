@@ -45,6 +45,7 @@ from sqlalchemy.orm import Session, scoped_session
 
 from celery_fence.actions import LogAction
 from celery_fence.adapters.task import FencedTask
+from celery_fence.body import sqla
 from celery_fence.body.transaction import different_database
 from celery_fence.errors import ConfigurationError, FenceError
 from celery_fence.ops.recovery import KEY_HEADER
@@ -316,6 +317,9 @@ def _conn_commit(conn: sa.Connection) -> None:
     dbapi = conn.connection.dbapi_connection
     if dbapi is None:  # pragma: no cover - a closed connection cannot commit
         raise FenceError("enqueue: the connection closed before its commit")
+    # This listener runs before the engine-wide ones: the fence's check of the transaction's
+    # writes (refused beside an open block, flagged outside one) runs here, before the commit.
+    sqla.before_commit(conn)
     dbapi.commit()  # raises if the commit fails: nothing is sent, the caller sees the error
     _publish(sends)
 

@@ -19,6 +19,8 @@ where they fit: ``remaining`` for ``lease_busy``, ``countdown`` and ``attempts``
 - ``job_retry_scheduled``: the message is re-sent after ``countdown`` seconds (retry policy, lost
   lease, store or lease store unavailable, newer generation still running).
 - ``job_dead``: the job reached the terminal ``dead`` state.
+- ``unfenced_write``: the body committed a write that no fenced block covers (once per attempt;
+  ``where`` names the connection, ``table`` the table when known).
 
 ``job_retry_scheduled`` is also sent when the CLI requeues a job and when recovery re-sends a
 stranded one; ``job_dead`` when recovery buries a stranded job it cannot re-send.
@@ -47,6 +49,10 @@ job_dead = Signal(name="job_dead", providing_args=_ARGS | {"attempts"})
 #: Sent inside an open ``fence.atomic()`` block just before its ownership check: the block's
 #: writes are made and not committed yet (the testing plugin pauses a worker here).
 block_committing = Signal(name="block_committing", providing_args=_ARGS)
+#: A fenced body committed a write outside every fenced block (``fence_unfenced_writes`` is
+#: ``"warn"`` or ``"error"``): sent once per attempt, with ``where`` (the connection) and
+#: ``table`` (the table, or None when not known) besides the usual arguments.
+unfenced_write = Signal(name="unfenced_write", providing_args=_ARGS | {"where", "table"})
 
 __all__ = [
     "block_committing",
@@ -59,4 +65,5 @@ __all__ = [
     "lease_lost",
     "lease_renewed",
     "stale_rejected",
+    "unfenced_write",
 ]

@@ -20,6 +20,7 @@ for the same app, does nothing.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -28,6 +29,7 @@ from celery.utils.dispatch import Signal
 from celery_fence.adapters import worker
 from celery_fence.announce import events, logs
 from celery_fence.app_state import installed, mark_installed, real_app
+from celery_fence.body import watch
 from celery_fence.ops.recovery import RECOVER_TASK, recover_task
 from celery_fence.ops.retention import PURGE_TASK, purge_task
 
@@ -49,6 +51,26 @@ def install(app: Any) -> None:
             return
         _connect_receivers()
         _register_tasks(app)
+        _publish_as_bookkeeping(app)
+
+
+def _publish_as_bookkeeping(app: Any) -> None:
+    """Every message ``app`` publishes (``.delay()``, ``apply_async``, ``send_task``, a retry)
+    is Celery's bookkeeping: inside a fenced block, a broker on the database (kombu's
+    SQLAlchemy transport, ``broker_url='sqla+...'``) writes its message table on a connection of
+    its own, which the fence neither refuses nor flags
+    (:func:`celery_fence.body.watch.bookkeeping`)."""
+    send = app.send_task
+    if getattr(send, "__fence_bookkeeping__", False):
+        return
+
+    @functools.wraps(send)
+    def send_task(*args: Any, **kwargs: Any) -> Any:
+        with watch.bookkeeping():
+            return send(*args, **kwargs)
+
+    send_task.__fence_bookkeeping__ = True  # type: ignore[attr-defined]
+    app.send_task = send_task
 
 
 def _connect_receivers() -> None:

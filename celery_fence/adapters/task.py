@@ -28,6 +28,7 @@ from celery_fence.adapters.installation import install
 from celery_fence.adapters.worker import FENCED_REQUEST, celery_command
 from celery_fence.announce.transitions import Announcer
 from celery_fence.app_state import app_state
+from celery_fence.body import watch
 from celery_fence.body.fence import Fence
 from celery_fence.config import FenceConfig, Fenced
 from celery_fence.errors import (
@@ -293,6 +294,13 @@ class FencedTask(Task, Fenced):
     def resend_options(self) -> dict[str, Any]:
         """Options of the fence's own re-send: ``expires`` is not carried over."""
         return {"expires": None}
+
+    def update_state(self, *args: Any, **kwargs: Any) -> None:
+        """Celery's ``update_state``: the result backend's write is Celery's bookkeeping, never
+        the task's (with the database result backend, inside a fenced block too:
+        :func:`celery_fence.body.watch.bookkeeping`)."""
+        with watch.bookkeeping():
+            super().update_state(*args, **kwargs)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's ``retry``, except when the broker refuses the retry message: Celery would

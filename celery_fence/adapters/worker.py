@@ -38,12 +38,19 @@ from typing import TYPE_CHECKING, Any
 
 import click
 from billiard.exceptions import TimeLimitExceeded
-from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
+from celery.signals import (
+    task_prerun,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_shutdown,
+)
 from celery.utils.dispatch import Signal
 from celery.worker.request import Request
 
 from celery_fence.actions import LogAction
 from celery_fence.app_state import app_state, installed, installed_apps
+from celery_fence.body import watch
 from celery_fence.errors import ConfigurationError
 from celery_fence.pipeline import outcomes as o
 from celery_fence.process.runtime import runtime
@@ -189,6 +196,13 @@ def _check_settings_at_start(sender: Any = None, **_: Any) -> None:
                 raise SystemExit(message) from None
 
 
+def _detach_thread(sender: Any = None, **_: Any) -> None:
+    """A worker's own thread (its main thread, a pool thread about to run a task): a write on
+    it is a running fenced attempt's only when that attempt runs on it
+    (:func:`celery_fence.body.watch.detach_thread`)."""
+    watch.detach_thread()
+
+
 #: ``FencedTask.Request``: how Celery finds :class:`FencedRequest`.
 FENCED_REQUEST = f"{__name__}:FencedRequest"
 
@@ -198,4 +212,7 @@ RECEIVERS: tuple[tuple[Signal, Any], ...] = (
     (worker_init, _check_settings_at_start),
     (worker_process_shutdown, _release_on_shutdown),
     (worker_shutdown, _release_on_shutdown),
+    (worker_init, _detach_thread),
+    (worker_process_init, _detach_thread),
+    (task_prerun, _detach_thread),
 )

@@ -102,6 +102,9 @@ TABLE: Mapping[Action, ActionSpec] = MappingProxyType(
             recorded=True,
             logger_name="celery_fence.recovery",
         ),
+        # Logged at INFO per attempt: the WARNING naming the task and the fix is logged once
+        # per task name and process by celery_fence.body.watch.
+        Action.UNFENCED_WRITE: _t(signals.unfenced_write, _INFO, None, recorded=True),
     }
 )
 

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from celery_fence.body.writes import on_fence_tables, write_verb
+from celery_fence.body import sqla, watch
 from celery_fence.errors import ConfigurationError, FenceError, LeaseLost
 from celery_fence.store import sql
 from celery_fence.store.watchdog import watchdog
@@ -95,6 +95,11 @@ class OpenBlocks:
         self.atomic: set[str] = set()
         #: A fenced commit found a newer generation: no later block of this attempt commits.
         self.refused: FenceError | None = None
+
+    @property
+    def any_open(self) -> bool:
+        """Whether a ``transaction()``/``session()`` or an ``atomic()`` block is open now."""
+        return bool(self._open) or bool(self.atomic)
 
     def raise_refused(self) -> None:
         """Raise (a fresh copy of) the refusal of an earlier fenced commit, if any."""
@@ -171,10 +176,12 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
         sa.event.listen(conn, "commit", functools.partial(_on_commit, fence, store, block))
         sa.event.listen(conn, "rollback", functools.partial(_on_rollback, store))
         fence.blocks.add(block)
-        _install_write_guard()
-        outer, _this_thread.block = getattr(_this_thread, "block", None), block
+        sqla.install()
+        conn.info[sqla.BLOCK_INFO] = block  # its commit is the fenced one: not watched
+        # A fence made by hand (a test) is watched for the block's duration, like a body's.
+        watched = contextlib.nullcontext() if watch.is_running(fence) else watch.running(fence)
         try:
-            with _django_writes_refused():
+            with watched, _django_writes_refused():
                 yield block
         except BaseException:
             _rollback(store, conn)
@@ -189,50 +196,11 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
                     _raw(conn, sql.sqlite_busy_timeout(busy_timeout))
             if not conn.invalidated:  # (an invalidated connection would reconnect here)
                 _disarm_statement(conn)  # a statement that ended without either event
+            if not conn.invalidated:
+                conn.info.pop(sqla.BLOCK_INFO, None)
             conn.close()
         finally:
-            _this_thread.block = outer
             fence.blocks.remove(block, fence.lease)  # records a loss seen inside the block
-
-
-_this_thread = threading.local()  # .block: this thread's open outermost block, if any
-_guard_lock = threading.Lock()
-_guard_installed = False
-
-
-def _install_write_guard() -> None:
-    """Listen, once per process, to every SQLAlchemy engine's statements: see
-    :func:`_refuse_uncovered_write`."""
-    global _guard_installed
-    if not _guard_installed:
-        with _guard_lock:
-            if not _guard_installed:
-                sa.event.listen(sa.Engine, "before_cursor_execute", _refuse_uncovered_write)
-                _guard_installed = True
-
-
-def _refuse_uncovered_write(
-    conn: sa.Connection, cursor: Any, statement: str, parameters: Any, context: Any, many: bool
-) -> None:
-    """While this thread has a block open, a writing statement on any other SQLAlchemy
-    connection (another engine, or another connection of the same one: a Flask-SQLAlchemy
-    ``db.session``, an ``engine.begin()``) is refused: the block's fenced commit covers its own
-    connection only, so that write would commit unchecked. The fence's own statements (on its
-    tables) pass; so do reads."""
-    block = getattr(_this_thread, "block", None)
-    if block is None or conn is block.conn:
-        return
-    verb = write_verb(statement)
-    if verb is None or on_fence_tables(statement):
-        return
-    raise ConfigurationError(
-        f"a write ({verb}) on a connection that is not the fenced block's, inside "
-        "fence.transaction()/session(): the block's fenced commit covers its own connection only, "
-        "so this write would commit unchecked and a stale worker's write would land. Write "
-        "through the block: `with self.fence.transaction() as conn: conn.execute(...)`, or "
-        "`with self.fence.session(YourSession) as session:` for the ORM (a Flask-SQLAlchemy app: "
-        "self.fence.session(db.session)); or make the write outside the block."
-    )
 
 
 def _django_writes_refused() -> contextlib.AbstractContextManager[None]:
@@ -341,9 +309,15 @@ def _on_commit(fence: Fence, store: Store, block: Block, conn: sa.Connection) ->
     """Just before the connection commits: the lease check and the ownership check, in the same
     transaction, then the driver's COMMIT, bounded. A refusal rolls the transaction back here
     (SQLAlchemy would otherwise leave the driver's transaction open behind a failed commit) and
-    raises out of the commit."""
+    raises out of the commit. A transaction that ended under the block (a raw COMMIT on its
+    connection committed what came before, unchecked) is said as such, never as "nothing of the
+    block commits"."""
     try:
+        if store.block_transaction_ended(conn, ask=False):
+            raise watch.raw_commit_error(sqla.where(conn))
         owner = store.block_owner(conn, fence)  # LeaseLost: paused past the lease in the block
+        if not owner and store.block_transaction_ended(conn):
+            raise watch.raw_commit_error(sqla.where(conn))
     except BaseException as exc:
         _end_driver_transaction(store, conn, "rollback", quiet=True)
         if isinstance(exc, FenceError):

@@ -12,6 +12,7 @@ hard time limit, an expired or revoked message) build one and carry out the disp
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -23,6 +24,7 @@ from sqlalchemy import exc as sa_exc
 
 from celery_fence.actions import Action, LogAction
 from celery_fence.announce.transitions import Announcer, lease_observers
+from celery_fence.body import sqla, watch
 from celery_fence.body.fence import Fence
 from celery_fence.config import FenceConfig
 from celery_fence.errors import (
@@ -38,6 +40,8 @@ from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.ports import JobStore, LeaseBackend
 from celery_fence.pipeline.retry import RetryPolicy
 from celery_fence.pipeline.settle import settle
+from celery_fence.process.background import BackgroundWriter
+from celery_fence.process.runtime import runtime
 from celery_fence.store import Store
 from celery_fence.store.engine import refusal_reason
 
@@ -91,6 +95,8 @@ class Execution:
         #: row is written by its completion, or registered late by any other outcome.
         self.deferred = False
         self.request_json: str | None = None
+        #: The body's write outside every fenced block was announced (once per attempt).
+        self.unfenced_reported = False
 
     # -- the path ----------------------------------------------------------------------------------
 
@@ -187,8 +193,10 @@ class Execution:
             execution=self,
             idempotency_namespace=self.config.idempotency_namespace,
         )
+        sqla.install()  # once per process: every SQLAlchemy write of the body is seen
         try:
-            result = body(fence)
+            with watch.running(fence):  # its writes on any connection are attributed to it
+                result = body(fence)
         except (Retry, Ignore, Reject) as exc:
             return o.Control(exc)
         except LeaseLost as exc:
@@ -298,6 +306,30 @@ class Execution:
     def refused_registration(self, error: sa_exc.DataError) -> o.Outcome:
         """The database refused the registration's request: it would every time."""
         return o.Refused(error, self.request_json)
+
+    def unfenced_write(self, *, where: str, table: str | None, refused: bool) -> None:
+        """The body committed (or, ``refused``, tried to commit) a write no fenced block covers
+        (:func:`celery_fence.body.watch.unfenced_write`): announced (INFO line, the
+        ``unfenced_write`` signal) and recorded as a transition row, once per attempt. The row is
+        written off this thread: the write's own transaction may hold the database's write lock
+        (SQLite) until it commits."""
+        if self.unfenced_reported:
+            return
+        self.unfenced_reported = True
+        reason = f"{'refused' if refused else 'committed'} on {where}"
+        if table:
+            reason += f", table {table}"
+        self.announce(Action.UNFENCED_WRITE, reason=reason, where=where, table=table)
+        store, key, generation, attempt = self.store, self.key, self.generation, self.attempt_id
+        record = functools.partial(
+            store.record,
+            key,
+            action=Action.UNFENCED_WRITE,
+            generation=generation,
+            attempt_id=attempt,
+            reason=reason,
+        )
+        runtime().get("writer", None, BackgroundWriter).submit(record)
 
     # -- registration ------------------------------------------------------------------------------
 

@@ -30,6 +30,13 @@ SQLITE_TIMESTAMP = "%Y-%m-%d %H:%M:%S.%f"
 #: both take the ``%(name)s`` parameters of :mod:`.sql`'s statements.
 PG_DRIVERS = ("psycopg", "psycopg2")
 
+#: The execution option every connection the store uses for its own statements carries
+#: (:meth:`Database.connect`, :meth:`Database.tx`, :meth:`Database.rolled_back`; the raw paths
+#: send no SQLAlchemy event at all): the fence's own writes, never the app's
+#: (:mod:`celery_fence.body.sqla` looks at none of them). Another connection of the same engine
+#: (``fence.store.engine.begin()`` in a body) is the app's, and watched.
+OWN = "fence_own"
+
 
 class Database:
     """One database URL's engine and execution paths. Safe to share between threads."""
@@ -184,7 +191,7 @@ class Database:
 
     def connect(self) -> AbstractContextManager[sa.Connection]:
         """A pooled connection for reads and Core statements (autocommit)."""
-        return self.engine.connect()
+        return self.engine.connect().execution_options(**{OWN: True})
 
     @contextmanager
     def rolled_back(self) -> Iterator[Database]:
@@ -192,7 +199,7 @@ class Database:
         one transaction that is rolled back at the end, whatever happens: the store's self-test
         (``celery fence check``) writes through it and leaves nothing. The connection is closed
         afterwards, not pooled (its prepared statements go with it)."""
-        with self.engine.connect() as conn:
+        with self.engine.connect().execution_options(**{OWN: True}) as conn:
             conn.exec_driver_sql(sql.begin(self.dialect))
             try:
                 yield _Pinned(self, conn)
@@ -209,7 +216,7 @@ class Database:
 
         ``unbounded``: a long operator statement (purge) — no statement timeout, no watchdog.
         """
-        with self.engine.connect() as conn:
+        with self.engine.connect().execution_options(**{OWN: True}) as conn:
             if unbounded:
                 conn = conn.execution_options(fence_unbounded=True)
             conn.exec_driver_sql(sql.begin(self.dialect))

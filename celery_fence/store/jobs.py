@@ -181,7 +181,11 @@ class Store:
         connection, in its transaction."""
         fence.check()
         return self.commit_check(
-            conn, fence.key, generation=fence.generation, attempt_id=fence.attempt_id
+            conn,
+            fence.key,
+            generation=fence.generation,
+            attempt_id=fence.attempt_id,
+            in_block=conn.dialect.name == "postgresql",
         )
 
     def block_owner_cursor(self, cursor: Any, fence: Fence) -> bool:
@@ -194,16 +198,23 @@ class Store:
         )
 
     def commit_check(
-        self, conn: sa.Connection, key: str, *, generation: int, attempt_id: str
+        self,
+        conn: sa.Connection,
+        key: str,
+        *,
+        generation: int,
+        attempt_id: str,
+        in_block: bool = False,
     ) -> bool:
         """The ownership check of a fenced commit (:mod:`celery_fence.body.transaction`): run on
         ``conn`` inside its open transaction, just before that transaction commits.
 
         One fenced ``UPDATE ... RETURNING`` of the job row (it touches ``updated_at``); why it
         is enough: docs/design.md, "Why the check is enough (Read Committed)". True when this
-        attempt still owns the key.
+        attempt still owns the key (``in_block``, PostgreSQL: and the transaction is still the
+        one the block began, :data:`~celery_fence.store.sql.PG_BLOCK_MARKER`).
         """
-        stmt = sql.commit_check(key, generation, attempt_id, now=utcnow())
+        stmt = sql.commit_check(key, generation, attempt_id, now=utcnow(), in_block=in_block)
         return conn.execute(stmt).first() is not None
 
     def commit_check_cursor(
@@ -215,6 +226,27 @@ class Store:
         text, params = sql.format_style(stmt, self.dialect)
         cursor.execute(text, params)
         return cursor.fetchone() is not None
+
+    def block_transaction_ended(self, conn: sa.Connection, *, ask: bool = True) -> bool:
+        """Whether a fenced block's transaction ended under it (a raw COMMIT or ROLLBACK on its
+        connection): SQLite, the driver is out of its transaction; PostgreSQL, libpq says the
+        session is idle, or the transaction-local marker the block set at its BEGIN is gone
+        (another transaction began since; read only when ``ask``: one round trip)."""
+        dbapi: Any = conn.connection.dbapi_connection
+        if conn.dialect.name == "sqlite":
+            return not dbapi.in_transaction
+        status = getattr(getattr(dbapi, "info", None), "transaction_status", None)
+        if status is not None and int(status) == 0:  # IDLE (psycopg2 and psycopg alike)
+            return True
+        if not ask:
+            return False
+        cursor = dbapi.cursor()
+        try:
+            cursor.execute(sql.PG_BLOCK_MARKER_READ)
+            row = cursor.fetchone()
+        finally:
+            cursor.close()
+        return not row or row[0] != "on"
 
     def _rejected(self, key: str, generation: int, attempt_id: str, what: str) -> StaleGeneration:
         record = self.get(key)

@@ -218,6 +218,41 @@ def test_a_write_beside_the_block_ends_the_job_dead_naming_the_fix_and_lands_not
     store.dispose()
 
 
+@pytest.mark.parametrize("mode", ["warn", "error"])
+def test_a_write_outside_any_block_is_flagged_or_refused(
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    app_db: AppDb,
+    db_url: str,
+    mode: str,
+) -> None:
+    key = _key()
+    store = Store(db_url)
+    worker = spawn_worker("w", FENCE_T_UNFENCED_WRITES=mode)
+    # Given a body that appends its lines through a plain engine.begin(), outside any block,
+    client_app.write_app.delay(key, via="outside")
+    wanted = "completed" if mode == "warn" else "dead"
+    wait_until(lambda: (r := store.get(key)) is not None and r.status == wanted, 30, what=wanted)
+    record = store.get(key)
+    assert record is not None
+    flagged = [t for t in store.history(key) if t.action == "unfenced_write"]
+    assert len(flagged) == 1 and "app_lines" in (flagged[0].reason or "")
+    if mode == "warn":
+        # then under "warn" the write landed, and it was said out loud: the transition row, and
+        # the worker's WARNING naming the task, the table and the fix
+        assert [g for g, _ in app_db.lines(key)] == [1, 1]
+        wait_until(lambda: "fence unfenced write" in worker.log(), 10, what="the warning")
+        line = next(x for x in worker.log().splitlines() if "fence unfenced write" in x)
+        assert "write_app" in line and f"table {client_app.app_lines.name}" in line
+        assert "self.fence.transaction()" in line
+    else:
+        # and under "error" it was rolled back and the job ended dead, naming the setting
+        assert app_db.lines(key) == [] and app_db.report(key) is None
+        assert record.error_type == "celery_fence.errors.ConfigurationError"
+        assert "fence_unfenced_writes='error'" in (record.error_message or "")
+    store.dispose()
+
+
 def test_an_exception_inside_the_block_rolls_it_back_and_the_retry_writes(
     spawn_worker: SpawnWorker,
     client_app: ModuleType,

@@ -17,6 +17,7 @@ from celery import Celery
 from sqlalchemy.orm import registry, sessionmaker
 
 from celery_fence import FencedTask
+from celery_fence.body import watch
 from celery_fence.body.fence import Fence
 from celery_fence.chaos.arms import UnfencedStore
 from celery_fence.errors import (
@@ -231,6 +232,7 @@ def test_postgresql_a_holder_idle_in_its_block_past_the_ttl_is_ended_and_frees_i
     took: list[float] = []
 
     def newer_attempt_writes_the_same_row() -> None:
+        watch.detach_thread()  # stands for another worker: not the holder's thread
         started = time.monotonic()
         with store.engine.connect() as other:
             other = other.execution_options(isolation_level="READ COMMITTED")

@@ -373,7 +373,9 @@ def write_app(
     ``session`` (``session(sessionmaker(bind=app_engine))``), or a session routed by its own
     rules — ``binds`` (``sessionmaker(binds=...)``), ``flask`` (Flask-SQLAlchemy) — which
     marks ``inside`` before its first statement; ``beside``: Flask-SQLAlchemy's ``db.session``
-    used directly inside ``transaction()`` (refused).
+    used directly inside ``transaction()`` (refused); ``outside``: the lines through a plain
+    ``engine.begin()`` outside any block (flagged per ``fence_unfenced_writes``, from
+    ``FENCE_T_UNFENCED_WRITES``), the report through the block.
     """
     fence = self.fence
     gen, attempt = fence.generation, fence.attempt_id
@@ -395,6 +397,11 @@ def write_app(
             session.flush()
             session.execute(_upsert(session.get_bind(), key, gen, attempt))
             _inside(key, gen, pause_inside, fail_inside_once)
+    elif via == "outside":  # the most common mistake: a plain transaction, no fenced block
+        with app_engine().begin() as conn:
+            conn.execute(app_lines.insert(), lines)
+        with fence.transaction() as conn:
+            conn.execute(_upsert(conn, key, gen, attempt))
     elif via == "beside":  # the mistake: Flask-SQLAlchemy's db.session beside the block
         flask_app, db = flask_db()
         with flask_app.app_context(), fence.transaction() as conn:
@@ -427,6 +434,7 @@ def _upsert(bind: Any, key: str, gen: int, attempt: str) -> Any:
 
 
 app.conf.fence_lock_timeout = float(E.get("FENCE_T_LOCK_TIMEOUT", "5"))
+app.conf.fence_unfenced_writes = E.get("FENCE_T_UNFENCED_WRITES", "warn")
 app.conf.fence_database_timeout = float(E.get("FENCE_T_DB_TIMEOUT", "10"))
 app.conf.fence_recover_pending_after = float(E.get("FENCE_T_RECOVER_PENDING_AFTER", "60"))
 
