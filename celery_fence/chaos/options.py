@@ -51,6 +51,7 @@ class Options:
     unfenced: bool = False
     unsettled: bool = False
     rerun_finished: bool = False  # the registration takes a finished job's row (control arm)
+    unwatched: bool = False  # nobody watches the body's other connections (control arm)
     provider_idempotent: bool = True  # False: the provider performs every repeat (control arm)
     own_redis: bool = False
     converge_timeout: float = 60.0

@@ -63,7 +63,7 @@ from celery_fence import FencedTask, PermanentError
 from celery_fence import signals as fence_signals
 from celery_fence.actions import Action
 from celery_fence.chaos import APP_ROWS, BESIDE_FORMS, CHARGE, NOTIFY, TASK_NAME
-from celery_fence.chaos.arms import UnfencedTask, UnsettledTask
+from celery_fence.chaos.arms import UnfencedTask, UnsettledTask, UnwatchedTask
 from celery_fence.chaos.workload_sql import beside_statement
 from celery_fence.errors import ConfigurationError
 from celery_fence.ops.outbox import Outbox, idempotency_key
@@ -86,6 +86,7 @@ ENV_DEFAULTS = {
     "CHAOS_UNFENCED": "0",
     "CHAOS_UNSETTLED": "0",
     "CHAOS_RERUN_FINISHED": "0",
+    "CHAOS_UNWATCHED": "0",
     "CHAOS_RENEW_INTERVAL": "",  # empty: ttl / 3 (the misconfig scenario sets an invalid one)
     "CHAOS_PROVIDER_URL": "",
     "CHAOS_REMOTE_TIMEOUT": "0.5",
@@ -214,6 +215,7 @@ def _base(s: Mapping[str, str]) -> type[FencedTask]:
             ("CHAOS_UNFENCED", UnfencedTask),
             ("CHAOS_UNSETTLED", UnsettledTask),
             ("CHAOS_RERUN_FINISHED", RerunsFinished),
+            ("CHAOS_UNWATCHED", UnwatchedTask),
         )
         if s[flag] == "1"
     ]
