@@ -550,6 +550,11 @@ def test_pause_at_write(fence_chaos, my_rows, task):
     fence_chaos.assert_converged("write:1", check=my_rows)
 
 
+def test_unfenced_write_without_check(fence_chaos, my_rows):
+    fence_chaos.inject("duplicate", check_then_write.s(5))
+    fence_chaos.assert_converged("write:5")
+
+
 @pytest.mark.parametrize("task", [append_in_block, upsert_in_block], ids=["plain", "right"])
 def test_kill_after_block(fence_chaos, my_rows, task):
     fence_chaos.inject("kill-after-block", task.s(2))
@@ -565,7 +570,7 @@ def test_windows_reach_a_write_after_the_check_and_a_block_that_ran_twice(tmp_pa
     outcomes = _run(root, "-p", "no:celery")
     # then pause-at-write (A paused right after its check, before its write) fails the plain
     # write: A's stale write lands after B completed,
-    assert len(outcomes) == 4, outcomes
+    assert len(outcomes) == 5, outcomes
     outcome, text = outcomes["test_pause_at_write[plain]"]
     assert outcome == "failed", text
     assert "window 'pause-at-write' broke for key 'write:1'" in text, text[-3000:]
@@ -577,6 +582,12 @@ def test_windows_reach_a_write_after_the_check_and_a_block_that_ran_twice(tmp_pa
     assert outcome == "failed", text
     assert "window 'kill-after-block' broke for key 'rows:2'" in text, text[-3000:]
     assert "my rows say generations [1, 2], the job completed at 2" in text, text[-3000:]
+    # a write outside any fenced block fails the test even without check=, naming the write,
+    outcome, text = outcomes["test_unfenced_write_without_check"]
+    assert outcome == "failed", text
+    assert "window 'duplicate' broke for key 'write:5'" in text, text[-3000:]
+    assert "wrote outside a fenced block (committed on SQLAlchemy" in text, text[-3000:]
+    assert "proj_latest" in text, text[-3000:]
     # and the right versions pass both windows.
     assert outcomes["test_pause_at_write[right]"] == ("passed", ""), outcomes
     assert outcomes["test_kill_after_block[right]"] == ("passed", ""), outcomes
