@@ -33,6 +33,19 @@ Each breakage and the scenario that catches it:
 - ``outbox-outside``: the outbox rows inserted outside the completion's transaction (before it,
   whether or not it is accepted) — ``pause`` (a refused stale completion leaves its effect row:
   an outbox row no accepted completion wrote).
+- ``guard``: ``guard()`` enters without checking the lease — ``pause`` (a side effect of a
+  superseded generation: stale writes accepted).
+- ``atomic-check``: the commit-time check skipped in ``fence.atomic()`` — ``django-write`` on
+  PostgreSQL (stale app-table writes).
+- ``enqueue-row``: ``enqueue()`` publishes without writing the job's durable row —
+  ``enqueue-crash`` (the killed publish leaves nothing to recover: lost jobs).
+- ``recovery-send``: recovery takes a stranded job for a re-send and never sends it —
+  ``recovered-chain`` (lost jobs).
+- ``outbox-claim``: delivery claims rows already delivered or claimed — ``duplicate`` with a
+  provider that is not idempotent (each replay delivers again: duplicate external effects).
+
+A breakage is caught only when the safety column it names (``Breakage.column``) fires: another
+column firing is not this breakage caught.
 """
 
 from __future__ import annotations
