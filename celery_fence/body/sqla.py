@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 #: ``conn.info`` key of a fenced block's connection while the block is open.
 BLOCK_INFO = "fence_block"
-_CHANGES = "fence_changes"  # SQLite: total_changes at the transaction's start
+_CHANGES = "fence_changes"  # SQLite: (the transaction, its total_changes at its start)
 _TABLE = "fence_table"  # the last table a DML statement named (for the warning)
 _WRAP = "fence_wrap"  # an autocommit statement runs in the fence's transaction
 
@@ -99,22 +99,31 @@ def _total_changes(dbapi: Any) -> int:
 
 
 def _in_transaction(conn: sa.Connection, dbapi: Any) -> bool:
-    """Whether the driver's connection is inside a transaction (PostgreSQL: libpq's status)."""
+    """Whether the driver's connection is inside a live transaction (PostgreSQL: libpq's
+    status INTRANS or ACTIVE; an aborted one, INERROR, commits nothing: the server rolls it
+    back)."""
     if conn.dialect.name == "sqlite":
         return bool(dbapi.in_transaction)
     info = getattr(dbapi, "info", None)
     status = getattr(info, "transaction_status", None)
-    return status is not None and int(status) != 0  # 0: IDLE (psycopg2 and psycopg alike)
+    # psycopg2 and psycopg alike: 0 IDLE, 1 ACTIVE, 2 INTRANS, 3 INERROR, 4 UNKNOWN
+    return status is None or int(status) in (1, 2)
+
+
+def _baseline(conn: sa.Connection, dbapi: Any) -> None:
+    """SQLite: remember ``total_changes`` at the start of ``conn``'s transaction."""
+    conn.info[_CHANGES] = (conn.get_transaction(), _total_changes(dbapi))
 
 
 def transaction_wrote(conn: sa.Connection, dbapi: Any | None = None) -> bool:
     """Whether ``conn``'s open transaction wrote, by what the database says."""
     dbapi = _dbapi(conn) if dbapi is None else dbapi
     if conn.dialect.name == "sqlite":
-        start = conn.info.get(_CHANGES)
-        if start is None:  # began before a fenced body ran: an open transaction wrote
+        entry = conn.info.get(_CHANGES)
+        if entry is None or entry[0] is not conn.get_transaction():
+            # began before a fenced body ran: pysqlite is in a transaction only once it wrote
             return bool(dbapi.in_transaction)
-        return bool(_total_changes(dbapi) != start)
+        return bool(_total_changes(dbapi) != entry[1])
     cursor = dbapi.cursor()
     try:
         cursor.execute(sql.pg_transaction_wrote(conn.dialect.server_version_info))
@@ -136,7 +145,7 @@ def _on_begin(conn: sa.Connection) -> None:
     if WATCH.idle:
         return
     if conn.dialect.name == "sqlite" and _subject(conn) is not None:
-        conn.info[_CHANGES] = _total_changes(_dbapi(conn))
+        _baseline(conn, _dbapi(conn))
     conn.info.pop(_TABLE, None)
 
 
@@ -162,13 +171,15 @@ def _before_statement(
         _run(dbapi, "BEGIN")
         conn.info[_WRAP] = subject
         if conn.dialect.name == "sqlite":
-            conn.info[_CHANGES] = _total_changes(dbapi)
+            _baseline(conn, dbapi)
         watch.hold()
     elif conn.dialect.name == "sqlite" and not dbapi.in_transaction:
         # pysqlite begins a transaction only before a statement it takes for a write: begin it
         # here, so a write it would not recognise cannot commit on its own.
         _run(dbapi, "BEGIN")
-        conn.info.setdefault(_CHANGES, _total_changes(dbapi))
+        entry = conn.info.get(_CHANGES)
+        if entry is None or entry[0] is not conn.get_transaction():
+            _baseline(conn, dbapi)
 
 
 def _block_open(subject: Any) -> bool:
@@ -244,7 +255,6 @@ def _on_commit(conn: sa.Connection) -> None:
     if WATCH.idle:
         return
     subject = _subject(conn)
-    conn.info.pop(_WRAP, None)
     if subject is None:
         conn.info.pop(_CHANGES, None)
         return
@@ -260,6 +270,7 @@ def _on_commit(conn: sa.Connection) -> None:
                 raise
     finally:
         conn.info.pop(_CHANGES, None)
+        conn.info.pop(_TABLE, None)
 
 
 def _decide(conn: sa.Connection, dbapi: Any, subject: Any) -> None:

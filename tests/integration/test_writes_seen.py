@@ -481,3 +481,42 @@ def test_the_fallback_is_the_only_running_attempt_and_worker_threads_are_detache
             t.join(10)
     assert seen == {"started": fence, "worker": None}
     assert watch.current_attempt() is None
+
+
+def test_several_running_attempts_a_thread_nobody_claims_is_refused_beside_a_block(
+    store: Store, app_engine: sa.Engine
+) -> None:
+    # Given two fenced attempts running at once (the threads pool), one with a block open,
+    a, b = _fence(store), _fence(store)
+    opened, done = threading.Event(), threading.Event()
+
+    def attempt_b() -> None:
+        with watch.running(b), b.transaction():
+            opened.set()
+            done.wait(30)
+
+    runner = threading.Thread(target=attempt_b)
+    errors: list[BaseException] = []
+
+    def nobodys() -> None:  # a thread neither attempt's context nor thread names
+        try:
+            with app_engine.begin() as other:
+                other.execute(accounts.update().values(balance=0))
+        except BaseException as exc:
+            errors.append(exc)
+
+    with watch.running(a):
+        runner.start()
+        assert opened.wait(30)
+        # when a thread no attempt claims writes, it is refused (whose write is it?),
+        t = threading.Thread(target=nobodys)
+        t.start()
+        t.join(30)
+        done.set()
+        runner.join(30)
+        # and once no block is open, such a write passes (not seen: documented)
+        t = threading.Thread(target=nobodys)
+        t.start()
+        t.join(30)
+    assert len(errors) == 1 and "several fenced attempts" in str(errors[0])
+    assert _balance(store) == 0
