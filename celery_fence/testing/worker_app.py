@@ -100,13 +100,17 @@ class Hooks:
             if fault == "hold":
                 self.ledger.blpop([f"{self.base}:release:{request.id}"], timeout=HOLD_SECONDS)
                 self.record(ev="released", **attempt)
-            outer = getattr(_body, "fence", None), getattr(_body, "tid", None)
-            _body.fence, _body.tid = fence, request.id
+            outer = (
+                getattr(_body, "fence", None),
+                getattr(_body, "tid", None),
+                getattr(_body, "write_met", True),
+            )
+            _body.fence, _body.tid, _body.write_met = fence, request.id, False
             try:
                 with _django_statements_watched(self):
                     result = run(*args, **kwargs)
             finally:
-                _body.fence, _body.tid = outer
+                _body.fence, _body.tid, _body.write_met = outer
             staged = [e.name for e in fence.outbox.staged] if fence is not None else []
             self.record(ev="return", staged=staged, **attempt)
             return result
@@ -117,8 +121,9 @@ class Hooks:
         """The ``write`` fault point: the body's first statement outside a fenced block, or the
         moment a ``fence.check()`` / ``guard()`` of the body returned (outside a block)."""
         fence, task_id = getattr(_body, "fence", None), getattr(_body, "tid", None)
-        if fence is None or _in_block(fence):
+        if fence is None or _in_block(fence) or getattr(_body, "write_met", True):
             return
+        _body.write_met = True  # one Redis round trip per body, not one per statement
         if self.take("write", task_id) == "hold":
             attempt = {"tid": task_id, "gen": getattr(fence, "generation", None), "where": where}
             self.record(ev="write", **attempt)
