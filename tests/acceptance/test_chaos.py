@@ -119,15 +119,22 @@ def _by_name(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {s["scenario"]: s for s in report["scenarios"]}
 
 
+#: Scenarios whose fenced run fails until a fix lands, each with its own strict expected-failure
+#: test below (which turns into a failure to look at once the fix makes it pass).
+NOT_FIXED_YET = {
+    "atomic-threads": "issue 31 item 2 (test_two_threads_in_atomic_each_commit_fenced)"
+}
+_FENCED = [n for n in SCENARIOS if n not in NOT_FIXED_YET]
 #: Every scenario, in two halves run side by side (each half is one harness run).
 HALVES = {
-    "windows": list(SCENARIOS[: len(SCENARIOS) // 2]),
-    "exits": list(SCENARIOS[len(SCENARIOS) // 2 :]),
+    "windows": _FENCED[: len(_FENCED) // 2],
+    "exits": _FENCED[len(_FENCED) // 2 :],
 }
 
 
 def test_the_halves_are_every_scenario() -> None:
-    assert sorted(HALVES["windows"] + HALVES["exits"]) == sorted(MIN_FAULTS) == sorted(SCENARIOS)
+    run = HALVES["windows"] + HALVES["exits"]
+    assert sorted(run + list(NOT_FIXED_YET)) == sorted(MIN_FAULTS) == sorted(SCENARIOS)
 
 
 @pytest.mark.timeout(1200)
