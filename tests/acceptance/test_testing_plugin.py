@@ -841,6 +841,14 @@ def dj_block(self, n):
         with connection.cursor() as cursor:
             cursor.execute("INSERT INTO dj_rows (generation) VALUES (%s)", [self.fence.generation])
     return {{"n": n}}
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda n: f"djw:{{n}}")
+def dj_plain_write(self, n):
+    """The mistake: Django's ORM connection, outside any fenced block (no check either)."""
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE dj_latest SET generation = %s", [self.fence.generation])
+    return {{"n": n}}
 '''
 
 DJANGO_CONFTEST = """
@@ -857,17 +865,37 @@ def fence_app():
     engine = sa.create_engine(os.environ["PROJ_DB"])
     with engine.begin() as conn:
         conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS dj_rows (id serial, generation int)")
+        conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS dj_latest (generation int)")
+        conn.exec_driver_sql("DELETE FROM dj_latest")
+        conn.exec_driver_sql("INSERT INTO dj_latest VALUES (0)")
     engine.dispose()
     return app
 """
 
 DJANGO_TEST = """
-from djproj import dj_block
+from django.db import connection
+
+from djproj import dj_block, dj_plain_write
 
 
 def test_atomic_block(fence_chaos):
     fence_chaos.inject("pause-inside-block", dj_block.s(3))
     fence_chaos.assert_converged("dj:3")
+
+
+def test_plain_write(fence_chaos):
+    fence_chaos.inject("pause-at-write", dj_plain_write.s(4))
+
+    def latest_is_the_jobs(record):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT generation FROM dj_latest")
+            (generation,) = cursor.fetchone()
+        assert generation == record.generation, (
+            f"dj_latest says generation {generation}, the job completed at {record.generation}"
+        )
+        return True
+
+    fence_chaos.assert_converged("djw:4", check=latest_is_the_jobs)
 """
 
 
@@ -886,6 +914,13 @@ def test_pause_inside_block_records_the_commits_of_django_atomic_blocks(
     with _pg_database() as url:
         monkeypatch.setenv("PROJ_DB", url)
         outcomes = _run(root, "-p", "no:celery", "-p", "no:django")
+    # (pause-at-write: A paused before its first Django statement outside a block; B's write
+    # lands, then A's stale one over it, which the user's check sees)
+    plain, plain_text = outcomes["test_plain_write"]
+    assert plain == "failed", plain_text
+    assert "window 'pause-at-write' broke for key 'djw:4'" in plain_text, plain_text[-3000:]
+    if not unfenced:  # (without the fence the stale completion is the stored one, and so on)
+        assert "dj_latest says generation 1, the job completed at 2" in plain_text, plain_text
     outcome, text = outcomes["test_atomic_block"]
     if not unfenced:
         # then with the fence the stopped block never commits and the job converges,
