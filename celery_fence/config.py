@@ -403,7 +403,7 @@ _BOOLS = {
     "redis_cluster",
 }
 _DICTS = {"redis_ssl", "redis_transport_options"}
-_STRS = {"redis_url", "database_url", "key_prefix", "unfenced_writes", "idempotency_namespace"}
+_STRS = {"redis_url", "database_url", "key_prefix", "idempotency_namespace"}
 _NAMESPACE = re.compile(r"[A-Za-z0-9._-]{0,32}")
 FIELD_NAMES = frozenset(
     f.name for f in dataclasses.fields(FenceConfig) if not f.name.startswith("_")
@@ -428,6 +428,8 @@ def _parse(name: str, raw: Any, setting: str | None = None) -> Any:
                 f"{setting}={raw!r} must be a DATABASES alias, e.g. 'default'."
             )
         return raw
+    if name == "unfenced_writes":  # one of UNFENCED_WRITES, any case; validate() names them
+        return raw.strip().lower() if isinstance(raw, str) else raw
     if name in _STRS:
         if not isinstance(raw, str):
             raise ConfigurationError(f"{setting}={raw!r} must be a string.")
