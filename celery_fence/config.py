@@ -193,6 +193,10 @@ class FenceConfig:
     #: Whether ``renew_interval`` was set (False: it follows ``lease_ttl``, a third of it, also
     #: for a task that sets its own ``lease_ttl``).
     _renew_interval_given: bool = dataclasses.field(default=True, compare=False, repr=False)
+    #: Part of every outbox idempotency key: environments (staging, production) sharing one
+    #: provider account set different namespaces so their keys never collide. Empty: the keys
+    #: of earlier versions, unchanged.
+    idempotency_namespace: str = ""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -236,6 +240,12 @@ class FenceConfig:
                 f"fence_lease_ttl x (1 - fence_lease_margin) = {usable:g}, or a lease's local "
                 "deadline passes before its next renewal is even sent: set it to about a third "
                 f"of the TTL (e.g. fence_renew_interval={self.lease_ttl / 3:g})."
+            )
+        if not _NAMESPACE.fullmatch(self.idempotency_namespace):
+            raise ConfigurationError(
+                f"fence_idempotency_namespace={self.idempotency_namespace!r} must be at most 32 "
+                "letters, digits, '.', '_' or '-' (or empty, the default): name the environment "
+                "that shares a provider account with others, e.g. 'staging'."
             )
         if not self.key_prefix or any(c in self.key_prefix for c in "{} "):
             raise ConfigurationError(
@@ -411,7 +421,8 @@ _BOOLS = {
     "redis_cluster",
 }
 _DICTS = {"redis_ssl", "redis_transport_options"}
-_STRS = {"redis_url", "database_url", "key_prefix"}
+_STRS = {"redis_url", "database_url", "key_prefix", "idempotency_namespace"}
+_NAMESPACE = re.compile(r"[A-Za-z0-9._-]{0,32}")
 FIELD_NAMES = frozenset(
     f.name for f in dataclasses.fields(FenceConfig) if not f.name.startswith("_")
 )

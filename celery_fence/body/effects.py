@@ -18,15 +18,20 @@ from celery_fence.errors import FenceError
 from celery_fence.store.records import Effect, dumps_strict
 
 
-def idempotency_key(key: str, name: str, run: int = 0) -> str:
+def idempotency_key(key: str, name: str, run: int = 0, *, namespace: str = "") -> str:
     """A stable key for effect ``name`` of logical job ``key`` (never attempt-specific).
 
     ``run``: the operator's re-run it belongs to (``fence requeue --completed``: 1, 2, ...); 0,
     the key's first run, keeps the key every earlier version gave, so a provider's dedupe of
-    effects recorded before still holds."""
+    effects recorded before still holds. ``namespace`` (``fence_idempotency_namespace``, e.g.
+    ``"staging"``) is part of the key, so two environments sharing one provider account never
+    send the same key for their own jobs of the same name; empty (the default) gives the keys of
+    earlier versions."""
     text = f"{key}\x00{name}" if not run else f"{key}\x00{name}\x00run:{int(run)}"
-    digest = hashlib.sha256(text.encode()).hexdigest()
-    return f"fence-{digest[:48]}"
+    if not namespace:
+        return f"fence-{hashlib.sha256(text.encode()).hexdigest()[:48]}"
+    digest = hashlib.sha256(f"{namespace}\x00{text}".encode()).hexdigest()
+    return f"fence-{namespace}-{digest[:48]}"
 
 
 def storage_key(key: str, version: str | int, *, prefix: str = "exports", suffix: str = "") -> str:
@@ -42,10 +47,11 @@ class StagedEffects:
     """The effects one attempt stages (``self.fence.effects``); written only by a successful
     fenced completion, as rows of ``fence_outbox``."""
 
-    def __init__(self, key: str, run: int = 0) -> None:
+    def __init__(self, key: str, run: int = 0, namespace: str = "") -> None:
         self.key = key
         #: The operator's re-run this attempt belongs to (0: the key's first run).
         self.run = run
+        self.namespace = namespace
         self._effects: dict[str, Effect] = {}
 
     def add(self, name: str, payload: Any = None) -> str:
@@ -58,9 +64,8 @@ class StagedEffects:
                 "job (they make the idempotency key); use e.g. 'email:alice' and 'email:bob'"
             )
         dumps_strict(payload, f"payload of outbox effect {name!r}")
-        effect = Effect(
-            name=name, payload=payload, idempotency_key=idempotency_key(self.key, name, self.run)
-        )
+        idem = idempotency_key(self.key, name, self.run, namespace=self.namespace)
+        effect = Effect(name=name, payload=payload, idempotency_key=idem)
         self._effects[name] = effect
         return effect.idempotency_key
 

@@ -53,6 +53,7 @@ class Fence:
         store: Store | None = None,
         execution: Execution | None = None,
         run: int = 0,
+        idempotency_namespace: str = "",
     ) -> None:
         self.key = key
         self.attempt_id = attempt_id
@@ -60,7 +61,7 @@ class Fence:
         self.attempts = attempts
         #: The effects this attempt stages: ``self.fence.effects.add("email", {...})``.
         #: ``run``: the operator's re-run this attempt belongs to (``fence requeue --completed``).
-        self.effects = StagedEffects(key, run)
+        self.effects = StagedEffects(key, run, idempotency_namespace)
         #: This attempt's lease, and the store its fenced blocks check ownership in.
         self.lease = lease
         self.store = store

@@ -74,6 +74,17 @@ Scenarios (faults counted per run, from what happened: the ledger, the store, th
   ``self.fence.atomic()`` (a Django configured in the worker for the store's database): the
   ownership check runs on Django's own connection before its commit. Faults: as
   ``app-write``'s.
+- ``beside-block``: PostgreSQL only. ``app-write``'s pause inside the ``fence.transaction()``
+  block; after the pause each attempt writes on another connection of the store's database
+  (committed there), run ``i`` in the text form ``BESIDE_FORMS[i % 6]``: ``/* audit */
+  UPDATE``, ``WITH d AS (UPDATE\n...)``, a writing function in a ``SELECT``, ``CALL`` of a
+  procedure, a ``DO`` block, ``SELECT ... INTO`` (ledger ``beside_refused``, or
+  ``beside_committed`` with ``t0`` just before its COMMIT). Faults: as ``app-write``'s. Control
+  arm: ``--unwatched``.
+- ``atomic-threads``: PostgreSQL only. Two threads of one attempt each write a row in a
+  ``self.fence.atomic()`` block of its own (the second opens once the first is inside); the
+  worker is SIGSTOPped inside both past its TTL while a newer attempt takes over. Faults: as
+  ``app-write``'s. Control arm: ``--unfenced``.
 - ``interrupted``: a body ends with ``asyncio.CancelledError`` (an exit that is not an
   ``Exception``) on a threads-pool worker (even runs) or a gevent-pool worker (odd runs); the
   attempt must settle and release its lease, and the job completes on its second attempt. Under
@@ -257,4 +268,26 @@ APP_ROWS = sa.Table(
     sa.Column("written_at", sa.Float, nullable=False),  # epoch seconds, just before the INSERT
 )
 
-__all__ = ["APP_ROWS", "CHARGE", "NOTIFY", "TASK_NAME", "app_metadata"]
+#: The app's table the ``beside-block`` bodies update on a connection beside their block (one row
+#: per key, seeded by the harness).
+BESIDE_ROWS = sa.Table(
+    "chaos_beside_rows",
+    app_metadata,
+    sa.Column("key", sa.String(200), primary_key=True),
+    sa.Column("generation", sa.BigInteger, nullable=False),
+    sa.Column("attempt_id", sa.String(64), nullable=False),
+    sa.Column("written_at", sa.Float, nullable=False),
+)
+#: The text forms of a write beside a block the ``beside-block`` scenario cycles through (each a
+#: write a statement's first word does not reveal), by name.
+BESIDE_FORMS = ("comment", "with-newline", "function", "call", "do", "select-into")
+
+__all__ = [
+    "APP_ROWS",
+    "BESIDE_FORMS",
+    "BESIDE_ROWS",
+    "CHARGE",
+    "NOTIFY",
+    "TASK_NAME",
+    "app_metadata",
+]

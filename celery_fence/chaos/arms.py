@@ -10,6 +10,10 @@ show that each safety column fires without it. Never for production; nothing out
   exit that is not an ``Exception`` escapes with its lease still held and renewed; invalid
   settings fail the message instead of re-sending it (and the worker starts with them); a request
   the database refuses is re-sent in a loop; the fence's re-send keeps ``expires``.
+- :class:`UnwatchedTask` (``--unwatched``): nobody watches the body's writes on connections that
+  are not a fenced block's (:mod:`celery_fence.body.sqla`'s listeners are never added in the
+  worker): a write beside an open block commits unchecked, whatever its text, and a write
+  outside every block is not flagged. The store's fence and the blocks' own commits stay on.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from sqlalchemy import exc as sa_exc
 
 from celery_fence.adapters.task import FencedTask
 from celery_fence.adapters.worker import FencedRequest
+from celery_fence.body import sqla
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError
 from celery_fence.pipeline import outcomes as o
@@ -98,6 +103,22 @@ class UnsettledExecution(Execution):
         return o.Unavailable(error, "store refused registration")
 
 
+class UnwatchedExecution(Execution):
+    """An execution in a process where the write watcher's listeners are never added
+    (``--unwatched``)."""
+
+    def _execute(self, *args: Any, **kwargs: Any) -> o.Outcome:
+        sqla._installed = True  # install() adds nothing in this (control-arm) worker
+        return super()._execute(*args, **kwargs)
+
+
+class UnwatchedTask(FencedTask):
+    """A fenced task whose body's other connections nobody watches (``--unwatched``)."""
+
+    abstract = True
+    execution_class = UnwatchedExecution
+
+
 class UnsettledTask(FencedTask):
     """A fenced task whose Celery exits are left unsettled (``--unsettled``)."""
 
@@ -119,4 +140,6 @@ __all__ = [
     "UnsettledExecution",
     "UnsettledRequest",
     "UnsettledTask",
+    "UnwatchedExecution",
+    "UnwatchedTask",
 ]

@@ -324,15 +324,21 @@ def _stale_app_writes(
             )
     starts = _starts(events)
     for e in events:
-        if e["ev"] != "tx_committed" or e.get("gen") is None or e.get("t0") is None:
+        if e["ev"] not in ("tx_committed", "beside_committed"):
+            continue
+        if e.get("gen") is None or e.get("t0") is None:
             continue
         newer = [g for g, t, a in starts if g > int(e["gen"]) and t < float(e["t0"])]
         if newer and str(e.get("attempt")) not in stale:
             stale.add(str(e.get("attempt")))
+            what = (
+                f"the block of generation {e['gen']}"
+                if e["ev"] == "tx_committed"
+                else f"a write of generation {e['gen']} beside its block ({e.get('form')})"
+            )
             violations.append(
-                f"stale app-table write (ledger): {key} the block of generation {e['gen']} "
-                f"committed although generation {max(newer)} had registered and started before "
-                "its commit began"
+                f"stale app-table write (ledger): {key} {what} committed although generation "
+                f"{max(newer)} had registered and started before its commit began"
             )
     return len(stale)
 

@@ -86,6 +86,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "re-runs after completion",
     )
     p.add_argument(
+        "--unwatched",
+        action="store_true",
+        help="DEMONSTRATION ONLY: nobody watches the body's writes on other connections "
+        "(celery_fence.chaos.arms.UnwatchedTask: a write beside a fenced block is neither "
+        "refused nor flagged); expect stale app-table writes in beside-block",
+    )
+    p.add_argument(
         "--provider-not-idempotent",
         dest="provider_idempotent",
         action="store_false",
@@ -144,6 +151,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         unfenced=a.unfenced,
         unsettled=a.unsettled,
         rerun_finished=a.rerun_finished,
+        unwatched=a.unwatched,
         provider_idempotent=a.provider_idempotent,
         own_redis=a.own_redis,
         converge_timeout=a.converge_timeout,
@@ -180,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("UNFENCED", opts.unfenced),
             ("UNSETTLED", opts.unsettled),
             ("RERUN FINISHED", opts.rerun_finished),
+            ("UNWATCHED", opts.unwatched),
             ("PROVIDER NOT IDEMPOTENT", not opts.provider_idempotent),
         )
         if on
@@ -211,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "unfenced": opts.unfenced,
                     "unsettled": opts.unsettled,
                     "rerun_finished": opts.rerun_finished,
+                    "unwatched": opts.unwatched,
                     "provider_idempotent": opts.provider_idempotent,
                     "faults": total,
                     "safety_columns": list(checker.SAFETY_COLUMNS),

@@ -33,6 +33,19 @@ Each breakage and the scenario that catches it:
 - ``outbox-outside``: the outbox rows inserted outside the completion's transaction (before it,
   whether or not it is accepted) — ``pause`` (a refused stale completion leaves its effect row:
   an outbox row no accepted completion wrote).
+- ``guard``: ``guard()`` enters without checking the lease — ``pause`` (a side effect of a
+  superseded generation: stale writes accepted).
+- ``atomic-check``: the commit-time check skipped in ``fence.atomic()`` — ``django-write`` on
+  PostgreSQL (stale app-table writes).
+- ``enqueue-row``: ``enqueue()`` publishes without writing the job's durable row —
+  ``enqueue-crash`` (the killed publish leaves nothing to recover: lost jobs).
+- ``recovery-send``: recovery takes a stranded job for a re-send and never sends it —
+  ``recovered-chain`` (lost jobs).
+- ``outbox-claim``: delivery claims rows already delivered or claimed — ``duplicate`` with a
+  provider that is not idempotent (each replay delivers again: duplicate external effects).
+
+A breakage is caught only when the safety column it names (``Breakage.column``) fires: another
+column firing is not this breakage caught.
 """
 
 from __future__ import annotations
@@ -66,6 +79,8 @@ class Breakage:
     old: str
     new: str
     scenario: tuple[str, ...]  # the chaos command's arguments
+    #: The safety column that must fire: another column firing is not this breakage caught.
+    column: str
     postgresql: bool = False  # run against a throwaway PostgreSQL database
 
 
@@ -78,6 +93,7 @@ BREAKAGES = (
         "        f\"key = :key AND status = '{Status.RUNNING}'\",\n    )\n\n\n@cache\n"
         "def complete_first_sql",
         ("--scenario", "pause", "--runs", "2"),
+        column="stale_writes",
     ),
     Breakage(
         "registration-generation",
@@ -87,6 +103,7 @@ BREAKAGES = (
         '    f"AND {JOBS}.generation < excluded.generation"\n)',
         "NEWER_LIVE = (\n    f\"{JOBS}.status NOT IN ('{Status.COMPLETED}', '{Status.DEAD}')\"\n)",
         ("--scenario", "redis-loss", "--runs", "2"),
+        column="generations_claimed_twice",
     ),
     Breakage(
         "registration-terminal",
@@ -95,6 +112,7 @@ BREAKAGES = (
         "NEWER_LIVE = (\n    f\"{JOBS}.status NOT IN ('{Status.COMPLETED}', '{Status.DEAD}') \"\n",
         'NEWER_LIVE = (\n    "1 = 1 "\n',
         ("--scenario", "kill", "--runs", "1"),
+        column="reruns_after_completion",
     ),
     Breakage(
         "commit-check",
@@ -104,6 +122,7 @@ BREAKAGES = (
         " block\n",
         "        owner = True  # broken: the commit-time check skipped\n",
         ("--scenario", "app-write", "--runs", "2"),
+        column="stale_app_writes",
         postgresql=True,
     ),
     Breakage(
@@ -115,6 +134,7 @@ BREAKAGES = (
         " then",
         "if value then",
         ("--scenario", "pause", "--runs", "2"),
+        column="unexpected_outcomes",
     ),
     Breakage(
         "ack-early",
@@ -123,6 +143,7 @@ BREAKAGES = (
         "    acks_late = True\n",
         "    acks_late = False\n",
         ("--scenario", "kill", "--runs", "1", "--converge-timeout", "20"),
+        column="lost_jobs",
     ),
     Breakage(
         "outbox-outside",
@@ -145,6 +166,55 @@ BREAKAGES = (
         "            try:\n"
         "                cursor.execute(statement, params)\n",
         ("--scenario", "pause", "--runs", "3"),
+        column="stale_writes",
+    ),
+    Breakage(
+        "guard",
+        "guard() enters without checking the lease",
+        "body/fence.py",
+        "        self.check()\n        yield self\n\n    def transaction(",
+        "        yield self  # broken: no check\n\n    def transaction(",
+        ("--scenario", "pause", "--runs", "2"),
+        column="stale_writes",
+    ),
+    Breakage(
+        "atomic-check",
+        "commit-time check skipped in fence.atomic()",
+        "contrib/django/atomic.py",
+        "        owner = store.block_owner_cursor(cursor, fence)",
+        "        owner = True  # broken: the commit-time check skipped",
+        ("--scenario", "django-write", "--runs", "2"),
+        column="stale_app_writes",
+        postgresql=True,
+    ),
+    Breakage(
+        "enqueue-row",
+        "enqueue() publishes without writing the job's durable row",
+        "durable.py",
+        "    created, status, stored = target.insert(key, task.name, request, _due(options))\n",
+        '    created, status, stored = True, "pending", None  # broken: no durable row\n',
+        ("--scenario", "enqueue-crash", "--runs", "1"),
+        column="lost_jobs",
+    ),
+    Breakage(
+        "recovery-send",
+        "recovery takes a stranded job for a re-send and never sends it",
+        "ops/recovery.py",
+        "    return send_stored(app, taken)\n",
+        "    return taken.key  # broken: taken for a re-send, never sent\n",
+        ("--scenario", "recovered-chain", "--runs", "1"),
+        column="lost_jobs",
+    ),
+    Breakage(
+        "outbox-claim",
+        "outbox delivery claims rows already delivered or claimed (each replay delivers again)",
+        "store/sql.py",
+        "        (outbox.c.status == OutboxStatus.PENDING.value)\n"
+        "        & (outbox.c.available_at <= now)\n"
+        "        & (outbox.c.claimed_until.is_(None) | (outbox.c.claimed_until < now))\n",
+        "        outbox.c.available_at <= now  # broken: delivered and claimed rows are due\n",
+        ("--scenario", "duplicate", "--runs", "1", "--provider-not-idempotent"),
+        column="duplicate_external_effects",
     ),
 )
 HEADERS = dict(COLUMNS)
@@ -164,9 +234,12 @@ class MutationRun:
     seconds: float
     error: str = ""
 
+    #: The column the breakage names: only that column firing counts as caught.
+    expected: str = ""
+
     @property
     def caught(self) -> bool:
-        return self.applied and bool(self.fired)
+        return self.applied and self.fired.get(self.expected, 0) > 0
 
 
 def mutant(root: Path, breakage: Breakage | None) -> bool:
@@ -229,12 +302,13 @@ def check(
 ) -> MutationRun:
     name = breakage.name if breakage else "baseline"
     what = breakage.what if breakage else "the package as it is"
+    expected = breakage.column if breakage else ""
     label = " ".join(scenario) + (" (PostgreSQL)" if postgresql else "")
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"fence-{name}-")))
         if not mutant(root, breakage):
-            return MutationRun(name, what, label, False, {}, "", -1, 0.0)
+            return MutationRun(name, what, label, False, {}, "", -1, 0.0, expected=expected)
         args = list(scenario)
         if postgresql:
             args += ["--database-url", stack.enter_context(pg_database(pg_admin_url))]
@@ -258,6 +332,7 @@ def check(
         rc,
         time.monotonic() - started,
         error,
+        expected=expected,
     )
 
 
@@ -276,10 +351,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="postgresql+psycopg2://postgres@127.0.0.1:5432/postgres",
         help="where the PostgreSQL breakages create a throwaway database (default %(default)s)",
     )
+    p.add_argument("--redis-url", help="the chaos runs' Redis (default: the chaos command's)")
+    p.add_argument("--broker-url", help="the chaos runs' broker (default: the chaos command's)")
     p.add_argument("-q", "--quiet", action="store_true")
     a = p.parse_args(argv)
     chosen = [b for b in BREAKAGES if not a.only or b.name in a.only]
-    common = ("--ttl", str(a.ttl), "--seed", str(a.seed))
+    common: tuple[str, ...] = ("--ttl", str(a.ttl), "--seed", str(a.seed))
+    if a.redis_url:
+        common += ("--redis-url", a.redis_url)
+    if a.broker_url:
+        common += ("--broker-url", a.broker_url)
     started = time.monotonic()
     outcomes: list[MutationRun] = []
     for postgresql in (False, True) * (not a.no_baseline):
@@ -326,8 +407,11 @@ def _print(o: MutationRun, *, baseline: bool = False) -> None:
         )
         print(f"- baseline ({o.scenario}): {verdict}; fired: {columns} [{o.seconds:.0f}s]")
     else:
-        verdict = "caught" if o.caught else "NOT CAUGHT"
-        print(f"- {o.name}: {o.what}\n    {o.scenario}: {verdict} by {columns} [{o.seconds:.0f}s]")
+        verdict = "caught" if o.caught else f"NOT CAUGHT by {HEADERS[o.expected]!r}"
+        print(
+            f"- {o.name}: {o.what}\n    {o.scenario}: {verdict}; "
+            f"fired: {columns} [{o.seconds:.0f}s]"
+        )
     if o.first_violation:
         print(f"    e.g. {o.first_violation[:200]}")
     if o.error:

@@ -11,6 +11,8 @@ SCENARIOS = (
     "app-write",
     "orm-binds",
     "django-write",
+    "beside-block",
+    "atomic-threads",
     "kill",
     "duplicate",
     "redis-loss",
@@ -27,7 +29,7 @@ SCENARIOS = (
     "broker-loss",
 )
 #: Scenarios that run against PostgreSQL whatever the store (a throwaway database if need be).
-POSTGRESQL_ONLY = ("db-outage", "refused-arg")
+POSTGRESQL_ONLY = ("db-outage", "refused-arg", "beside-block", "atomic-threads")
 #: Scenarios that start their own workers in each run (none are running in between).
 OWN_WORKERS = ("misconfig", "recovered-chain", "interrupted", "enqueue-crash", "broker-loss")
 
@@ -49,6 +51,7 @@ class Options:
     unfenced: bool = False
     unsettled: bool = False
     rerun_finished: bool = False  # the registration takes a finished job's row (control arm)
+    unwatched: bool = False  # nobody watches the body's other connections (control arm)
     provider_idempotent: bool = True  # False: the provider performs every repeat (control arm)
     own_redis: bool = False
     converge_timeout: float = 60.0

@@ -82,6 +82,7 @@ class Scenario:
             "CHAOS_UNFENCED": "1" if self.opts.unfenced else "0",
             "CHAOS_UNSETTLED": "1" if self.opts.unsettled else "0",
             "CHAOS_RERUN_FINISHED": "1" if self.opts.rerun_finished else "0",
+            "CHAOS_UNWATCHED": "1" if self.opts.unwatched else "0",
             "CHAOS_PROVIDER_URL": self.provider.url,
             "CHAOS_REMOTE_TIMEOUT": str(self.opts.remote_timeout),
         }

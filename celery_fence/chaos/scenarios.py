@@ -13,10 +13,11 @@ from typing import Any
 
 from celery import signature
 
-from celery_fence.chaos import CHARGE, TASK_NAME
+from celery_fence.chaos import BESIDE_FORMS, BESIDE_ROWS, CHARGE, TASK_NAME
 from celery_fence.chaos.checker import Job
 from celery_fence.chaos.scenario import Scenario
 from celery_fence.chaos.scenarios_enqueue import RUNS as ENQUEUE_RUNS
+from celery_fence.chaos.workload_sql import BESIDE_ROUTINES
 from celery_fence.ops.outbox import idempotency_key
 from celery_fence.ops.recovery import KEY_HEADER, RECOVER_TASK
 from celery_fence.store import decode_request
@@ -140,6 +141,66 @@ def run_app_write(
                 lambda: (r := s.store.get(job.key)) is not None and r.status == "completed",
                 ttl * 4,
             )
+    a.signal(signal.SIGCONT)
+    elapsed = s.converge([job], paused_at)
+    return superseded(s, job.key, entered["attempt"]), elapsed
+
+
+def run_beside_block(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """``app-write``'s pause inside the block, with a write beside the block: inside its
+    ``fence.transaction()`` block, after the pause, each attempt writes on another connection of
+    the store's database (and commits there) in one of the text forms of
+    :data:`~celery_fence.chaos.BESIDE_FORMS`, run ``i`` the form ``i mod 6``. The fence must
+    refuse each such COMMIT whatever the statement's text; the paused attempt's write landing
+    after the newer attempt started is a stale app-table write."""
+    ttl = s.opts.ttl
+    job = Job(s.key(i))
+    form = BESIDE_FORMS[i % len(BESIDE_FORMS)]
+    with s.store.engine.begin() as conn:
+        for routine in BESIDE_ROUTINES:
+            conn.exec_driver_sql(routine)
+        conn.execute(
+            BESIDE_ROWS.insert().values(key=job.key, generation=0, attempt_id="", written_at=0.0)
+        )
+    kwargs: dict[str, Any] = {"app_write": True, "beside": form, "check": False, "notify": False}
+    s.send(job, block_sleep=ttl * 2.5, **kwargs)
+    entered = s.wait_event(job.key, "tx")
+    a = s.worker_of(entered["pid"])
+    time.sleep(rng.uniform(0.05, ttl * 0.3))
+    a.signal(signal.SIGSTOP)
+    paused_at = time.monotonic()
+    time.sleep(ttl * rng.uniform(1.2, 1.6))  # A's lease expires in Redis: nobody renews it
+    s.send(job, sleep=0.1, **kwargs)
+    with contextlib.suppress(TimeoutError):
+        s.wait_event(job.key, "start", timeout=ttl * 2, gen=lambda e: e["gen"] > entered["gen"])
+    a.signal(signal.SIGCONT)
+    elapsed = s.converge([job], paused_at)
+    return superseded(s, job.key, entered["attempt"]), elapsed
+
+
+def run_atomic_threads(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """Two threads of one attempt, each in a ``self.fence.atomic()`` block of its own (Django's
+    ORM, a connection per thread): SIGSTOP the worker inside both blocks past its TTL, let a
+    newer attempt take over, SIGCONT. Each thread's outermost block must be fenced: a block that
+    commits after the newer attempt started is a stale app-table write."""
+    ttl = s.opts.ttl
+    job = Job(s.key(i))
+    kwargs: dict[str, Any] = {
+        "app_write": True,
+        "via": "django-threads",
+        "check": False,
+        "notify": False,
+    }
+    s.send(job, block_sleep=ttl * 2.5, **kwargs)
+    entered = s.wait_event(job.key, "tx")
+    a = s.worker_of(entered["pid"])
+    time.sleep(rng.uniform(0.05, ttl * 0.3))
+    a.signal(signal.SIGSTOP)
+    paused_at = time.monotonic()
+    time.sleep(ttl * rng.uniform(1.2, 1.6))
+    s.send(job, block_sleep=0.05, **kwargs)
+    with contextlib.suppress(TimeoutError):
+        s.wait_event(job.key, "start", timeout=ttl * 2, gen=lambda e: e["gen"] > entered["gen"])
     a.signal(signal.SIGCONT)
     elapsed = s.converge([job], paused_at)
     return superseded(s, job.key, entered["attempt"]), elapsed
@@ -447,6 +508,8 @@ RUNS: dict[str, Run] = {
     "app-write": run_app_write,
     "orm-binds": run_orm_binds,
     "django-write": run_django_write,
+    "beside-block": run_beside_block,
+    "atomic-threads": run_atomic_threads,
     "interrupted": run_interrupted,
     "kill": run_kill,
     "duplicate": run_duplicate,

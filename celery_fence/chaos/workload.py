@@ -62,8 +62,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_fence import FencedTask, PermanentError
 from celery_fence import signals as fence_signals
 from celery_fence.actions import Action
-from celery_fence.chaos import APP_ROWS, CHARGE, NOTIFY, TASK_NAME
-from celery_fence.chaos.arms import UnfencedTask, UnsettledTask
+from celery_fence.chaos import APP_ROWS, BESIDE_FORMS, CHARGE, NOTIFY, TASK_NAME
+from celery_fence.chaos.arms import UnfencedTask, UnsettledTask, UnwatchedTask
+from celery_fence.chaos.workload_sql import beside_statement
+from celery_fence.errors import ConfigurationError
 from celery_fence.ops.outbox import Outbox, idempotency_key
 from celery_fence.store import Store
 from celery_fence.store.fenced import FencedWriter
@@ -84,6 +86,7 @@ ENV_DEFAULTS = {
     "CHAOS_UNFENCED": "0",
     "CHAOS_UNSETTLED": "0",
     "CHAOS_RERUN_FINISHED": "0",
+    "CHAOS_UNWATCHED": "0",
     "CHAOS_RENEW_INTERVAL": "",  # empty: ttl / 3 (the misconfig scenario sets an invalid one)
     "CHAOS_PROVIDER_URL": "",
     "CHAOS_REMOTE_TIMEOUT": "0.5",
@@ -212,6 +215,7 @@ def _base(s: Mapping[str, str]) -> type[FencedTask]:
             ("CHAOS_UNFENCED", UnfencedTask),
             ("CHAOS_UNSETTLED", UnsettledTask),
             ("CHAOS_RERUN_FINISHED", RerunsFinished),
+            ("CHAOS_UNWATCHED", UnwatchedTask),
         )
         if s[flag] == "1"
     ]
@@ -237,6 +241,7 @@ def op(
     block_sleep: float = 0.0,
     hold_in_block: float = 0.0,
     via: str = "transaction",
+    beside: str = "",
     payload: str = "",
 ) -> dict[str, Any]:
     """One logical operation. ``check=False``: no direct side effect, the body relies on the
@@ -248,7 +253,13 @@ def op(
     long) inside the block, after the write and before its commit, for the harness's ``go`` flag.
     ``via="binds"``: the same write through ``self.fence.session()`` of an ORM session that
     routes the app's table to an engine of its own by ``binds=`` (as Flask-SQLAlchemy's does);
-    ``via="django"``: through Django's ORM inside ``self.fence.atomic()``.
+    ``via="django"``: through Django's ORM inside ``self.fence.atomic()``;
+    ``via="django-threads"``: two threads, each in a ``self.fence.atomic()`` block of its own
+    (each sleeps ``block_sleep``, writes its row, and records ``tx_committed``).
+    ``beside``: inside the block, after ``block_sleep`` and before the block's own write, a write
+    on another connection of the store's database (committed there) in the text form named
+    (:data:`~celery_fence.chaos.BESIDE_FORMS`): ledger ``beside_committed`` (``t0``: just
+    before its COMMIT) or ``beside_refused``.
     ``payload``: only carried in the request (the refused-arg scenario puts a NUL in it)."""
     fence = self.fence
     gen, attempt = fence.generation, fence.attempt_id
@@ -289,12 +300,16 @@ def op(
         t0 = time.time()
         with fence.guard():
             record("effect", key, gen, attempt, t0=t0)
-    if app_write:
+    if app_write and via == "django-threads":
+        _django_threads(fence, key, gen, attempt, block_sleep)
+    elif app_write:
         with _app_block(fence, via) as write:
             record("tx", key, gen, attempt)
             end = time.monotonic() + block_sleep
             while time.monotonic() < end:
                 time.sleep(0.02)
+            if beside:
+                _write_beside(beside, key, gen, attempt)
             write({"key": key, "generation": gen, "attempt_id": attempt, "written_at": time.time()})
             if hold_in_block:
                 record("tx_written", key, gen, attempt)
@@ -326,6 +341,68 @@ def _app_block(fence: Any, via: str) -> Iterator[Callable[[dict[str, Any]], Any]
             yield lambda row: model.objects.create(**row)
     else:
         raise ValueError(f"unknown app-write block {via!r}")
+
+
+@functools.cache
+def _beside_engine() -> sa.Engine:
+    """The app's other engine on the store's database: its connections are not the block's."""
+    return sa.create_engine(S["CHAOS_DATABASE_URL"])
+
+
+def _write_beside(form: str, key: str, gen: int, attempt: str) -> None:
+    if form not in BESIDE_FORMS:
+        raise ValueError(f"unknown beside form {form!r}: one of {', '.join(BESIDE_FORMS)}")
+    statement = beside_statement(form, key, gen, attempt, time.time())
+    t0 = time.time()
+    try:
+        with _beside_engine().begin() as conn:
+            conn.exec_driver_sql(statement)
+            t0 = time.time()  # just before the COMMIT
+    except ConfigurationError:  # the fence refused the write beside its block
+        record("beside_refused", key, gen, attempt, form=form)
+        return
+    record("beside_committed", key, gen, attempt, t0=t0, form=form)
+
+
+def _django_threads(fence: Any, key: str, gen: int, attempt: str, block_sleep: float) -> None:
+    """Two threads of one attempt, each writing its row in a ``fence.atomic()`` block of its
+    own: each outermost block on each connection must be fenced (issue 31 item 2)."""
+    import threading
+
+    from django.db import connection
+
+    model = _django_model()
+    errors: list[BaseException] = []
+    first_inside = threading.Event()  # the second thread opens its block once the first is in
+
+    def one(n: int) -> None:
+        try:
+            if n == 2:
+                first_inside.wait(timeout=30)
+            with fence.atomic():
+                record("tx", key, gen, attempt, thread=n)
+                first_inside.set()
+                end = time.monotonic() + block_sleep
+                while time.monotonic() < end:
+                    time.sleep(0.02)
+                model.objects.create(
+                    key=key, generation=gen, attempt_id=attempt, written_at=time.time()
+                )
+                t0 = time.time()
+            record("tx_committed", key, gen, attempt, t0=t0, thread=n)
+        except BaseException as exc:  # raised again in the body's thread
+            errors.append(exc)
+        finally:
+            first_inside.set()
+            connection.close()  # this thread's own Django connection
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 @functools.cache

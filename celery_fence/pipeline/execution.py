@@ -206,6 +206,7 @@ class Execution:
             store=self.store if isinstance(self.store, Store) else None,
             execution=self,
             run=self.run_number,
+            idempotency_namespace=self.config.idempotency_namespace,
         )
         sqla.install()  # once per process: every SQLAlchemy write of the body is seen
         watch_django()  # and, with Django configured, every Django ORM write

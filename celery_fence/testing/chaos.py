@@ -39,11 +39,13 @@ from celery.canvas import Signature
 from celery_fence.testing import faults, processes
 from celery_fence.testing.environment import FenceEnv
 
-WINDOWS = ("pause", "kill", "duplicate", "redis-loss")
+WINDOWS = ("pause", "pause-at-write", "kill", "duplicate", "redis-loss")
 #: Windows for a task with a fenced block (``fence.atomic()``, ``transaction()``, ``session()``):
 #: not in :data:`WINDOWS`, whose windows fit every task.
-BLOCK_WINDOWS = ("pause-inside-block",)
+BLOCK_WINDOWS = ("pause-inside-block", "kill-after-block")
 FINAL_STATES = ("SUCCESS", "FAILURE")
+#: Seconds assert_converged waits for an ``unfenced_write`` row still being written.
+UNFENCED_GRACE = 0.5
 
 
 class ConvergenceError(AssertionError):
@@ -97,6 +99,8 @@ class FenceChaos:
         runs: dict[str, Callable[[Signature], Injection]] = {
             "pause": self.pause,
             "pause-inside-block": self.pause_inside_block,
+            "pause-at-write": self.pause_at_write,
+            "kill-after-block": self.kill_after_block,
             "kill": self.kill,
             "duplicate": self.duplicate,
             "redis-loss": self.redis_loss,
@@ -126,24 +130,54 @@ class FenceChaos:
     def pause_inside_block(self, signature: Signature) -> Injection:
         """Pause A inside its fenced block (writes made, commit not) for longer than the TTL
         while a duplicate runs on B."""
-        a, b = self.workers
-        inj = self._begin("pause-inside-block", signature)
-        first = self._send(inj, signature, a, fault=("block", "hold"))
-        self._wait(
-            lambda: self._seen("block", first) or self._finished(first) >= 1,
-            "the body to reach its fenced commit on worker A (window 'pause-inside-block')",
+        return self._pause_at(
+            "pause-inside-block",
+            "block",
+            signature,
+            what="the body to reach its fenced commit on worker A",
+            missing="finished without a fenced block to pause inside: the pause-inside-block "
+            "window needs a body that writes in a fenced block (self.fence.atomic(), "
+            "transaction() or session())",
         )
-        if not self._seen("block", first):
-            raise ConvergenceError(
-                f"fence_chaos: task {inj.task} finished without a fenced block to pause inside: "
-                "the pause-inside-block window needs a body that writes in a fenced block "
-                "(self.fence.atomic(), transaction() or session())"
-            )
+
+    def pause_at_write(self, signature: Signature) -> Injection:
+        """Pause A between a check and a write: at its body's first statement outside a fenced
+        block, or right after its first ``fence.check()`` / ``guard()`` returns (outside a
+        block), whichever comes first, for longer than the TTL while a duplicate runs on B. A
+        body that checks, then writes outside a fenced block, lands a stale write here. A body
+        with neither (it writes only in fenced blocks and never checks) is paused at its start,
+        as ``pause``."""
+        return self._pause_at(
+            "pause-at-write",
+            "write",
+            signature,
+            what="the body's first write or check outside a fenced block on worker A",
+            missing=None,
+        )
+
+    def _pause_at(
+        self, window: str, point: str, signature: Signature, *, what: str, missing: str | None
+    ) -> Injection:
+        a, b = self.workers
+        inj = self._begin(window, signature)
+        first = self._send(inj, signature, a, fault=(point, "hold"))
+        self._wait(
+            lambda: self._seen(point, first) or self._finished(first) >= 1,
+            f"{what} (window {window!r})",
+        )
+        if not self._seen(point, first):
+            if missing is not None:
+                raise ConvergenceError(f"fence_chaos: task {inj.task} {missing}")
+            # Nothing to pause at before the body returned: run the window as ``pause``.
+            self.injections.remove(inj)
+            inj = self.pause(signature)
+            inj.window = window
+            return inj
         a.pause()
         paused_at = time.monotonic()
         holds_the_database = self.env.store.dialect == "sqlite"
         try:
-            self._release(first)  # A goes on to its commit once it is resumed
+            self._release(first)  # A goes on from the paused point once it is resumed
             second = self._send(inj, signature, b)
             if holds_the_database:  # nothing ends a stopped SQLite writer's transaction
                 time.sleep(max(0.0, self.env.lease_ttl * 1.5 - (time.monotonic() - paused_at)))
@@ -152,6 +186,26 @@ class FenceChaos:
             time.sleep(max(0.0, self.env.lease_ttl * 1.5 - (time.monotonic() - paused_at)))
         finally:
             a.resume()
+        return inj
+
+    def kill_after_block(self, signature: Signature) -> Injection:
+        """Let A's outermost fenced block commit, then SIGKILL A's pool process before its
+        completion: the message comes back once A's lease expired, and the body runs again
+        (on A or B). A body that appends rows in its block, instead of writing them keyed by
+        the job, leaves them twice: ``check=`` sees it."""
+        a, _ = self.workers
+        inj = self._begin("kill-after-block", signature)
+        tid = self._send(inj, signature, a, fault=("after_block", "kill"))
+        self._wait(
+            lambda: self._seen("kill", tid) or self._finished(tid) >= 1,
+            "the fenced block to commit (and the kill) on worker A (window 'kill-after-block')",
+        )
+        if not self._seen("kill", tid):
+            raise ConvergenceError(
+                f"fence_chaos: task {inj.task} finished without a fenced block that committed: "
+                "the kill-after-block window needs a body that writes in a fenced block "
+                "(self.fence.atomic(), transaction() or session())"
+            )
         return inj
 
     def kill(self, signature: Signature) -> Injection:
@@ -210,8 +264,9 @@ class FenceChaos:
             raise ConvergenceError("fence_chaos.assert_converged: inject a window first")
         for inj in pending:
             problems = self._problems(inj, key, self.timeout if timeout is None else timeout)
-            if not problems and check is not None:
-                problems = _user_check(check, self.env.store.get(key))
+            record = self.env.store.get(key)
+            if check is not None and record is not None and _settled(problems):
+                problems += _user_check(check, record)
             if problems:
                 raise ConvergenceError(self._report(inj, key, problems))
 
@@ -270,6 +325,12 @@ class FenceChaos:
                     f"the stored job (generation {record.generation}) is not the one the last "
                     f"completion wrote (generation {done.generation})"
                 )
+        unfenced = _unfenced_writes(history)
+        if not unfenced:  # the row is written off the body's thread: give it a moment
+            time.sleep(UNFENCED_GRACE)
+            history = store.history(key)
+            unfenced = _unfenced_writes(history)
+        problems += unfenced
         problems += self._caller_problems(inj, record.result)
         problems += self._outbox_problems(inj, key, record.attempt_id)
         problems += self._block_problems(inj)
@@ -432,6 +493,23 @@ class FenceChaos:
 
     def _wait_event(self, inj: Injection, ev: str, tid: str, what: str) -> None:
         self._wait(lambda: self._seen(ev, tid), f"{what} (window {inj.window!r})")
+
+
+def _settled(problems: list[str]) -> bool:
+    """The job converged (whatever else went wrong): the user's check can read its rows."""
+    return not any(p.startswith(("did not converge", "no job ")) for p in problems)
+
+
+def _unfenced_writes(history: list[Any]) -> list[str]:
+    """The writes the key's attempts made outside any fenced block (their ``unfenced_write``
+    transitions, recorded whatever ``fence_unfenced_writes`` says unless it is ``"allow"``)."""
+    return [
+        f"generation {t.generation} wrote outside a fenced block ({t.reason or 'no detail'}): "
+        "a stale attempt's write there lands; write in self.fence.transaction()/session()/"
+        "atomic(), or stage it on self.fence.outbox"
+        for t in history
+        if t.action == "unfenced_write"
+    ]
 
 
 def _user_check(check: Callable[[Any], Any], record: Any) -> list[str]:

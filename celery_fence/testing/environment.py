@@ -164,6 +164,23 @@ class FenceRedis:
             self._client = None
 
 
+def app_database_url(app: Any, *, alias_only: bool = False) -> str | None:
+    """The store database the app's own settings name (``fence_database_url``, or
+    ``fence_database``'s Django alias: under pytest-django its test database), else None (it
+    relies on the default). ``alias_only``: the alias only."""
+    from celery_fence.config import DEFAULT_DATABASE_URL, FenceConfig, django_database_url
+
+    try:
+        config = FenceConfig.from_mapping(app.conf)
+    except Exception:  # invalid settings: the workers say so, with the fix
+        return None
+    if config.database_url != DEFAULT_DATABASE_URL and not alias_only:
+        return config.database_url
+    if config.database is not None:
+        return django_database_url(config.database)
+    return None
+
+
 def clear_rows(store: Store) -> None:
     """Delete every job, transition and outbox row (a PostgreSQL schema shared by the session)."""
     store.admin.delete_all_rows()
@@ -187,8 +204,12 @@ class FenceEnv:
         broker_url: str | None,
         lease_ttl: float,
         django_databases: dict[str, str] | None = None,
+        real_outbox: bool = False,
     ) -> None:
         self.app, self.app_path = resolve_app(app_value)
+        #: False (the default): the workers deliver outbox effects to a recording handler, never
+        #: to the app's own handlers (``--fence-real-outbox`` / ``fence_real_outbox`` opts in).
+        self.real_outbox = real_outbox
         #: pytest-django's test database names by alias, for the workers' settings.DATABASES
         self.django_databases = django_databases
         self.store = store
@@ -200,6 +221,10 @@ class FenceEnv:
         self.lease_ttl = lease_ttl
         self.workers: list[processes.Worker] = []
         self.settings = self._settings(broker_url)
+        if real_outbox and not self.app.conf.get("fence_idempotency_namespace"):
+            # The app's real handlers, on a provider account production may share: test keys
+            # never collide with production's.
+            self.settings["fence_idempotency_namespace"] = "fence-test"
         self._saved: dict[str, Any] = {}
 
     def _settings(self, broker_url: str | None) -> dict[str, Any]:
@@ -287,6 +312,7 @@ class FenceEnv:
                 "ledger_url": self.redis.url,
                 "ledger_base": self.ledger_base,
                 "django_databases": self.django_databases,
+                "real_outbox": self.real_outbox,
             }
         )
 
@@ -307,6 +333,13 @@ class FenceEnv:
         )
         self.workers.append(w)
         return w
+
+    def outbox_deliveries(self) -> list[tuple[str, str]]:
+        """The outbox deliveries the workers' recording handler took so far, as (effect name,
+        idempotency key) in order; empty with ``--fence-real-outbox`` (your handlers ran)."""
+        raw = self.redis.client.lrange(f"{self.ledger_base}:events", 0, -1)
+        events = [json.loads(r) for r in raw]
+        return [(str(e["effect"]), str(e["idem"])) for e in events if e.get("ev") == "outbox"]
 
     def close(self) -> None:
         """Stop every worker, delete the test's queues and Redis keys, and the results it left."""

@@ -70,7 +70,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="fence_lease_ttl of the plugin's workers, seconds (default 1.5; renewal every ttl/5)",
     )
+    group.addoption(
+        "--fence-real-outbox",
+        action="store_true",
+        default=None,
+        help="the plugin's workers call your real outbox handlers (default: a recording "
+        "handler; with this, idempotency keys get the namespace 'fence-test' unless your app "
+        "sets fence_idempotency_namespace)",
+    )
     parser.addini("fence_app", "the Celery app of your fenced tasks (module:attr)", default="")
+    parser.addini(
+        "fence_real_outbox",
+        "the plugin's workers call your real outbox handlers (default: a recording one)",
+        type="bool",
+        default=False,
+    )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -124,17 +138,58 @@ def _fence_django(request: pytest.FixtureRequest) -> Any:
     return test_databases(request)
 
 
+def _app_follows_the_store(request: pytest.FixtureRequest) -> bool:
+    """True when the ``fence_app`` fixture asks for ``fence_store`` (itself or through its own
+    fixtures): that app is pointed at the store by its own set-up, not the other way round."""
+    manager = request._fixturemanager
+    seen: set[str] = set()
+    todo = ["fence_app"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for fixturedef in manager.getfixturedefs(name, request.node) or ():
+            if "fence_store" in fixturedef.argnames:
+                return True
+            todo.extend(fixturedef.argnames)
+    return False
+
+
+def _app_database_url(request: pytest.FixtureRequest, *, alias_only: bool) -> str | None:
+    """The database your app's fence settings name (``fence_database_url``, or the Django alias
+    of ``fence_database`` / ``CELERY_FENCE_DATABASE``), where its own tables live; None when it
+    names none (or its ``fence_app`` fixture follows ``fence_store``)."""
+    from celery_fence.testing.environment import app_database_url, resolve_app
+
+    if _app_follows_the_store(request):
+        return None
+    app, _ = resolve_app(request.getfixturevalue("fence_app"))
+    return app_database_url(app, alias_only=alias_only)
+
+
 @pytest.fixture
-def fence_store(_fence_session: Any, _fence_django: Any, tmp_path: Any) -> Iterator[Any]:
-    """The test's store (SQLite file, or the session's PostgreSQL schema with rows cleared; under
-    pytest-django with ``CELERY_FENCE_DATABASE``, that alias's test database)."""
+def fence_store(
+    request: pytest.FixtureRequest, _fence_session: Any, _fence_django: Any, tmp_path: Any
+) -> Iterator[Any]:
+    """The test's store: under pytest-django with ``CELERY_FENCE_DATABASE``, that alias's test
+    database; else the database your app's fence settings name (``fence_database_url``, or a
+    Django alias), where your own tables are; else a SQLite file per test, or with
+    ``--fence-database-url`` the session's PostgreSQL schema. A shared database's fence rows are
+    deleted before and after each test."""
     from celery_fence.store import Store
     from celery_fence.testing.environment import clear_rows
 
     own = f"sqlite:///{tmp_path / 'fence.sqlite3'}"
     url = _fence_session.database_url
+    app_url = None
+    if _fence_django is None or _fence_django.store_url is None:
+        # under pytest-django only an alias (its test database), never a URL to the real one
+        app_url = _app_database_url(request, alias_only=_fence_django is not None)
     if _fence_django is not None and _fence_django.store_url is not None:
         url = _fence_django.store_url
+    elif app_url is not None:
+        url = app_url
     elif url is None:
         url = own
     elif url.startswith("postgresql"):
@@ -186,6 +241,10 @@ def fence_env(
         workdir=tmp_path / "celery-fence-workers",
         broker_url=request.config.getoption("fence_broker_url"),
         lease_ttl=_fence_session.lease_ttl,
+        real_outbox=bool(
+            request.config.getoption("fence_real_outbox")
+            or request.config.getini("fence_real_outbox")
+        ),
     )
     env.apply()
     request.node.stash[_ENV_KEY] = env

@@ -34,6 +34,8 @@ import functools
 import json
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -98,12 +100,35 @@ class Hooks:
             if fault == "hold":
                 self.ledger.blpop([f"{self.base}:release:{request.id}"], timeout=HOLD_SECONDS)
                 self.record(ev="released", **attempt)
-            result = run(*args, **kwargs)
+            outer = (
+                getattr(_body, "fence", None),
+                getattr(_body, "tid", None),
+                getattr(_body, "write_met", True),
+            )
+            _body.fence, _body.tid, _body.write_met = fence, request.id, False
+            try:
+                with _django_statements_watched(self):
+                    result = run(*args, **kwargs)
+            finally:
+                _body.fence, _body.tid, _body.write_met = outer
             staged = [e.name for e in fence.outbox.staged] if fence is not None else []
             self.record(ev="return", staged=staged, **attempt)
             return result
 
         return body
+
+    def at_write(self, where: str) -> None:
+        """The ``write`` fault point: the body's first statement outside a fenced block, or the
+        moment a ``fence.check()`` / ``guard()`` of the body returned (outside a block)."""
+        fence, task_id = getattr(_body, "fence", None), getattr(_body, "tid", None)
+        if fence is None or _in_block(fence) or getattr(_body, "write_met", True):
+            return
+        _body.write_met = True  # one Redis round trip per body, not one per statement
+        if self.take("write", task_id) == "hold":
+            attempt = {"tid": task_id, "gen": getattr(fence, "generation", None), "where": where}
+            self.record(ev="write", **attempt)
+            self.ledger.blpop([f"{self.base}:release:{task_id}"], timeout=HOLD_SECONDS)
+            self.record(ev="released", **attempt)
 
     def inside_block(self, sender: Any = None, **_: Any) -> None:
         from celery import current_task
@@ -116,6 +141,24 @@ class Hooks:
             self.record(ev="block", **attempt)
             self.ledger.blpop([f"{self.base}:release:{task_id}"], timeout=HOLD_SECONDS)
             self.record(ev="released", **attempt)
+        _body.committing = time.time()  # fence.atomic(): its check and commit start now
+
+    def committed_block(self, fence: Any, began: float) -> None:
+        """An outermost fenced block committed (``began``: just before its commit started)."""
+        from celery import current_task
+
+        request = getattr(current_task, "request", None)
+        self.record(
+            ev="block_committed",
+            tid=getattr(request, "id", None),
+            key=fence.key,
+            gen=fence.generation,
+            attempt=fence.attempt_id,
+            t0=began,
+        )
+        if self.take("after_block", getattr(request, "id", None)) == "kill":
+            self.record(ev="kill", tid=getattr(request, "id", None))
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def after_commit(self, sender: Any = None, **_: Any) -> None:
         task_id = getattr(getattr(sender, "request", None), "id", None)
@@ -129,39 +172,146 @@ class Hooks:
         self.record(ev="done", tid=task_id, task=getattr(sender, "name", None), state=state)
 
 
+_body = threading.local()  # .fence, .tid: the fenced body running on this thread
+
+
+def _in_block(fence: Any) -> bool:
+    blocks = getattr(fence, "blocks", None)
+    return blocks is not None and (blocks.current() is not None or bool(blocks.atomic))
+
+
+def watch_writes(hooks: Hooks) -> None:
+    """The ``write`` fault point (window ``pause-at-write``): met before the body's first
+    SQLAlchemy statement outside a fenced block (the fence's own statements aside), and right
+    after a ``fence.check()`` (called by the body itself) or ``guard()``'s check returns."""
+    import sqlalchemy as sa
+
+    from celery_fence.body.fence import Fence
+    from celery_fence.body.writes import on_fence_tables
+
+    def before_statement(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if getattr(_body, "fence", None) is not None and not on_fence_tables(statement):
+            hooks.at_write("statement")
+
+    if not sa.event.contains(sa.Engine, "before_cursor_execute", before_statement):
+        sa.event.listen(sa.Engine, "before_cursor_execute", before_statement)
+
+    check = Fence.check
+    if not getattr(check, "_fence_testing_wrapped", False):
+
+        def checked(fence: Any) -> None:
+            check(fence)
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if not str(caller).startswith("celery_fence."):  # the body's own check
+                hooks.at_write("check")
+
+        checked._fence_testing_wrapped = True  # type: ignore[attr-defined]
+        setattr(Fence, "check", functools.wraps(check)(checked))  # noqa: B010
+
+    guard = Fence.guard
+    if not getattr(guard, "_fence_testing_wrapped", False):
+
+        @contextlib.contextmanager
+        def guarded(fence: Any) -> Iterator[Any]:
+            with guard(fence) as value:
+                hooks.at_write("guard")
+                yield value
+
+        guarded._fence_testing_wrapped = True  # type: ignore[attr-defined]
+        setattr(Fence, "guard", functools.wraps(guard)(guarded))  # noqa: B010
+
+
+def _django_statements_watched(hooks: Hooks) -> contextlib.AbstractContextManager[Any]:
+    """In a process with Django configured: the ``write`` fault point before each Django
+    statement of the body (Django is never imported here when the app does not use it)."""
+    conf = sys.modules.get("django.conf")
+    try:
+        configured = conf is not None and "django.db" in sys.modules and conf.settings.configured
+    except Exception:
+        configured = False
+    if not configured:
+        return contextlib.nullcontext()
+    from django.db import connections
+
+    def wrapper(execute: Any, sql: Any, params: Any, many: Any, context: Any) -> Any:
+        from celery_fence.body.writes import on_fence_tables
+
+        if not on_fence_tables(str(sql)):
+            hooks.at_write("statement")
+        return execute(sql, params, many, context)
+
+    stack = contextlib.ExitStack()
+    for connection in connections.all():
+        stack.enter_context(connection.execute_wrapper(wrapper))
+    return stack
+
+
 def watch_blocks(hooks: Hooks) -> None:
     """Give the outermost ``fence.transaction()`` / ``fence.session()`` block the ``block``
-    fault point before its commit, and record each block that committed."""
+    fault point before its commit (``fence.atomic()`` meets it at its ``block_committing``
+    signal), and record each outermost block of the three that committed."""
     from celery_fence.body.fence import Fence
 
-    for name in ("transaction", "session"):
+    for name in ("transaction", "session", "atomic"):
         original = getattr(Fence, name)
         if getattr(original, "_fence_testing_wrapped", False):
             continue
 
-        def wrapped(fence: Any, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
-            return _watched(hooks, fence, __original(fence, *args, **kwargs))
+        def wrapped(
+            fence: Any, *args: Any, __original: Any = original, __name: str = name, **kwargs: Any
+        ) -> Any:
+            # Outermost: no block of its kind is open yet on this thread (the current blocks
+            # API: OpenBlocks.current() for transaction()/session(), OpenBlocks.atomic for
+            # fence.atomic()'s aliases). A nested block is a savepoint: it commits nothing.
+            if __name == "atomic":
+                outermost = not fence.blocks.atomic
+            else:
+                outermost = fence.blocks.current() is None
+            block = __original(fence, *args, **kwargs)
+            return _watched(hooks, fence, block, outermost=outermost, atomic=__name == "atomic")
 
         wrapped._fence_testing_wrapped = True  # type: ignore[attr-defined]
         setattr(Fence, name, functools.wraps(original)(wrapped))
 
 
 @contextlib.contextmanager
-def _watched(hooks: Hooks, fence: Any, block: Any) -> Iterator[Any]:
-    outermost = getattr(fence, "_block", None) is None
+def _watched(
+    hooks: Hooks, fence: Any, block: Any, *, outermost: bool, atomic: bool
+) -> Iterator[Any]:
     with block as value:
         yield value
-        if outermost:
+        if outermost and not atomic:  # (atomic(): at its block_committing signal)
             hooks.inside_block()
         began = time.time()  # the block's fenced commit starts as it closes
+        _body.committing = None
+    if atomic and getattr(_body, "committing", None) is not None:
+        began = _body.committing  # atomic()'s check and commit began at its signal
     if outermost:
-        hooks.record(
-            ev="block_committed",
-            key=fence.key,
-            gen=fence.generation,
-            attempt=fence.attempt_id,
-            t0=began,
-        )
+        hooks.committed_block(fence, began)
+
+
+def record_outbox(hooks: Hooks) -> None:
+    """Deliver every outbox effect to a recording handler instead of the app's own (which may
+    email real people, or charge a real provider account production shares): each delivery is
+    recorded as an ``outbox`` event (effect name and idempotency key, never the payload). A name
+    with no handler of the app's still fails as it would in production."""
+    from celery_fence.ops.outbox import Outbox
+
+    original = Outbox.handler_for
+    if getattr(original, "_fence_testing_wrapped", False):
+        return
+
+    def handler_for(outbox: Any, name: str) -> Any:
+        if original(outbox, name) is None:
+            return None
+
+        def recording(payload: Any, *, idempotency_key: str) -> None:
+            hooks.record(ev="outbox", effect=name, idem=idempotency_key)
+
+        return recording
+
+    handler_for._fence_testing_wrapped = True  # type: ignore[attr-defined]
+    setattr(Outbox, "handler_for", functools.wraps(original)(handler_for))  # noqa: B010
 
 
 def load(spec: dict[str, Any]) -> Celery:
@@ -179,6 +329,9 @@ def load(spec: dict[str, Any]) -> Celery:
     fence_signals.job_completed.connect(hooks.after_commit, weak=False)
     fence_signals.block_committing.connect(hooks.inside_block, weak=False)
     watch_blocks(hooks)
+    watch_writes(hooks)
+    if not spec.get("real_outbox"):
+        record_outbox(hooks)
     task_success.connect(hooks.after_commit, weak=False)
     task_postrun.connect(hooks.finished, weak=False)
     return app

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from celery_fence.chaos import BESIDE_FORMS
 from celery_fence.chaos.checker import SAFETY_COLUMNS
 from celery_fence.chaos.options import SCENARIOS
 from tests.support.env import BROKER_URL, PG_ADMIN_URL, REDIS_URL
@@ -39,6 +40,8 @@ MIN_FAULTS = {
     "app-write": RUNS,
     "orm-binds": RUNS,
     "django-write": RUNS,
+    "beside-block": RUNS,
+    "atomic-threads": RUNS,
     "kill": 3 * RUNS,
     "duplicate": 3 * RUNS,
     "redis-loss": RUNS,
@@ -116,15 +119,17 @@ def _by_name(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {s["scenario"]: s for s in report["scenarios"]}
 
 
+_FENCED = list(SCENARIOS)
 #: Every scenario, in two halves run side by side (each half is one harness run).
 HALVES = {
-    "windows": list(SCENARIOS[: len(SCENARIOS) // 2]),
-    "exits": list(SCENARIOS[len(SCENARIOS) // 2 :]),
+    "windows": _FENCED[: len(_FENCED) // 2],
+    "exits": _FENCED[len(_FENCED) // 2 :],
 }
 
 
 def test_the_halves_are_every_scenario() -> None:
-    assert sorted(HALVES["windows"] + HALVES["exits"]) == sorted(MIN_FAULTS) == sorted(SCENARIOS)
+    run = HALVES["windows"] + HALVES["exits"]
+    assert sorted(run) == sorted(MIN_FAULTS) == sorted(SCENARIOS)
 
 
 @pytest.mark.timeout(1200)
@@ -188,14 +193,19 @@ def test_app_write_on_postgresql_keeps_the_fence(tmp_path: Path, pg_url: str) ->
 #: safety columns it must fire. ``lost jobs`` fires in the unsettled arm below.
 ARMS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "--unfenced": (
-        "pause,app-write,orm-binds,django-write,redis-loss",
+        "pause,app-write,orm-binds,django-write,atomic-threads,redis-loss",
         {
+            "atomic-threads": ("stale_app_writes",),
             "pause": ("stale_writes", "duplicate_completions", "unexpected_outcomes"),
             "app-write": ("stale_app_writes",),
             "orm-binds": ("stale_app_writes",),
             "django-write": ("stale_app_writes",),
             "redis-loss": ("generations_claimed_twice",),
         },
+    ),
+    "--unwatched": (
+        "beside-block",
+        {"beside-block": ("stale_app_writes",)},
     ),
     "--rerun-finished": (
         "kill",
@@ -226,6 +236,52 @@ def test_each_control_arm_fires_its_safety_columns(tmp_path: Path, arm: str) -> 
         for column in columns:
             assert row[column] > 0, (name, column, row["violations"])
     assert code == 1 and report["ok"] is False, output
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arm", ["fenced", "--unwatched"])
+def test_a_write_beside_a_block_is_refused_in_every_text_form(tmp_path: Path, arm: str) -> None:
+    # Given a worker paused inside its fenced block, whose body then writes on another
+    # connection in each text form of issue 31 item 1 (a leading comment, WITH + newline, a
+    # writing function, CALL, DO, SELECT INTO: one form per run), with the fence's write watcher
+    # on, or off (the control arm),
+    runs = str(len(BESIDE_FORMS))
+    args = ["--scenario", "beside-block", "--runs", runs, "--seed", "7", "--ttl", "1.0"]
+    code, report, output = _chaos(tmp_path, *args, *([] if arm == "fenced" else [arm]))
+    row = _by_name(report)["beside-block"]
+    assert row["runs"] == len(BESIDE_FORMS) and row["skipped"] is None, (row, output)
+    assert row["faults"] == len(BESIDE_FORMS), row
+    if arm == "fenced":
+        # then each of those writes is refused at its COMMIT, whatever its text,
+        assert {c: row[c] for c in SAFETY_COLUMNS} == dict.fromkeys(SAFETY_COLUMNS, 0), row
+        assert code == 0, output
+        return
+    # and unwatched, the paused attempt's write lands in every form: a stale app-table write.
+    assert row["stale_app_writes"] == len(BESIDE_FORMS), row["violations"]
+    for form in BESIDE_FORMS:
+        assert any(f"beside its block ({form})" in v for v in row["violations"]), (form, row)
+    assert code == 1, output
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "arm",
+    ["fenced", "--unfenced"],
+)
+def test_two_threads_in_atomic_each_commit_fenced(tmp_path: Path, arm: str) -> None:
+    # Given a worker paused while two threads of one attempt each hold a fence.atomic() block,
+    args = ["--scenario", "atomic-threads", "--runs", str(RUNS), "--seed", "7"]
+    code, report, output = _chaos(tmp_path, *args, *([] if arm == "fenced" else [arm]))
+    row = _by_name(report)["atomic-threads"]
+    assert row["runs"] == RUNS and row["skipped"] is None, (row, output)
+    if arm == "fenced":
+        # then neither thread's block commits once the newer attempt took over,
+        assert {c: row[c] for c in SAFETY_COLUMNS} == dict.fromkeys(SAFETY_COLUMNS, 0), row
+        assert code == 0, output
+        return
+    # and without the fence (the control arm) a thread's stale row lands.
+    assert row["stale_app_writes"] > 0, row["violations"]
+    assert code == 1, output
 
 
 def test_the_arms_together_fire_every_safety_column() -> None:

@@ -499,3 +499,33 @@ def test_a_purged_key_sent_again_runs_as_new_work_with_the_same_idempotency_keys
     (row,) = store.outbox_rows.rows(key=key)
     assert (row.idempotency_key, row.status) == (first, "delivered")
     assert delivered == [first, first]
+
+
+def test_the_idempotency_namespace_reaches_the_stored_row_and_the_handler(
+    app: Celery, store: Store
+) -> None:
+    # Given an environment (staging) that shares its provider account with production,
+    app.conf.fence_idempotency_namespace = "staging"
+    key = f"order:{uuid.uuid4().hex[:8]}"
+    outbox = Outbox(app)
+    delivered: list[str] = []
+
+    @outbox.handler("email")
+    def email(payload: Any, *, idempotency_key: str) -> None:
+        delivered.append(idempotency_key)
+
+    @app.task(base=FencedTask, bind=True, fence_key=lambda k: k)
+    def job(self: Any, k: str) -> str:
+        return self.fence.outbox.add("email", {"order": k})
+
+    # when a fenced task stages an effect and completes,
+    staged = job(key)
+    # then the stored row and the handler carry the namespaced key, not production's.
+    assert (
+        staged
+        == idempotency_key(key, "email", namespace="staging")
+        != idempotency_key(key, "email")
+    )
+    (row,) = store.outbox_rows.rows(key=key)
+    assert row.idempotency_key == staged
+    assert delivered == [staged]

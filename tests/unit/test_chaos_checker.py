@@ -133,3 +133,31 @@ def test_redis_loss_counts_a_lost_counter_whether_or_not_the_fence_reacts() -> N
     assert regressions(fenced) == 1
     assert regressions(unfenced) == 1
     assert regressions([_ev("start", 1, "a1"), _ev("start", 2, "a2")]) == 0
+
+
+def test_a_write_beside_a_block_committed_after_a_newer_attempt_started_is_a_stale_app_write(
+    tmp_path: Path,
+) -> None:
+    # Given generation 2 started, then generation 1's write beside its block committed (the
+    # beside-block scenario's ledger), and generation 2 completed,
+    store = _store(tmp_path)
+    store.register("k", generation=1, attempt_id="a1", task_name="t")
+    store.register("k", generation=2, attempt_id="a2", task_name="t")
+    store.end("k", Completion(generation=2, attempt_id="a2", result={"generation": 2}))
+    start = _ev("start", 2, "a2")
+    events = [
+        _ev("start", 1, "a1"),
+        start,
+        _ev("beside_committed", 1, "a1", t0=start["t"] + 1.0, form="do"),
+        _ev("outcome", 1, "a1", outcome="stale"),
+        _ev("outcome", 2, "a2", outcome="completed"),
+    ]
+    result = _check(store, events)
+    # then it is a stale app-table write, named with its form;
+    assert result.stale_app_writes == 1, result.violations
+    assert any("beside its block (do)" in v for v in result.violations), result.violations
+    # refused (no beside_committed), or committed before the newer attempt started, it is not.
+    events[2] = _ev("beside_refused", 1, "a1", form="do")
+    assert _check(store, events).stale_app_writes == 0
+    events[2] = _ev("beside_committed", 1, "a1", t0=start["t"] - 1.0, form="do")
+    assert _check(store, events).stale_app_writes == 0
