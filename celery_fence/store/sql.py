@@ -282,6 +282,14 @@ SQLITE_OUTBOX_SQL = (
 )
 
 
+#: The condition that makes a statement's own transaction (an AUTOCOMMIT statement) commit
+#: without waiting for its WAL flush: ``synchronous_commit`` off for that transaction only
+#: (``set_config(..., true)`` is ``SET LOCAL``). An uncorrelated subquery, so PostgreSQL runs it
+#: once, first (a one-time filter), whether or not the write matched a row. Only the
+#: registration's statement carries it: docs/design.md, "One durable commit per task".
+PG_ASYNC_COMMIT = "(SELECT set_config('synchronous_commit', 'off', true)) = 'off'"
+
+
 @cache
 def pg_with_records(
     write_sql: str,
@@ -290,10 +298,14 @@ def pg_with_records(
     transitions: bool,
     effects: bool,
     reason: bool = False,
+    durable: bool = True,
 ) -> str:
     """Wrap a fenced write in data-modifying CTEs so its transition rows (one per action, in
     order; ``reason``: with ``%(reason)s``) and outbox rows (``%(effects)s``, a JSON array of
-    ``{"name", "idempotency_key", "payload"}``) share its statement: one round trip, one commit."""
+    ``{"name", "idempotency_key", "payload"}``) share its statement: one round trip, one commit.
+    ``durable`` False: the statement's commit does not wait for its WAL flush
+    (:data:`PG_ASYNC_COMMIT`); only valid on an AUTOCOMMIT connection, where the statement is
+    its own transaction."""
     parts = [f"WITH fenced AS ({write_sql})"]
     why = "CAST(%(reason)s AS VARCHAR)" if reason else "NULL"
     if transitions and len(actions) == 1:
@@ -317,6 +329,8 @@ def pg_with_records(
             "ON CONFLICT (idempotency_key) DO NOTHING)"
         )
     parts.append(" SELECT key, generation, attempt_id, attempts FROM fenced")
+    if not durable:
+        parts.append(f" WHERE {PG_ASYNC_COMMIT}")
     return "".join(parts)
 
 
