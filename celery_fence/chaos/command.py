@@ -86,6 +86,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "re-runs after completion",
     )
     p.add_argument(
+        "--async-endings",
+        action="store_true",
+        help="DEMONSTRATION ONLY: the workers' store commits a job's endings (completion, retry, "
+        "dead) as it commits a registration, without waiting for their WAL flush "
+        "(synchronous_commit off); expect lost jobs in store-crash",
+    )
+    p.add_argument(
         "--provider-not-idempotent",
         dest="provider_idempotent",
         action="store_false",
@@ -144,6 +151,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         unfenced=a.unfenced,
         unsettled=a.unsettled,
         rerun_finished=a.rerun_finished,
+        async_endings=a.async_endings,
         provider_idempotent=a.provider_idempotent,
         own_redis=a.own_redis,
         converge_timeout=a.converge_timeout,
@@ -180,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("UNFENCED", opts.unfenced),
             ("UNSETTLED", opts.unsettled),
             ("RERUN FINISHED", opts.rerun_finished),
+            ("ASYNC ENDINGS", opts.async_endings),
             ("PROVIDER NOT IDEMPOTENT", not opts.provider_idempotent),
         )
         if on
@@ -211,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "unfenced": opts.unfenced,
                     "unsettled": opts.unsettled,
                     "rerun_finished": opts.rerun_finished,
+                    "async_endings": opts.async_endings,
                     "provider_idempotent": opts.provider_idempotent,
                     "faults": total,
                     "safety_columns": list(checker.SAFETY_COLUMNS),

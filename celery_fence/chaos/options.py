@@ -25,11 +25,21 @@ SCENARIOS = (
     "interrupted",
     "enqueue-crash",
     "broker-loss",
+    "store-crash",
 )
 #: Scenarios that run against PostgreSQL whatever the store (a throwaway database if need be).
 POSTGRESQL_ONLY = ("db-outage", "refused-arg")
 #: Scenarios that start their own workers in each run (none are running in between).
-OWN_WORKERS = ("misconfig", "recovered-chain", "interrupted", "enqueue-crash", "broker-loss")
+OWN_WORKERS = (
+    "misconfig",
+    "recovered-chain",
+    "interrupted",
+    "enqueue-crash",
+    "broker-loss",
+    "store-crash",
+)
+#: Scenarios that run against a PostgreSQL cluster the harness starts (and crashes) itself.
+OWN_CLUSTER = ("store-crash",)
 
 
 @dataclass
@@ -49,6 +59,7 @@ class Options:
     unfenced: bool = False
     unsettled: bool = False
     rerun_finished: bool = False  # the registration takes a finished job's row (control arm)
+    async_endings: bool = False  # a job's endings commit without their WAL flush (control arm)
     provider_idempotent: bool = True  # False: the provider performs every repeat (control arm)
     own_redis: bool = False
     converge_timeout: float = 60.0
