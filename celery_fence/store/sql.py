@@ -288,6 +288,14 @@ SQLITE_OUTBOX_SQL = (
 #: once, first (a one-time filter), whether or not the write matched a row. Only the
 #: registration's statement carries it: docs/design.md, "One durable commit per task".
 PG_ASYNC_COMMIT = "(SELECT set_config('synchronous_commit', 'off', true)) = 'off'"
+#: The condition that makes every other fenced write's commit wait for its local WAL flush even
+#: where the server, the database or the role turned ``synchronous_commit`` off: ``local`` for
+#: that transaction only; any other setting (``local``, ``on``, ``remote_*``) is kept. A job's
+#: ending is what the ack waits for: it must survive a crash of the database.
+PG_DURABLE_COMMIT = (
+    "(SELECT CASE WHEN current_setting('synchronous_commit') = 'off' "
+    "THEN set_config('synchronous_commit', 'local', true) ELSE 'kept' END) IS NOT NULL"
+)
 
 
 @cache
@@ -304,8 +312,9 @@ def pg_with_records(
     order; ``reason``: with ``%(reason)s``) and outbox rows (``%(effects)s``, a JSON array of
     ``{"name", "idempotency_key", "payload"}``) share its statement: one round trip, one commit.
     ``durable`` False: the statement's commit does not wait for its WAL flush
-    (:data:`PG_ASYNC_COMMIT`); only valid on an AUTOCOMMIT connection, where the statement is
-    its own transaction."""
+    (:data:`PG_ASYNC_COMMIT`); True: it does, whatever the server's default
+    (:data:`PG_DURABLE_COMMIT`). Either is for the statement's own transaction (an AUTOCOMMIT
+    connection's statement)."""
     parts = [f"WITH fenced AS ({write_sql})"]
     why = "CAST(%(reason)s AS VARCHAR)" if reason else "NULL"
     if transitions and len(actions) == 1:
@@ -329,8 +338,7 @@ def pg_with_records(
             "ON CONFLICT (idempotency_key) DO NOTHING)"
         )
     parts.append(" SELECT key, generation, attempt_id, attempts FROM fenced")
-    if not durable:
-        parts.append(f" WHERE {PG_ASYNC_COMMIT}")
+    parts.append(f" WHERE {PG_DURABLE_COMMIT if durable else PG_ASYNC_COMMIT}")
     return "".join(parts)
 
 

@@ -115,3 +115,29 @@ def test_a_block_that_commits_makes_its_registration_durable(
     assert count == 0
     app.dispose()
     store.dispose()
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_an_ending_is_durable_where_synchronous_commit_was_turned_off(
+    cluster: PostgresCluster, driver: str
+) -> None:
+    """A database whose ``synchronous_commit`` an operator turned off (a common speed-up): the
+    store's endings still wait for their flush, so a completion the worker acks survives."""
+    name = f"async_default_{driver}"
+    admin = sa.create_engine(cluster.url(), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}")
+        conn.exec_driver_sql(f"CREATE DATABASE {name}")
+        conn.exec_driver_sql(f"ALTER DATABASE {name} SET synchronous_commit = off")
+    admin.dispose()
+    store = Store(cluster.url(driver, database=name))
+    store.create_schema()
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off"
+    key = f"ended-{driver}"
+    register(store, key)
+    store.end(key, Completion(1, "a1", {"ok": True}, ()))
+    crash_and_restart(cluster, store)
+    row = store.get(key)
+    assert row is not None and (row.status, row.result) == ("completed", {"ok": True})
+    store.dispose()
