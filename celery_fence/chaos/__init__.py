@@ -5,7 +5,7 @@ Run it against your own configuration (your Redis, broker, database and TTLs)::
     python -m celery_fence.chaos [--scenario NAME|all ...] [--runs N] [--seed S]
         [--redis-url URL] [--broker-url URL] [--database-url URL] [--pg-admin-url URL]
         [--ttl SECONDS] [--max-attempts N] [--workers N] [--own-redis] [--unfenced] [--unsettled]
-        [--rerun-finished] [--provider-not-idempotent]
+        [--rerun-finished] [--async-endings] [--provider-not-idempotent]
         [--converge-timeout SECONDS] [--json PATH] [--workdir DIR] [-q]
 
 Defaults: Redis ``redis://127.0.0.1:6379/1`` (leases under a fresh key prefix, the ledger,
@@ -132,6 +132,15 @@ Scenarios (faults counted per run, from what happened: the ledger, the store, th
 - ``broker-loss``: the child enqueues 100 jobs and publishes them; the broker's queue is
   deleted before any worker runs; then a worker starts and ``celery_fence.recover`` is sent:
   all 100 must complete once. Faults: the messages deleted.
+- ``store-crash``: the store on a PostgreSQL cluster the harness starts itself (``initdb`` in a
+  temporary directory, a free port; run as the ``postgres`` OS user when the harness is root;
+  skipped, with the reason, without PostgreSQL's server binaries) and crashes with ``pg_ctl stop
+  -m immediate``, twice a run: once while a worker (``-c 4``) holds four jobs at four points —
+  after its block committed, between its completion's commit and its ack, registered with its
+  body asleep, inside its block with its row written — and once while ``celery_fence.recover``
+  re-sends three jobs enqueued and never published; then starts it again. Every job must complete
+  once (the after-commit one: attempts 1, body starts 1). What each crash did to each job's row is
+  printed. Faults: the crashes (2). :mod:`.scenarios_crash`.
 
 Columns (per scenario, summed over its runs). The transitions table is written in the same
 statement or transaction as the state change it records, so its ``id`` order for a key is the
@@ -213,6 +222,12 @@ fence's own code path) whose registration drops its ``status NOT IN (completed, 
 a newer generation takes a completed or dead job's row again. ``--scenario kill --rerun-finished``
 then shows body re-runs after completion > 0 (the message redelivered after the completion
 committed runs the body again).
+
+``--async-endings`` is a demonstration too: the workload's task's store
+(:class:`~celery_fence.chaos.arms.AsyncEndingsStore`) commits a job's endings as it commits a
+registration, without waiting for their WAL flush. ``--scenario store-crash --async-endings``
+then shows a lost job: the completion acked before the crash is rolled back by it, with its
+registration, and nothing is left to find it.
 
 ``--provider-not-idempotent`` is a demonstration too: the provider stub ignores
 ``Idempotency-Key`` and performs every request, as a provider without idempotency support would.

@@ -71,6 +71,23 @@ class UnfencedTask(FencedTask):
         return backends(config, store_class=UnfencedStore)
 
 
+class AsyncEndingsStore(Store):
+    """A store whose endings of a job (completion, retry, dead) commit without waiting for their
+    WAL flush, as the registration does (the ``--async-endings`` control arm): the message is
+    acked after a completion a database crash can still lose."""
+
+    durable_endings = False
+
+
+class AsyncEndingsTask(FencedTask):
+    """A fenced task whose store commits its endings asynchronously (``--async-endings``)."""
+
+    abstract = True
+
+    def make_backends(self, config: FenceConfig) -> Backends:
+        return backends(config, store_class=AsyncEndingsStore)
+
+
 class UnsettledRequest(FencedRequest):
     """Celery's own request: the exits Celery drives are not settled (``--unsettled``)."""
 
@@ -135,6 +152,8 @@ class UnsettledTask(FencedTask):
 
 
 __all__ = [
+    "AsyncEndingsStore",
+    "AsyncEndingsTask",
     "UnfencedStore",
     "UnfencedTask",
     "UnsettledExecution",

@@ -93,6 +93,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "refused nor flagged); expect stale app-table writes in beside-block",
     )
     p.add_argument(
+        "--async-endings",
+        action="store_true",
+        help="DEMONSTRATION ONLY: the workers' store commits a job's endings (completion, retry, "
+        "dead) as it commits a registration, without waiting for their WAL flush "
+        "(synchronous_commit off); expect lost jobs in store-crash",
+    )
+    p.add_argument(
         "--provider-not-idempotent",
         dest="provider_idempotent",
         action="store_false",
@@ -152,6 +159,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         unsettled=a.unsettled,
         rerun_finished=a.rerun_finished,
         unwatched=a.unwatched,
+        async_endings=a.async_endings,
         provider_idempotent=a.provider_idempotent,
         own_redis=a.own_redis,
         converge_timeout=a.converge_timeout,
@@ -189,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("UNSETTLED", opts.unsettled),
             ("RERUN FINISHED", opts.rerun_finished),
             ("UNWATCHED", opts.unwatched),
+            ("ASYNC ENDINGS", opts.async_endings),
             ("PROVIDER NOT IDEMPOTENT", not opts.provider_idempotent),
         )
         if on
@@ -221,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "unsettled": opts.unsettled,
                     "rerun_finished": opts.rerun_finished,
                     "unwatched": opts.unwatched,
+                    "async_endings": opts.async_endings,
                     "provider_idempotent": opts.provider_idempotent,
                     "faults": total,
                     "safety_columns": list(checker.SAFETY_COLUMNS),

@@ -27,11 +27,21 @@ SCENARIOS = (
     "interrupted",
     "enqueue-crash",
     "broker-loss",
+    "store-crash",
 )
 #: Scenarios that run against PostgreSQL whatever the store (a throwaway database if need be).
 POSTGRESQL_ONLY = ("db-outage", "refused-arg", "beside-block", "atomic-threads")
 #: Scenarios that start their own workers in each run (none are running in between).
-OWN_WORKERS = ("misconfig", "recovered-chain", "interrupted", "enqueue-crash", "broker-loss")
+OWN_WORKERS = (
+    "misconfig",
+    "recovered-chain",
+    "interrupted",
+    "enqueue-crash",
+    "broker-loss",
+    "store-crash",
+)
+#: Scenarios that run against a PostgreSQL cluster the harness starts (and crashes) itself.
+OWN_CLUSTER = ("store-crash",)
 
 
 @dataclass
@@ -52,6 +62,7 @@ class Options:
     unsettled: bool = False
     rerun_finished: bool = False  # the registration takes a finished job's row (control arm)
     unwatched: bool = False  # nobody watches the body's other connections (control arm)
+    async_endings: bool = False  # a job's endings commit without their WAL flush (control arm)
     provider_idempotent: bool = True  # False: the provider performs every repeat (control arm)
     own_redis: bool = False
     converge_timeout: float = 60.0

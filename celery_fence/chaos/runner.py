@@ -15,9 +15,10 @@ import sqlalchemy as sa
 
 from celery_fence.chaos import checker
 from celery_fence.chaos.checker import ScenarioResult
-from celery_fence.chaos.options import POSTGRESQL_ONLY, Options
+from celery_fence.chaos.options import OWN_CLUSTER, POSTGRESQL_ONLY, Options
 from celery_fence.chaos.scenario import Scenario
 from celery_fence.chaos.scenarios import RUNS
+from celery_fence.testing.postgres_server import PostgresCluster
 from celery_fence.testing.processes import (
     RedisServer,
     cleanup,
@@ -71,8 +72,20 @@ def run_scenario(
     result = ScenarioResult(scenario=name)
     lease_url = own_redis.url if own_redis is not None else opts.redis_url
     proxy = None
+    cluster = None
     drop: str | None = None
-    if name in POSTGRESQL_ONLY:
+    if name in OWN_CLUSTER:
+        try:
+            cluster = PostgresCluster()
+            register_closer(cluster.stop)
+            cluster.start()
+        except Exception as exc:
+            result.skipped = f"{name} needs its own PostgreSQL cluster: {exc}"[:500]
+            if cluster is not None:
+                cluster.stop()
+            return result
+        database_url = worker_url = cluster.url()
+    elif name in POSTGRESQL_ONLY:
         found = _pg_database(opts, name)
         if isinstance(found, str):
             result.skipped = found
@@ -89,6 +102,7 @@ def run_scenario(
     if drop:
         register_closer(lambda: _drop_database(opts, drop))
     s = Scenario(name, opts, workdir, lease_url, own_redis, database_url, worker_url, proxy)
+    s.cluster = cluster
     try:
         s.start()
         for i in range(opts.runs):
@@ -110,6 +124,8 @@ def run_scenario(
         checker.check(result, s.jobs, s.store, ledger, s.provider.stats())
     finally:
         s.stop()
+        if cluster is not None:
+            cluster.remove()
         if drop:
             with contextlib.suppress(Exception):
                 _drop_database(opts, drop)

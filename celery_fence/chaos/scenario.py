@@ -24,6 +24,7 @@ from celery_fence.leases.lease import LeaseStore
 from celery_fence.ops.outbox import SWEEP_TASK
 from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues, queued
+from celery_fence.testing.postgres_server import PostgresCluster
 from celery_fence.testing.processes import RedisServer, Worker, poll_until
 from celery_fence.testing.provider import ProviderStub
 from celery_fence.testing.proxy import TcpProxy
@@ -46,6 +47,8 @@ class Scenario:
     database_url: str  # what the checker reads (direct)
     worker_database_url: str  # what the workers use (through the proxy for db-outage)
     proxy: TcpProxy | None = None
+    #: The harness's own PostgreSQL cluster (store-crash), which a run crashes and restarts.
+    cluster: PostgresCluster | None = None
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
     workers: list[Worker] = field(default_factory=list)
     jobs: list[Job] = field(default_factory=list)
@@ -83,6 +86,7 @@ class Scenario:
             "CHAOS_UNSETTLED": "1" if self.opts.unsettled else "0",
             "CHAOS_RERUN_FINISHED": "1" if self.opts.rerun_finished else "0",
             "CHAOS_UNWATCHED": "1" if self.opts.unwatched else "0",
+            "CHAOS_ASYNC_ENDINGS": "1" if self.opts.async_endings else "0",
             "CHAOS_PROVIDER_URL": self.provider.url,
             "CHAOS_REMOTE_TIMEOUT": str(self.opts.remote_timeout),
         }

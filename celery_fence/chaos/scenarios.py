@@ -16,6 +16,7 @@ from celery import signature
 from celery_fence.chaos import BESIDE_FORMS, BESIDE_ROWS, CHARGE, TASK_NAME
 from celery_fence.chaos.checker import Job
 from celery_fence.chaos.scenario import Scenario
+from celery_fence.chaos.scenarios_crash import RUNS as CRASH_RUNS
 from celery_fence.chaos.scenarios_enqueue import RUNS as ENQUEUE_RUNS
 from celery_fence.chaos.workload_sql import BESIDE_ROUTINES
 from celery_fence.ops.outbox import idempotency_key
@@ -523,4 +524,5 @@ RUNS: dict[str, Run] = {
     "refused-arg": run_refused_arg,
     "recovered-chain": run_recovered_chain,
     **ENQUEUE_RUNS,
+    **CRASH_RUNS,
 }

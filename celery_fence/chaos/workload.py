@@ -23,6 +23,10 @@ The workload writes a **ledger** of what really happened: one Redis list,
 - ``lost``    the attempt learnt it lost its lease (the fence's ``lease_lost`` signal);
 - ``busy``    a delivery found the key's lease held by another attempt (``lease_busy``; with
   ``task``, the message's task id, as ``outcome`` entries have it);
+- ``held``    a one-shot hold was consumed (``window``: in_block, after the body's write inside
+  its block; after_block, after the block committed; after_commit, after the completion's commit
+  and before the ack): the body waits there for the harness's ``go:<key>`` flag (the
+  store-crash scenario crashes the database then);
 - ``kill``    a one-shot fault flag was consumed and the process is about to SIGKILL itself
   (``window``: before_effect, before_commit, after_commit, or poison);
 - ``overrun`` the body starts to overrun (it sleeps until the pool's hard time limit kills it);
@@ -63,7 +67,7 @@ from celery_fence import FencedTask, PermanentError
 from celery_fence import signals as fence_signals
 from celery_fence.actions import Action
 from celery_fence.chaos import APP_ROWS, BESIDE_FORMS, CHARGE, NOTIFY, TASK_NAME
-from celery_fence.chaos.arms import UnfencedTask, UnsettledTask, UnwatchedTask
+from celery_fence.chaos.arms import AsyncEndingsTask, UnfencedTask, UnsettledTask, UnwatchedTask
 from celery_fence.chaos.workload_sql import beside_statement
 from celery_fence.errors import ConfigurationError
 from celery_fence.ops.outbox import Outbox, idempotency_key
@@ -87,6 +91,7 @@ ENV_DEFAULTS = {
     "CHAOS_UNSETTLED": "0",
     "CHAOS_RERUN_FINISHED": "0",
     "CHAOS_UNWATCHED": "0",
+    "CHAOS_ASYNC_ENDINGS": "0",
     "CHAOS_RENEW_INTERVAL": "",  # empty: ttl / 3 (the misconfig scenario sets an invalid one)
     "CHAOS_PROVIDER_URL": "",
     "CHAOS_REMOTE_TIMEOUT": "0.5",
@@ -148,6 +153,21 @@ def _kill_once(window: str, key: str, gen: int | None = None, attempt: str | Non
     if faults.take(ledger, LEDGER, "kill", window, key):
         record("kill", key, gen, attempt, window=window)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+#: How long a held body waits at most for the harness's ``go`` flag.
+HOLD_S = 60.0
+
+
+def _hold_once(window: str, key: str, gen: int | None = None, attempt: str | None = None) -> None:
+    """A one-shot hold (``hold:<window>:<key>``): record ``held``, then wait (at most
+    :data:`HOLD_S`) for the harness's ``go:<key>`` flag."""
+    if not faults.take(ledger, LEDGER, "hold", window, key):
+        return
+    record("held", key, gen, attempt, window=window)
+    end = time.monotonic() + HOLD_S
+    while time.monotonic() < end and not faults.take(ledger, LEDGER, "go", key):
+        time.sleep(0.02)
 
 
 def call_provider(path: str, idem: str, payload: Any, *, timeout: float) -> dict[str, Any]:
@@ -216,6 +236,7 @@ def _base(s: Mapping[str, str]) -> type[FencedTask]:
             ("CHAOS_UNSETTLED", UnsettledTask),
             ("CHAOS_RERUN_FINISHED", RerunsFinished),
             ("CHAOS_UNWATCHED", UnwatchedTask),
+            ("CHAOS_ASYNC_ENDINGS", AsyncEndingsTask),
         )
         if s[flag] == "1"
     ]
@@ -311,6 +332,7 @@ def op(
             if beside:
                 _write_beside(beside, key, gen, attempt)
             write({"key": key, "generation": gen, "attempt_id": attempt, "written_at": time.time()})
+            _hold_once("in_block", key, gen, attempt)
             if hold_in_block:
                 record("tx_written", key, gen, attempt)
                 end = time.monotonic() + hold_in_block
@@ -318,6 +340,7 @@ def op(
                     time.sleep(0.02)
             t0 = time.time()  # the block's commit (fenced) starts when the block ends
         record("tx_committed", key, gen, attempt, t0=t0)
+        _hold_once("after_block", key, gen, attempt)
     _kill_once("before_commit", key, gen, attempt)
     if notify:
         fence.outbox.add(NOTIFY, {"key": key})
@@ -470,6 +493,7 @@ def notify(payload: Any, *, idempotency_key: str) -> None:
 
 def _kill_after_commit(sender: Any = None, key: str = "", **kw: Any) -> None:
     _kill_once("after_commit", key, kw.get("generation"), kw.get("attempt_id"))
+    _hold_once("after_commit", key, kw.get("generation"), kw.get("attempt_id"))
 
 
 def _task_id() -> str | None:

@@ -51,24 +51,33 @@ class FencedWriter:
         reason: str | None = None,
         effects: Sequence[Effect] = (),
         now: dt.datetime | None = None,
+        durable: bool = True,
     ) -> Row | None:
         """Run ``statement`` (with ``params``, and ``now``: the time it writes, by default this
         moment) and, only when it changed a row, a transition row per action and the staged
-        ``effects``. Returns the changed row, or None when the condition did not match."""
+        ``effects``. Returns the changed row, or None when the condition did not match.
+
+        ``durable`` (PostgreSQL): True, the commit waits for its local WAL flush even where
+        ``synchronous_commit`` was turned off for the server, database or role; False (the
+        registration only), it returns before its WAL is flushed (``synchronous_commit`` off for
+        this statement's transaction): a crash of the database can then lose it, never half of
+        it. On SQLite it changes nothing (its WAL journal with ``synchronous=NORMAL`` syncs no
+        commit: docs/design.md)."""
         now = now or utcnow()
         record = self.record_transitions
         reason = (reason or "")[:255] or None  # the table keeps 255 characters, no empty one
         if self.db.dialect == "postgresql":
             params["now"] = now
-            if record or effects:
-                statement = sql.pg_with_records(
-                    statement,
-                    actions=actions,
-                    transitions=record,
-                    effects=bool(effects),
-                    reason=reason is not None,
-                )
-                params["reason"] = reason
+            # every fenced write says how durable its commit is (a one-time filter)
+            statement = sql.pg_with_records(
+                statement,
+                actions=actions,
+                transitions=record,
+                effects=bool(effects),
+                reason=reason is not None,
+                durable=durable,
+            )
+            params["reason"] = reason
             if effects:
                 params["effects"] = json.dumps(
                     [

@@ -65,6 +65,14 @@ class Store:
     completion_sets = ""
     #: A registration's condition: a strictly newer generation of a live job.
     register_where = sql.NEWER_LIVE
+    #: Whether a registration's commit waits for its WAL flush (PostgreSQL). It does not: losing
+    #: a registration in a database crash only costs a re-run, and any later commit of the
+    #: attempt (a block, the completion) flushes it first. docs/design.md, "One durable commit
+    #: per task".
+    durable_registration = False
+    #: Whether an ending's commit waits for its WAL flush. It must: the message is acked after
+    #: it (the chaos harness's control arm turns it off).
+    durable_endings = True
 
     def __init__(
         self,
@@ -144,7 +152,9 @@ class Store:
         statement = sql.register_sql(
             self.dialect, deferred_first=self.defer_first_registration, where=self.register_where
         )
-        row = self.writer.write(statement, params, actions=_CLAIMED)
+        row = self.writer.write(
+            statement, params, actions=_CLAIMED, durable=self.durable_registration
+        )
         if row is not None:
             return Registration("registered", row.attempts, row.generation)
         record = self.get(key)
@@ -433,7 +443,14 @@ class Store:
     ) -> Row:
         """A fenced write that must change this attempt's row (``params``' key, generation and
         attempt): :class:`StaleGeneration` (``what`` ... rejected) when it did not."""
-        row = self.writer.write(statement, params, actions=actions, reason=reason, effects=effects)
+        row = self.writer.write(
+            statement,
+            params,
+            actions=actions,
+            reason=reason,
+            effects=effects,
+            durable=self.durable_endings,
+        )
         if row is None:
             raise self._rejected(params["key"], params["generation"], params["attempt_id"], what)
         return row

@@ -328,6 +328,22 @@ SQLITE_OUTBOX_SQL = (
 )
 
 
+#: The condition that makes a statement's own transaction (an AUTOCOMMIT statement) commit
+#: without waiting for its WAL flush: ``synchronous_commit`` off for that transaction only
+#: (``set_config(..., true)`` is ``SET LOCAL``). An uncorrelated subquery, so PostgreSQL runs it
+#: once, first (a one-time filter), whether or not the write matched a row. Only the
+#: registration's statement carries it: docs/design.md, "One durable commit per task".
+PG_ASYNC_COMMIT = "(SELECT set_config('synchronous_commit', 'off', true)) = 'off'"
+#: The condition that makes every other fenced write's commit wait for its local WAL flush even
+#: where the server, the database or the role turned ``synchronous_commit`` off: ``local`` for
+#: that transaction only; any other setting (``local``, ``on``, ``remote_*``) is kept. A job's
+#: ending is what the ack waits for: it must survive a crash of the database.
+PG_DURABLE_COMMIT = (
+    "(SELECT CASE WHEN current_setting('synchronous_commit') = 'off' "
+    "THEN set_config('synchronous_commit', 'local', true) ELSE 'kept' END) IS NOT NULL"
+)
+
+
 @cache
 def pg_with_records(
     write_sql: str,
@@ -336,10 +352,15 @@ def pg_with_records(
     transitions: bool,
     effects: bool,
     reason: bool = False,
+    durable: bool = True,
 ) -> str:
     """Wrap a fenced write in data-modifying CTEs so its transition rows (one per action, in
     order; ``reason``: with ``%(reason)s``) and outbox rows (``%(effects)s``, a JSON array of
-    ``{"name", "idempotency_key", "payload"}``) share its statement: one round trip, one commit."""
+    ``{"name", "idempotency_key", "payload"}``) share its statement: one round trip, one commit.
+    ``durable`` False: the statement's commit does not wait for its WAL flush
+    (:data:`PG_ASYNC_COMMIT`); True: it does, whatever the server's default
+    (:data:`PG_DURABLE_COMMIT`). Either is for the statement's own transaction (an AUTOCOMMIT
+    connection's statement)."""
     parts = [f"WITH fenced AS ({write_sql})"]
     why = "CAST(%(reason)s AS VARCHAR)" if reason else "NULL"
     if transitions and len(actions) == 1:
@@ -363,6 +384,7 @@ def pg_with_records(
             "ON CONFLICT (idempotency_key) DO NOTHING)"
         )
     parts.append(" SELECT key, generation, attempt_id, attempts FROM fenced")
+    parts.append(f" WHERE {PG_DURABLE_COMMIT if durable else PG_ASYNC_COMMIT}")
     return "".join(parts)
 
 
