@@ -191,7 +191,7 @@ BREAKAGES = (
         "enqueue-row",
         "enqueue() publishes without writing the job's durable row",
         "durable.py",
-        "    created, status, stored = target.insert(key, task.name, request, _due(options))\n",
+        "    created, status, stored = target.insert(key, task.name, request, due)\n",
         '    created, status, stored = True, "pending", None  # broken: no durable row\n',
         ("--scenario", "enqueue-crash", "--runs", "1"),
         column="lost_jobs",
