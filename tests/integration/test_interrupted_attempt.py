@@ -70,10 +70,11 @@ def test_an_exit_anywhere_in_the_fenced_call_releases_the_lease(
         job(key)
     # Then the exit went on to the caller, the lease is released at once (not in 30 s) ...
     wait_until(lambda: not redis_client.exists(lease_key), 3, what="the lease to be released")
-    # ... the job is not left running (a registered attempt is retrying; a claim never registered)
+    # ... the job is not left running (a registered attempt of a direct call is failed: its
+    # caller got the exit, and recovery never re-sends it; a claim never registered)
     record = store.get(key)
     if where == "body":
-        assert record is not None and record.status == "retrying", record
+        assert record is not None and record.status == "failed", record
     else:
         assert record is None
     # ... and the next call is not busy: it completes

@@ -434,10 +434,13 @@ def test_a_completed_key_re_run_by_the_operator_records_and_delivers_its_effects
     stored = store.get(key)
     assert stored is not None and stored.request is not None
     assert stored.request["execution"]["headers"][RUN_HEADER] == 1  # recovery re-sends it too
-    # and the re-run's first attempt fails after staging (Celery's retry re-sends the message
-    # of the same run, with its headers: eagerly, here),
+    # and the re-run's first attempt fails after staging (run eagerly, the error is the
+    # caller's), then the run's message is delivered again, with its headers,
     failures[0] = 1
     with caplog.at_level(logging.INFO, logger="celery_fence"):
+        failed = bill.apply((key, 120), headers=headers)
+        assert isinstance(failed.result, ConnectionError)
+        released()
         assert bill.apply((key, 120), headers=headers).get() == 120
     # then both attempts of the re-run staged one key, new for this run and not the first's,
     rerun = idempotency_key(key, "email", 1)

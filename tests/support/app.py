@@ -252,7 +252,8 @@ if E.get("FENCE_T_FAIL_PUBLISH") == "1":
             and faults.take(ledger, PREFIX, "fail_publish")
         ):
             raise OperationalError("simulated: the broker refused the publish")
-        if headers.get("retries") and faults.armed(ledger, PREFIX, "refuse_publish"):
+        resend = headers.get("retries") or headers.get("fence_resends")  # Celery's or the fence's
+        if resend and faults.armed(ledger, PREFIX, "refuse_publish"):
             # A broker that refuses every re-send while the flag is set (each refusal counted).
             ledger.rpush(f"{PREFIX}:refused_publish", f"{time.time():.3f}")
             raise OperationalError("simulated: the broker refused the publish")
