@@ -90,12 +90,39 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(e.g. HEAD~1), so its row compares that revision with the working tree in one run",
     )
     p.add_argument(
+        "--rev",
+        metavar="REV",
+        help="before/after (default mode): also run the fenced variants on celery_fence as of "
+        "this git revision, as <name>@old in the same rounds (default: the newest tag, else "
+        f"{BASELINE_REV}, {BASELINE_WHY})",
+    )
+    p.add_argument("--no-rev", action="store_true", help="no before/after: the working tree alone")
+    p.add_argument(
         "--variants",
         metavar="NAMES",
         help="comma-separated variants to run (their baselines are added); default: all",
     )
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     return p.parse_args(argv)
+
+
+#: The "before" of a before/after when the repository has no tag: named, so a figure says what it
+#: is compared with.
+BASELINE_REV = "58aaa76"
+BASELINE_WHY = "the last commit before 0.4.0's speed work (no release is tagged)"
+
+
+def default_rev() -> str:
+    """The newest tag reachable from HEAD, else :data:`BASELINE_REV`."""
+    described = subprocess.run(
+        ["git", "describe", "--tags", "--abbrev=0"],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    tag = described.stdout.strip()
+    return tag if described.returncode == 0 and tag else BASELINE_REV
 
 
 def export_revision(rev: str, into: Path) -> str:
@@ -108,14 +135,22 @@ def export_revision(rev: str, into: Path) -> str:
         check=False,
     )
     if archive.returncode != 0:
-        raise SystemExit(
-            f"--experiment-rev {rev}: git archive failed: {archive.stderr.decode().strip()}"
-        )
+        raise SystemExit(f"revision {rev}: git archive failed: {archive.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     return str(into)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.throughput import TasksFailed
+
+    try:
+        return _main(argv)
+    except TasksFailed as exc:
+        print(f"python -m bench: FAILED, {exc}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from bench.harness import services
 
@@ -165,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from bench import throughput
 
+            rev = None if args.no_rev else (args.rev or default_rev())
+            rev_path = export_revision(rev, Path(tmp) / "rev") if rev else None
             fence_path = None
             if args.experiment_rev:
                 fence_path = export_revision(args.experiment_rev, Path(tmp) / "experiment-rev")
@@ -180,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                 experiment=args.experiment or bool(fence_path),
                 experiment_fence_path=fence_path,
                 only=frozenset(args.variants.split(",")) if args.variants else None,
+                rev=rev,
+                rev_fence_path=rev_path,
             )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))
