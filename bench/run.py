@@ -103,7 +103,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated variants to run (their baselines are added); default: all",
     )
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    other_mode = args.renewal or args.memory or args.scale or args.enqueue or args.latency
+    if args.rev and args.no_rev:
+        p.error("--rev and --no-rev contradict each other: give one")
+    if args.rev and other_mode:
+        p.error(
+            "--rev is the throughput mode's before/after (python -m bench --rev REV); "
+            + ("with --latency use --experiment-rev REV" if args.latency else "drop it here")
+        )
+    return args
 
 
 #: The "before" of a before/after when the repository has no tag: named, so a figure says what it

@@ -691,7 +691,7 @@ def print_before_after(result: dict[str, Any], out: Any) -> None:
     print(table(headers, rows, digits=3), file=out)
     print(
         "ratios within each round, min / median / max over the rounds; forward: new ran first "
-        "in the round, reversed: old ran first (median of those rounds). A change is shown only "
+        "in the round, reversed: old ran first (median of those rounds). Call a change real only "
         "where the ratio's whole spread, in both orders, is on one side of 1.",
         file=out,
     )
