@@ -6,7 +6,8 @@ Modes (default: throughput):
   too) vs what a user would pick instead (Celery's database result backend, python-redis-lock,
   celery-once), no-op and 50 ms tasks, alternately in rounds, with Redis commands and SQL
   statements per task counted by the servers and round trips per task counted in the worker
-  (critical path vs background);
+  (critical path vs background); the fenced variants also on ``celery_fence`` as of ``--rev``
+  (before/after, in both orders), and only runs whose every task succeeded are reported;
 - ``python -m bench --renewal`` — 50 concurrent long tasks on the threads pool: renewal round trips
   per interval (celery-fence: one per process; python-redis-lock: one per lock);
 - ``python -m bench --memory`` — 100,000 fenced no-op tasks through one worker child, its RSS
@@ -55,7 +56,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--latency-sleep", type=float, default=0.05, help="--latency: body seconds (default 0.05)"
     )
     p.add_argument("--enqueue-jobs", type=int, default=500, help="--enqueue: jobs a round (500)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds of every variant (default 5)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds of every variant (default 6 in the throughput mode: 3 in each order; else 5)",
+    )
     p.add_argument("--tasks", type=int, default=3000, help="no-op tasks per run (default 3000)")
     p.add_argument("--sleep-tasks", type=int, default=400, help="50 ms tasks per run (default 400)")
     p.add_argument(
@@ -105,6 +110,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = p.parse_args(argv)
     other_mode = args.renewal or args.memory or args.scale or args.enqueue or args.latency
+    if args.rounds is None:
+        args.rounds = 5 if other_mode else 6
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: give at least 1 (an even number runs both orders)")
     if args.rev and args.no_rev:
         p.error("--rev and --no-rev contradict each other: give one")
     if args.rev and other_mode:

@@ -131,7 +131,7 @@ def select(
 
 
 def round_order(variants: tuple[Variant, ...], r: int) -> tuple[str, tuple[Variant, ...]]:
-    """Round ``r``'s order: as listed in even rounds, reversed in odd ones, so each pair (new
+    """Round ``r``'s order (0-based): as listed when ``r`` is even, else reversed, so each pair (new
     then old, plain then fenced) runs in both orders: the later of two runs reads higher on a
     busy machine (issue 33 measured about 5 %)."""
     return ("forward", variants) if r % 2 == 0 else ("reversed", tuple(reversed(variants)))
