@@ -39,8 +39,17 @@ import redis_lock
 from celery import Celery, signals
 from celery.app.backends import by_url
 
+import celery_fence
 from bench import once
 from celery_fence import FencedTask
+
+if os.environ.get("BENCH_FENCE_PATH") and not os.path.realpath(celery_fence.__file__).startswith(
+    os.path.realpath(os.environ["BENCH_FENCE_PATH"]) + os.sep
+):  # a before/after against the working tree itself would be a silent no-op
+    raise RuntimeError(
+        f"BENCH_FENCE_PATH={os.environ['BENCH_FENCE_PATH']} but celery_fence was imported from "
+        f"{celery_fence.__file__}"
+    )
 
 E = os.environ
 LEASE_REDIS = E.get("BENCH_LEASE_REDIS", "redis://127.0.0.1:6379/0")
@@ -77,19 +86,26 @@ def _key(key: str, sleep: float = 0.0) -> str:
     return key
 
 
-def _body(sleep: float) -> None:
+#: Task names made to raise (``BENCH_FAIL_TASKS=bench.fenced_pg,...``): only the smoke test sets
+#: it, to see the bench refuse to report a variant whose tasks did not succeed.
+FAIL_TASKS = frozenset(filter(None, E.get("BENCH_FAIL_TASKS", "").split(",")))
+
+
+def _body(sleep: float, name: str = "") -> None:
+    if name in FAIL_TASKS:
+        raise RuntimeError(f"{name}: made to fail by BENCH_FAIL_TASKS")
     if sleep:
         time.sleep(sleep)
 
 
 @app.task(name="bench.plain", acks_late=True)
 def plain(key: str, sleep: float = 0.0) -> None:
-    _body(sleep)
+    _body(sleep, "bench.plain")
 
 
 @app.task(name="bench.fenced_pg", base=FencedTask, bind=True, fence_key=_key)
 def fenced_pg(self: Any, key: str, sleep: float = 0.0) -> None:
-    _body(sleep)
+    _body(sleep, "bench.fenced_pg")
 
 
 @app.task(
@@ -101,7 +117,7 @@ def fenced_pg(self: Any, key: str, sleep: float = 0.0) -> None:
     fence_generation_ttl=0.0,  # deferral needs counters that never expire
 )
 def fenced_pg_defer(self: Any, key: str, sleep: float = 0.0) -> None:
-    _body(sleep)
+    _body(sleep, "bench.fenced_pg_defer")
 
 
 @app.task(
@@ -112,7 +128,7 @@ def fenced_pg_defer(self: Any, key: str, sleep: float = 0.0) -> None:
     fence_database_url=SQLITE_URL,
 )
 def fenced_sqlite(self: Any, key: str, sleep: float = 0.0) -> None:
-    _body(sleep)
+    _body(sleep, "bench.fenced_sqlite")
 
 
 _rlock_client: redis.Redis | None = None
@@ -126,7 +142,7 @@ def rlock(key: str, sleep: float = 0.0) -> None:
     with redis_lock.Lock(
         _rlock_client, f"rlock:{key}", expire=max(1, round(TTL)), auto_renewal=True
     ):
-        _body(sleep)
+        _body(sleep, "bench.rlock")
 
 
 # Celery's database result backend on the fence store's PostgreSQL. Built at import, in the
@@ -141,12 +157,12 @@ REDIS_RESULT = result_backend(LEASE_REDIS.rsplit("/", 1)[0] + "/1")
 
 @app.task(name="bench.plain_dbresult", acks_late=True, ignore_result=False, backend=DB_RESULT)
 def plain_dbresult(key: str, sleep: float = 0.0) -> None:
-    _body(sleep)
+    _body(sleep, "bench.plain_dbresult")
 
 
 @app.task(name="bench.plain_redisresult", acks_late=True, ignore_result=False, backend=REDIS_RESULT)
 def plain_redisresult(key: str, sleep: float = 0.0) -> None:
-    _body(sleep)
+    _body(sleep, "bench.plain_redisresult")
 
 
 @app.task(name="bench.rlock_redisresult", acks_late=True, ignore_result=False, backend=REDIS_RESULT)
@@ -163,10 +179,35 @@ def rlock_redisresult(key: str, sleep: float = 0.0) -> None:
     backend=REDIS_RESULT,
 )
 def fenced_pg_redisresult(self: Any, key: str, sleep: float = 0.0) -> None:
-    _body(sleep)
+    _body(sleep, "bench.fenced_pg_redisresult")
 
 
 once.register(app, LEASE_REDIS)
+
+# Successes, counted where no store row says so (``BENCH_SUCCESS_DIR``): one byte appended to
+# ``<dir>/<run>`` a task that returned (the run id is its key's first part), written by the pool
+# process (O_APPEND: concurrent one-byte writes do not overwrite each other). The bench compares
+# the file's size with the tasks it sent (bench.throughput.check_succeeded).
+SUCCESS_DIR = E.get("BENCH_SUCCESS_DIR")
+if SUCCESS_DIR:
+    _success_fds: dict[str, int] = {}
+
+    @signals.task_success.connect(weak=False)
+    def _count_success(sender: Any = None, **_: Any) -> None:
+        args = getattr(getattr(sender, "request", None), "args", None) or ()
+        if not args or not isinstance(args[0], str) or ":" not in args[0]:
+            return
+        run = args[0].split(":", 1)[0]
+        fd = _success_fds.get(run)
+        if fd is None:
+            if len(_success_fds) > 64:  # runs are sequential: forget the old ones
+                for old in _success_fds.values():
+                    os.close(old)
+                _success_fds.clear()
+            path = os.path.join(E["BENCH_SUCCESS_DIR"], run)
+            fd = _success_fds[run] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.write(fd, b".")
+
 
 if E.get("BENCH_EXPERIMENT") == "1":
     from bench import experiments

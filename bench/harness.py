@@ -60,8 +60,10 @@ class BenchWorker(processes.Worker):
             pool=pool,
             loglevel=loglevel,
             extra_args=extra_args,
-            cwd=ROOT,
-            pythonpath=[str(ROOT)],
+            # --rev / --experiment-rev: that revision's celery_fence first, as happy_path does
+            # (``python -m`` puts the working directory before PYTHONPATH: run from there too)
+            cwd=Path(env["BENCH_FENCE_PATH"]) if env.get("BENCH_FENCE_PATH") else ROOT,
+            pythonpath=[*filter(None, [env.get("BENCH_FENCE_PATH")]), str(ROOT)],
             prefetch_multiplier=None,  # Celery's default, as a user's worker has it
         )
         self.hostname = f"{name}@{socket.gethostname()}"
@@ -303,6 +305,11 @@ class Services:
         return str(sa.engine.make_url(self.pg_admin_url).set(database=self.database))
 
     @property
+    def success_dir(self) -> Path:
+        """Where the workers count their tasks' successes (one file a run, see bench.app)."""
+        return self.workdir / "succeeded"
+
+    @property
     def sqlite_url(self) -> str:
         return f"sqlite:///{self.workdir / 'bench.sqlite3'}"
 
@@ -314,6 +321,7 @@ class Services:
             "BENCH_PG_URL": self.pg_url,
             "BENCH_SQLITE_URL": self.sqlite_url,
             "BENCH_TRACE_DIR": str(self.workdir / "trace"),
+            "BENCH_SUCCESS_DIR": str(self.success_dir),
             **extra,
         }
 
@@ -341,6 +349,7 @@ def services(
     from celery_fence.store import Store
 
     (workdir / "trace").mkdir(parents=True, exist_ok=True)
+    (workdir / "succeeded").mkdir(parents=True, exist_ok=True)
     started: list[Any] = []
     pg: PrivatePostgres | None = None
     try:
@@ -441,10 +450,11 @@ def timed_run(
     sleep: float = 0.0,
     timeout: float = 600.0,
     on_start: Callable[[], None] | None = None,
+    run: str | None = None,
 ) -> float:
-    """Publish ``n`` messages with distinct keys to ``worker``'s queue, then time their
-    consumption; return seconds. ``on_start`` runs right before consumption starts."""
-    run = uuid.uuid4().hex[:10]
+    """Publish ``n`` messages with distinct keys (``<run>:<i>``) to ``worker``'s queue, then time
+    their consumption; return seconds. ``on_start`` runs right before consumption starts."""
+    run = run or uuid.uuid4().hex[:10]
     queue = worker.queue
     publish(control, task, [f"{run}:{i}" for i in range(n)], queue, sleep)
     wait_for(lambda: pending(broker, queue) >= n, 30, "published messages to be visible")

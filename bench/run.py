@@ -6,7 +6,8 @@ Modes (default: throughput):
   too) vs what a user would pick instead (Celery's database result backend, python-redis-lock,
   celery-once), no-op and 50 ms tasks, alternately in rounds, with Redis commands and SQL
   statements per task counted by the servers and round trips per task counted in the worker
-  (critical path vs background);
+  (critical path vs background); the fenced variants also on ``celery_fence`` as of ``--rev``
+  (before/after, in both orders), and only runs whose every task succeeded are reported;
 - ``python -m bench --renewal`` — 50 concurrent long tasks on the threads pool: renewal round trips
   per interval (celery-fence: one per process; python-redis-lock: one per lock);
 - ``python -m bench --memory`` — 100,000 fenced no-op tasks through one worker child, its RSS
@@ -55,7 +56,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--latency-sleep", type=float, default=0.05, help="--latency: body seconds (default 0.05)"
     )
     p.add_argument("--enqueue-jobs", type=int, default=500, help="--enqueue: jobs a round (500)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds of every variant (default 5)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds of every variant (default 6 in the throughput mode: 3 in each order; else 5)",
+    )
     p.add_argument("--tasks", type=int, default=3000, help="no-op tasks per run (default 3000)")
     p.add_argument("--sleep-tasks", type=int, default=400, help="50 ms tasks per run (default 400)")
     p.add_argument(
@@ -90,12 +95,52 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(e.g. HEAD~1), so its row compares that revision with the working tree in one run",
     )
     p.add_argument(
+        "--rev",
+        metavar="REV",
+        help="before/after (default mode): also run the fenced variants on celery_fence as of "
+        "this git revision, as <name>@old in the same rounds (default: the newest tag, else "
+        f"{BASELINE_REV}, {BASELINE_WHY})",
+    )
+    p.add_argument("--no-rev", action="store_true", help="no before/after: the working tree alone")
+    p.add_argument(
         "--variants",
         metavar="NAMES",
         help="comma-separated variants to run (their baselines are added); default: all",
     )
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    other_mode = args.renewal or args.memory or args.scale or args.enqueue or args.latency
+    if args.rounds is None:
+        args.rounds = 5 if other_mode else 6
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: give at least 1 (an even number runs both orders)")
+    if args.rev and args.no_rev:
+        p.error("--rev and --no-rev contradict each other: give one")
+    if args.rev and other_mode:
+        p.error(
+            "--rev is the throughput mode's before/after (python -m bench --rev REV); "
+            + ("with --latency use --experiment-rev REV" if args.latency else "drop it here")
+        )
+    return args
+
+
+#: The "before" of a before/after when the repository has no tag: named, so a figure says what it
+#: is compared with.
+BASELINE_REV = "58aaa76"
+BASELINE_WHY = "the last commit before 0.4.0's speed work (no release is tagged)"
+
+
+def default_rev() -> str:
+    """The newest tag reachable from HEAD, else :data:`BASELINE_REV`."""
+    described = subprocess.run(
+        ["git", "describe", "--tags", "--abbrev=0"],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    tag = described.stdout.strip()
+    return tag if described.returncode == 0 and tag else BASELINE_REV
 
 
 def export_revision(rev: str, into: Path) -> str:
@@ -108,14 +153,22 @@ def export_revision(rev: str, into: Path) -> str:
         check=False,
     )
     if archive.returncode != 0:
-        raise SystemExit(
-            f"--experiment-rev {rev}: git archive failed: {archive.stderr.decode().strip()}"
-        )
+        raise SystemExit(f"revision {rev}: git archive failed: {archive.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     return str(into)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.throughput import TasksFailed
+
+    try:
+        return _main(argv)
+    except TasksFailed as exc:
+        print(f"python -m bench: FAILED, {exc}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from bench.harness import services
 
@@ -165,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from bench import throughput
 
+            rev = None if args.no_rev else (args.rev or default_rev())
+            rev_path = export_revision(rev, Path(tmp) / "rev") if rev else None
             fence_path = None
             if args.experiment_rev:
                 fence_path = export_revision(args.experiment_rev, Path(tmp) / "experiment-rev")
@@ -180,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 experiment=args.experiment or bool(fence_path),
                 experiment_fence_path=fence_path,
                 only=frozenset(args.variants.split(",")) if args.variants else None,
+                rev=rev,
+                rev_fence_path=rev_path,
             )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))

@@ -39,18 +39,98 @@ pytestmark = [
 ]
 
 
-def _bench(tmp_path: Path, *args: str, module: str = "bench") -> tuple[str, Any]:
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", module, *args, "--json", str(out)],
+def _run(tmp_path: Path, *args: str, module: str = "bench", **env: str) -> Any:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args, "--json", str(tmp_path / "result.json")],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
         capture_output=True,
         text=True,
         timeout=540,
     )
+
+
+def _bench(tmp_path: Path, *args: str, module: str = "bench") -> tuple[str, Any]:
+    proc = _run(tmp_path, *args, module=module)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout, json.loads(out.read_text())
+    return proc.stdout, json.loads((tmp_path / "result.json").read_text())
+
+
+@pytest.mark.timeout(300)
+def test_before_after_runs_the_revision_in_the_same_rounds_in_both_orders(tmp_path: Path) -> None:
+    # Given a tiny before/after of the working tree against HEAD itself: 20 tasks, 2 rounds
+    stdout, result = _bench(
+        tmp_path,
+        "--rev",
+        "HEAD",
+        "--variants",
+        "fenced-pg",
+        "--rounds",
+        "2",
+        "--tasks",
+        "20",
+        "--trace-tasks",
+        "0",
+    )
+
+    # Then the revision's copy ran in the same rounds, once in each order
+    assert result["rev"] == "HEAD"
+    assert result["orders"] == ["forward", "reversed"]
+    assert "(forward order)" in stdout and "(reversed order)" in stdout
+    for row in result["rounds"]:
+        assert row["fenced-pg"] > 0 and row["fenced-pg@old"] > 0
+    # And every task of every run was counted as succeeded, from the store's completed rows for
+    # the fenced ones and from the workers' success counter for plain Celery
+    assert result["succeeded"] == {
+        "plain": "40 of 40",
+        "fenced-pg": "40 of 40",
+        "fenced-pg@old": "40 of 40",
+    }
+    # And new/old is taken within each round: throughput and worker CPU a task, with the spread
+    pair = result["before_after"]["fenced-pg"]
+    assert pair["old"] == "fenced-pg@old"
+    ratios = [row["fenced-pg"] / row["fenced-pg@old"] for row in result["rounds"]]
+    assert pair["ratio"]["per_round"] == pytest.approx(ratios)
+    assert pair["ratio"]["min"] == pytest.approx(min(ratios))
+    assert pair["ratio"]["max"] == pytest.approx(max(ratios))
+    assert set(pair["by_order"]) == {"forward", "reversed"}
+    for row in result["worker_cpu_rounds"]:
+        assert row["fenced-pg"] > 0 and row["fenced-pg@old"] > 0
+    assert len(pair["cpu_ratio"]["per_round"]) == 2
+    spread = result["spread"]["fenced-pg@old"]
+    assert spread["tasks_per_s"]["min"] <= spread["tasks_per_s"]["median"]
+    assert spread["tasks_per_s"]["median"] <= spread["tasks_per_s"]["max"]
+    assert "## Before/after: working tree (new) vs celery_fence as of HEAD (old)" in stdout
+    assert "| fenced-pg / fenced-pg@old " in stdout
+    assert "forward, reversed" in stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_bench_refuses_to_report_a_variant_whose_tasks_failed(tmp_path: Path) -> None:
+    # Given a worker whose fenced-pg and redis-lock bodies raise (BENCH_FAIL_TASKS)
+    proc = _run(
+        tmp_path,
+        "--no-rev",
+        "--variants",
+        "fenced-pg,redis-lock",
+        "--rounds",
+        "1",
+        "--tasks",
+        "3",
+        "--trace-tasks",
+        "0",
+        BENCH_FAIL_TASKS="bench.fenced_pg,bench.rlock",
+    )
+
+    # Then the run fails loudly: non-zero exit, naming each variant and how many of N succeeded
+    # (fenced-pg from the store's completed rows, redis-lock from the workers' counter), and
+    # no report or result file is written
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fenced-pg: 0 of 3 tasks succeeded in round 1" in proc.stderr
+    assert "redis-lock: 0 of 3 tasks succeeded in round 1" in proc.stderr
+    assert "plain:" not in proc.stderr  # the tasks that did succeed are not blamed
+    assert "## Throughput" not in proc.stdout
+    assert not (tmp_path / "result.json").exists()
 
 
 @pytest.mark.timeout(600)
@@ -59,7 +139,9 @@ def test_throughput_mode_reports_every_variant_and_counts_at_most_three_round_tr
 ) -> None:
     # Given a tiny benchmark: one round, a few hundred no-op tasks per variant
     stdout, result = _bench(
-        tmp_path, "--rounds", "1", "--tasks", "200", "--sleep-tasks", "20", "--trace-tasks", "40"
+        tmp_path,
+        *("--no-rev", "--rounds", "1", "--tasks", "200", "--sleep-tasks", "20"),
+        *("--trace-tasks", "40"),
     )
 
     # Then every variant ran and has a row in each table, with a ratio against plain Celery
