@@ -274,17 +274,8 @@ def _on_commit(conn: sa.Connection) -> None:
 
 
 def _decide(conn: sa.Connection, dbapi: Any, subject: Any) -> None:
-    """A transaction on ``conn`` wrote for ``subject``: raise to refuse it, return to let it
-    commit."""
-    here = where(conn)
-    if subject is AMBIGUOUS:
-        if watch.block_open_anywhere():
-            raise watch.ambiguous_error(here)
-        return
-    fence: Fence = subject
-    if fence.blocks.any_open:
-        raise watch.beside_block_error(here)
-    watch.unfenced_write(fence, where=here, table=conn.info.get(_TABLE))
+    """A transaction on ``conn`` wrote for ``subject``: :func:`watch.judge` decides."""
+    watch.judge(subject, where=where(conn), table=conn.info.get(_TABLE))
 
 
 def _run(dbapi: Any, statement: str) -> None:

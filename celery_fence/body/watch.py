@@ -243,6 +243,20 @@ _warned_tasks: set[str] = set()
 _warned_lock = threading.Lock()
 
 
+def judge(subject: Fence | _Ambiguous, *, where: str, table: str | None = None) -> None:
+    """A transaction on the connection ``where`` names wrote for ``subject`` (an attempt, or
+    :data:`AMBIGUOUS`): raise to refuse it (the caller rolls it back), return to let it commit.
+    Beside an open block: refused; outside every block: :func:`unfenced_write`; a write no
+    attempt can be told for: refused while any block is open, else passed."""
+    if isinstance(subject, _Ambiguous):
+        if block_open_anywhere():
+            raise ambiguous_error(where)
+        return
+    if subject.blocks.any_open:
+        raise beside_block_error(where)
+    unfenced_write(subject, where=where, table=table)
+
+
 def unfenced_write(fence: Fence, *, where: str, table: str | None = None) -> None:
     """A write on ``where`` (e.g. ``"SQLAlchemy engine postgresql://.../db"``, ``"Django
     'default'"``) that no fenced block covers is about to commit for ``fence``'s attempt (the

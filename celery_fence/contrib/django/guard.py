@@ -284,17 +284,8 @@ def where(db: Any) -> str:
 
 
 def _decide(db: Any, subject: Any) -> None:
-    """A transaction on ``db`` wrote for ``subject``: raise to refuse it, return to let it
-    commit."""
-    here = where(db)
-    if subject is AMBIGUOUS:
-        if watch.block_open_anywhere():
-            raise watch.ambiguous_error(here)
-        return
-    fence: Fence = subject
-    if fence.blocks.any_open:
-        raise watch.beside_block_error(here)
-    watch.unfenced_write(fence, where=here, table=db.__dict__.get(_TABLE))
+    """A transaction on ``db`` wrote for ``subject``: :func:`watch.judge` decides."""
+    watch.judge(subject, where=where(db), table=db.__dict__.get(_TABLE))
 
 
 def _remember_table(db: Any, statement: Any) -> None:
