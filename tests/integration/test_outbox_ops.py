@@ -14,16 +14,24 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 import sqlalchemy as sa
 from celery import Celery
 
 from celery_fence.config import FenceConfig
-from celery_fence.ops.outbox import DeliveryReport, Outbox, dead_after, retry_ceiling
+from celery_fence.ops.outbox import (
+    DELIVER_TASK,
+    DeliveryReport,
+    Outbox,
+    dead_after,
+    retry_ceiling,
+)
 from celery_fence.schema import outbox as outbox_table
 from celery_fence.store import Effect, OutboxRow, Store
 from celery_fence.store.records import Completion
-from tests.integration.test_cli import assert_one_line_error, fence_cli, ok
-from tests.support.env import REDIS_URL
+from celery_fence.testing.broker import delete_queues
+from tests.integration.test_cli import UNREACHABLE_PG, assert_one_line_error, fence_cli, ok
+from tests.support.env import BROKER_URL, REDIS_URL
 from tests.support.worker import wait_until
 
 SECRET = "4111-1111-1111-1111"  # a payload value that must never be printed
@@ -231,6 +239,10 @@ def test_requeue_refuses_what_is_not_dead_and_names_unknown_ids(
     assert_one_line_error(
         fence_cli(worker_env, "outbox", "requeue", str(broken), "--key", key), 2, "--key"
     )
+    assert_one_line_error(fence_cli(worker_env, "outbox", "requeue", "seven"), 2, "seven")
+    # An unreachable database: one line, no traceback.
+    down = {**worker_env, "FENCE_T_DB": UNREACHABLE_PG}
+    assert_one_line_error(fence_cli(down, "outbox", "ls"), 1, "database error")
 
 
 def test_requeue_dead_takes_every_dead_effect_of_a_key(
@@ -361,3 +373,36 @@ def _make_due(store: Store, row_id: int) -> None:
         conn.execute(
             outbox_table.update().where(outbox_table.c.id == row_id).values(available_at=past)
         )
+
+
+@pytest.mark.parametrize(("backoff", "sent"), [(0.05, 1), (700.0, 0)])
+def test_the_deliver_task_comes_back_only_for_a_retry_due_soon(
+    db_url: str, prefix: str, store: Store, redis_client: redis.Redis, backoff: float, sent: int
+) -> None:
+    # A failed delivery due within RETRIGGER_MAX (300 s) is followed by a deliver message with
+    # its countdown; one due later (700 s: 350-700 s) is left to the sweep, no message is held.
+    queue = f"{prefix}:deliver"
+    app = Celery(f"retrigger-{prefix}", set_as_current=False, broker=BROKER_URL)
+    app.conf.update(
+        fence_database_url=db_url,
+        fence_redis_url=REDIS_URL,
+        fence_key_prefix=prefix,
+        fence_outbox_backoff=backoff,
+        fence_outbox_backoff_max=max(backoff, 1.0),
+        task_default_queue=queue,
+    )
+    try:
+        key = _job_with_effects(store, "t", "mail")
+        outbox = Outbox(app)
+        calls = _failing(outbox, "mail")
+        app.tasks[DELIVER_TASK](key=key)  # the task's body, run here
+        assert len(calls) == 1 and _row(store, key, "mail").status == "pending"
+        broker = redis.Redis.from_url(BROKER_URL)
+        messages = [json.loads(m) for m in broker.lrange(queue, 0, -1)]
+        broker.close()
+        assert len(messages) == sent
+        for message in messages:
+            assert message["headers"]["task"] == DELIVER_TASK and message["headers"]["eta"]
+    finally:
+        delete_queues(app, [queue])
+        app.close()

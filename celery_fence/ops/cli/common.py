@@ -77,7 +77,8 @@ class FenceGroup(click.Group):
 @click.pass_context
 @handle_preload_options
 def fence(ctx: click.Context, **kwargs: Any) -> None:
-    """celery-fence: inspect, recover, requeue and purge fenced jobs; create the schema."""
+    """celery-fence: inspect, recover, requeue and purge fenced jobs; list and requeue outbox
+    effects; create the schema."""
 
 
 def config_of(ctx: click.Context) -> FenceConfig:
