@@ -265,6 +265,10 @@ def test_requeue_dead_takes_every_dead_effect_of_a_key(
     assert fence_store.outbox_rows.statuses([other_a]) == {other_a: "dead"}
     again = ok(fence_cli(worker_env, "outbox", "requeue", "--dead", "--key", key))
     assert again.strip() == "requeued 0 outbox effects"
+    if fence_store.dialect == "sqlite":  # this test's own file: every dead effect is ours
+        everything = ok(fence_cli(worker_env, "outbox", "requeue", "--dead"))
+        assert everything.strip() == f"requeued 1 outbox effect(s): {other_a}"
+        assert _row(fence_store, other, "a").status == "pending"
 
 
 # -- the delivery's backoff ------------------------------------------------------------------------
