@@ -45,6 +45,14 @@ DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_RETRY_BACKOFF = 1.0
 #: Cap of the backoff, seconds.
 DEFAULT_RETRY_BACKOFF_MAX = 300.0
+#: Outbox: delivery attempts (claims) of one effect before it goes ``dead``.
+DEFAULT_OUTBOX_MAX_ATTEMPTS = 20
+#: Outbox: base delay of the exponential backoff between two deliveries of one effect, seconds.
+DEFAULT_OUTBOX_BACKOFF = 10.0
+#: Outbox: cap of that backoff, seconds (retry ``n`` waits between half of
+#: ``min(cap, base * 2 ** (n - 1))`` and all of it: about 5.7 to 11.4 hours in all, at the
+#: defaults, before a failing effect is ``dead``).
+DEFAULT_OUTBOX_BACKOFF_MAX = 3600.0
 #: Retries allowed per task name, as a fraction of its recent calls ...
 DEFAULT_RETRY_BUDGET_RATIO = 0.2
 #: ... plus this many retries per budget window regardless of traffic.
@@ -171,6 +179,9 @@ class FenceConfig:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     retry_backoff: float = DEFAULT_RETRY_BACKOFF
     retry_backoff_max: float = DEFAULT_RETRY_BACKOFF_MAX
+    outbox_max_attempts: int = DEFAULT_OUTBOX_MAX_ATTEMPTS
+    outbox_backoff: float = DEFAULT_OUTBOX_BACKOFF
+    outbox_backoff_max: float = DEFAULT_OUTBOX_BACKOFF_MAX
     retry_budget_ratio: float = DEFAULT_RETRY_BUDGET_RATIO
     retry_budget_floor: int = DEFAULT_RETRY_BUDGET_FLOOR
     retry_budget_window: float = DEFAULT_RETRY_BUDGET_WINDOW
@@ -258,6 +269,24 @@ class FenceConfig:
             raise ConfigurationError(
                 f"fence_retry_backoff={self.retry_backoff} must be >= 0 and at most "
                 f"fence_retry_backoff_max={self.retry_backoff_max}."
+            )
+        if self.outbox_max_attempts < 1:
+            raise ConfigurationError(
+                f"fence_outbox_max_attempts={self.outbox_max_attempts} must be at least 1 (the "
+                "deliveries of one outbox effect before it goes dead), e.g. "
+                f"{DEFAULT_OUTBOX_MAX_ATTEMPTS}."
+            )
+        if not self.outbox_backoff > 0:
+            raise ConfigurationError(
+                f"fence_outbox_backoff={self.outbox_backoff} must be a positive number of seconds "
+                "(the first wait before an outbox effect that failed is delivered again), e.g. "
+                f"{DEFAULT_OUTBOX_BACKOFF:g}."
+            )
+        if not self.outbox_backoff_max >= self.outbox_backoff:
+            raise ConfigurationError(
+                f"fence_outbox_backoff_max={self.outbox_backoff_max} must be at least "
+                f"fence_outbox_backoff={self.outbox_backoff} (it caps the waits between two "
+                f"deliveries of a failing outbox effect), e.g. {DEFAULT_OUTBOX_BACKOFF_MAX:g}."
             )
         if not self.retry_budget_ratio >= 0 or self.retry_budget_floor < 0:
             raise ConfigurationError(
@@ -403,6 +432,8 @@ _FLOATS = {
     "lease_margin",
     "retry_backoff",
     "retry_backoff_max",
+    "outbox_backoff",
+    "outbox_backoff_max",
     "retry_budget_ratio",
     "retry_budget_window",
     "database_timeout",
@@ -411,7 +442,7 @@ _FLOATS = {
     "recover_pending_after",
 }
 _OPTIONAL_FLOATS = {"recover_after", "max_runtime", "retention"}
-_INTS = {"max_attempts", "retry_budget_floor", "error_message_length"}
+_INTS = {"max_attempts", "outbox_max_attempts", "retry_budget_floor", "error_message_length"}
 _BOOLS = {
     "retry_unknown_errors",
     "record_transitions",

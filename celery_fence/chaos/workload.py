@@ -121,6 +121,10 @@ def make_app(s: Mapping[str, str]) -> Celery:
         fence_max_attempts=int(s["CHAOS_MAX_ATTEMPTS"]),
         fence_retry_backoff=0.1,
         fence_retry_backoff_max=0.5,
+        # the outbox's deliveries retried at the same pace (its defaults span hours)
+        fence_outbox_max_attempts=int(s["CHAOS_MAX_ATTEMPTS"]),
+        fence_outbox_backoff=0.1,
+        fence_outbox_backoff_max=0.5,
         # the harness retries on purpose, many times a minute: the budget must not delay it
         fence_retry_budget_floor=100_000,
     )

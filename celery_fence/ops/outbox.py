@@ -25,10 +25,14 @@ delivers rows left behind). Handlers are registered per effect name::
 
 A sender claims a row for ``claim_ttl`` seconds (PostgreSQL ``FOR UPDATE SKIP LOCKED``; SQLite a
 conditional ``UPDATE`` under ``BEGIN IMMEDIATE``), calls the handler, and marks the row delivered
-— conditionally on its own claim. A failure is retried with the retry policy's backoff
-(``fence_retry_backoff``, ``fence_max_attempts``, ``fence_permanent_exceptions``) and ends
-``dead`` when it keeps failing. Two senders never hold the same row at once, as long as a handler
-returns within ``claim_ttl``.
+— conditionally on its own claim. A failure is classified as a task's error is
+(``fence_permanent_exceptions`` go ``dead`` at once) and retried with a capped exponential backoff
+of its own, for hours by default: retry ``n`` of an effect waits
+``uniform(c / 2, c)`` seconds, ``c = min(fence_outbox_backoff_max, fence_outbox_backoff * 2 **
+(n - 1))`` ("equal jitter": each wait is at least the one before until the cap, and senders of
+one outage spread out), until ``fence_outbox_max_attempts`` deliveries failed; then it is
+``dead`` (:func:`dead_after` says how long that takes). Two senders never hold the same row at
+once, as long as a handler returns within ``claim_ttl``.
 
 At least once, not exactly once: a sender that crashes (or times out) after the provider accepted
 the effect and before the row is marked delivered leaves the row to be claimed again, and the
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import time
 import uuid
@@ -55,7 +60,7 @@ from celery_fence.body.effects import StagedEffects, idempotency_key, storage_ke
 from celery_fence.config import FenceConfig
 from celery_fence.errors import FenceError
 from celery_fence.pipeline.backends import store_for
-from celery_fence.pipeline.retry import backoff, give_up
+from celery_fence.pipeline.retry import give_up
 from celery_fence.store import OutboxRow, Store
 
 logger = logging.getLogger("celery_fence.outbox")
@@ -69,8 +74,37 @@ DEFAULT_CLAIM_TTL = 60.0
 #: Rows one run of the sender or the sweep delivers at most (the next run takes the rest).
 DEFAULT_BATCH = 100
 
+#: Seconds: a failed effect due again within this is re-sent for by the deliver task itself;
+#: one due later is delivered by the sweep (:data:`SWEEP_TASK` in beat).
+RETRIGGER_MAX = 300.0
+
 #: ``fn(payload, *, idempotency_key=...)``; its return value is ignored, raising means "failed".
 Handler = Callable[..., Any]
+
+
+# -- backoff -------------------------------------------------------------------------------------
+
+
+def retry_ceiling(attempt: int, config: FenceConfig) -> float:
+    """The longest wait, in seconds, after an effect's failed delivery number ``attempt``
+    (1-based): ``min(fence_outbox_backoff_max, fence_outbox_backoff * 2 ** (attempt - 1))``."""
+    exponent = min(max(0, attempt - 1), 64)
+    return min(config.outbox_backoff_max, config.outbox_backoff * (2.0**exponent))
+
+
+def retry_delay(attempt: int, config: FenceConfig, rng: random.Random | None = None) -> float:
+    """The wait after failed delivery number ``attempt``: ``uniform(ceiling / 2, ceiling)``."""
+    top = retry_ceiling(attempt, config)
+    return (rng or random).uniform(top / 2, top)
+
+
+def dead_after(config: FenceConfig) -> tuple[float, float]:
+    """The shortest and longest time, in seconds, from an effect's first failed delivery to its
+    last (then it is ``dead``) when every delivery fails with an error that is retried: the sum
+    of the waits between ``fence_outbox_max_attempts`` deliveries (about 5.7 and 11.4 hours at
+    the defaults). The sender's own latency (the sweep's period, a busy worker) comes on top."""
+    top = sum(retry_ceiling(n, config) for n in range(1, config.outbox_max_attempts))
+    return top / 2, top
 
 
 # -- delivery ------------------------------------------------------------------------------------
@@ -97,7 +131,7 @@ class Outbox:
     Create it where the app is defined (workers must import it): ``outbox = Outbox(app)``.
     Keyword-only options: ``claim_ttl`` (seconds a claimed row is held, default
     :data:`DEFAULT_CLAIM_TTL`), ``batch`` (rows per run), ``queue`` (for the deliver task;
-    default: the app's routing), ``max_attempts`` (default ``fence_max_attempts``).
+    default: the app's routing), ``max_attempts`` (default ``fence_outbox_max_attempts``).
     """
 
     def __init__(
@@ -163,7 +197,7 @@ class Outbox:
 
     @property
     def max_attempts(self) -> int:
-        return self._max_attempts or self.config.max_attempts
+        return self._max_attempts or self.config.outbox_max_attempts
 
     # -- sending ---------------------------------------------------------------------------------
 
@@ -270,7 +304,7 @@ class Outbox:
         )
         retry_in = None
         if dead is None:
-            retry_in = backoff(row.attempts, config)
+            retry_in = retry_delay(row.attempts, config)
             report.retry_in = (
                 retry_in if report.retry_in is None else min(report.retry_in, retry_in)
             )
@@ -309,9 +343,12 @@ class Outbox:
         def deliver(key: str | None = None) -> None:
             outbox = outbox_for(app)
             report = outbox.deliver(key=key)
-            if key is not None and report.retry_in is not None:
-                # a failed row is due later: come back for it (the sweep is the safety net)
-                outbox.trigger(key, countdown=max(0.05, report.retry_in))
+            # A failed row due soon: come back for it. A later one is the sweep's (an
+            # hours-long countdown would sit in a worker's memory, and past the Redis
+            # broker's visibility timeout it is delivered twice).
+            retry_in = report.retry_in
+            if key is not None and retry_in is not None and retry_in <= RETRIGGER_MAX:
+                outbox.trigger(key, countdown=max(0.05, retry_in))
 
         @app.task(name=SWEEP_TASK, ignore_result=True, shared=False, lazy=False)
         def sweep() -> None:
@@ -379,9 +416,12 @@ __all__ = [
     "NoHandler",
     "Outbox",
     "StagedEffects",
+    "dead_after",
     "idempotency_key",
     "outbox_for",
     "register_handler",
+    "retry_ceiling",
+    "retry_delay",
     "storage_key",
     "sweep",
     "trigger_delivery",

@@ -150,7 +150,31 @@ class OutboxRows:
 
     def requeue(self, row_id: int) -> bool:
         """Move a ``dead`` outbox row back to ``pending`` with a fresh attempt count."""
-        return self._changed(sql.outbox_requeue(row_id, utcnow()))
+        return bool(self.requeue_many([row_id]))
+
+    def requeue_many(self, ids: Sequence[int]) -> list[int]:
+        """Move the rows of ``ids`` that are still ``dead`` back to ``pending``, due now, with a
+        fresh attempt count, in one conditional statement; the ids it moved (a row that is not
+        ``dead`` when it runs — pending, delivered, requeued meanwhile — is left as it is)."""
+        if not ids:
+            return []
+        return self._ids(sql.outbox_requeue(ids, self._now()))
+
+    def requeue_dead(self, *, key: str | None = None) -> list[int]:
+        """Move every ``dead`` row (of ``key``, or all) back to ``pending`` as
+        :meth:`requeue_many` does; the ids it moved."""
+        return self._ids(sql.outbox_requeue(None, self._now(), key=key))
+
+    def statuses(self, ids: Sequence[int]) -> dict[int, str]:
+        """The status of each row of ``ids`` that exists (a missing id is not in the dict)."""
+        if not ids:
+            return {}
+        with self._store.db.connect() as conn:
+            return {int(i): str(s) for i, s in conn.execute(sql.outbox_statuses(ids)).all()}
+
+    def _ids(self, stmt: Any) -> list[int]:
+        with self._store.db.connect() as conn:
+            return sorted(int(r[0]) for r in conn.execute(stmt).all())
 
     def purge(self, *, delivered_before: dt.datetime) -> int:
         """Delete rows delivered before the date (``dead`` rows stay until requeued or fixed)."""
@@ -158,10 +182,17 @@ class OutboxRows:
             return int(conn.execute(sql.outbox_purge(delivered_before)).rowcount or 0)
 
     def rows(
-        self, *, key: str | None = None, status: str | None = None, limit: int = 1000
+        self,
+        *,
+        key: str | None = None,
+        status: str | None = None,
+        limit: int = 1000,
+        newest_first: bool = False,
     ) -> Sequence[OutboxRow]:
-        """Outbox rows, oldest first (operators, tests, the demo)."""
-        return self._all(sql.outbox_rows(key=key, status=status, limit=limit))
+        """Outbox rows, oldest first (``newest_first``: the newest ``limit``, newest first)."""
+        return self._all(
+            sql.outbox_rows(key=key, status=status, limit=limit, newest_first=newest_first)
+        )
 
 
 def _outbox_row(row: Any) -> OutboxRow:

@@ -678,13 +678,31 @@ def outbox_update_claimed(row_id: int, claimer: str, values: dict[str, Any]) -> 
     )
 
 
-def outbox_requeue(row_id: int, now: dt.datetime) -> Any:
+def outbox_requeue(ids: Sequence[int] | None, now: Any, key: str | None = None) -> Any:
+    """``dead`` rows back to ``pending``, due now, with a fresh attempt count: those of ``ids``
+    (None: every dead row, or ``key``'s) that are still ``dead`` when the statement runs."""
+    still_dead = outbox.c.status == OutboxStatus.DEAD.value
+    if ids is not None:
+        still_dead = still_dead & outbox.c.id.in_(list(ids))
+    if key is not None:
+        still_dead = still_dead & (outbox.c.key == key)
     return (
         outbox.update()
-        .where((outbox.c.id == row_id) & (outbox.c.status == OutboxStatus.DEAD.value))
-        .values(status=OutboxStatus.PENDING.value, attempts=0, available_at=now, claimed_by=None)
+        .where(still_dead)
+        .values(
+            status=OutboxStatus.PENDING.value,
+            attempts=0,
+            available_at=now,
+            claimed_by=None,
+            claimed_until=None,
+        )
         .returning(outbox.c.id)
     )
+
+
+def outbox_statuses(ids: Sequence[int]) -> sa.Select[Any]:
+    """``(id, status)`` of the rows of ``ids`` that exist."""
+    return sa.select(outbox.c.id, outbox.c.status).where(outbox.c.id.in_(list(ids)))
 
 
 def outbox_purge(delivered_before: dt.datetime) -> Any:
@@ -694,8 +712,11 @@ def outbox_purge(delivered_before: dt.datetime) -> Any:
     )
 
 
-def outbox_rows(*, key: str | None, status: str | None, limit: int) -> sa.Select[Any]:
-    query = sa.select(outbox).order_by(outbox.c.id).limit(limit)
+def outbox_rows(
+    *, key: str | None, status: str | None, limit: int, newest_first: bool = False
+) -> sa.Select[Any]:
+    order = outbox.c.id.desc() if newest_first else outbox.c.id
+    query = sa.select(outbox).order_by(order).limit(limit)
     if key is not None:
         query = query.where(outbox.c.key == key)
     if status is not None:

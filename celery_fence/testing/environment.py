@@ -238,6 +238,9 @@ class FenceEnv:
             "fence_renew_interval": round(ttl / 5, 3),
             "fence_retry_backoff": 0.1,
             "fence_retry_backoff_max": round(ttl, 3),
+            # an outbox delivery that fails is retried at the test's pace (hours by default)
+            "fence_outbox_backoff": 0.1,
+            "fence_outbox_backoff_max": max(0.1, round(ttl, 3)),
             "fence_record_transitions": True,
             "task_default_queue": self.queue,
             "task_always_eager": False,

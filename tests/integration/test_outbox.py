@@ -64,6 +64,10 @@ def app(db_url: str, prefix: str) -> Iterator[Celery]:
         fence_max_attempts=3,
         fence_retry_backoff=0.05,
         fence_retry_backoff_max=0.1,
+        # the outbox's own retry settings (hours by default): 3 deliveries 0.025-0.1 s apart
+        fence_outbox_max_attempts=3,
+        fence_outbox_backoff=0.05,
+        fence_outbox_backoff_max=0.1,
         fence_lease_ttl=2.0,
         fence_renew_interval=0.5,
         task_always_eager=True,  # the post-completion trigger delivers inline, in this process
@@ -222,7 +226,7 @@ def test_an_expired_claim_is_taken_over_and_the_late_mark_refused(store: Store) 
 def test_failures_back_off_then_dead_letter(app: Celery, store: Store) -> None:
     key = f"job:{uuid.uuid4().hex[:8]}"
     _completed_job(store, key, _effect(key, "flaky", {"n": 1}), _effect(key, "bad", {"n": 2}))
-    outbox = Outbox(app)  # fence_max_attempts=3, backoff <= 0.1 s
+    outbox = Outbox(app)  # fence_outbox_max_attempts=3, backoff <= 0.1 s
     calls: Counter[str] = Counter()
 
     @outbox.handler("flaky")
@@ -243,7 +247,7 @@ def test_failures_back_off_then_dead_letter(app: Celery, store: Store) -> None:
     assert (rows["bad"].status, rows["flaky"].status) == ("dead", "pending")
     assert rows["flaky"].available_at > rows["flaky"].created_at
     assert "ConnectionError" in (rows["flaky"].last_error or "")
-    # When it keeps failing, it is retried until fence_max_attempts, then dead-lettered.
+    # When it keeps failing, it is retried until fence_outbox_max_attempts, then dead-lettered.
     wait_until(
         lambda: (
             (outbox.deliver(key=key), store.outbox_rows.rows(key=key, status="dead"))[1].__len__()

@@ -40,6 +40,10 @@ app.conf.update(
     fence_renew_interval=float(E.get("FENCE_T_RENEW", "0.5")),
     fence_retry_backoff=float(E.get("FENCE_T_BACKOFF", "0.2")),
     fence_retry_backoff_max=float(E.get("FENCE_T_BACKOFF_MAX", "1.0")),
+    # a failed delivery is retried at the pace of the tests, not the hours of the defaults
+    fence_outbox_backoff=float(E.get("FENCE_T_BACKOFF", "0.2")),
+    fence_outbox_backoff_max=float(E.get("FENCE_T_BACKOFF_MAX", "1.0")),
+    fence_outbox_max_attempts=int(E.get("FENCE_T_OUTBOX_MAX_ATTEMPTS", "5")),
 )
 outbox = Outbox(app, claim_ttl=float(E.get("FENCE_T_CLAIM_TTL", "2.0")))
 ledger = redis.Redis.from_url(E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"))

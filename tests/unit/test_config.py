@@ -175,3 +175,50 @@ def test_the_renew_interval_follows_the_lease_ttl_unless_it_is_set() -> None:
     assert "CELERY_FENCE_LEASE_TTL x (1 - CELERY_FENCE_LEASE_MARGIN)" in str(bad.value)
     with pytest.raises(ConfigurationError, match=r"^FENCE_RENEW_INTERVAL=.*FENCE_LEASE_MARGIN"):
         FenceConfig.from_mapping({"FENCE_RENEW_INTERVAL": 40})  # the margin left at its default
+
+
+@pytest.mark.parametrize(
+    ("settings", "names"),
+    [
+        ({"fence_outbox_max_attempts": 0}, ["fence_outbox_max_attempts", "at least 1", "20"]),
+        ({"fence_outbox_max_attempts": "many"}, ["fence_outbox_max_attempts", "whole number"]),
+        ({"fence_outbox_backoff": 0}, ["fence_outbox_backoff", "positive", "10"]),
+        ({"fence_outbox_backoff": "slow"}, ["fence_outbox_backoff", "number"]),
+        (
+            {"fence_outbox_backoff": 60, "fence_outbox_backoff_max": 30},
+            ["fence_outbox_backoff_max=30", "at least fence_outbox_backoff=60", "3600"],
+        ),
+        ({"CELERY_FENCE_OUTBOX_BACKOFF": -1}, ["CELERY_FENCE_OUTBOX_BACKOFF", "positive"]),
+    ],
+)
+def test_outbox_retry_settings_are_validated(settings: dict[str, object], names: list[str]) -> None:
+    with pytest.raises(ConfigurationError) as err:
+        FenceConfig.from_mapping(settings)
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_the_outbox_retries_for_hours_by_default() -> None:
+    from celery_fence.ops.outbox import dead_after, retry_ceiling
+
+    config = FenceConfig.from_mapping({})
+    assert (config.outbox_max_attempts, config.outbox_backoff, config.outbox_backoff_max) == (
+        20,
+        10.0,
+        3600.0,
+    )
+    # the ceilings double from 10 s up to the one-hour cap; the whole run is hours, not seconds
+    assert [retry_ceiling(n, config) for n in (1, 2, 3, 9, 10, 19)] == [
+        10.0,
+        20.0,
+        40.0,
+        2560.0,
+        3600.0,
+        3600.0,
+    ]
+    low, high = dead_after(config)
+    assert (round(low), round(high)) == (20555, 41110)  # about 5.7 and 11.4 hours
+    small = FenceConfig.from_mapping(
+        {"fence_outbox_max_attempts": 3, "fence_outbox_backoff": 1, "fence_outbox_backoff_max": 1.5}
+    )
+    assert dead_after(small) == (1.25, 2.5)

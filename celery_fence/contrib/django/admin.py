@@ -1,7 +1,9 @@
 """A read-only admin of the fenced jobs: status (``pending (never claimed)`` for an enqueued job
 no worker has claimed yet, with a filter for those), key, generation, attempts, last error, each
 job's history; actions for what the CLI does (requeue a dead job, recover stranded ones). Every
-change goes through the store (fenced), never through these models."""
+change goes through the store (fenced), never through these models. The outbox's effects are
+listed read-only too (state, attempts, last error, idempotency key; never payloads), searchable by
+job key: ``celery -A proj fence outbox requeue`` puts dead ones back."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 
-from celery_fence.contrib.django.models import Job, Transition
+from celery_fence.contrib.django.models import Job, OutboxEffect, Transition
 from celery_fence.contrib.django.operations import (
     current_celery_app,
     recover_stranded,
@@ -116,3 +118,40 @@ class JobAdmin(ReadOnly, admin.ModelAdmin):
     )
     def recover_stranded(self, request: Any, queryset: Any) -> None:
         self.message_user(request, recover_stranded(current_celery_app()), messages.INFO)
+
+
+@admin.register(OutboxEffect)
+class OutboxEffectAdmin(ReadOnly, admin.ModelAdmin):
+    """The outbox's effects, newest first, without their payloads (the model has no such field):
+    requeue a dead one with ``celery -A proj fence outbox requeue ID``."""
+
+    list_display = (
+        "id",
+        "key",
+        "name",
+        "status",
+        "attempts",
+        "available_at",
+        "last_error",
+        "created_at",
+        "delivered_at",
+    )
+    list_filter = ("status",)
+    search_fields = ("key",)
+    readonly_fields = (
+        "id",
+        "key",
+        "name",
+        "idempotency_key",
+        "status",
+        "attempts",
+        "available_at",
+        "claimed_by",
+        "claimed_until",
+        "last_error",
+        "created_at",
+        "delivered_at",
+    )
+
+    def get_queryset(self, request: Any) -> Any:
+        return super().get_queryset(request).using(fence_alias() or "default")

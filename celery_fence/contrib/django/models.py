@@ -55,3 +55,30 @@ class Transition(models.Model):
 
     def __str__(self) -> str:
         return f"{self.action} generation {self.generation}"
+
+
+class OutboxEffect(models.Model):
+    """A row of ``fence_outbox`` without its payload: the model has no payload field, so the
+    admin never even selects it (what a handler sends may be personal data)."""
+
+    id = models.BigAutoField(primary_key=True)
+    key = models.CharField(max_length=512)
+    name = models.CharField(max_length=255)
+    idempotency_key = models.CharField(max_length=128)
+    status = models.CharField(max_length=16)
+    attempts = models.IntegerField()
+    available_at = models.DateTimeField()
+    claimed_by = models.CharField(max_length=64, null=True)
+    claimed_until = models.DateTimeField(null=True)
+    last_error = models.TextField(null=True)
+    created_at = models.DateTimeField()
+    delivered_at = models.DateTimeField(null=True)
+
+    class Meta:
+        managed = False
+        db_table = "fence_outbox"
+        ordering = ["-id"]
+        verbose_name = "outbox effect"
+
+    def __str__(self) -> str:
+        return f"{self.name} of {self.key} ({self.status})"

@@ -16,7 +16,7 @@ from celery_fence.config import FenceConfig
 from celery_fence.errors import FenceError
 from celery_fence.ops.scope import Scope
 from celery_fence.pipeline.backends import store_for
-from celery_fence.store import JobRecord, Store
+from celery_fence.store import JobRecord, OutboxRow, Store
 from celery_fence.store.engine import missing_database_message, missing_database_name
 from celery_fence.store.records import never_claimed
 
@@ -77,7 +77,8 @@ class FenceGroup(click.Group):
 @click.pass_context
 @handle_preload_options
 def fence(ctx: click.Context, **kwargs: Any) -> None:
-    """celery-fence: inspect, recover, requeue and purge fenced jobs; create the schema."""
+    """celery-fence: inspect, recover, requeue and purge fenced jobs; list and requeue outbox
+    effects; create the schema."""
 
 
 def config_of(ctx: click.Context) -> FenceConfig:
@@ -165,6 +166,38 @@ def record_json(record: JobRecord) -> dict[str, Any]:
         "finished_at": utc_iso(record.finished_at),
         "retry_at": utc_iso(record.retry_at),
     }
+
+
+def effect_json(row: OutboxRow) -> dict[str, Any]:
+    """An outbox effect as the ``--json`` outputs show it: its delivery state, never its payload
+    (what a handler sends may be personal data; it stays in the table)."""
+    return {
+        "id": row.id,
+        "key": row.key,
+        "name": row.name,
+        "status": row.status,
+        "attempts": row.attempts,
+        "last_error": row.last_error,
+        "idempotency_key": row.idempotency_key,
+        "available_at": utc_iso(row.available_at),
+        "created_at": utc_iso(row.created_at),
+        "delivered_at": utc_iso(row.delivered_at),
+    }
+
+
+#: Columns of an effect in a text table (``fence show``, ``fence outbox ls``).
+EFFECT_HEADER = ("ID", "NAME", "STATUS", "ATTEMPTS", "NEXT TRY", "LAST ERROR", "IDEMPOTENCY KEY")
+#: Characters of an effect's last error a text table shows (``--json`` has it whole).
+EFFECT_ERROR_LENGTH = 80
+
+
+def effect_cells(row: OutboxRow) -> tuple[str, ...]:
+    """An outbox effect as a row of :data:`EFFECT_HEADER` (no payload)."""
+    error = " ".join((row.last_error or "-").split())
+    if len(error) > EFFECT_ERROR_LENGTH:
+        error = error[: EFFECT_ERROR_LENGTH - 3] + "..."
+    due = utc_text(row.available_at) if row.status == "pending" else "-"
+    return (str(row.id), row.name, row.status, str(row.attempts), due, error, row.idempotency_key)
 
 
 def table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:

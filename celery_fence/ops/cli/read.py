@@ -17,10 +17,13 @@ from celery_fence.config import DJANGO_STORE_UNSET, read_setting
 from celery_fence.leases.lease import make_redis_client
 from celery_fence.ops import recovery
 from celery_fence.ops.cli.common import (
+    EFFECT_HEADER,
     EX_USAGE,
     FenceCLIError,
     celery_command,
     command,
+    effect_cells,
+    effect_json,
     locate,
     record_json,
     safe_url,
@@ -297,11 +300,13 @@ def _result_text(record: JobRecord) -> str:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of text.")
 @click.pass_context
 def show(ctx: click.Context, key: str, as_json: bool) -> None:
-    """Show one job: its state, its lease in Redis and its transition history."""
+    """Show one job: its state, its lease in Redis, its transition history and its outbox
+    effects (name, state, attempts, last error, idempotency key; never their payloads)."""
     with scope_of(ctx) as scope:
         store, record = locate(scope, key)
         remaining, lease_generation = scope.lease(record)
     history = store.history(key)
+    effects = store.outbox_rows.rows(key=key)
     routing = recovery.routing_for(record, ctx.obj.app) if record.request else {}
     queue = routing.get("queue")
     if "routing_key" in routing:
@@ -316,6 +321,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
             lease_generation=lease_generation,
             result=record.result if record.status == COMPLETED else None,
             history=[_transition_json(t) for t in history],
+            effects=[effect_json(e) for e in effects],
         )
         ctx.obj.echo(json.dumps(doc))
         return
@@ -360,4 +366,10 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         )
     else:
         lines.append("history:       none recorded")
+    if effects:
+        lines.append("effects:")
+        cells = [effect_cells(e) for e in effects]
+        lines.extend("  " + line for line in table(cells, EFFECT_HEADER).splitlines())
+    else:
+        lines.append("effects:       none")
     ctx.obj.echo("\n".join(lines))
