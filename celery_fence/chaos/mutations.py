@@ -149,22 +149,22 @@ BREAKAGES = (
         "outbox-outside",
         "outbox insert outside the completion's transaction",
         "store/fenced.py",
-        "            if own_tx:\n"
-        "                cursor.execute(sql.BEGIN_IMMEDIATE)\n"
-        "            try:\n"
-        "                cursor.execute(statement, params)\n",
-        "            for e in effects:  # broken: outside the completion's transaction\n"
-        "                cursor.execute(\n"
-        "                    sql.SQLITE_OUTBOX_SQL,\n"
-        '                    {"key": params["key"], "name": e.name,\n'
-        '                     "idempotency_key": e.idempotency_key,\n'
-        '                     "payload": json.dumps(e.payload), "now": stamp},\n'
-        "                )\n"
-        "            effects = ()\n"
-        "            if own_tx:\n"
-        "                cursor.execute(sql.BEGIN_IMMEDIATE)\n"
-        "            try:\n"
-        "                cursor.execute(statement, params)\n",
+        "        if own_tx:\n"
+        "            cursor.execute(sql.BEGIN_IMMEDIATE)\n"
+        "        try:\n"
+        "            cursor.execute(statement, params)\n",
+        "        for e in effects:  # broken: outside the completion's transaction\n"
+        "            cursor.execute(\n"
+        "                sql.SQLITE_OUTBOX_SQL,\n"
+        '                {"key": params["key"], "name": e.name,\n'
+        '                 "idempotency_key": e.idempotency_key,\n'
+        '                 "payload": json.dumps(e.payload), "now": stamp},\n'
+        "            )\n"
+        "        effects = ()\n"
+        "        if own_tx:\n"
+        "            cursor.execute(sql.BEGIN_IMMEDIATE)\n"
+        "        try:\n"
+        "            cursor.execute(statement, params)\n",
         ("--scenario", "pause", "--runs", "3"),
         column="stale_writes",
     ),

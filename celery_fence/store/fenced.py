@@ -61,8 +61,8 @@ class FencedWriter:
         ``synchronous_commit`` was turned off for the server, database or role; False (the
         registration only), it returns before its WAL is flushed (``synchronous_commit`` off for
         this statement's transaction): a crash of the database can then lose it, never half of
-        it. On SQLite it changes nothing (its WAL journal with ``synchronous=NORMAL`` syncs no
-        commit: docs/design.md)."""
+        it. SQLite: True, the commit syncs the WAL to disk (``synchronous=FULL`` for this write);
+        False, the connection's ``synchronous=NORMAL`` (an OS crash can lose it): docs/design.md."""
         now = now or utcnow()
         record = self.record_transitions
         reason = (reason or "")[:255] or None  # the table keeps 255 characters, no empty one
@@ -88,47 +88,69 @@ class FencedWriter:
                 )
             row = self.db.pg_execute(statement, params)
             return None if row is None else Row(*row)
-        params["now"] = stamp = now.strftime(SQLITE_TIMESTAMP)
-        # Its rows share one BEGIN IMMEDIATE transaction; a lone statement needs none, nor a
-        # write inside the caller's open transaction (a rolled-back view: the store's probe).
-        own_tx = (record or bool(effects)) and not self.db.pinned
+        params["now"] = now.strftime(SQLITE_TIMESTAMP)
+        # An ending is synced to disk at its commit; inside the caller's open transaction (a
+        # rolled-back view: the store's probe) the pragma would change nothing: not set there.
+        synced = durable and not self.db.pinned
         with self.db.raw() as cursor:
-            if own_tx:
-                cursor.execute(sql.BEGIN_IMMEDIATE)
+            if synced:
+                cursor.execute(sql.SQLITE_SYNC_FULL)
             try:
-                cursor.execute(statement, params)
-                row = cursor.fetchone()
-                if row is not None:
-                    for action in actions if record else ():
-                        cursor.execute(
-                            SQLITE_TRANSITION_SQL,
-                            {
-                                "key": row[0],
-                                "generation": row[1],
-                                "attempt_id": row[2],
-                                "action": action.value,
-                                "reason": reason,
-                                "now": stamp,
-                            },
-                        )
-                    for e in effects:
-                        cursor.execute(
-                            sql.SQLITE_OUTBOX_SQL,
-                            {
-                                "key": row[0],
-                                "name": e.name,
-                                "idempotency_key": e.idempotency_key,
-                                "payload": json.dumps(e.payload, separators=(",", ":")),
-                                "now": stamp,
-                            },
-                        )
-            except BaseException:
-                if own_tx:
-                    cursor.execute(sql.ROLLBACK)
-                raise
+                return self._sqlite_write(cursor, statement, params, actions, reason, effects)
+            finally:
+                if synced:
+                    cursor.execute(sql.SQLITE_SYNC_NORMAL)
+
+    def _sqlite_write(
+        self,
+        cursor: Any,
+        statement: str,
+        params: dict[str, Any],
+        actions: tuple[Action, ...],
+        reason: str | None,
+        effects: Sequence[Effect],
+    ) -> Row | None:
+        record = self.record_transitions
+        stamp = params["now"]
+        # Its rows share one BEGIN IMMEDIATE transaction; a lone statement needs none, nor a
+        # write inside the caller's open transaction.
+        own_tx = (record or bool(effects)) and not self.db.pinned
+        if own_tx:
+            cursor.execute(sql.BEGIN_IMMEDIATE)
+        try:
+            cursor.execute(statement, params)
+            row = cursor.fetchone()
+            if row is not None:
+                for action in actions if record else ():
+                    cursor.execute(
+                        SQLITE_TRANSITION_SQL,
+                        {
+                            "key": row[0],
+                            "generation": row[1],
+                            "attempt_id": row[2],
+                            "action": action.value,
+                            "reason": reason,
+                            "now": stamp,
+                        },
+                    )
+                for e in effects:
+                    cursor.execute(
+                        sql.SQLITE_OUTBOX_SQL,
+                        {
+                            "key": row[0],
+                            "name": e.name,
+                            "idempotency_key": e.idempotency_key,
+                            "payload": json.dumps(e.payload, separators=(",", ":")),
+                            "now": stamp,
+                        },
+                    )
+        except BaseException:
             if own_tx:
-                cursor.execute(sql.COMMIT)
-            return None if row is None else Row(*row)
+                cursor.execute(sql.ROLLBACK)
+            raise
+        if own_tx:
+            cursor.execute(sql.COMMIT)
+        return None if row is None else Row(*row)
 
     def record(
         self,

@@ -69,6 +69,11 @@ SQLITE_PRAGMAS = (
     "PRAGMA synchronous=NORMAL",
     "PRAGMA busy_timeout=30000",
 )
+#: SQLite: a job's ending (completion, retry, dead) is synced to disk before its COMMIT returns
+#: (the WAL fsynced at the commit: an OS crash or power loss after the ack cannot take it back);
+#: the connection's default, NORMAL, is for everything else (a registration, like PostgreSQL's,
+#: may be lost to an OS crash: it costs a re-run, never a stale write or a lost job).
+SQLITE_SYNC_FULL, SQLITE_SYNC_NORMAL = "PRAGMA synchronous=FULL", "PRAGMA synchronous=NORMAL"
 BEGIN_IMMEDIATE, COMMIT, ROLLBACK = "BEGIN IMMEDIATE", "COMMIT", "ROLLBACK"
 NO_STATEMENT_TIMEOUT = "SET LOCAL statement_timeout = 0"
 

@@ -559,3 +559,35 @@ def test_re_sends_nobody_claimed_are_counted_per_key_in_one_statement(store: Sto
     counts = store.resends_unclaimed([twice, once, reclaimed, never])
     assert counts == {twice: 2, once: 1, reclaimed: 0, never: 0}
     assert store.resends_unclaimed([]) == {}
+
+
+def test_on_sqlite_an_ending_is_synced_to_disk_and_a_registration_is_not(
+    tmp_path: Path,
+) -> None:
+    """SQLite's WAL with ``synchronous=NORMAL`` syncs no commit: a power loss after the ack could
+    take a completion back (and with it the job). Every ending runs with ``synchronous=FULL``
+    (the WAL fsynced at its COMMIT); a registration keeps NORMAL (its loss costs a re-run)."""
+    store = Store(f"sqlite:///{tmp_path / 'sync.sqlite3'}")
+    seen: list[str] = []
+
+    def trace(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        dbapi_conn.set_trace_callback(seen.append)
+
+    sa.event.listen(store.engine, "checkout", trace)
+    key = f"sync:{uuid.uuid4().hex[:8]}"
+    # Given a registration,
+    store.register(key, generation=1, attempt_id="A", task_name="t")
+    registration = list(seen)
+    seen.clear()
+    # when the job completes,
+    store.end(key, Completion(generation=1, attempt_id="A", result={"ok": True}))
+    # then the registration ran on the connection's default (NORMAL), not synced,
+    assert registration and not any("synchronous" in s for s in registration), registration
+    # and the completion's statements ran between FULL and the return to NORMAL.
+    pragmas = [s for s in seen if "synchronous" in s]
+    assert pragmas == ["PRAGMA synchronous=FULL", "PRAGMA synchronous=NORMAL"], seen
+    first, last = seen.index(pragmas[0]), seen.index(pragmas[1])
+    assert any("UPDATE" in s.upper() for s in seen[first:last]), seen
+    record = store.get(key)
+    assert record is not None and record.status == "completed"
+    store.dispose()
