@@ -482,8 +482,11 @@ class FencedTask(Task, Fenced):
             super().update_state(*args, **kwargs)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's ``retry``, with three differences for a fenced attempt:
+        """Celery's ``retry``, with four differences for a fenced attempt:
 
+        - The retry message is published with the message's serializer, compression and
+          delivery mode (:func:`~celery_fence.store.records.message_publish_options`), as the
+          fence's own re-send is; options given to ``retry`` win.
         - The attempt gives its lease back (token-compared) right before the retry message is
           published, so an immediate retry (``countdown=0``, ``autoretry_for``) runs at once
           instead of meeting this attempt's lease and waiting a whole lease TTL.
@@ -500,6 +503,10 @@ class FencedTask(Task, Fenced):
         throw = kwargs.get("throw", args[3] if len(args) > 3 else True)
         fenced = request.get("fence") is not None
         setattr(request, RELEASE_BEFORE_SEND, bool(fenced and throw and not request.is_eager))
+        if not request.called_directly and not request.is_eager:
+            # the message's serializer and compression, as the fence's own re-send keeps them
+            # (Celery's signature keeps neither); options the body passes win
+            kwargs = {**message_publish_options(request), **kwargs}
         try:
             return super().retry(*args, **kwargs)
         except (Retry, RetryNotSent):

@@ -384,6 +384,9 @@ class Execution:
         )
         self.attempts = registration.attempts
         if registration.outcome == "registered":
+            # The row's stored request says which re-run this is, also when the message does
+            # not (the key's first message redelivered late, after a requeue --completed).
+            self.run_number = max(self.run_number, registration.run)
             return None
         if registration.outcome == "completed":
             assert registration.record is not None

@@ -32,6 +32,8 @@ class Row(NamedTuple):
     generation: int
     attempt_id: str
     attempts: int
+    #: A registration's: the re-run number its stored request carries (``sql.register_sql``).
+    run: Any = None
 
 
 class FencedWriter:

@@ -42,6 +42,7 @@ from celery_fence.store.records import (
     decode_request,
     dumps_strict,
     job_record,
+    run_value,
 )
 
 if TYPE_CHECKING:
@@ -156,7 +157,7 @@ class Store:
             statement, params, actions=_CLAIMED, durable=self.durable_registration
         )
         if row is not None:
-            return Registration("registered", row.attempts, row.generation)
+            return Registration("registered", row.attempts, row.generation, run=run_value(row.run))
         record = self.get(key)
         if record is None:  # deleted between the two statements (purge): let the caller retry
             raise StoreError(f"job {key!r} vanished during registration; retry")

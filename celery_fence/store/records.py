@@ -66,6 +66,10 @@ class Registration:
     attempts: int
     stored_generation: int
     record: JobRecord | None = None
+    #: The operator's re-run the job row's stored request is numbered for (its ``fence_run``;
+    #: 0: none), returned by the registration itself: a late message without the header (the
+    #: key's first message, redelivered after ``fence requeue --completed``) still runs as it.
+    run: int = 0
 
 
 @dataclass(frozen=True)
@@ -266,6 +270,14 @@ def run_of(request: Mapping[str, Any] | None) -> int:
     """The re-run number a stored request carries (0: none, the key's first run)."""
     headers = ((request or {}).get("execution") or {}).get("headers") or {}
     value = headers.get(RUN_HEADER) if isinstance(headers, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def run_value(value: Any) -> int:
+    """A ``fence_run`` value as a run number: a positive integer (or its decimal text, as
+    PostgreSQL's ``#>>`` returns it), else 0."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 

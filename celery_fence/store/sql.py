@@ -42,6 +42,22 @@ from celery_fence.schema import OutboxStatus, Status, jobs, outbox, transitions
 
 JOBS, TRANSITIONS, OUTBOX = jobs.name, transitions.name, outbox.name
 RETURNING = "RETURNING key, generation, attempt_id, attempts"
+#: The re-run number (``fence_run``) the job row's stored request carries, as a registration
+#: returns it (an integer, else NULL): a late message without the header still runs as the
+#: operator's re-run the row was requeued for.
+_RUN_PATH = "execution,headers,fence_run"
+_STORED_RUN = {
+    "postgresql": (
+        f"CASE WHEN jsonb_typeof({JOBS}.request #> '{{{_RUN_PATH}}}') = 'number' "
+        f"THEN {JOBS}.request #>> '{{{_RUN_PATH}}}' END AS run"
+    ),
+    # json_type() raises on text that is not JSON: check it first (CASE evaluates lazily)
+    "sqlite": (
+        f"CASE WHEN json_valid({JOBS}.request) THEN CASE WHEN "
+        f"json_type({JOBS}.request, '$.execution.headers.fence_run') = 'integer' "
+        f"THEN json_extract({JOBS}.request, '$.execution.headers.fence_run') END END AS run"
+    ),
+}
 TRANSITION_COLUMNS = "key, generation, attempt_id, action, reason, at"
 OUTBOX_COLUMNS = "key, name, idempotency_key, payload, status, attempts, available_at, created_at"
 _JOB_COLUMNS = (
@@ -194,7 +210,7 @@ def register_sql(dialect: str, *, deferred_first: bool = False, where: str = NEW
         f"attempt_id = excluded.attempt_id, status = '{Status.RUNNING}', "
         f"attempts = CASE WHEN {JOBS}.status = '{Status.FAILED}' THEN 1 "
         f"ELSE {JOBS}.attempts + 1 END, updated_at = excluded.updated_at, retry_at = NULL "
-        f"WHERE {where} {RETURNING}",
+        f"WHERE {where} {RETURNING}, {_STORED_RUN[dialect]}",
     )
 
 
@@ -388,7 +404,7 @@ def pg_with_records(
             "AS e(name text, idempotency_key text, payload jsonb) "
             "ON CONFLICT (idempotency_key) DO NOTHING)"
         )
-    parts.append(" SELECT key, generation, attempt_id, attempts FROM fenced")
+    parts.append(" SELECT * FROM fenced")  # a registration's also its stored run
     parts.append(f" WHERE {PG_DURABLE_COMMIT if durable else PG_ASYNC_COMMIT}")
     return "".join(parts)
 

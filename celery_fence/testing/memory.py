@@ -50,6 +50,7 @@ from celery_fence.store.records import (
     Transition,
     decode_request,
     dumps_strict,
+    run_of,
 )
 
 __all__ = ["MemoryLeaseStore", "MemoryStore"]
@@ -166,7 +167,8 @@ class MemoryStore:
                     return Registration("dead", row.attempts, row.generation, stored)
                 return Registration("stale", row.attempts, row.generation, stored)
             self._write(row, (Action.CLAIMED,), None, (), now)
-            return Registration("registered", row.attempts, row.generation)
+            run = run_of(decode_request(row.request))
+            return Registration("registered", row.attempts, row.generation, run=run)
 
     def end(self, key: str, ending: Ending) -> bool:
         """Apply ``ending`` (:meth:`celery_fence.store.Store.end`): each ending's statement,

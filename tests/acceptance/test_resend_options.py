@@ -161,6 +161,33 @@ def test_the_fences_own_re_send_keeps_the_messages_serializer_and_compression(
     broker.close()
 
 
+def test_the_bodys_own_retry_keeps_the_messages_serializer_and_compression(
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    fence_store: Store,
+    worker_env: dict[str, str],
+) -> None:
+    queue = worker_env["FENCE_T_QUEUE"]
+    broker = redis.Redis.from_url(BROKER_URL)
+    key = f"retry:{uuid.uuid4().hex[:8]}"
+    # Given a message published with apply_async's options whose body calls self.retry(),
+    spawn_worker("w", **PICKLE_WORKER)
+    sent = client_app.control.apply_async((key,), {"kind": "retry", "countdown": 60}, **PUBLISHED)
+
+    def retried() -> list[dict[str, Any]]:
+        found = _raw_messages(broker, queue, sent.id)
+        return [m for m in found if m["headers"].get("retries")]  # the retry's message
+
+    wait_until(lambda: retried(), 30, what="the retry message published")
+    # then the retry's message is published with the message's serializer and compression.
+    message = retried()[0]
+    published = _published(message["content-type"], message["headers"], message["properties"])
+    assert (published["content_type"], published["compression"]) == (PICKLE, ZLIB)
+    assert published["delivery_mode"] == 1
+    wait_until(lambda: _status(fence_store, key) == "retrying", 30, what="retrying")
+    broker.close()
+
+
 def _status(store: Store, key: str) -> str | None:
     record = store.get(key)
     return None if record is None else record.status

@@ -469,6 +469,50 @@ def test_a_completed_key_re_run_by_the_operator_records_and_delivers_its_effects
     assert len({r.idempotency_key for r in store.outbox_rows.rows(key=key)}) == 3
 
 
+@pytest.mark.filterwarnings("ignore::celery_fence.errors.FenceEagerWarning")  # apply()
+def test_the_first_message_redelivered_late_after_a_requeue_runs_as_the_operators_re_run(
+    app: Celery, store: Store, prefix: str, redis_client: redis.Redis
+) -> None:
+    """After ``fence requeue --completed KEY``, the key's first message (no ``fence_run``
+    header) delivered again before the re-run's message claims the job runs as run 1: the run
+    number comes from the job row the registration takes, so its effect is recorded and
+    delivered with the run's idempotency key, never dropped as the first run's duplicate."""
+    key = f"invoice:{uuid.uuid4().hex[:8]}"
+    outbox = Outbox(app)
+    delivered: list[tuple[Any, str]] = []
+    staged: list[str] = []
+
+    @outbox.handler("email")
+    def email(payload: Any, *, idempotency_key: str) -> None:
+        delivered.append((payload, idempotency_key))
+
+    @app.task(base=FencedTask, bind=True, fence_key=lambda k, total: k)
+    def bill(self: Any, k: str, total: int) -> int:
+        staged.append(self.fence.effects.add("email", {"total": total}))
+        return total
+
+    lease_key = LeaseStore(redis_client, prefix=prefix).keys_for(key).lease
+    # Given a key that completed once, its email recorded and delivered under the first key,
+    assert bill.apply((key, 100)).get() == 100
+    first = idempotency_key(key, "email")
+    wait_until(lambda: not redis_client.exists(lease_key), 10, what="lease released")
+    # when the operator requeues it as completed and a message WITHOUT the run header (the
+    # first run's, redelivered late) claims the job before the re-run's message does,
+    store.admin.requeue(key, completed=True)
+    assert bill.apply((key, 120)).get() == 120
+    # then it ran as run 1: its effect staged, recorded and delivered under the run's key.
+    rerun = idempotency_key(key, "email", 1)
+    assert staged == [first, rerun]
+    rows = sorted(store.outbox_rows.rows(key=key), key=lambda r: r.id)
+    assert [(r.idempotency_key, r.payload, r.status) for r in rows] == [
+        (first, {"total": 100}, "delivered"),
+        (rerun, {"total": 120}, "delivered"),
+    ]
+    assert delivered == [({"total": 100}, first), ({"total": 120}, rerun)]
+    job = store.get(key)
+    assert job is not None and job.status == "completed" and job.result == 120
+
+
 def test_a_purged_key_sent_again_runs_as_new_work_with_the_same_idempotency_keys(
     app: Celery, store: Store, prefix: str, redis_client: redis.Redis
 ) -> None:
