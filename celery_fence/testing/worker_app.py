@@ -187,11 +187,12 @@ def watch_writes(hooks: Hooks) -> None:
     import sqlalchemy as sa
 
     from celery_fence.body.fence import Fence
-    from celery_fence.body.writes import on_fence_tables
+    from celery_fence.store.engine import OWN
 
     def before_statement(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
-        if getattr(_body, "fence", None) is not None and not on_fence_tables(statement):
-            hooks.at_write("statement")
+        if getattr(_body, "fence", None) is None or conn.get_execution_options().get(OWN):
+            return  # no body runs, or the store's own statement
+        hooks.at_write("statement")
 
     if not sa.event.contains(sa.Engine, "before_cursor_execute", before_statement):
         sa.event.listen(sa.Engine, "before_cursor_execute", before_statement)
@@ -234,9 +235,7 @@ def _django_statements_watched(hooks: Hooks) -> contextlib.AbstractContextManage
     from django.db import connections
 
     def wrapper(execute: Any, sql: Any, params: Any, many: Any, context: Any) -> Any:
-        from celery_fence.body.writes import on_fence_tables
-
-        if not on_fence_tables(str(sql)):
+        if not _fence_statement(str(sql)):
             hooks.at_write("statement")
         return execute(sql, params, many, context)
 
@@ -244,6 +243,14 @@ def _django_statements_watched(hooks: Hooks) -> contextlib.AbstractContextManage
     for connection in connections.all():
         stack.enter_context(connection.execute_wrapper(wrapper))
     return stack
+
+
+def _fence_statement(statement: str) -> bool:
+    """A statement on the fence's own tables (``fence.atomic()``'s ownership check runs on
+    Django's connection): not a write of the body's, for the pause point only."""
+    from celery_fence import schema
+
+    return any(t.name in statement for t in (schema.jobs, schema.transitions, schema.outbox))
 
 
 def watch_blocks(hooks: Hooks) -> None:
