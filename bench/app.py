@@ -5,8 +5,6 @@ Every variant is a task of this one app, so every variant runs under the same wo
 - ``bench.plain``: plain Celery, ``acks_late``;
 - ``bench.fenced_pg`` / ``bench.fenced_sqlite``: :class:`~celery_fence.FencedTask` with distinct
   keys, results fenced in PostgreSQL / SQLite;
-- ``bench.fenced_pg_defer``: ``bench.fenced_pg`` with ``fence_defer_first_registration=True``
-  (a first claim's row is written by its completion: one statement instead of two);
 - ``bench.rlock``: python-redis-lock's ``Lock`` with auto-renewal around the body (no fencing),
   what a user might pick instead;
 - ``bench.plain_dbresult``: plain Celery whose result goes to Celery's own database result backend
@@ -106,18 +104,6 @@ def plain(key: str, sleep: float = 0.0) -> None:
 @app.task(name="bench.fenced_pg", base=FencedTask, bind=True, fence_key=_key)
 def fenced_pg(self: Any, key: str, sleep: float = 0.0) -> None:
     _body(sleep, "bench.fenced_pg")
-
-
-@app.task(
-    name="bench.fenced_pg_defer",
-    base=FencedTask,
-    bind=True,
-    fence_key=_key,
-    fence_defer_first_registration=True,
-    fence_generation_ttl=0.0,  # deferral needs counters that never expire
-)
-def fenced_pg_defer(self: Any, key: str, sleep: float = 0.0) -> None:
-    _body(sleep, "bench.fenced_pg_defer")
 
 
 @app.task(

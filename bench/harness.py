@@ -273,8 +273,6 @@ def classify_sql(query: str) -> str:
         return f"celery {q.split(' ', 1)[0].lower()}"
     if q == "SELECT $1":  # a pool's pre-ping (Celery's database backend has pool_pre_ping on)
         return "ping"
-    if "INSERT INTO fence_jobs" in q and "attempts, request, result, created_at" in q:
-        return "first complete"  # a deferred first claim's completion: the row, as completed
     if "INSERT INTO fence_jobs" in q:
         return "register"
     if "UPDATE fence_jobs SET status" in q:  # constants are $n in pg_stat_statements' text

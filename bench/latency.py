@@ -51,7 +51,6 @@ VARIANTS = (
         "bench.rlock_redisresult",
         "python-redis-lock, auto-renewal, Redis result backend",
     ),
-    Variant("fenced-pg-defer", "bench.fenced_pg_defer", "fenced, PostgreSQL, deferred first claim"),
     Variant("plain-noresult", "bench.plain", "plain Celery, no result stored"),
 )
 EXPERIMENTS = {
@@ -467,7 +466,7 @@ def print_report(variants: tuple[Variant, ...], result: dict[str, Any], out: Any
     print(table(["round trip", "p50", "p99"], rows), file=out)
     print(
         "pg commit: a one-row INSERT committed with its WAL flushed (each fence commit: "
-        "fenced-pg has two a task, register and complete; fenced-pg-defer one for a first "
-        "claim); no flush wait: the same with synchronous_commit off.",
+        "fenced-pg has two a task: the completion waits for its flush, the registration "
+        "does not); no flush wait: the same with synchronous_commit off.",
         file=out,
     )

@@ -60,7 +60,6 @@ class Variant:
 VARIANTS = (
     Variant("plain", "bench.plain", 0.0, None, "-"),
     Variant("fenced-pg", "bench.fenced_pg", 0.0, "plain", "postgresql"),
-    Variant("fenced-pg-defer", "bench.fenced_pg_defer", 0.0, "plain", "postgresql"),
     Variant("fenced-pg-redisresult", "bench.fenced_pg_redisresult", 0.0, "plain", "postgresql"),
     Variant("plain-dbresult", "bench.plain_dbresult", 0.0, "plain", "postgresql"),
     Variant("fenced-sqlite", "bench.fenced_sqlite", 0.0, "plain", "sqlite"),
@@ -68,7 +67,6 @@ VARIANTS = (
     Variant("celery-once", "bench.once", 0.0, "plain", "-"),
     Variant("plain-50ms", "bench.plain", 0.05, None, "-"),
     Variant("fenced-pg-50ms", "bench.fenced_pg", 0.05, "plain-50ms", "postgresql"),
-    Variant("fenced-pg-defer-50ms", "bench.fenced_pg_defer", 0.05, "plain-50ms", "postgresql"),
 )
 #: With ``--experiment``: the same tasks on the second worker, each right after its reference.
 EXPERIMENTS = {
@@ -80,7 +78,7 @@ EXPERIMENTS = {
 
 #: Before/after (``--rev``, on by default): these run on a second worker importing
 #: ``celery_fence`` as of the revision, each named ``<name>@old``, in the same rounds.
-BEFORE_AFTER = ("fenced-pg", "fenced-pg-defer", "fenced-sqlite", "fenced-pg-50ms")
+BEFORE_AFTER = ("fenced-pg", "fenced-sqlite", "fenced-pg-50ms")
 
 
 def old_copy(v: Variant) -> Variant:
@@ -97,8 +95,6 @@ class TasksFailed(RuntimeError):
 #: result); fenced-pg-redisresult / fenced-pg: the cost of also writing the result to Redis.
 HEADLINES = (
     ("fenced-pg", "plain-dbresult"),
-    ("fenced-pg-defer", "plain-dbresult"),
-    ("fenced-pg-defer", "fenced-pg"),
     ("fenced-pg-redisresult", "fenced-pg"),
 )
 #: The worker tree's processes in the CPU counts (the rest: the servers and the machine).

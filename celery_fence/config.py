@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -157,6 +158,17 @@ def _as_types(name: str, value: Any) -> tuple[type[BaseException], ...]:
     return tuple(out)
 
 
+#: Said when ``fence_defer_first_registration`` is set: the default path now waits for one
+#: durable commit a task (the registration commits without waiting for its WAL flush), and the
+#: deferral needed a read before the body that made it slower than the default (measured:
+#: docs/performance.md). The setting is accepted so existing configurations keep working.
+RETIRED_DEFERRAL = (
+    "fence_defer_first_registration is retired and ignored: every task now waits for one "
+    "durable commit (its completion; the registration no longer waits for its flush), which "
+    "is what deferral was for, and faster. Remove the setting."
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class FenceConfig:
     """The validated settings. Build one with :meth:`from_app` or :meth:`from_mapping`."""
@@ -193,7 +205,7 @@ class FenceConfig:
     record_transitions: bool = True
     send_events: bool = True
     redact_celery_logs: bool = False
-    defer_first_registration: bool = False
+    defer_first_registration: bool = False  # retired: accepted, ignored (RETIRED_DEFERRAL)
     database_timeout: float = DEFAULT_DATABASE_TIMEOUT
     generation_ttl: float = DEFAULT_GENERATION_TTL
     recover_after: float | None = None  # None: RECOVER_AFTER_TTLS x lease_ttl
@@ -306,14 +318,8 @@ class FenceConfig:
                 f"fence_generation_ttl={self.generation_ttl} must be 0 (counters never expire) "
                 f"or at least fence_lease_ttl={self.lease_ttl}, e.g. 600.0."
             )
-        if self.defer_first_registration and self.generation_ttl != 0:
-            raise ConfigurationError(
-                f"fence_defer_first_registration=True needs fence_generation_ttl=0 (counters "
-                f"that never expire), not {self.generation_ttl}: a first claim that defers its "
-                "registration cannot see that its job already completed, so an expired counter "
-                "that hands out generation 1 again would run a completed job's body again. Set "
-                "fence_generation_ttl=0, or turn deferral off."
-            )
+        if self.defer_first_registration:
+            warnings.warn(RETIRED_DEFERRAL, FutureWarning, stacklevel=2)
         if self.recover_after is not None and not self.recover_after >= 2 * self.lease_ttl:
             raise ConfigurationError(
                 f"fence_recover_after={self.recover_after} must be at least twice "

@@ -424,7 +424,7 @@ def _publish(sends: list[_Send]) -> None:
         headers = {
             **dict(send.options.get("headers") or {}),
             KEY_HEADER: send.key,
-            ENQUEUED_HEADER: 1,  # a first delivery: its deferred claim may complete the row
+            ENQUEUED_HEADER: 1,  # enqueue()'s own send: a re-send or recovery drops it
         }
         options = {k: v for k, v in send.options.items() if k != "headers"}
         try:

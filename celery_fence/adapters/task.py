@@ -316,7 +316,6 @@ class FencedTask(Task, Fenced):
             key,
             functools.partial(self._body, args, kwargs, call),
             request_json=functools.partial(request_text, self.name, args, kwargs, request),
-            first_delivery=self._first_delivery(),
             max_runtime=self._max_runtime(execution.config),
         )
         return self._carry_out(disposition)
@@ -380,20 +379,6 @@ class FencedTask(Task, Fenced):
         """How many times the fence itself re-sent this message (:data:`RESENDS_HEADER`)."""
         count = self.request.get(RESENDS_HEADER)
         return count if isinstance(count, int) and count > 0 else 0
-
-    def _first_delivery(self) -> bool:
-        """This message's first delivery: not a re-send (Celery's ``retries``: the body's
-        ``self.retry()``; :data:`RESENDS_HEADER`: the fence's own), not redelivered by the
-        broker, not re-sent by recovery or requeue (a ``fence_key`` header without the
-        ``fence_enqueued`` one: :func:`enqueue`'s own send is a first delivery). Only then may a
-        first claim defer its registration: a repeat may find its job completed, which only a
-        registration sees (Redis may have lost the counter). Brokers also flag a message given
-        back unstarted (a consumer cancelled, a warm shutdown): it registers first too, one
-        statement more."""
-        request = self.request
-        redelivered = (request.delivery_info or {}).get("redelivered")
-        resent = request.get(KEY_HEADER) and not request.get(ENQUEUED_HEADER)
-        return not (request.retries or self._resends() or redelivered or resent)
 
     def _max_runtime(self, config: FenceConfig) -> float | None:
         """``fence_max_runtime``, else the hard time limit of this message or task, else None."""

@@ -80,12 +80,9 @@ class Fence:
 
     def prepare_block(self) -> None:
         """Before a fenced block opens: a refused commit stays refused, a lost lease stops the
-        work (``guard()`` semantics), and a deferred first claim registers now (the block's
-        ownership check is a statement on its row)."""
+        work (``guard()`` semantics)."""
         self.blocks.raise_refused()
         self.check()
-        if self.execution is not None:
-            self.execution.register_for_block()
 
     @contextmanager
     def guard(self) -> Iterator[Fence]:

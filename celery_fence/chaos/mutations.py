@@ -89,9 +89,9 @@ BREAKAGES = (
         "completion-predicate",
         "completion predicate loosened to key AND status = 'running'",
         "store/sql.py",
-        "        where,\n    )\n\n\n@cache\ndef complete_first_sql",
+        "        where,\n    )\n\n\n@cache\ndef retry_sql",
         "        f\"key = :key AND status = '{Status.RUNNING}'\",\n    )\n\n\n@cache\n"
-        "def complete_first_sql",
+        "def retry_sql",
         ("--scenario", "pause", "--runs", "2"),
         column="stale_writes",
     ),

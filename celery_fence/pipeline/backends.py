@@ -22,7 +22,6 @@ from celery_fence.store import Store
 #: configurations equal in these share one store.
 STORE_SETTINGS = (
     "record_transitions",
-    "defer_first_registration",
     "error_message_length",
     "database_timeout",
     "lock_timeout",

@@ -1,8 +1,8 @@
 """One :class:`Execution` per attempt of a fenced task: claim -> register -> body -> settle.
 
 The execution owns the attempt from its first step to the disposition Celery is given, in one
-direction: it claims a generation (Redis, one script call), registers it (SQL, one statement, or
-none for a deferred first claim), runs the body with ``self.fence`` bound to it, and settles
+direction: it claims a generation (Redis, one script call), registers it (SQL, one statement),
+runs the body with ``self.fence`` bound to it, and settles
 whatever happened through :func:`celery_fence.pipeline.settle.settle`, which writes the one fenced
 store state the outcome needs and returns one :data:`~celery_fence.pipeline.outcomes.Disposition`.
 It never calls Celery: :class:`~celery_fence.adapters.task.FencedTask` (the body's side) and
@@ -43,7 +43,6 @@ from celery_fence.pipeline.retry import RetryPolicy
 from celery_fence.pipeline.settle import settle
 from celery_fence.process.background import BackgroundWriter
 from celery_fence.process.runtime import runtime
-from celery_fence.schema import PENDING
 from celery_fence.store import Store
 from celery_fence.store.engine import refusal_reason
 
@@ -51,9 +50,6 @@ logger = logging.getLogger("celery_fence")
 
 #: How many times a claim is retried after the store showed Redis had lost its counter.
 CLAIM_ROUNDS = 3
-
-#: How JSON writes the NUL character, which PostgreSQL's jsonb refuses.
-NUL_ESCAPE = "\\u0000"
 
 
 class Execution:
@@ -93,9 +89,6 @@ class Execution:
         self.attempts = 0
         self.lease: HeldLease | None = None
         self.registered = False
-        #: A first claim whose registration is deferred (``fence_defer_first_registration``): its
-        #: row is written by its completion, or registered late by any other outcome.
-        self.deferred = False
         self.request_json: str | None = None
         #: The lease was given back before the attempt ended (:meth:`release_before_retry`).
         self.released = False
@@ -120,7 +113,6 @@ class Execution:
         body: Callable[[Fence], Any],
         *,
         request_json: Callable[[], str | None],
-        first_delivery: bool,
         max_runtime: float | None,
     ) -> o.Disposition:
         """Claim, register, run ``body(fence)`` and settle: the disposition for Celery. Every
@@ -129,7 +121,7 @@ class Execution:
         self.key = key
         try:
             try:
-                outcome = self._execute(body, request_json, first_delivery, max_runtime)
+                outcome = self._execute(body, request_json, max_runtime)
             except Exception as exc:  # anything raised in the fenced path settles too
                 outcome = o.Unexpected(exc)
             except BaseException as exc:  # SystemExit, CancelledError, gevent's Timeout, ...
@@ -187,12 +179,11 @@ class Execution:
         self,
         body: Callable[[Fence], Any],
         request_json: Callable[[], str | None],
-        first_delivery: bool,
         max_runtime: float | None,
     ) -> o.Outcome:
         """Claim -> register -> body, as far as it gets: the outcome, never an exit."""
         self.policy.budget.record_call(self.task_name)
-        stop = self._claim_and_register(request_json, first_delivery, max_runtime)
+        stop = self._claim_and_register(request_json, max_runtime)
         if stop is not None:
             return stop
         assert self.lease is not None and self.generation is not None
@@ -228,7 +219,6 @@ class Execution:
     def _claim_and_register(
         self,
         request_json: Callable[[], str | None],
-        first_delivery: bool,
         max_runtime: float | None,
     ) -> o.Outcome | None:
         """Claim a generation and register it; None when the body may run, else the outcome."""
@@ -272,26 +262,6 @@ class Execution:
             if request is None:
                 request = request_json() or ""
             self.request_json = request or None
-            if (
-                self.generation == 1
-                and config.defer_first_registration
-                and first_delivery
-                and NUL_ESCAPE not in request  # PostgreSQL refuses it: register to know
-            ):
-                try:
-                    fresh = self._never_claimed()
-                except sa_exc.ProgrammingError as exc:  # e.g. the tables do not exist
-                    reason = refusal_reason(exc, "registration")
-                    return o.Unavailable(exc, reason, max(5.0, config.retry_backoff_max / 10))
-                except Exception as exc:  # nothing was written: re-send, never drop
-                    return o.Unavailable(exc, f"store unavailable ({type(exc).__name__})")
-                if fresh:
-                    # Nothing to fence out yet: the completion writes the row in one statement.
-                    self.deferred, self.registered, self.attempts = True, True, 1
-                    return None
-                # The store has this key already: Redis lost its counter (a restart without
-                # persistence, an eviction, a failover) and handed out generation 1 again.
-                # Register as any repeat does: a completed job replays, a newer one is stale.
             try:
                 outcome = self._register()
             except sa_exc.DataError as exc:  # the database refuses the request: every time
@@ -331,15 +301,6 @@ class Execution:
             FenceError(f"could not claim a generation above the store's for {self.key!r}"),
             "generation regressed on every claim round",
         )
-
-    def _never_claimed(self) -> bool:
-        """Whether the store has no row of this key, or only a ``pending`` one nobody claimed
-        (generation 0, written by ``enqueue()``): then a first claim may defer its registration.
-        One read by primary key before the body, no write: Redis may have lost the key's counter
-        and handed out generation 1 for a key the store already completed, and only the store
-        knows (the deferred completion alone would find the row only after the body ran)."""
-        record = self.store.get(self.key)
-        return record is None or (record.status == PENDING and record.generation == 0)
 
     def refused_registration(self, error: sa_exc.DataError) -> o.Outcome:
         """The database refused the registration's request: it would every time."""
@@ -400,33 +361,15 @@ class Execution:
             )
         )
 
-    def register_late(self) -> o.Outcome | None:
-        """Register a deferred first claim before an outcome that writes its row (or a fenced
-        block, whose ownership check is a statement on that row); None when it registered."""
-        self.deferred = False
-        outcome = self._register()
-        if outcome is None:
-            self.registered = True
-        return outcome
-
     def release_before_retry(self) -> bool:
         """The body's own retry is about to be sent (``self.retry()``, ``autoretry_for``): give
         the lease back now, compared on its token, so the retry does not find this attempt's
-        lease busy and wait a whole TTL. A deferred first claim registers first (the retry's
-        claim is no first delivery: it registers, and must find this attempt's row). True when
+        lease busy and wait a whole TTL. True when
         the lease was given back; False leaves it to the end of the attempt (the store's
         fencing, not the lease, decides whose writes count either way)."""
         lease = self.lease
         if lease is None or self.released:
             return False
-        if self.deferred:
-            try:
-                outcome = self.register_late()
-            except Exception:
-                self.deferred = True  # the settle step registers it, as it would have
-                return False
-            if outcome is not None:  # finished or superseded meanwhile: the settle step says so
-                return False
         self.renewer.discard(lease, release=False)
         self.released = True
         try:
@@ -434,24 +377,6 @@ class Execution:
         except Exception:  # Redis unreachable: the renewer's thread sends it (or the TTL ends it)
             self.renewer.return_releases([(lease.lease_key, lease.value)])
         return True
-
-    def register_for_block(self) -> None:
-        """Before a ``fence.transaction()``/``session()``/``atomic()`` block of a deferred first
-        claim: register it now. Raises :class:`StaleGeneration` when the store says a newer
-        generation (or a completion) got there first: the body stops, and the attempt settles
-        as stale, converging on the stored result."""
-        if not self.deferred:
-            return
-        outcome = self.register_late()
-        if isinstance(outcome, o.Stale):
-            raise outcome.error
-        if outcome is not None:  # replayed or dead: the job was finished by another attempt
-            record = getattr(outcome, "record", None)
-            raise StaleGeneration(
-                f"generation {self.generation} of {self.key!r} cannot write: the job is already "
-                "finished",
-                stored_generation=None if record is None else record.generation,
-            )
 
 
 __all__ = ["CLAIM_ROUNDS", "Execution"]

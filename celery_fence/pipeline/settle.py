@@ -17,10 +17,6 @@ after this step, so the ack rule reads in one place:
 outcome              store write (fenced on the attempt)      action
 ===================  =======================================  =============================
 Completed            result + ``completed``                   Return (ack)
-Completed, deferred  the row inserted ``completed``; refused  Return / Fail (ack)
-first, refused       by the database: registered first, then
-                     ``dead`` (the request kept encoded when
-                     it is the request that is refused)
 Replayed             none (already completed)                 Return the stored result (ack)
 AlreadyDead          none                                     Fail (ack)
 Exhausted            ``dead``, attempts = executions          Fail (ack)
@@ -121,8 +117,6 @@ from celery_fence.store.records import (
     DeadRefused,
     DeadUnregistered,
     DeadUnrun,
-    Ending,
-    FirstCompletion,
     RetryScheduled,
     dumps_strict,
 )
@@ -143,8 +137,6 @@ def settle(attempt: Execution, outcome: Outcome) -> Disposition:
     becomes a re-send with backoff: the next delivery decides again.
     """
     try:
-        if attempt.deferred and not isinstance(outcome, _NO_ROW_NEEDED):
-            outcome = attempt.register_late() or outcome
         action = _HANDLERS[type(outcome)](attempt, outcome)
     except Exception as exc:
         action = _unrecorded(attempt, exc, what=type(outcome).__name__.lower())
@@ -156,19 +148,12 @@ def settle(attempt: Execution, outcome: Outcome) -> Disposition:
 def _completed(a: Execution, o: Completed) -> Disposition:
     assert a.generation is not None
     try:
-        ending: Ending = Completion(a.generation, a.attempt_id, o.result, o.effects)
-        if a.deferred:  # one statement: the row inserted as completed, or nothing
-            ending = FirstCompletion(
-                a.generation, a.attempt_id, a.task_name, a.request_json, o.result, o.effects
-            )
-        a.store.end(a.key, ending)
+        a.store.end(a.key, Completion(a.generation, a.attempt_id, o.result, o.effects))
     except StaleGeneration as exc:
         return _stale(a, Stale(exc))
     except ResultNotSerializable as exc:
         return _dead(a, exc, "result is not JSON")
     except sa_exc.DataError as exc:  # e.g. jsonb refuses "\u0000": every retry would too
-        if a.deferred:  # the row's request was refused, or the result: registering tells
-            return _first_refused(a, exc)
         return _dead(a, refused(exc, "the task's return value"), "result refused by the database")
     a.announce(Action.COMPLETED)
     if o.effects:  # names and payloads never: they may carry what the body sent
@@ -189,18 +174,6 @@ def _completed(a: Execution, o: Completed) -> Disposition:
     # becomes a list, an int key a str), as a replay or a converging duplicate returns it.
     stored = json.loads(dumps_strict(o.result, "task's return value"))
     return Return(stored, deliver=a.key if o.effects else None)
-
-
-def _first_refused(a: Execution, exc: sa_exc.DataError) -> Disposition:
-    """The database refused a deferred first completion, which writes the request and the
-    result: a registration (the request alone) tells which, and settles accordingly."""
-    try:
-        outcome = a.register_late()
-    except sa_exc.DataError as request_refused:
-        return _refused(a, Refused(request_refused, a.request_json))
-    if outcome is not None:  # completed, dead or superseded meanwhile
-        return _HANDLERS[type(outcome)](a, outcome)
-    return _dead(a, refused(exc, "the task's return value"), "result refused by the database")
 
 
 def _replayed(a: Execution, o: Replayed) -> Disposition:
@@ -430,22 +403,12 @@ def _unrun(a: Execution, o: Unrun) -> Disposition:
     job is settled first (:class:`~celery_fence.store.records.DeadUnrun`); a store that cannot say
     gives the message back."""
     try:
-        # A deferred first claim writes no row while it runs, so "no row" does not mean "no
-        # attempt": taking a generation does. Only a message that takes the first one may
-        # record a new row dead; after any claim, that claim's attempt owns the job. (A
-        # terminated attempt is this message's own: its job is recorded, row or none.)
-        first = (
-            o.terminated
-            or not a.config.defer_first_registration
-            or a.leases.take_generation(a.key) == 1
-        )
         unrun = DeadUnrun(
             a.task_name,
             o.request,
             o.why,
             only_insert=o.shared_key,
             terminated_id=o.message_id if o.terminated else None,
-            insert=first,
             message_id=o.message_id,
         )
         a.store.end(a.key, unrun)
@@ -484,19 +447,6 @@ def propagates(error: BaseException) -> bool:
     timeout = sys.modules.get("gevent.timeout")
     return timeout is not None and isinstance(error, timeout.Timeout)
 
-
-#: Outcomes of a deferred first claim that write no row (the completion writes it itself).
-_NO_ROW_NEEDED = (
-    Completed,
-    Busy,
-    Unavailable,
-    Replayed,
-    AlreadyDead,
-    Unkeyed,
-    Refused,
-    TimeLimited,
-    Unrun,
-)
 
 _HANDLERS: dict[type, Callable[[Execution, Any], Disposition]] = {
     Completed: _completed,

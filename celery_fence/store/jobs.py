@@ -34,7 +34,6 @@ from celery_fence.store.records import (
     DeadUnrun,
     Effect,
     Ending,
-    FirstCompletion,
     JobRecord,
     Registration,
     RetryScheduled,
@@ -80,7 +79,6 @@ class Store:
         url: str,
         *,
         record_transitions: bool = True,
-        defer_first_registration: bool = False,
         error_message_length: int = 500,
         lock_timeout: float = 5.0,
         engine_options: Mapping[str, Any] | None = None,
@@ -97,7 +95,6 @@ class Store:
         self.database_timeout = database_timeout
         self.lock_timeout = lock_timeout
         self.record_transitions = record_transitions
-        self.defer_first_registration = defer_first_registration
         self.error_message_length = error_message_length
         self.writer = FencedWriter(self.db, record_transitions=record_transitions)
         self.outbox_rows = self.outbox = OutboxRows(self)  # ``outbox``: an alias for scripts
@@ -150,9 +147,7 @@ class Store:
             if request is None
             else json.dumps(request, separators=(",", ":")),
         }
-        statement = sql.register_sql(
-            self.dialect, deferred_first=self.defer_first_registration, where=self.register_where
-        )
+        statement = sql.register_sql(self.dialect, where=self.register_where)
         row = self.writer.write(
             statement, params, actions=_CLAIMED, durable=self.durable_registration
         )
@@ -305,19 +300,6 @@ class Store:
                 self.fenced_write(
                     "completion", statement, params, Action.COMPLETED, effects=effects
                 )
-            case FirstCompletion():  # where no row exists, or only a never-claimed pending one
-                params = self._owner(
-                    key,
-                    ending.generation,
-                    ending.attempt_id,
-                    task_name=ending.task_name,
-                    request=ending.request_json,
-                    result=dumps_strict(ending.result, "task's return value"),
-                )
-                statement = sql.complete_first_sql(self.dialect)
-                actions = (Action.CLAIMED, Action.COMPLETED)
-                effects = ending.effects
-                self.fenced_write("first completion", statement, params, *actions, effects=effects)
             case RetryScheduled():  # where this attempt owns the running row (owned_where)
                 errors = self._error_fields(ending.error)
                 params = self._owner(
@@ -383,16 +365,19 @@ class Store:
                 raise TypeError(f"not an ending: {type(ending).__name__}")
         return True
 
-    def _dead_unregistered(self, key: str, ending: DeadUnregistered) -> bool:
+    def _dead_unregistered(
+        self, key: str, ending: DeadUnregistered, *, over_pending: bool = True
+    ) -> bool:
         """:class:`DeadUnregistered`: a request the database refuses as is (e.g. ``\\u0000`` in
-        PostgreSQL's jsonb) is kept encoded, as :class:`DeadRefused` keeps it."""
+        PostgreSQL's jsonb) is kept encoded, as :class:`DeadRefused` keeps it.
+        ``over_pending=False``: only a new row (a ``pending`` one is left to the caller)."""
         params = {
             "key": key,
             "task_name": ending.task_name,
             "request": _json(ending.request),
             **self._error_fields(ending.error),
         }
-        statement = sql.dead_unregistered_sql(self.dialect)
+        statement = sql.dead_unregistered_sql(self.dialect, over_pending=over_pending)
         reason = ending.reason
         try:
             return self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None
@@ -403,15 +388,17 @@ class Store:
             return self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None
 
     def _dead_unrun(self, key: str, ending: DeadUnrun) -> bool:
-        """:class:`DeadUnrun`: a new row (:class:`DeadUnregistered`'s statement), else a
-        compare-and-set (:data:`.sql.SAME`) on the row just read, while it waits for this
-        message; True when the job went ``dead``, False when only the transition is recorded."""
+        """:class:`DeadUnrun`: a new row (:class:`DeadUnregistered`'s statement, where no row
+        exists), else a compare-and-set (:data:`.sql.SAME`) on the row just read, while it waits
+        for this message (:meth:`DeadUnrun.waits_for`: a ``pending`` row of another message that
+        shares the key is not this message's); True when the job went ``dead``, False when only
+        the transition is recorded."""
         reason, terminated_id = ending.reason, ending.terminated_id
         error = JobDead(f"the message was {reason} before it ran; requeue the job to run it")
         if terminated_id is not None:
             error = JobDead(f"the attempt was {reason} while it ran; requeue the job to run it")
         unregistered = DeadUnregistered(ending.task_name, ending.request, error, reason)
-        if ending.insert and self._dead_unregistered(key, unregistered):
+        if self._dead_unregistered(key, unregistered, over_pending=False):
             return True
         for _ in range(3):  # a claim or registration may move the row between read and write
             before = self.get(key)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from celery_fence.errors import StaleGeneration, StoreError
 from celery_fence.schema import COMPLETED, utcnow
 from celery_fence.store.engine import driver_error_line
-from celery_fence.store.records import Completion, Effect, FirstCompletion, RetryScheduled
+from celery_fence.store.records import Completion, Effect, RetryScheduled
 
 if TYPE_CHECKING:
     from celery_fence.store.jobs import Store
@@ -33,8 +33,7 @@ _TASK = "celery_fence.check"
 def write_probe(store: Store) -> str:
     """Run a fenced task's statements on a probe key and roll them back: register, schedule a
     retry, register the next generation, the fenced commit check (and, fenced, its refusal of the
-    older generation), complete with a staged outbox row, read it all back; on a store with
-    ``fence_defer_first_registration``, a deferred first completion too. Returns what it ran."""
+    older generation), complete with a staged outbox row, read it all back. Returns what it ran."""
     key = f"{PROBE_KEY_PREFIX}{uuid.uuid4().hex}"
     with _step_named("transaction"), store.db.rolled_back() as db:
         _steps(store.on(db), key)
@@ -43,8 +42,6 @@ def write_probe(store: Store) -> str:
     if left is not None:  # the rollback left nothing: a write outside it would show
         raise StoreError(f"the probe job {key!r} outlived its rolled-back transaction")
     ran = "registered, retried, re-registered, commit-checked, completed with an outbox row"
-    if store.defer_first_registration:
-        ran += ", completed a deferred first claim"
     return f"{ran} and read back a probe job, rolled back"
 
 
@@ -100,12 +97,6 @@ def _steps(store: Store, key: str) -> None:
         actions = [t.action for t in _step("history read", store.history, key)]
         want = ["claimed", "retry_scheduled", "claimed", "completed"]
         _expect(actions == want, "history read", f"transitions {actions}")
-    if store.defer_first_registration:
-        other = f"{key}:first"
-        first = FirstCompletion(1, "f1", _TASK, None, 1)
-        _step("deferred first completion", store.end, other, first)
-        done = _step("read", store.get, other)
-        _expect(done is not None and done.status == COMPLETED, "deferred first completion", "")
 
 
 def _expect(ok: Any, step: str, detail: str) -> None:

@@ -101,21 +101,6 @@ class Completion:
 
 
 @dataclass(frozen=True)
-class FirstCompletion:
-    """The completion of a first claim whose registration was deferred: the row inserted as
-    completed (its ``claimed`` and ``completed`` transitions, its staged ``effects``), only where
-    no row exists or the only one is a never-claimed ``pending`` job (a newer generation
-    registered meanwhile, or Redis handed out generation 1 again: stale)."""
-
-    generation: int
-    attempt_id: str
-    task_name: str
-    request_json: str | None
-    result: Any
-    effects: Sequence[Effect] = ()
-
-
-@dataclass(frozen=True)
 class RetryScheduled:
     """``retrying`` until ``retry_at``, where this attempt still owns the running row."""
 
@@ -186,8 +171,7 @@ class DeadUnrun:
     """A message Celery acks without running it to its end (``reason``: expired, revoked, or
     revoked with ``terminate=True`` while it ran).
 
-    No row yet: the job is recorded ``dead`` with its request, unless not ``insert`` (an attempt
-    that claimed the key before this message may still write its row). A row that waits for
+    No row yet: the job is recorded ``dead`` with its request. A row that waits for
     this message (``retrying`` or ``pending``) goes ``dead`` by compare-and-set on the state just
     read; with ``only_insert`` (other messages may share the key), only when its stored request
     has this message's task id ``message_id`` (the job's own message, e.g. its retry).
@@ -200,7 +184,6 @@ class DeadUnrun:
     reason: str
     only_insert: bool = False
     terminated_id: str | None = None
-    insert: bool = True
     message_id: str | None = None
 
     def waits_for(self, record: JobRecord) -> bool:
@@ -229,7 +212,6 @@ class DeadStranded:
 #: Every way a job ends (:meth:`celery_fence.store.Store.end`).
 Ending: TypeAlias = (
     Completion
-    | FirstCompletion
     | RetryScheduled
     | Dead
     | CallerFailed
@@ -240,7 +222,7 @@ Ending: TypeAlias = (
 )
 #: The endings fenced on an attempt: :class:`~celery_fence.errors.StaleGeneration` when the row
 #: is not that attempt's to end.
-FENCED_ENDINGS = (Completion, FirstCompletion, RetryScheduled, Dead, CallerFailed, DeadRefused)
+FENCED_ENDINGS = (Completion, RetryScheduled, Dead, CallerFailed, DeadRefused)
 
 
 def dumps_strict(value: Any, what: str = "value") -> str:

@@ -190,22 +190,15 @@ def _update(dialect: str, sets: str, where: str) -> str:
 
 
 @cache
-def register_sql(dialect: str, *, deferred_first: bool = False, where: str = NEWER_LIVE) -> str:
+def register_sql(dialect: str, *, where: str = NEWER_LIVE) -> str:
     """Upsert that takes the row only for a strictly greater generation of a live job
     (:data:`NEWER_LIVE`). Over a ``failed`` row (a call in the caller's thread raised to its
-    caller) the attempt count starts again: that call's failure was its caller's.
-
-    ``deferred_first``: generation 1 is never registered up front (its row is written by its
-    completion), so a new row at a generation above 1 also counts that first execution.
-    """
-    first_attempts = "1"
-    if deferred_first:  # the cast: a prepared statement must deduce one type per parameter
-        first_attempts = "CASE WHEN CAST(:generation AS BIGINT) > 1 THEN 2 ELSE 1 END"
+    caller) the attempt count starts again: that call's failure was its caller's."""
     return render(
         dialect,
         f"INSERT INTO {JOBS} ({_JOB_COLUMNS}) "
         f"VALUES (:key, :task_name, '{Status.RUNNING}', :generation, :attempt_id, "
-        f"{first_attempts}, :request{_json(dialect)}, :now, :now) "
+        f"1, :request{_json(dialect)}, :now, :now) "
         "ON CONFLICT (key) DO UPDATE SET generation = excluded.generation, "
         f"attempt_id = excluded.attempt_id, status = '{Status.RUNNING}', "
         f"attempts = CASE WHEN {JOBS}.status = '{Status.FAILED}' THEN 1 "
@@ -222,29 +215,6 @@ def complete_sql(dialect: str, *, where: str = OWNED, sets: str = "") -> str:
         f"status = '{Status.COMPLETED}', result = :result{_json(dialect)}, updated_at = :now, "
         f"finished_at = :now, error_type = NULL, error_message = NULL{sets}",
         where,
-    )
-
-
-@cache
-def complete_first_sql(dialect: str) -> str:
-    """A deferred first claim's completion: the row inserted as completed, in one statement,
-    where no row exists — or where the only row is a job :func:`insert_pending` wrote and no
-    attempt has claimed (``pending``, generation 0: nothing to fence out; its stored request
-    is kept). Any other row means a newer generation registered (or Redis lost its counter and
-    handed out 1 again): nothing is written, and the caller treats it as stale."""
-    json = _json(dialect)
-    return render(
-        dialect,
-        f"INSERT INTO {JOBS} (key, task_name, status, generation, attempt_id, attempts, "
-        "request, result, created_at, updated_at, finished_at) "
-        f"VALUES (:key, :task_name, '{Status.COMPLETED}', :generation, "
-        f":attempt_id, 1, :request{json}, :result{json}, :now, "
-        f":now, :now) ON CONFLICT (key) DO UPDATE SET status = '{Status.COMPLETED}', "
-        "generation = excluded.generation, attempt_id = excluded.attempt_id, attempts = 1, "
-        "result = excluded.result, updated_at = excluded.updated_at, "
-        "finished_at = excluded.finished_at, retry_at = NULL, error_type = NULL, "
-        f"error_message = NULL WHERE {JOBS}.status = '{Status.PENDING}' "
-        f"AND {JOBS}.generation = 0 {RETURNING}",
     )
 
 
@@ -294,18 +264,23 @@ def cas_sql(dialect: str, sets: str, where: str) -> str:
 
 
 @cache
-def dead_unregistered_sql(dialect: str) -> str:
+def dead_unregistered_sql(dialect: str, *, over_pending: bool = True) -> str:
     """A message that cannot be registered kept as a ``dead`` job; an existing row only when it
-    is ``pending`` (its re-sent message failed again)."""
+    is ``pending`` (its re-sent message failed again), and never with ``over_pending=False``."""
+    conflict = (
+        f"DO UPDATE SET status = '{Status.DEAD}', "
+        "updated_at = excluded.updated_at, finished_at = excluded.finished_at, "
+        "error_type = excluded.error_type, error_message = excluded.error_message "
+        f"WHERE {JOBS}.status = '{Status.PENDING}'"
+        if over_pending
+        else "DO NOTHING"
+    )
     return render(
         dialect,
         f"INSERT INTO {JOBS} ({_JOB_COLUMNS}, finished_at, error_type, error_message) "
         f"VALUES (:key, :task_name, '{Status.DEAD}', 0, '-', 0, :request{_json(dialect)}, "
         ":now, :now, :now, :error_type, :error_message) "
-        f"ON CONFLICT (key) DO UPDATE SET status = '{Status.DEAD}', "
-        "updated_at = excluded.updated_at, finished_at = excluded.finished_at, "
-        "error_type = excluded.error_type, error_message = excluded.error_message "
-        f"WHERE {JOBS}.status = '{Status.PENDING}' {RETURNING}",
+        f"ON CONFLICT (key) {conflict} {RETURNING}",
     )
 
 

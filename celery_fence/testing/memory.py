@@ -43,7 +43,6 @@ from celery_fence.store.records import (
     DeadUnrun,
     Effect,
     Ending,
-    FirstCompletion,
     JobRecord,
     Registration,
     RetryScheduled,
@@ -76,20 +75,18 @@ def _reason(reason: str | None) -> str | None:
 class MemoryStore:
     """The fenced job store in a dict: the job verbs of :class:`celery_fence.store.Store`.
 
-    ``record_transitions``, ``defer_first_registration`` and ``error_message_length`` mean what
-    the real store's settings of the same names mean. ``now``: the wall clock of its timestamps.
+    ``record_transitions`` and ``error_message_length`` mean what the real store's settings of
+    the same names mean. ``now``: the wall clock of its timestamps.
     """
 
     def __init__(
         self,
         *,
         record_transitions: bool = True,
-        defer_first_registration: bool = False,
         error_message_length: int = 500,
         now: Callable[[], dt.datetime] = utcnow,
     ) -> None:
         self.record_transitions = record_transitions
-        self.defer_first_registration = defer_first_registration
         self.error_message_length = error_message_length
         self._now = now
         self._lock = threading.RLock()
@@ -138,7 +135,6 @@ class MemoryStore:
             now = self._now()
             row = self._jobs.get(key)
             if row is None:
-                attempts = 2 if self.defer_first_registration and generation > 1 else 1
                 row = self._new_row(
                     key,
                     task_name,
@@ -146,7 +142,7 @@ class MemoryStore:
                     now,
                     generation=generation,
                     attempt_id=attempt_id,
-                    attempts=attempts,
+                    attempts=1,
                     request=_loads(text),
                 )
             elif row.status not in (COMPLETED, DEAD) and row.generation < generation:
@@ -177,8 +173,6 @@ class MemoryStore:
             match ending:
                 case Completion():
                     self._completion(key, ending)
-                case FirstCompletion():
-                    self._first_completion(key, ending)
                 case RetryScheduled():
                     self._retry_scheduled(key, ending)
                 case Dead():
@@ -212,43 +206,6 @@ class MemoryStore:
             error_message=None,
         )
         self._write(row, (Action.COMPLETED,), None, e.effects, now)
-
-    def _first_completion(self, key: str, e: FirstCompletion) -> None:
-        """The row written as completed where no row exists, or over a never-claimed
-        ``pending`` row (generation 0; its request is kept)."""
-        stored = _loads(dumps_strict(e.result, "task's return value"))
-        now = self._now()
-        row = self._jobs.get(key)
-        if row is None:
-            row = self._new_row(
-                key,
-                e.task_name,
-                COMPLETED,
-                now,
-                generation=e.generation,
-                attempt_id=e.attempt_id,
-                attempts=1,
-                result=stored,
-                request=_loads(e.request_json),
-                finished_at=now,
-            )
-        elif row.status == PENDING and row.generation == 0:
-            row = dataclasses.replace(
-                row,
-                status=COMPLETED,
-                generation=e.generation,
-                attempt_id=e.attempt_id,
-                attempts=1,
-                result=stored,
-                updated_at=now,
-                finished_at=now,
-                retry_at=None,
-                error_type=None,
-                error_message=None,
-            )
-        else:
-            raise self._rejected(key, e.generation, e.attempt_id, "first completion")
-        self._write(row, (Action.CLAIMED, Action.COMPLETED), None, e.effects, now)
 
     def _retry_scheduled(self, key: str, e: RetryScheduled) -> None:
         """``retrying`` until ``retry_at``, where this attempt owns the row."""
@@ -289,9 +246,11 @@ class MemoryStore:
         )
         self._write(row, (Action.DEAD,), e.reason, (), now)
 
-    def _dead_unregistered(self, key: str, e: DeadUnregistered) -> bool:
-        """A new ``dead`` row; an existing row only when it is ``pending``. True when the row
-        was written."""
+    def _dead_unregistered(
+        self, key: str, e: DeadUnregistered, *, over_pending: bool = True
+    ) -> bool:
+        """A new ``dead`` row; an existing row only when it is ``pending`` (and
+        ``over_pending``). True when the row was written."""
         now = self._now()
         row = self._jobs.get(key)
         if row is None:
@@ -304,7 +263,7 @@ class MemoryStore:
                 finished_at=now,
                 **self._errors(e.error, nulls=True),
             )
-        elif row.status == PENDING:
+        elif row.status == PENDING and over_pending:
             row = dataclasses.replace(
                 row,
                 status=DEAD,
@@ -362,7 +321,7 @@ class MemoryStore:
         if e.terminated_id is not None:
             error = JobDead(f"the attempt was {reason} while it ran; requeue the job to run it")
         unregistered = DeadUnregistered(e.task_name, e.request, error, reason)
-        if e.insert and self._dead_unregistered(key, unregistered):
+        if self._dead_unregistered(key, unregistered, over_pending=False):
             return True
         before = self._jobs.get(key)
         if before is not None and e.waits_for(self._read(before)):

@@ -211,19 +211,16 @@ def test_the_bodys_own_retries_count_as_in_plain_celery(
 # -- 3. an immediate retry -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("defer", ["0", "1"], ids=["registered", "deferred-first"])
 def test_an_immediate_retry_does_not_wait_for_its_own_lease(
     spawn: Callable[..., Worker],
     client: ModuleType,
     redis_client: redis.Redis,
     prefix: str,
     fence_store: Store,
-    defer: str,
 ) -> None:
     # Given a 30 s lease, a release of a finished attempt's lease that lingers (3 s), and a
-    # second process free to take the retry at once (with and without a deferred first
-    # registration, which the attempt makes before it gives its lease back) ...
-    spawn("w", concurrency=2, FENCE_T_RELEASE_DELAY="3", FENCE_T_DEFER=defer)
+    # second process free to take the retry at once ...
+    spawn("w", concurrency=2, FENCE_T_RELEASE_DELAY="3")
     key = f"retry-now:{uuid.uuid4().hex[:8]}"
     result = client.retry_now_once.delay(key)
     # when the first run calls self.retry(countdown=0), the second run happens well within the

@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = (
     "plain",
     "fenced-pg",
-    "fenced-pg-defer",
     "fenced-pg-redisresult",
     "plain-dbresult",
     "fenced-sqlite",
@@ -30,7 +29,6 @@ VARIANTS = (
     "celery-once",
     "plain-50ms",
     "fenced-pg-50ms",
-    "fenced-pg-defer-50ms",
 )
 
 pytestmark = [
@@ -172,50 +170,12 @@ def test_throughput_mode_reports_every_variant_and_counts_at_most_three_round_tr
         assert "tx-control" not in counts["sql_by_kind"]
         assert 0.99 <= counts["redis_scripts"] <= 2.01
         assert counts["redis_reads"] <= 2.0
-    # with fence_defer_first_registration, one statement a first claim: the completing insert.
-    # A message the broker redelivers registers first (two statements): timed_run stops
-    # consuming once the queue is empty, so a prefetched message goes back, flagged redelivered
-    for name in ("fenced-pg-defer", "fenced-pg-defer-50ms"):
-        kinds = result["counts"][name]["sql_by_kind"]
-        registered = kinds.get("register", 0.0)
-        assert registered <= 0.05 and kinds.get("complete", 0.0) == pytest.approx(registered)
-        assert kinds.get("first complete", 0.0) + registered == pytest.approx(1.0)
-    # plain Celery does not touch the lease Redis or the store: the counting is per variant
-    assert result["counts"]["plain"]["redis_scripts"] == 0
-    assert result["counts"]["plain"]["sql_statements"] == 0
-
-    # And the variants a user would pick instead did what they stand for, counted by the servers:
-    # Celery's database backend wrote one row a task in one transaction on the same PostgreSQL
-    dbresult = result["counts"]["plain-dbresult"]
-    assert dbresult["sql_by_kind"].get("celery insert") == pytest.approx(1.0)
-    assert dbresult["sql_by_kind"].get("tx-control") == pytest.approx(2.0)  # BEGIN, COMMIT
-    assert "register" not in dbresult["sql_by_kind"]
-    assert dbresult["redis_commands"] == 0
-    # celery_once locked each key when it was sent (SET) and unlocked it in the worker (DEL)
-    once = result["counts"]["celery-once"]["redis_by_command"]
-    assert once.get("set") == pytest.approx(1.0)
-    assert once.get("del") == pytest.approx(1.0)
-    assert result["counts"]["celery-once"]["sql_statements"] == 0
-    # a fenced task in an app with a Redis result backend: the result is written twice, fenced in
-    # PostgreSQL (one register, one complete) and once more to Redis (SETEX, PUBLISH)
-    twice = result["counts"]["fenced-pg-redisresult"]
-    assert twice["sql_by_kind"].get("register") == pytest.approx(1.0)
-    assert twice["sql_by_kind"].get("complete") == pytest.approx(1.0)
-    assert twice["redis_by_command"].get("setex") == pytest.approx(1.0)
-    assert twice["redis_by_command"].get("publish") == pytest.approx(1.0)
-    assert "setex" not in result["counts"]["fenced-pg"]["redis_by_command"]
-
-    # And the worker itself counted at most 3 blocking round trips on a fenced task's own thread
-    # (1 lease-Redis round trip + 2 PostgreSQL statements), the rest in the background
     for name in ("fenced-pg", "fenced-pg-50ms"):
         traced = result["trace"][name]
         assert traced["blocking_round_trips"] <= 3.0
         assert traced["redis_critical"] == pytest.approx(1.0)
         assert traced["pg_critical"] == pytest.approx(2.0)
     assert result["trace"]["fenced-sqlite"]["redis_critical"] == pytest.approx(1.0)
-    # Deferred: the lease, one read of the key's row (a completed key replays even after Redis
-    # lost its counter), and the completion that registers: 3 too, one of them a read.
-    assert 3.0 <= result["trace"]["fenced-pg-defer"]["blocking_round_trips"] <= 3.05
 
     # And the alternatives' blocking round trips were counted on the task's thread too: Celery's
     # database backend (pre-ping, BEGIN, statements, COMMIT), celery_once's unlock, and the
@@ -270,7 +230,7 @@ def test_latency_mode_times_every_variant_from_publish_to_stored_result(tmp_path
 
     # Then every variant has its percentiles, none below the body's 50 ms, and a row in the
     # percentile table; the added latency is taken against plain Celery with a result backend
-    for name in ("plain", "fenced-pg", "fenced-sqlite", "redis-lock", "fenced-pg-defer"):
+    for name in ("plain", "fenced-pg", "fenced-sqlite", "redis-lock"):
         entry = result["variants"][name]
         assert entry["n"] == 12
         assert 50.0 <= entry["p50_ms"] <= entry["p90_ms"] <= entry["p99_ms"] <= entry["max_ms"]

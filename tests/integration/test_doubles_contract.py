@@ -34,7 +34,6 @@ from celery_fence.store.records import (
     DeadUnrun,
     Effect,
     Ending,
-    FirstCompletion,
     JobRecord,
     RetryScheduled,
 )
@@ -201,16 +200,6 @@ def test_a_dead_job_is_never_registered_again(jobs: Jobs, key: str) -> None:
     assert reg.record is not None and reg.record.status == "dead"
 
 
-def test_deferred_first_registration_counts_the_unregistered_first_run(
-    make_jobs: Callable[..., Jobs], key: str
-) -> None:
-    jobs = make_jobs(defer_first_registration=True)
-    first = jobs.store.register(f"{key}:1", generation=1, attempt_id="A", task_name="t")
-    later = jobs.store.register(f"{key}:2", generation=2, attempt_id="B", task_name="t")
-    assert (first.attempts, later.attempts) == (1, 2)
-    assert jobs.row(f"{key}:2").attempts == 2
-
-
 # -- completion -------------------------------------------------------------------------------
 
 
@@ -287,47 +276,6 @@ def test_a_result_that_is_not_json_is_refused_before_any_write(jobs: Jobs, key: 
             key, Completion(generation=1, attempt_id="A", result={"at": dt.date.today()})
         )
     assert jobs.row(key).status == "running"
-
-
-def test_a_first_completion_inserts_the_completed_row(jobs: Jobs, key: str) -> None:
-    jobs.store.end(
-        key,
-        FirstCompletion(
-            generation=1, attempt_id="A", task_name="t", request_json='{"id":"m1"}', result="done"
-        ),
-    )
-    row = jobs.row(key)
-    assert _state(row) == ("completed", 1, "A", 1)
-    assert (row.result, row.request) == ("done", {"id": "m1"})
-    assert jobs.actions(key) == [("claimed", 1, "A", None), ("completed", 1, "A", None)]
-
-
-def test_a_first_completion_takes_a_never_claimed_pending_row(jobs: Jobs, key: str) -> None:
-    jobs.pending(key, {"id": "enqueued"})
-    assert _state(jobs.row(key)) == ("pending", 0, "-", 0)
-    jobs.store.end(
-        key,
-        FirstCompletion(
-            generation=1, attempt_id="A", task_name="t", request_json='{"id":"m"}', result=7
-        ),
-    )
-    row = jobs.row(key)
-    assert _state(row) == ("completed", 1, "A", 1)
-    assert (row.result, row.request) == (7, {"id": "enqueued"})  # the stored request is kept
-
-
-def test_a_first_completion_over_a_registered_row_is_stale(jobs: Jobs, key: str) -> None:
-    jobs.store.register(key, generation=2, attempt_id="B", task_name="t")
-    with pytest.raises(StaleGeneration) as stale:
-        jobs.store.end(
-            key,
-            FirstCompletion(
-                generation=1, attempt_id="A", task_name="t", request_json=None, result=1
-            ),
-        )
-    assert "first completion" in str(stale.value)
-    assert stale.value.context["stored_generation"] == 2
-    assert _state(jobs.row(key)) == ("running", 2, "B", 1)
 
 
 # -- retry, dead ------------------------------------------------------------------------------
@@ -503,7 +451,6 @@ def test_dead_unrun_only_insert_spares_another_messages_job(jobs: Jobs, key: str
                 request=None,
                 reason="expired",
                 only_insert=True,
-                insert=False,
                 message_id=message_id,
             ),
         )
@@ -515,17 +462,10 @@ def test_dead_unrun_only_insert_spares_another_messages_job(jobs: Jobs, key: str
             request=None,
             reason="expired",
             only_insert=True,
-            insert=False,
             message_id="m1",
         ),
     )
     assert _state(jobs.row(key)) == ("dead", 0, "-", 0)
-
-
-def test_dead_unrun_without_insert_leaves_no_row(jobs: Jobs, key: str) -> None:
-    jobs.store.end(key, DeadUnrun(task_name="t", request=None, reason="expired", insert=False))
-    assert jobs.store.get(key) is None
-    assert jobs.actions(key) == [("expired", None, None, "message not run")]
 
 
 def test_dead_stranded_is_a_compare_and_set_on_the_row_as_read(jobs: Jobs, key: str) -> None:
@@ -585,13 +525,6 @@ _ENDINGS = {
     "Completion": EndingCase(
         _running,
         lambda j, k: Completion(1, "A", {"v": 1}),
-        True,
-        ("completed", 1, "A", 1),
-        "completed",
-    ),
-    "FirstCompletion": EndingCase(
-        _nothing,
-        lambda j, k: FirstCompletion(1, "A", "t", None, 1),
         True,
         ("completed", 1, "A", 1),
         "completed",
@@ -658,7 +591,6 @@ def test_each_ending_is_applied_by_the_one_method(jobs: Jobs, key: str, name: st
 #: The endings fenced on an attempt, each from generation 1 (attempt A).
 _FENCED: dict[str, Ending] = {
     "Completion": Completion(1, "A", "late"),
-    "FirstCompletion": FirstCompletion(1, "A", "t", None, "late"),
     "RetryScheduled": RetryScheduled(1, "A", _ERR, _AT, "late"),
     "Dead": Dead(1, "A", _ERR, "late"),
     "CallerFailed": CallerFailed(1, "A", _ERR, "late"),

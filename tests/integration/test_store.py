@@ -27,7 +27,6 @@ from celery_fence.store.records import (
     DeadStranded,
     DeadUnregistered,
     DeadUnrun,
-    FirstCompletion,
     RetryScheduled,
 )
 from tests.support.stores import EVERY_DRIVER, store_url
@@ -345,13 +344,13 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
 ) -> None:
     """Each fenced write, check and read the store has, once, judged by the state it leaves (on
     each driver: a statement a driver cannot run fails here, not in a worker)."""
-    store = Store(db_url, defer_first_registration=True)
+    store = Store(db_url)
     request.addfinalizer(store.dispose)
     later = utcnow() + dt.timedelta(hours=1)
     # The task's path: register, the fenced commit check, retry, dead (with and without error).
     key = _key()
     store.register(key, generation=2, attempt_id="A", task_name="t", request={"args": [1]})
-    assert _state(store, key) == ("running", 2, "A", 2)  # the deferred first execution counted
+    assert _state(store, key) == ("running", 2, "A", 1)
     with store.db.tx() as conn:
         assert store.commit_check(conn, key, generation=2, attempt_id="A")
         assert not store.commit_check(conn, key, generation=1, attempt_id="A")
@@ -379,14 +378,7 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     record = store.get(key)
     assert record is not None and (record.status, record.result) == ("completed", {"ok": True})
     assert store.last_exit(key) == "completed"
-    # A deferred first completion; a job dead unregistered, a refused registration, a message
-    # never run.
-    first = _key()
-    store.end(
-        first,
-        FirstCompletion(generation=1, attempt_id="F", task_name="t", request_json=None, result=[1]),
-    )
-    assert [t.action for t in store.history(first)] == ["claimed", "completed"]
+    # A job dead unregistered, a refused registration, a message never run.
     unregistered = _key()
     assert store.end(
         unregistered,
@@ -466,8 +458,8 @@ def test_a_connection_that_lost_its_prepared_statements_prepares_them_again(db_u
 
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"defer_first_registration": True, "record_transitions": False}],
-    ids=["default", "deferred-unrecorded"],
+    [{}, {"record_transitions": False}],
+    ids=["default", "unrecorded"],
 )
 def test_the_write_probe_runs_a_tasks_writes_and_leaves_nothing(
     db_url: str, settings: dict[str, Any]

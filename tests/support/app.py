@@ -27,7 +27,6 @@ from celery_fence.testing import faults
 
 E = os.environ
 PREFIX = E.get("FENCE_T_PREFIX", "t")
-DEFER = E.get("FENCE_T_DEFER", "0") == "1"
 app = Celery(
     "fence_tests",
     broker=E.get("FENCE_T_BROKER"),
@@ -51,9 +50,7 @@ app.conf.update(
     fence_retry_budget_floor=int(E.get("FENCE_T_BUDGET_FLOOR", "10")),
     fence_retry_budget_ratio=float(E.get("FENCE_T_BUDGET_RATIO", "0.2")),
     fence_retry_budget_window=float(E.get("FENCE_T_BUDGET_WINDOW", "60")),
-    fence_defer_first_registration=DEFER,
-    # deferral needs counters that never expire (0); the default otherwise
-    fence_generation_ttl=float(E.get("FENCE_T_GEN_TTL", "0" if DEFER else "600")),
+    fence_generation_ttl=float(E.get("FENCE_T_GEN_TTL", "600")),
     fence_max_runtime=float(E["FENCE_T_MAX_RUNTIME"]) if E.get("FENCE_T_MAX_RUNTIME") else None,
 )
 ledger = redis.Redis.from_url(E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"))

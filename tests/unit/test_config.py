@@ -131,18 +131,12 @@ def test_a_misspelt_task_option_is_an_error_naming_the_task() -> None:
     assert "did you mean 'fence_lease_ttl'" in str(err.value)
 
 
-def test_deferred_registration_needs_counters_that_never_expire() -> None:
-    # An expired counter hands out generation 1 again; a deferred first claim would not see
-    # that its job already completed
-    with pytest.raises(ConfigurationError) as refused:
-        FenceConfig.from_mapping({"fence_defer_first_registration": True})
-    message = str(refused.value)
-    assert "fence_defer_first_registration=True needs fence_generation_ttl=0" in message
-    assert "not 600.0" in message and "or turn deferral off" in message
-    config = FenceConfig.from_mapping(
-        {"fence_defer_first_registration": True, "fence_generation_ttl": 0}
-    )
-    assert config.defer_first_registration and config.generation_ttl_ms == 0
+def test_the_retired_deferral_setting_is_accepted_ignored_and_said() -> None:
+    # fence_defer_first_registration no longer earns its place (one durable commit a task is
+    # the default): an existing configuration keeps working and is told to drop it
+    with pytest.warns(FutureWarning, match="fence_defer_first_registration is retired"):
+        config = FenceConfig.from_mapping({"fence_defer_first_registration": True})
+    assert config.generation_ttl_ms == 600_000  # no longer forced to counters that never expire
 
 
 def test_the_renew_interval_follows_the_lease_ttl_unless_it_is_set() -> None:

@@ -63,9 +63,7 @@ class Run:
         **settings: Any,
     ) -> None:
         self.config = FenceConfig(lease_ttl=2.0, renew_interval=0.5, max_attempts=3, **settings)
-        self.store = store or MemoryStore(
-            defer_first_registration=self.config.defer_first_registration
-        )
+        self.store = store or MemoryStore()
         self.leases = leases or MemoryLeaseStore(generation_ttl=self.config.generation_ttl)
         self.renewer = renewer or Renewer(self.leases)  # one per process, as a worker's
         self.heard = Heard()
@@ -83,8 +81,6 @@ class Run:
     def __call__(
         self,
         body: Callable[[Fence], Any] = lambda fence: {"generation": fence.generation},
-        *,
-        first_delivery: bool = False,
     ) -> o.Disposition:
         def recorded(fence: Fence) -> Any:
             self.bodies.append(fence)
@@ -94,7 +90,6 @@ class Run:
             KEY,
             recorded,
             request_json=lambda: '{"task": "t", "args": [1], "kwargs": {}}',
-            first_delivery=first_delivery,
             max_runtime=None,
         )
 
@@ -320,64 +315,6 @@ def test_an_exit_that_is_not_an_exception_is_settled(run: Any) -> None:
     # on the main thread Celery needs it raised on (the store says what happened first)
     again = Run(store=r.store, leases=r.leases, renewer=r.renewer)
     assert isinstance(again(interrupted), o.Reraise)
-
-
-def test_a_deferred_first_claim_writes_its_row_with_its_completion(run: Any) -> None:
-    r = run(defer_first_registration=True, generation_ttl=0)
-    rows: list[Any] = []
-
-    def body(fence: Fence) -> str:
-        rows.append(r.store.get(KEY))
-        return "done"
-
-    action = r(body, first_delivery=True)
-    assert action == o.Return("done")
-    assert rows == [None]  # nothing was written before the completion
-    assert [t.action for t in r.store.history(KEY)] == ["claimed", "completed"]
-
-
-def test_a_deferred_first_claim_of_a_completed_key_replays_after_redis_lost_everything(
-    run: Any,
-) -> None:
-    # Given a key completed by a deferred first claim ...
-    first = run(defer_first_registration=True, generation_ttl=0)
-    assert first(first_delivery=True) == o.Return({"generation": 1})
-    # When Redis loses everything (a fresh lease store: generation 1 again) and a new message's
-    # first delivery claims the key
-    again = run(
-        store=first.store,
-        leases=MemoryLeaseStore(generation_ttl=0),
-        defer_first_registration=True,
-        generation_ttl=0,
-    )
-    action = again(first_delivery=True)
-    # Then it registers instead of deferring, finds the job completed and replays it: the body
-    # did not run again
-    assert isinstance(action, o.Return) and action.result == {"generation": 1}
-    assert again.bodies == []
-    record = first.store.get(KEY)
-    assert record is not None and (record.status, record.generation) == ("completed", 1)
-
-
-def test_a_redelivered_message_registers_before_its_body(run: Any) -> None:
-    r = run(defer_first_registration=True, generation_ttl=0)
-    rows: list[Any] = []
-    r(lambda fence: rows.append(r.store.get(KEY)), first_delivery=False)
-    assert rows[0] is not None and rows[0].status == "running"
-
-
-def test_a_deferred_claim_registers_before_a_fenced_block(run: Any) -> None:
-    r = run(defer_first_registration=True, generation_ttl=0)
-
-    def block(fence: Fence) -> str:
-        r.execution.register_for_block()  # what fence.transaction() does before it opens
-        record = r.store.get(KEY)
-        assert record is not None and record.status == "running"
-        return "done"
-
-    assert r(block, first_delivery=True) == o.Return("done")
-    record = r.store.get(KEY)
-    assert record is not None and record.status == "completed"
 
 
 def test_an_unkeyed_message_is_recorded_dead_under_its_message_id(run: Any) -> None:

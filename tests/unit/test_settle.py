@@ -455,49 +455,6 @@ def test_a_retry_the_broker_refused_is_recorded_retrying_and_given_back() -> Non
     assert kw["reason"] == "the task's retry could not be sent; the message goes back"
 
 
-DEFERRED_CASES: list[tuple[str, dict[str, BaseException], JobRecord | None, type, list[str]]] = [
-    # (name, failing store methods, stored record, action type, store writes in order)
-    ("completed first", {}, None, o.Return, ["FirstCompletion"]),
-    (
-        "request refused: dead, the request kept encoded",
-        {"FirstCompletion": _data_error(), "register": _data_error()},
-        None,
-        o.Fail,
-        ["DeadRefused"],
-    ),
-    (
-        "result refused: registered, then dead",
-        {"FirstCompletion": _data_error()},
-        None,
-        o.Fail,
-        ["register", "Dead"],
-    ),
-    (
-        "refused, and the job completed meanwhile",
-        {"FirstCompletion": _data_error()},
-        _record("completed", 5),
-        o.Return,
-        ["register"],
-    ),
-]
-
-
-@pytest.mark.parametrize(
-    ("fail", "current", "action", "writes"),
-    [case[1:] for case in DEFERRED_CASES],
-    ids=[case[0] for case in DEFERRED_CASES],
-)
-def test_a_deferred_first_completion_to_store_writes_and_action(
-    fail: dict[str, BaseException], current: JobRecord | None, action: type, writes: list[str]
-) -> None:
-    store = FakeStore(fail=dict(fail), current=current)
-    attempt = _attempt(store)
-    attempt.deferred, attempt.generation, attempt.request_json = True, 1, '{"args":[]}'
-    result = s.settle(attempt, o.Completed({"ok": 1}))
-    assert type(result) is action
-    assert [name for name, _ in store.writes] == writes
-
-
 def test_a_completion_returns_the_stored_json_value_not_the_raw_one() -> None:
     store = FakeStore()
     action = s.settle(_attempt(store), o.Completed({1: "a", "t": (1, 2)}))
