@@ -79,6 +79,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
 from celery_fence.actions import INTERRUPTED_BY, Action, LogAction
+from celery_fence.announce import tracing
 from celery_fence.errors import (
     JobDead,
     Rescheduled,
@@ -161,7 +162,11 @@ def _completed(a: Execution, o: Completed) -> Disposition:
             ending = FirstCompletion(
                 a.generation, a.attempt_id, a.task_name, a.request_json, o.result, o.effects
             )
-        a.store.end(a.key, ending)
+        if a.trace is None:
+            a.store.end(a.key, ending)
+        else:
+            with tracing.child("fence complete", _attempt_attributes(a)):
+                a.store.end(a.key, ending)
     except StaleGeneration as exc:
         return _stale(a, Stale(exc))
     except ResultNotSerializable as exc:
@@ -189,6 +194,10 @@ def _completed(a: Execution, o: Completed) -> Disposition:
     # becomes a list, an int key a str), as a replay or a converging duplicate returns it.
     stored = json.loads(dumps_strict(o.result, "task's return value"))
     return Return(stored, deliver=a.key if o.effects else None)
+
+
+def _attempt_attributes(a: Execution) -> dict[str, Any]:
+    return {"fence.key": a.key, "fence.generation": a.generation, "fence.attempt": a.attempt_id}
 
 
 def _first_refused(a: Execution, exc: sa_exc.DataError) -> Disposition:
