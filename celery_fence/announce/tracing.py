@@ -194,8 +194,8 @@ def attempt_trace() -> AttemptTrace | None:
 @contextlib.contextmanager
 def child(name: str, attributes: Mapping[str, Any]) -> Iterator[Any]:
     """A span ``name`` under the current one (the attempt's); a failure marks it (the exception
-    type only, never its message: it can quote what the body wrote). Nothing without a valid
-    current span or without the API."""
+    type only, or its ``error_type``, never its message: it can quote what the body wrote).
+    Nothing without a valid current span or without the API."""
     if not ENABLED or not trace.get_current_span().get_span_context().is_valid:
         yield None
         return
@@ -205,8 +205,9 @@ def child(name: str, attributes: Mapping[str, Any]) -> Iterator[Any]:
         try:
             yield span
         except BaseException as exc:
-            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-            span.set_attribute("error.type", type(exc).__name__)
+            name = getattr(exc, "error_type", None) or type(exc).__name__
+            span.set_status(Status(StatusCode.ERROR, name))
+            span.set_attribute("error.type", name)
             raise
 
 

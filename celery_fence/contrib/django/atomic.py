@@ -75,6 +75,10 @@ if TYPE_CHECKING:
 class _Refused(Exception):
     """The ownership check found no row: raised inside Django's atomic so it rolls back."""
 
+    #: What the commit's span says (:func:`celery_fence.announce.tracing.child`): the refusal
+    #: the block raises once Django rolled back.
+    error_type = "StaleGeneration"
+
 
 def _record_loss(fence: Fence) -> None:
     """Mark and record a loss seen inside the block, now that it holds no locks."""
