@@ -38,7 +38,6 @@ from typing import Any
 from celery_fence.actions import Action
 
 try:  # the ``otel`` extra
-    from opentelemetry import context as otel_context
     from opentelemetry import propagate, trace
     from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
@@ -205,10 +204,15 @@ def child(name: str, attributes: Mapping[str, Any]) -> Iterator[Any]:
         try:
             yield span
         except BaseException as exc:
-            name = getattr(exc, "error_type", None) or type(exc).__name__
-            span.set_status(Status(StatusCode.ERROR, name))
-            span.set_attribute("error.type", name)
+            _failed(span, exc)
             raise
+
+
+def _failed(span: Any, exc: BaseException) -> None:
+    """Mark ``span`` failed by ``exc``'s type (or its ``error_type``), never its message."""
+    name = getattr(exc, "error_type", None) or type(exc).__name__
+    span.set_status(Status(StatusCode.ERROR, name))
+    span.set_attribute("error.type", name)
 
 
 def fence_attributes(fence: Any) -> dict[str, Any]:
@@ -223,22 +227,28 @@ def fence_attributes(fence: Any) -> dict[str, Any]:
 def delivery(
     name: str, key: str, row_id: int, request: Any
 ) -> contextlib.AbstractContextManager[Any]:
-    """The span of one outbox effect's delivery, in the trace the deliver task was sent in."""
-    if not ENABLED:
+    """The span of one outbox effect's delivery: in the trace the deliver task was sent in (the
+    completing attempt's), else (a sweep) a trace of its own."""
+    if not configured():
         return contextlib.nullcontext()
     return _delivery(name, key, row_id, request)
 
 
 @contextlib.contextmanager
 def _delivery(name: str, key: str, row_id: int, request: Any) -> Iterator[Any]:
-    parent = _parent_context(message_headers(request))
-    token = None if parent is None else otel_context.attach(parent)
-    try:
-        with child(f"fence deliver {name}", {"fence.key": key, "fence.outbox_id": row_id}) as s:
-            yield s
-    finally:
-        if token is not None:
-            otel_context.detach(token)
+    with _tracer().start_as_current_span(
+        f"fence deliver {name}",
+        context=_parent_context(message_headers(request)),
+        kind=SpanKind.PRODUCER,
+        attributes={"fence.key": key, "fence.outbox_id": row_id},
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield span
+        except BaseException as exc:
+            _failed(span, exc)
+            raise
 
 
 __all__ = [
@@ -249,6 +259,7 @@ __all__ = [
     "AttemptTrace",
     "attempt_trace",
     "child",
+    "configured",
     "delivery",
     "fence_attributes",
     "inject",
