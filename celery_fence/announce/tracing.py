@@ -138,7 +138,11 @@ class AttemptTrace:
             return
         self.span = span
         try:
-            with trace.use_span(span, end_on_exit=False, record_exception=False):
+            # the disposition's exits (Celery's Retry, the body's error re-raised) say nothing
+            # here: their messages can quote what the body sent; fence.outcome says what happened
+            with trace.use_span(
+                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
                 yield
         finally:
             if self.outcome is not None:
