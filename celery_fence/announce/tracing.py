@@ -93,7 +93,8 @@ def message_headers(request: Any) -> dict[str, Any]:
         return {}
     found: dict[str, Any] = {}
     headers = getattr(request, "headers", None)
-    for source in (headers if isinstance(headers, Mapping) else {}, request.__dict__):
+    fields = getattr(request, "__dict__", None) or {}
+    for source in (headers if isinstance(headers, Mapping) else {}, fields):
         for name in (TRACEPARENT, TRACESTATE):
             value = source.get(name)
             if isinstance(value, str) and name not in found:
@@ -114,7 +115,7 @@ def inject(headers: MutableMapping[str, Any]) -> None:
 
 class AttemptTrace:
     """One attempt's span and what its transitions add to it (thread-safe: the renewal thread
-    adds the lease-loss event). Made only when :data:`ENABLED`."""
+    adds the lease-loss event). Made only when :func:`configured`."""
 
     __slots__ = ("outcome", "span")
 
