@@ -67,6 +67,7 @@ from sqlalchemy.orm import Session, scoped_session
 
 from celery_fence.actions import LogAction
 from celery_fence.adapters.task import FencedTask
+from celery_fence.announce import tracing
 from celery_fence.body import sqla
 from celery_fence.body.transaction import different_database
 from celery_fence.errors import ConfigurationError, FenceError
@@ -158,6 +159,7 @@ def enqueue(
     args, kwargs = tuple(args), dict(kwargs or {})
     task_id = str(options.pop("task_id", None) or uuid.uuid4())
     _check_options(task, options)
+    _with_trace(options)
     due = _due(options)
     key = task.logical_key(args, kwargs, task_id)
     store = task.fence_backends().store
@@ -260,6 +262,20 @@ def _with_publish_options(
     execution = dict(request.get("execution") or {})
     execution.update(kept)
     return {**request, "execution": execution}
+
+
+def _with_trace(options: dict[str, Any]) -> None:
+    """The caller's trace context as the message's ``traceparent`` header (with
+    ``opentelemetry-api`` and a current span, unless the caller set one): stored with the row's
+    request, so every attempt and re-send of the job is in the caller's trace."""
+    if not tracing.ENABLED:
+        return
+    headers = dict(options.get("headers") or {})
+    if tracing.TRACEPARENT in headers:
+        return
+    tracing.inject(headers)
+    if tracing.TRACEPARENT in headers:
+        options["headers"] = headers
 
 
 def _due(options: Mapping[str, Any]) -> dt.datetime | None:

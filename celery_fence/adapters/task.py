@@ -28,6 +28,7 @@ from celery_fence.actions import LogAction
 from celery_fence.adapters import direct
 from celery_fence.adapters.installation import install
 from celery_fence.adapters.worker import FENCED_REQUEST, celery_command
+from celery_fence.announce import tracing
 from celery_fence.announce.transitions import Announcer
 from celery_fence.app_state import app_state
 from celery_fence.body import watch
@@ -165,6 +166,7 @@ class FencedTask(Task, Fenced):
     ) -> Execution:
         """A new execution of this task for a message (its id and worker, for the events)."""
         config, store, leases, policy, renewer, _ = self.fence_backends()
+        trace = tracing.attempt_trace()  # None without opentelemetry-api
         return self.execution_class(
             task_name=self.name,
             config=config,
@@ -172,9 +174,12 @@ class FencedTask(Task, Fenced):
             leases=leases,
             renewer=renewer,
             policy=policy,
-            announcer=Announcer(self, (message_id, hostname), events=config.send_events),
+            announcer=Announcer(
+                self, (message_id, hostname), events=config.send_events, trace=trace
+            ),
             retries=retries,
             celery_command=celery_command(self.app),
+            trace=trace,
         )
 
     def logical_key(self, args: Any, kwargs: Any, task_id: str | None) -> str:
@@ -312,6 +317,22 @@ class FencedTask(Task, Fenced):
             decoded = None if stored is None else json.loads(stored)
             return self._carry_out(execution.run_unkeyed(exc, request.id, decoded))
         execution.run_number = self._run_number()
+        if execution.trace is None:
+            return self._run_attempt(execution, key, args, kwargs, call)
+        # the attempt's span is current from the claim until its disposition is carried out
+        # (the outbox's deliver task is sent in it)
+        with execution.trace.running(self.name, key, execution.attempt_id, request):
+            return self._run_attempt(execution, key, args, kwargs, call)
+
+    def _run_attempt(
+        self,
+        execution: Execution,
+        key: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        call: Callable[..., Any] | None,
+    ) -> Any:
+        request = self.request
         disposition = execution.run(
             key,
             functools.partial(self._body, args, kwargs, call),

@@ -17,11 +17,9 @@ Three ways a fenced message can end without its task body's settle step running:
   ``fence_max_attempts`` executions are spent.
 - **Expired or revoked before it ran.** Celery acks such a message without running it. Here the
   job is settled first: a job that has no row yet is recorded ``dead`` (reason ``expired`` or
-  ``revoked``) so an operator sees it and can requeue it (with deferred first registration, only
-  when the message takes the key's first generation: after any claim, that attempt owns the
-  job); a job whose only message this is (the default key, the Celery task id) and that is
-  waiting for it (``retrying``/``pending``) goes ``dead`` the same way. A job under a
-  ``fence_key`` that other messages may share goes ``dead`` only when it waits for this very
+  ``revoked``) so an operator sees it and can requeue it; a job whose only message this is (the
+  default key, the Celery task id) and that is waiting for it (``retrying``/``pending``) goes
+  ``dead`` the same way. A job under a ``fence_key`` that other messages may share goes ``dead`` only when it waits for this very
   message (its stored request has this task id: its own retry, re-send or requeue); otherwise it
   keeps its state and gets a transition row. If the store cannot be written, the message is
   given back.

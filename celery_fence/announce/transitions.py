@@ -33,6 +33,7 @@ from celery_fence.process.background import BackgroundWriter
 from celery_fence.process.runtime import runtime
 
 if TYPE_CHECKING:
+    from celery_fence.announce.tracing import AttemptTrace
     from celery_fence.pipeline.ports import JobStore
 
 logger = logging.getLogger("celery_fence")
@@ -208,11 +209,14 @@ def error_line(error: BaseException) -> str:
 @dataclass(frozen=True)
 class Announcer:
     """How one attempt's transitions are announced: ``sender`` (the task) sends the signals,
-    ``origin`` names the Celery message and worker for its events, sent when ``events``."""
+    ``origin`` names the Celery message and worker for its events, sent when ``events``;
+    ``trace``, the attempt's span (:mod:`celery_fence.announce.tracing`; None: tracing off),
+    gets the generation, the outcome and the lease-loss and takeover events."""
 
     sender: Any
     origin: Origin | None = None
     events: bool = False
+    trace: AttemptTrace | None = None
 
     def __call__(
         self,
@@ -236,6 +240,8 @@ class Announcer:
             error=error,
             **extra,
         )
+        if self.trace is not None:
+            self.trace.transition(action, generation=generation, reason=reason)
 
 
 def lease_observers(

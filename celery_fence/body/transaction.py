@@ -396,7 +396,17 @@ def _on_commit(fence: Fence, store: Store, block: Block, conn: sa.Connection) ->
     (SQLAlchemy would otherwise leave the driver's transaction open behind a failed commit) and
     raises out of the commit. A transaction that ended under the block (a raw COMMIT on its
     connection committed what came before, unchecked) is said as such, never as "nothing of the
-    block commits"."""
+    block commits". With tracing on, the check and the COMMIT are the attempt's ``fence commit``
+    span."""
+    execution = fence.execution
+    if execution is None:  # a fence made by hand (a test): no attempt, no span
+        _commit_checked(fence, store, block, conn)
+        return
+    with execution.committing("sqlalchemy"):
+        _commit_checked(fence, store, block, conn)
+
+
+def _commit_checked(fence: Fence, store: Store, block: Block, conn: sa.Connection) -> None:
     try:
         if store.block_transaction_ended(conn, ask=False):
             raise watch.raw_commit_error(sqla.where(conn))

@@ -54,7 +54,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from celery import current_task
+
 from celery_fence.actions import LogAction
+from celery_fence.announce import tracing
 from celery_fence.app_state import app_state
 from celery_fence.body.effects import StagedEffects, idempotency_key, storage_key
 from celery_fence.config import FenceConfig
@@ -211,6 +214,10 @@ class Outbox:
             options["queue"] = self.queue
         if countdown:
             options["countdown"] = countdown
+        headers: dict[str, Any] = {}
+        tracing.inject(headers)  # the delivery continues the completing attempt's trace
+        if headers:
+            options["headers"] = headers
         self.app.send_task(DELIVER_TASK, kwargs={"key": key}, **options)
 
     def sweep(self) -> DeliveryReport:
@@ -258,7 +265,8 @@ class Outbox:
                     f"no outbox handler for effect {row.name!r}: register one with "
                     f"@outbox.handler({row.name.split(':', 1)[0]!r}) where the app is defined"
                 )
-            fn(row.payload, idempotency_key=row.idempotency_key)
+            with tracing.delivery(row.name, row.key, row.id, _current_request()):
+                fn(row.payload, idempotency_key=row.idempotency_key)
         except Exception as exc:
             self._failed(store, row, claimer, exc, report)
             return
@@ -390,6 +398,13 @@ def trigger_delivery(app: Any, key: str) -> None:
             type(exc).__name__,
             extra={"action": LogAction.OUTBOX_TRIGGER_FAILED, "fence_key": key},
         )
+
+
+def _current_request() -> Any:
+    """The Celery request of the deliver task running in this thread (None: none): its
+    ``traceparent`` names the trace its deliveries continue."""
+    task = current_task._get_current_object() if current_task else None
+    return None if task is None else task.request
 
 
 def _claim_token() -> str:

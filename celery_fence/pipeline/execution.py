@@ -12,6 +12,7 @@ hard time limit, an expired or revoked message) build one and carry out the disp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -23,6 +24,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
 from celery_fence.actions import Action, LogAction
+from celery_fence.announce import tracing
 from celery_fence.announce.transitions import Announcer, lease_observers
 from celery_fence.body import sqla, watch
 from celery_fence.body.fence import Fence
@@ -70,6 +72,7 @@ class Execution:
         retries: int = 0,
         celery_command: str = "celery -A <app>",
         attempt_id: str | None = None,
+        trace: tracing.AttemptTrace | None = None,
     ) -> None:
         self.task_name = task_name
         self.config = config
@@ -84,6 +87,8 @@ class Execution:
         #: with.
         self.celery_command = celery_command
         self.attempt_id = attempt_id or uuid.uuid4().hex
+        #: The attempt's span (:mod:`celery_fence.announce.tracing`); None: tracing is off.
+        self.trace = trace
         self.key = ""
         self.generation: int | None = None
         self.attempts = 0
@@ -183,7 +188,14 @@ class Execution:
     ) -> o.Outcome:
         """Claim -> register -> body, as far as it gets: the outcome, never an exit."""
         self.policy.budget.record_call(self.task_name)
-        stop = self._claim_and_register(request_json, max_runtime)
+        if self.trace is None:
+            stop = self._claim_and_register(request_json, max_runtime)
+        else:
+            claim = {"fence.key": self.key, "fence.attempt": self.attempt_id}
+            with tracing.child("fence claim", claim) as span:
+                stop = self._claim_and_register(request_json, max_runtime)
+                if span is not None and self.generation is not None:
+                    span.set_attribute("fence.generation", self.generation)
         if stop is not None:
             return stop
         assert self.lease is not None and self.generation is not None
@@ -329,6 +341,22 @@ class Execution:
             reason=reason,
         )
         runtime().get("writer", None, BackgroundWriter).submit(record)
+
+    def committing(self, where: str) -> contextlib.AbstractContextManager[Any]:
+        """Around a fenced block's commit (``where``: ``sqlalchemy`` for ``fence.transaction()``
+        and ``session()``, ``django:<alias>`` for ``fence.atomic()``): its ``fence commit`` span
+        under the attempt's, with tracing on."""
+        if self.trace is None:
+            return contextlib.nullcontext()
+        return tracing.child(
+            "fence commit",
+            {
+                "fence.key": self.key,
+                "fence.generation": self.generation,
+                "fence.attempt": self.attempt_id,
+                "fence.block": where,
+            },
+        )
 
     # -- registration ------------------------------------------------------------------------------
 

@@ -75,6 +75,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
 from celery_fence.actions import INTERRUPTED_BY, Action, LogAction
+from celery_fence.announce import tracing
 from celery_fence.errors import (
     JobDead,
     Rescheduled,
@@ -148,7 +149,12 @@ def settle(attempt: Execution, outcome: Outcome) -> Disposition:
 def _completed(a: Execution, o: Completed) -> Disposition:
     assert a.generation is not None
     try:
-        a.store.end(a.key, Completion(a.generation, a.attempt_id, o.result, o.effects))
+        ending = Completion(a.generation, a.attempt_id, o.result, o.effects)
+        if a.trace is None:
+            a.store.end(a.key, ending)
+        else:
+            with tracing.child("fence complete", _attempt_attributes(a)):
+                a.store.end(a.key, ending)
     except StaleGeneration as exc:
         return _stale(a, Stale(exc))
     except ResultNotSerializable as exc:
@@ -174,6 +180,10 @@ def _completed(a: Execution, o: Completed) -> Disposition:
     # becomes a list, an int key a str), as a replay or a converging duplicate returns it.
     stored = json.loads(dumps_strict(o.result, "task's return value"))
     return Return(stored, deliver=a.key if o.effects else None)
+
+
+def _attempt_attributes(a: Execution) -> dict[str, Any]:
+    return {"fence.key": a.key, "fence.generation": a.generation, "fence.attempt": a.attempt_id}
 
 
 def _replayed(a: Execution, o: Replayed) -> Disposition:

@@ -1158,3 +1158,59 @@ def test_worker_start_refuses_autocommit_off(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert "invalid settings, the worker does not start" in out, out[-3000:]
     assert "['AUTOCOMMIT'] is False" in out
+
+
+def _traced_attempt(store: Store) -> tuple[Fence, Any]:
+    """A fence whose execution is traced (:mod:`celery_fence.announce.tracing`), with the
+    execution's key, generation and attempt id."""
+    from celery_fence.announce import tracing
+    from celery_fence.announce.transitions import Announcer
+    from celery_fence.config import FenceConfig
+    from celery_fence.leases.renewer import Renewer
+    from celery_fence.pipeline.execution import Execution
+    from celery_fence.pipeline.retry import RetryPolicy
+    from celery_fence.testing.memory import MemoryLeaseStore
+
+    fence = _attempt(store)
+    trace_ = tracing.attempt_trace()
+    assert trace_ is not None
+    config = FenceConfig()
+    leases = MemoryLeaseStore()
+    execution = Execution(
+        task_name="t",
+        config=config,
+        store=store,
+        leases=leases,
+        renewer=Renewer(leases),
+        policy=RetryPolicy(config),
+        announcer=Announcer("t", trace=trace_),
+        trace=trace_,
+        attempt_id=fence.attempt_id,
+    )
+    execution.key, execution.generation = fence.key, fence.generation
+    fence.execution = execution
+    return fence, trace_
+
+
+def test_a_traced_block_commit_is_a_span_of_the_attempt(store: Store, alias: str) -> None:
+    from tests.support.spans import process_exporter
+
+    exporter = process_exporter()
+    exporter.clear()
+    # Given a traced attempt whose first block commits and whose second is refused (stale)
+    fence, trace_ = _traced_attempt(store)
+    with trace_.running("t", fence.key, fence.attempt_id, None):
+        with fence.atomic(using=alias):
+            _write(alias, fence)
+        with pytest.raises(StaleGeneration), fence.atomic(using=alias):
+            _write(alias, fence)
+            store_fence_row_moves_on(alias, fence)
+    fence.execution.renewer.stop()  # type: ignore[union-attr]
+    # Then each commit is a "fence commit" span under the attempt's, the refused one an error
+    spans = exporter.get_finished_spans()
+    (attempt,) = [s for s in spans if s.name == "fence attempt t"]
+    commits = [s for s in spans if s.name == "fence commit"]
+    assert [c.parent.span_id for c in commits if c.parent] == [attempt.context.span_id] * 2
+    assert [dict(c.attributes or {}).get("fence.block") for c in commits] == [f"django:{alias}"] * 2
+    assert [c.status.status_code.name for c in commits] == ["UNSET", "ERROR"]
+    assert (commits[1].attributes or {})["error.type"] == "StaleGeneration"

@@ -543,3 +543,29 @@ def follow(self: Any, previous: Any, key: str) -> dict[str, Any]:
     ledger.rpush(f"{PREFIX}:runs:{key}", f"{self.fence.generation}:{self.fence.attempt_id}")
     after = previous.get("attempt_id") if isinstance(previous, dict) else None
     return {"key": key, "after": after, "generation": self.fence.generation}
+
+
+@app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key: key)
+def stage_effect(self: Any, key: str) -> dict[str, Any]:
+    """Stages one ``traced`` outbox effect (delivered by workers run with ``FENCE_T_SPANS``)."""
+    ledger.rpush(f"{PREFIX}:runs:{key}", f"{self.fence.generation}:{self.fence.attempt_id}")
+    with self.fence.transaction() as conn:  # a fenced block: its commit is a span
+        conn.execute(sa.text("SELECT 1"))
+    self.fence.outbox.add("traced", {"key": key})
+    return {"key": key, "generation": self.fence.generation}
+
+
+if E.get("FENCE_T_SPANS"):  # the trace tests' workers: spans to a file, an outbox
+    from celery_fence.ops.outbox import Outbox
+    from tests.support import spans
+
+    spans.export_to_file(E["FENCE_T_SPANS"])
+    if E.get("FENCE_T_CELERY_OTEL") == "1":  # beside opentelemetry-instrumentation-celery
+        from opentelemetry.instrumentation.celery import CeleryInstrumentor
+
+        CeleryInstrumentor().instrument()
+    outbox = Outbox(app)
+
+    @outbox.handler("traced")
+    def traced(payload: Any, *, idempotency_key: str) -> None:
+        ledger.rpush(f"{PREFIX}:delivered:{payload['key']}", idempotency_key)

@@ -75,6 +75,10 @@ if TYPE_CHECKING:
 class _Refused(Exception):
     """The ownership check found no row: raised inside Django's atomic so it rolls back."""
 
+    #: What the commit's span says (:func:`celery_fence.announce.tracing.child`): the refusal
+    #: the block raises once Django rolled back.
+    error_type = "StaleGeneration"
+
 
 def _record_loss(fence: Fence) -> None:
     """Mark and record a loss seen inside the block, now that it holds no locks."""
@@ -124,11 +128,20 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
     watched = contextlib.nullcontext() if watch.is_running(fence) else watch.running(fence)
     fence.blocks.atomic.add(alias)
     gaps = _IdleGaps()
+    # With tracing on, the check and Django's COMMIT are the attempt's ``fence commit`` span.
+    commit_span = contextlib.ExitStack()
     try:
-        with watched, connection.execute_wrapper(gaps), django_transaction.atomic(using=alias):
+        with (
+            commit_span,
+            watched,
+            connection.execute_wrapper(gaps),
+            django_transaction.atomic(using=alias),
+        ):
             _bound(fence, store, connection)
             yield
             if not connection.needs_rollback:  # else Django rolls back: nothing to check
+                if fence.execution is not None:
+                    commit_span.enter_context(fence.execution.committing(f"django:{alias}"))
                 _check(fence, store, connection)
                 # A block nested in a transaction.atomic() of your own: that transaction's
                 # commit holds the job row the check locked, so it is fenced too.
