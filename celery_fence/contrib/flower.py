@@ -60,10 +60,10 @@ _VERDICTS: dict[str, tuple[int, str]] = {
 }
 
 
-class FencedTaskView(Task):  # type: ignore[misc]  # Celery's Task is untyped
+class FencedTaskView(Task):
     """Celery's event-state task with its fence attempts (``fence``: attempt id -> entry)."""
 
-    _fields = Task._fields + ("fence", *FENCE_FIELDS)
+    _fields = (*Task._fields, "fence", *FENCE_FIELDS)
     fence: dict[str, dict[str, Any]] | None = None
 
     def event(
@@ -148,4 +148,4 @@ def install() -> None:
     EventsState.Task = FencedTaskView
 
 
-__all__ = ["FENCE_FIELDS", "FencedTaskView", "SUBJECT_PREFIX", "install"]
+__all__ = ["FENCE_FIELDS", "SUBJECT_PREFIX", "FencedTaskView", "install"]

@@ -10,6 +10,7 @@ the key, the generation that counted, and both attempts.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -100,6 +101,10 @@ def _info(port: int, task_id: str) -> dict[str, Any]:
     return json.loads(body) if body else {}
 
 
+def _counted(port: int, task_id: str) -> Any:
+    return _info(port, task_id).get("fence_counted")
+
+
 def test_flower_shows_which_attempt_of_a_task_id_counted(
     fenced_flower: int,
     spawn_worker: SpawnWorker,
@@ -119,7 +124,7 @@ def test_flower_shows_which_attempt_of_a_task_id_counted(
         warm = client_app.work.delay(f"warm:{uuid.uuid4().hex[:8]}")
         warm.get(timeout=30)
         with contextlib.suppress(AssertionError):
-            wait_until(lambda: _info(fenced_flower, warm.id).get("fence_counted"), 5, 0.2)
+            wait_until(functools.partial(_counted, fenced_flower, warm.id), 5, 0.2)
             break
     # and an attempt (generation 1, worker one) paused mid-body past its lease,
     first = client_app.work.delay(key, sleep=3.0, check=False)
@@ -140,9 +145,7 @@ def test_flower_shows_which_attempt_of_a_task_id_counted(
     finally:
         one.resume()
     # and worker one resumes, finishes its body and is rejected as stale,
-    wait_until(
-        lambda: "stale" in [t.action for t in fence_store.history(key)], 30, what="stale"
-    )
+    wait_until(lambda: "stale" in [t.action for t in fence_store.history(key)], 30, what="stale")
     assert first.get(timeout=30) == fence_store.get(key).result  # type: ignore[union-attr]
     attempts = ledger.run_attempts(redis_client, prefix, key)
     (gen_a, attempt_a), (gen_b, attempt_b) = sorted(attempts)[:2]
@@ -154,8 +157,10 @@ def test_flower_shows_which_attempt_of_a_task_id_counted(
     assert info["state"] == "SUCCESS"
     assert info["fence_key"] == key
     assert info["fence_generation"] == 2
-    assert info["fence_counted"] == f"generation 2, attempt {attempt_b} on {two.name}@" + (
-        info["fence_counted"].rsplit("@", 1)[1]
+    assert (
+        info["fence_counted"]
+        == f"generation 2, attempt {attempt_b} on {two.name}@"
+        + (info["fence_counted"].rsplit("@", 1)[1])
     )
     assert f"generation 1, attempt {attempt_a} on {one.name}@" in info["fence_stale"]
     assert "stored generation 2" in info["fence_stale"]
