@@ -22,6 +22,7 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
+from celery_fence.config import FenceConfig
 from celery_fence.contrib.django.models import Job, OutboxEffect, Transition
 from celery_fence.contrib.django.operations import (
     current_celery_app,
@@ -29,6 +30,7 @@ from celery_fence.contrib.django.operations import (
     requeue_dead,
 )
 from celery_fence.contrib.django.settings import fence_alias
+from celery_fence.pipeline.backends import lease_store
 from celery_fence.schema import PENDING
 
 logger = logging.getLogger("celery_fence.admin")
@@ -226,9 +228,6 @@ class JobAdmin(ReadOnly, admin.ModelAdmin):
         if not keys:
             return {}
         try:
-            from celery_fence.config import FenceConfig
-            from celery_fence.pipeline.backends import lease_store
-
             leases = lease_store(FenceConfig.from_app(current_celery_app()))
             return dict(leases.remaining_many(keys))
         except Exception as exc:  # a view: never fail the page on Redis
