@@ -103,7 +103,8 @@ config = fence_config()
 store = Store(config.database_url)
 done, dead, running, tag = sys.argv[1:5]
 task = "billing.tasks.bill_invoice"
-request = {"task": task, "id": tag, "args": [7], "kwargs": {}, "options": {}}
+queue = "admin-test-" + tag  # the requeue's message goes there (deleted after the test)
+request = {"task": task, "id": tag, "args": [7], "kwargs": {}, "options": {"routing_key": queue}}
 store.register(done, generation=1, attempt_id="a-done", task_name=task)
 store.end(done, Completion(generation=1, attempt_id="a-done", result={"total": 12}))
 store.register(dead, generation=1, attempt_id="a-dead", task_name=task, request=request)
@@ -191,9 +192,14 @@ class Project:
 
 @pytest.fixture
 def project(tmp_path: Path, prefix: str, redis_client: redis.Redis) -> Iterator[Project]:
-    yield Project(tmp_path, prefix)
+    made = Project(tmp_path, prefix)
+    yield made
     for key in redis_client.scan_iter(f"{prefix}:*"):
         redis_client.delete(key)
+    broker = redis.Redis.from_url(BROKER_URL)
+    queue = f"admin-test-{made.tag}"
+    broker.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+    broker.close()
 
 
 def test_admin_searches_recovers_without_selection_and_records_who_requeued(
