@@ -19,10 +19,10 @@ Three ways a fenced message can end without its task body's settle step running:
   job is settled first: a job that has no row yet is recorded ``dead`` (reason ``expired`` or
   ``revoked``) so an operator sees it and can requeue it; a job whose only message this is (the
   default key, the Celery task id) and that is waiting for it (``retrying``/``pending``) goes
-  ``dead`` the same way. A job under a ``fence_key`` that other messages may share goes ``dead`` only when it waits for this very
-  message (its stored request has this task id: its own retry, re-send or requeue); otherwise it
-  keeps its state and gets a transition row. If the store cannot be written, the message is
-  given back.
+  ``dead`` the same way. A job under a ``fence_key`` that other messages may share goes ``dead``
+  only when it waits for this very message (its stored request has this task id: its own retry,
+  re-send or requeue); otherwise it keeps its state and gets a transition row. If the store
+  cannot be written, the message is given back.
 - **Revoked with ``terminate=True`` while it ran.** The pool kills the attempt and Celery acks
   the message. Here the job is recorded ``dead``, reason "revoked", when its row is still
   unfinished under this message (its stored request has this task id; a row that has completed

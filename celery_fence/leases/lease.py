@@ -306,6 +306,24 @@ class LeaseStore:
             pipe.pttl(self.keys_for(key).lease)
         return {key for key, pttl in zip(keys, pipe.execute(), strict=True) if pttl >= 0}
 
+    def remaining_many(self, keys: Sequence[str]) -> dict[str, tuple[float, int | None]]:
+        """The live leases among ``keys``: key -> (seconds left, the lease's generation), in one
+        pipelined round trip (a PTTL and a GET per key); a key without a live lease is absent."""
+        if not keys:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            lease = self.keys_for(key).lease
+            pipe.pttl(lease)
+            pipe.get(lease)
+        replies = pipe.execute()
+        live: dict[str, tuple[float, int | None]] = {}
+        for i, key in enumerate(keys):
+            pttl, value = replies[2 * i], replies[2 * i + 1]
+            if value is not None and pttl >= 0:
+                live[key] = (pttl / 1000, _generation_of(value))
+        return live
+
     def remaining(self, key: str) -> tuple[float | None, int | None]:
         """(seconds left on the live lease or None, the lease's generation or None)."""
         keys = self.keys_for(key)
@@ -315,5 +333,16 @@ class LeaseStore:
         pttl, value = pipe.execute()
         if value is None or pttl < 0:
             return None, None
-        generation = int(value.rsplit(b":", 1)[1]) if isinstance(value, bytes) else None
-        return pttl / 1000, generation
+        return pttl / 1000, _generation_of(value)
+
+
+def _generation_of(value: Any) -> int | None:
+    """The generation in a lease value ``<token>:<generation>`` (None when it is not one)."""
+    if isinstance(value, str):
+        value = value.encode()
+    if not isinstance(value, bytes):
+        return None
+    try:
+        return int(value.rsplit(b":", 1)[1])
+    except (IndexError, ValueError):
+        return None

@@ -41,14 +41,21 @@ class SendFailed(FenceError):
 
 
 def requeue_finished(
-    app: Any, store: Store, key: str, *, completed: bool = False, reason: str
+    app: Any,
+    store: Store,
+    key: str,
+    *,
+    completed: bool = False,
+    reason: str,
+    stored_reason: str | None = None,
 ) -> Requeued:
     """Requeue the dead job ``key`` (``completed``: the completed one) of ``store`` and send it.
 
     Raises :class:`~celery_fence.ops.recovery.NotResendable` when the job has no stored request,
     :class:`~celery_fence.errors.StoreError` when it is not dead (not completed), and
     :class:`SendFailed` when the send failed. ``reason`` is the ``requeued`` transition's, as
-    signalled and logged (the store writes its own).
+    signalled and logged; the transitions table gets ``stored_reason`` (default: the store's
+    own, ``by operator``).
     """
     record = store.get(key)
     if record is not None and not record.request:
@@ -56,7 +63,9 @@ def requeue_finished(
             f"job {key!r} has no stored request (its arguments or workflow were not JSON): "
             "re-send it from your code"
         )
-    before = store.admin.requeue(key, completed=completed)  # durable first: pending, fresh budget
+    before = store.admin.requeue(
+        key, completed=completed, reason=stored_reason
+    )  # durable first: pending, fresh budget
     try:
         task_id = send_stored(app, before)
     except Exception as exc:

@@ -57,8 +57,9 @@ class JobAdmin:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def requeue(self, key: str, *, completed: bool = False) -> JobRecord:
+    def requeue(self, key: str, *, completed: bool = False, reason: str | None = None) -> JobRecord:
         """Move a dead job to ``pending`` with a fresh attempt budget; refuse any other status.
+        ``reason`` is the ``requeued`` transition's (default: ``by operator``).
 
         ``completed=True`` does the same to a completed job instead (an operator runs its key again
         on purpose): its stored result stays until the new attempt's completion replaces it, and the
@@ -92,7 +93,8 @@ class JobAdmin:
             sets = sql.REQUEUE_RERUN
             before = dataclasses.replace(before, request=request)
         statement = sql.cas_sql(self.store.dialect, sets, sql.SAME)
-        reason = "completed job re-run by operator" if completed else "by operator"
+        if reason is None:
+            reason = "completed job re-run by operator" if completed else "by operator"
         self.store.fenced_write("requeue", statement, params, Action.REQUEUED, reason=reason)
         return before
 

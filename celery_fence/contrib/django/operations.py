@@ -19,25 +19,30 @@ def current_celery_app() -> Any:
     return current_app._get_current_object()
 
 
-def requeue_dead(app: Any, key: str) -> str:
+def requeue_dead(app: Any, key: str, *, by: str | None = None) -> str:
     """Re-send a dead job (same key, fresh attempt budget), as ``celery fence requeue KEY``;
-    returns what happened, in words. A job that is not dead is left alone."""
+    returns what happened, in words (beginning with ``job``, never with the key: Django's admin
+    capitalises a message's first letter). A job that is not dead is left alone. ``by`` (the admin
+    user's name) is recorded in the transition's reason: ``requeued by admin user alice``."""
     store = store_for(FenceConfig.from_app(app))
     record = store.get(key)
     if record is None:
-        return f"{key}: no such job"
+        return f"job {key}: no such job"
     if record.status != DEAD:
-        return f"{key}: {record.status}, not dead; left alone"
+        return f"job {key}: {record.status}, not dead; left alone"
     try:
-        done = requeue_finished(app, store, key, reason="requeued by operator (admin)")
+        reason = f"requeued by admin user {by}" if by else "requeued by operator (admin)"
+        done = requeue_finished(app, store, key, reason=reason, stored_reason=reason)
     except recovery.NotResendable:
-        return f"{key}: no stored request (its arguments were not JSON); re-send it from your code"
+        return (
+            f"job {key}: no stored request (its arguments were not JSON); re-send it from your code"
+        )
     except SendFailed as failed:
         name = type(failed.cause).__name__
         if not failed.restored:
-            return f"{key}: the send failed ({name}) and an attempt claimed it since"
-        return f"{key}: the send failed ({name}); it is dead again"
-    return f"{key}: requeued as {done.task_id}"
+            return f"job {key}: the send failed ({name}) and an attempt claimed it since"
+        return f"job {key}: the send failed ({name}); it is dead again"
+    return f"job {key}: requeued as {done.task_id}"
 
 
 def recover_stranded(app: Any) -> str:

@@ -20,6 +20,7 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    "django.contrib.staticfiles",  # the admin's CSS under runserver
     "celery_fence.contrib.django",  # the fence tables (migrate), checks, admin
     "billing",
 ]
@@ -73,6 +74,7 @@ BILLING_DEVELOPMENT_DATABASE = DATABASES["default"]["NAME"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 TIME_ZONE = "UTC"
+STATIC_URL = "static/"
 
 CELERY_BROKER_URL = os.environ.get("BILLING_BROKER_URL", "redis://127.0.0.1:6379/0")
 CELERY_RESULT_BACKEND = os.environ.get("BILLING_RESULT_BACKEND", "redis://127.0.0.1:6379/0")

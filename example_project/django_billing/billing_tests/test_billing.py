@@ -173,7 +173,9 @@ def test_the_admin_shows_a_dead_job_and_requeues_it(
     changelist = "/admin/celery_fence/job/"
     selected = {"_selected_action": [key]}
     requeued = admin_client.post(changelist, {"action": "requeue_dead", **selected}, follow=True)
-    assert messages(requeued)[0].startswith(f"{key}: requeued as")
+    assert messages(requeued)[0].startswith(f"job {key}: requeued as")
+    reasons = [(t.action, t.reason) for t in fence_store.history(key)]
+    assert ("requeued", "requeued by admin user admin") in reasons  # who requeued it
     # then the worker bills it under the same key, in the test database,
     wait_for(lambda: fence_store.get(key).status == "completed", 30, "the requeued job")
     job = fence_store.get(key)
