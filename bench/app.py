@@ -7,6 +7,9 @@ Every variant is a task of this one app, so every variant runs under the same wo
   keys, results fenced in PostgreSQL / SQLite;
 - ``bench.fenced_pg_defer``: ``bench.fenced_pg`` with ``fence_defer_first_registration=True``
   (a first claim's row is written by its completion: one statement instead of two);
+- ``bench.fenced_pg_group`` / ``bench.fenced_pg_ratelimit``: ``bench.fenced_pg`` in a
+  concurrency group of 1000 slots / under a rate limit of a million a second (never reached:
+  the cost of the slot's or the token's round trip);
 - ``bench.rlock``: python-redis-lock's ``Lock`` with auto-renewal around the body (no fencing),
   what a user might pick instead;
 - ``bench.plain_dbresult``: plain Celery whose result goes to Celery's own database result backend
@@ -118,6 +121,29 @@ def fenced_pg(self: Any, key: str, sleep: float = 0.0) -> None:
 )
 def fenced_pg_defer(self: Any, key: str, sleep: float = 0.0) -> None:
     _body(sleep, "bench.fenced_pg_defer")
+
+
+@app.task(
+    name="bench.fenced_pg_group",
+    base=FencedTask,
+    bind=True,
+    fence_key=_key,
+    fence_group="bench",
+    fence_group_limit=1000,  # never full: the cost of taking and giving back a slot
+)
+def fenced_pg_group(self: Any, key: str, sleep: float = 0.0) -> None:
+    _body(sleep, "bench.fenced_pg_group")
+
+
+@app.task(
+    name="bench.fenced_pg_ratelimit",
+    base=FencedTask,
+    bind=True,
+    fence_key=_key,
+    fence_rate_limit="1000000/s",  # never empty: the cost of taking a token
+)
+def fenced_pg_ratelimit(self: Any, key: str, sleep: float = 0.0) -> None:
+    _body(sleep, "bench.fenced_pg_ratelimit")
 
 
 @app.task(

@@ -5,6 +5,7 @@ spans and starts in the Redis ledger); the assertions are on those and on the st
 
 from __future__ import annotations
 
+import time
 import uuid
 from types import ModuleType
 
@@ -13,6 +14,7 @@ import redis
 
 from celery_fence.store import Store
 from celery_fence.testing import faults
+from celery_fence.testing.limits import GroupFull, RateLimited
 from tests.support.worker import SpawnWorker, wait_until
 
 pytestmark = [
@@ -148,3 +150,42 @@ def test_a_rate_limit_holds_across_two_workers_where_celerys_own_multiplies(
         assert 18.0 <= rate <= 22.0, rate
     else:  # while Celery's per-worker limit lets each worker run at its limit: near twice it.
         assert rate > 1.5, rate
+
+
+def test_the_plugins_faults_make_a_task_meet_group_full_and_rate_limited(
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+) -> None:
+    # Given the group's slots all taken and the rate limit's bucket drained for 2 s (what the
+    # fence_group_full / fence_rate_limited fixtures do) ...
+    spawn_worker("w", concurrency=2)
+    full = GroupFull(redis_client, prefix)
+    full.fill("limited", 3, hold=30)
+    drained_at = time.time()
+    RateLimited(redis_client, prefix).drain("20/s", seconds=2.0, task=client_app.rated.name)
+    grouped, rated = f"gf:{uuid.uuid4().hex[:8]}", f"rl:{uuid.uuid4().hex[:8]}"
+    client_app.grouped.delay(grouped, sleep=0.0)
+    client_app.rated.delay(rated)
+
+    def reasons(key: str) -> list[str | None]:
+        return [t.reason for t in fence_store.history(key) if t.action == "retry_scheduled"]
+
+    # ... the grouped task is re-sent as group_full, and runs only once the slots are free,
+    wait_until(lambda: "group_full" in reasons(grouped), 30, interval=0.1, what="group_full")
+    assert fence_store.get(grouped) is None or fence_store.get(grouped).status != "completed"  # type: ignore[union-attr]
+    full.free()
+    # ... and the rated task is re-sent as rate_limited, and starts once a token is due.
+    for key in (grouped, rated):
+        wait_until(
+            lambda k=key: (r := fence_store.get(k)) is not None and r.status == "completed",
+            30,
+            interval=0.1,
+            what=f"{key} completed",
+        )
+    assert "rate_limited" in reasons(rated)
+    started = float(redis_client.lrange(f"{prefix}:starts", 0, -1)[0])
+    assert started >= drained_at + 1.5
+    assert fence_store.get(grouped).attempts == 1  # type: ignore[union-attr]

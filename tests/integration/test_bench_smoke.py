@@ -24,6 +24,8 @@ VARIANTS = (
     "fenced-pg",
     "fenced-pg-defer",
     "fenced-pg-redisresult",
+    "fenced-pg-group",
+    "fenced-pg-ratelimit",
     "plain-dbresult",
     "fenced-sqlite",
     "redis-lock",
@@ -172,6 +174,12 @@ def test_throughput_mode_reports_every_variant_and_counts_at_most_three_round_tr
         assert "tx-control" not in counts["sql_by_kind"]
         assert 0.99 <= counts["redis_scripts"] <= 2.01
         assert counts["redis_reads"] <= 2.0
+    # a group slot or a rate token is one more script a task (the slot's release rides in the
+    # next claim, as a lease's does), and no more SQL than fenced-pg
+    for name in ("fenced-pg-group", "fenced-pg-ratelimit"):
+        counts = result["counts"][name]
+        assert 1.99 <= counts["redis_scripts"] <= 3.01
+        assert counts["sql_by_kind"].get("register") == pytest.approx(1.0)
     # with fence_defer_first_registration, one statement a first claim: the completing insert.
     # A message the broker redelivers registers first (two statements): timed_run stops
     # consuming once the queue is empty, so a prefetched message goes back, flagged redelivered
