@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from redis.cluster import RedisCluster
 
 from celery_fence.errors import ConfigurationError
 from celery_fence.leases.scripts import LuaScript
@@ -98,12 +101,31 @@ class Limits:
         self.client = client
         self.prefix = prefix
 
-    def claim_slot(self, group: str, limit: int, token: str, ttl_ms: int) -> Slot | float:
+    @property
+    def carries_releases(self) -> bool:
+        """Whether a slot claim can carry releases of any key (not on a Redis Cluster, where a
+        script touches one hash slot)."""
+        return not isinstance(self.client, RedisCluster)
+
+    def claim_slot(
+        self,
+        group: str,
+        limit: int,
+        token: str,
+        ttl_ms: int,
+        *,
+        releases: Sequence[tuple[str, str]] = (),
+    ) -> Slot | float:
         """Take a free slot of ``group`` for ``ttl_ms`` milliseconds: the :class:`Slot`, or, when
         all ``limit`` are held, the seconds until the soonest of them expires (the TTL when one
-        has no expiry)."""
+        has no expiry). ``releases`` — (lease key, value) pairs of finished attempts, only where
+        :attr:`carries_releases` — are compare-and-deleted first, in the same round trip."""
         keys = slot_keys(self.prefix, group, limit)
-        status, value = GROUP_CLAIM.call_once(self.client, keys, [token, ttl_ms])
+        status, value = GROUP_CLAIM.call_once(
+            self.client,
+            [*keys, *(lease_key for lease_key, _ in releases)],
+            [token, ttl_ms, limit, *(value for _, value in releases)],
+        )
         if int(status) == 1:
             return Slot(keys[int(value) - 1], token, int(value))
         soonest = int(value)

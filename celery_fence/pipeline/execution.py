@@ -364,9 +364,19 @@ class Execution:
         try:
             if group is not None and limit is not None:
                 claimed_at = time.monotonic()
-                taken = limits.claim_slot(
-                    group, limit, f"{self.attempt_id}/slot", config.lease_ttl_ms
-                )
+                # the process's queued releases ride in this round trip, as in the key's claim
+                releases = self.renewer.take_releases() if limits.carries_releases else []
+                try:
+                    taken = limits.claim_slot(
+                        group,
+                        limit,
+                        f"{self.attempt_id}/slot",
+                        config.lease_ttl_ms,
+                        releases=releases,
+                    )
+                except BaseException:
+                    self.renewer.return_releases(releases)
+                    raise
                 if not isinstance(taken, Slot):
                     detail = f"all {limit} slots of group {group!r} are taken"
                     return o.Limited(GROUP_FULL, min(taken, GROUP_POLL), detail)

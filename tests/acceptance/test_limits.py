@@ -5,6 +5,7 @@ spans and starts in the Redis ledger); the assertions are on those and on the st
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from types import ModuleType
@@ -28,7 +29,8 @@ TTL = 2.0  # tests/support/app.py's default lease TTL (FENCE_T_TTL)
 def _spans(client: redis.Redis, prefix: str) -> list[tuple[float, float]]:
     out = []
     for raw in client.lrange(f"{prefix}:spans", 0, -1):
-        start, end = raw.decode().split(":")
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        start, end = text.split(":")
         out.append((float(start), float(end)))
     return out
 
@@ -175,16 +177,16 @@ def test_the_plugins_faults_make_a_task_meet_group_full_and_rate_limited(
 
     # ... the grouped task is re-sent as group_full, and runs only once the slots are free,
     wait_until(lambda: "group_full" in reasons(grouped), 30, interval=0.1, what="group_full")
-    assert fence_store.get(grouped) is None or fence_store.get(grouped).status != "completed"  # type: ignore[union-attr]
+
+    def completed(key: str) -> bool:
+        record = fence_store.get(key)
+        return record is not None and record.status == "completed"
+
+    assert not completed(grouped)
     full.free()
     # ... and the rated task is re-sent as rate_limited, and starts once a token is due.
     for key in (grouped, rated):
-        wait_until(
-            lambda k=key: (r := fence_store.get(k)) is not None and r.status == "completed",
-            30,
-            interval=0.1,
-            what=f"{key} completed",
-        )
+        wait_until(functools.partial(completed, key), 30, interval=0.1, what=f"{key} completed")
     assert "rate_limited" in reasons(rated)
     started = float(redis_client.lrange(f"{prefix}:starts", 0, -1)[0])
     assert started >= drained_at + 1.5

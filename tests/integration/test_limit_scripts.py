@@ -89,3 +89,18 @@ def test_limit_settings_are_validated() -> None:
         FenceConfig.from_mapping({"fence_group": "g", "fence_group_limit": 0})
     config = FenceConfig.from_mapping({"fence_group": "g", "fence_group_limit": "3"})
     assert config.group_limit == 3 and config.rate is None
+
+
+def test_a_slot_claim_carries_finished_attempts_releases_compared_on_their_values(
+    limits: Limits, redis_client: redis.Redis
+) -> None:
+    first = limits.claim_slot("g", 1, "tok-a", 5_000)
+    assert isinstance(first, Slot)
+    # a wrong value releases nothing: the group stays full
+    assert isinstance(
+        limits.claim_slot("g", 1, "tok-b", 5_000, releases=[(first.lease_key, "tok-x:1")]), float
+    )
+    # the finished attempt's own value frees its slot in the same round trip, for the claimer
+    second = limits.claim_slot("g", 1, "tok-b", 5_000, releases=[(first.lease_key, first.value)])
+    assert isinstance(second, Slot) and second.index == 1
+    assert redis_client.get(second.lease_key) == b"tok-b:1"

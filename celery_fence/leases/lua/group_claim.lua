@@ -5,11 +5,24 @@
 --             slot frees itself one TTL after its last renewal.
 -- ARGV[1]     owner token (unique per attempt)
 -- ARGV[2]     slot TTL in milliseconds
+-- ARGV[3]     N
+-- KEYS[N+1..], ARGV[4..] (optional, single Redis only): leases of this process's finished
+--             attempts (slots or keys) and their expected values, released first
+--             (compare-and-delete each), so a release rides in this round trip, as in claim.lua.
 -- Returns {1, i} when slot i (1-based) was taken,
 --         {0, soonest_ms} when every slot is held (soonest_ms: the soonest expiry among them;
 --         -1 when one has no expiry).
+local n = tonumber(ARGV[3])
+for i = n + 1, #KEYS do
+  local value = redis.call('GET', KEYS[i])
+  local expected = ARGV[i - n + 3]
+  if value and (value == expected
+      or (string.sub(expected, -1) == ':' and string.sub(value, 1, #expected) == expected)) then
+    redis.call('DEL', KEYS[i])
+  end
+end
 local soonest = nil
-for i = 1, #KEYS do
+for i = 1, n do
   if redis.call('SET', KEYS[i], ARGV[1] .. ':' .. i, 'NX', 'PX', ARGV[2]) then
     return {1, i}
   end
