@@ -5,6 +5,9 @@ Every variant is a task of this one app, so every variant runs under the same wo
 - ``bench.plain``: plain Celery, ``acks_late``;
 - ``bench.fenced_pg`` / ``bench.fenced_sqlite``: :class:`~celery_fence.FencedTask` with distinct
   keys, results fenced in PostgreSQL / SQLite;
+- ``bench.fenced_pg_group`` / ``bench.fenced_pg_ratelimit``: ``bench.fenced_pg`` in a
+  concurrency group of 1000 slots / under a rate limit of a million a second (never reached:
+  the cost of the slot's or the token's round trip);
 - ``bench.rlock``: python-redis-lock's ``Lock`` with auto-renewal around the body (no fencing),
   what a user might pick instead;
 - ``bench.plain_dbresult``: plain Celery whose result goes to Celery's own database result backend
@@ -104,6 +107,29 @@ def plain(key: str, sleep: float = 0.0) -> None:
 @app.task(name="bench.fenced_pg", base=FencedTask, bind=True, fence_key=_key)
 def fenced_pg(self: Any, key: str, sleep: float = 0.0) -> None:
     _body(sleep, "bench.fenced_pg")
+
+
+@app.task(
+    name="bench.fenced_pg_group",
+    base=FencedTask,
+    bind=True,
+    fence_key=_key,
+    fence_group="bench",
+    fence_group_limit=1000,  # never full: the cost of taking and giving back a slot
+)
+def fenced_pg_group(self: Any, key: str, sleep: float = 0.0) -> None:
+    _body(sleep, "bench.fenced_pg_group")
+
+
+@app.task(
+    name="bench.fenced_pg_ratelimit",
+    base=FencedTask,
+    bind=True,
+    fence_key=_key,
+    fence_rate_limit="1000000/s",  # never empty: the cost of taking a token
+)
+def fenced_pg_ratelimit(self: Any, key: str, sleep: float = 0.0) -> None:
+    _body(sleep, "bench.fenced_pg_ratelimit")
 
 
 @app.task(

@@ -61,6 +61,8 @@ VARIANTS = (
     Variant("plain", "bench.plain", 0.0, None, "-"),
     Variant("fenced-pg", "bench.fenced_pg", 0.0, "plain", "postgresql"),
     Variant("fenced-pg-redisresult", "bench.fenced_pg_redisresult", 0.0, "plain", "postgresql"),
+    Variant("fenced-pg-group", "bench.fenced_pg_group", 0.0, "plain", "postgresql"),
+    Variant("fenced-pg-ratelimit", "bench.fenced_pg_ratelimit", 0.0, "plain", "postgresql"),
     Variant("plain-dbresult", "bench.plain_dbresult", 0.0, "plain", "postgresql"),
     Variant("fenced-sqlite", "bench.fenced_sqlite", 0.0, "plain", "sqlite"),
     Variant("redis-lock", "bench.rlock", 0.0, "plain", "-"),
@@ -96,6 +98,8 @@ class TasksFailed(RuntimeError):
 HEADLINES = (
     ("fenced-pg", "plain-dbresult"),
     ("fenced-pg-redisresult", "fenced-pg"),
+    ("fenced-pg-group", "fenced-pg"),
+    ("fenced-pg-ratelimit", "fenced-pg"),
 )
 #: The worker tree's processes in the CPU counts (the rest: the servers and the machine).
 WORKER_TREE = ("worker main", "worker children")

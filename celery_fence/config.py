@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -17,6 +18,7 @@ from typing import Any
 from celery_fence.app_state import app_state
 from celery_fence.errors import ConfigurationError
 from celery_fence.leases.lease import DEFAULT_GENERATION_TTL  # (the lease's own default)
+from celery_fence.leases.limits import MAX_GROUP_LIMIT, Rate, parse_rate
 from celery_fence.leases.redis_client import parse_redis_settings
 
 
@@ -220,6 +222,14 @@ class FenceConfig:
     #: provider account set different namespaces so their keys never collide. Empty: the keys
     #: of earlier versions, unchanged.
     idempotency_namespace: str = ""
+    #: A concurrency group (a task option): a str, or a callable given the task's ``(args,
+    #: kwargs)`` returning one. With ``group_limit``, at most that many attempts of the group run
+    #: at once across all workers; with ``rate_limit``, the group shares one bucket.
+    group: str | Callable[[tuple[Any, ...], dict[str, Any]], str] | None = None
+    #: Slots of the concurrency group: attempts of one group running at once, cluster-wide.
+    group_limit: int | None = None
+    #: A cluster-wide rate limit ("10/s", "100/m", "1000/h") for the task, or its group.
+    rate_limit: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -246,7 +256,13 @@ class FenceConfig:
         more than :attr:`recover_after_seconds`)."""
         return min(self.recover_pending_after, self.recover_after_seconds)
 
+    @property
+    def rate(self) -> Rate | None:
+        """``rate_limit`` parsed (None: no rate limit)."""
+        return None if self.rate_limit is None else parse_rate(self.rate_limit)
+
     def validate(self) -> None:
+        self._validate_limits()
         if self.lease_ttl <= 0:
             raise ConfigurationError(
                 f"fence_lease_ttl={self.lease_ttl} must be positive: set it to the seconds a lease "
@@ -369,6 +385,29 @@ class FenceConfig:
                 transport_options=self.redis_transport_options,
             )
 
+    def _validate_limits(self) -> None:
+        if self.group is not None and not (
+            callable(self.group) or (isinstance(self.group, str) and self.group)
+        ):
+            raise ConfigurationError(
+                f"fence_group={self.group!r} must be a non-empty str, or a callable given the "
+                "task's (args, kwargs) returning one, e.g. fence_group=lambda args, kwargs: "
+                "f\"tenant:{kwargs['tenant']}\"."
+            )
+        if self.group_limit is not None:
+            if not 1 <= self.group_limit <= MAX_GROUP_LIMIT:
+                raise ConfigurationError(
+                    f"fence_group_limit={self.group_limit} must be an int from 1 to "
+                    f"{MAX_GROUP_LIMIT}: how many attempts of the group may run at once."
+                )
+            if self.group is None:
+                raise ConfigurationError(
+                    f"fence_group_limit={self.group_limit} needs a group: set fence_group (a str, "
+                    "or a callable given (args, kwargs)) on the task too."
+                )
+        if self.rate_limit is not None:
+            parse_rate(self.rate_limit)
+
     @classmethod
     def from_mapping(cls, conf: Mapping[str, Any], **overrides: Any) -> FenceConfig:
         """Read ``fence_*`` settings from a Celery ``app.conf`` (or any mapping).
@@ -410,6 +449,8 @@ class FenceConfig:
             value = getattr(task, f"fence_{name}", None)
             if name in TASK_OPTIONS and getattr(task, name, None) is not None:
                 value = getattr(task, name)
+            if name == "group" and inspect.ismethod(value):  # a function option, bound on access
+                value = value.__func__
             if value is not None:
                 overrides[name] = value
         if not overrides:
@@ -448,6 +489,7 @@ _FLOATS = {
     "recover_pending_after",
 }
 _OPTIONAL_FLOATS = {"recover_after", "max_runtime", "retention"}
+_OPTIONAL_INTS = {"group_limit"}
 _INTS = {"max_attempts", "outbox_max_attempts", "retry_budget_floor", "error_message_length"}
 _BOOLS = {
     "retry_unknown_errors",
@@ -475,6 +517,10 @@ def _parse(name: str, raw: Any, setting: str | None = None) -> Any:
         return None if raw is None else _as_float(setting, raw)
     if name in _INTS:
         return _as_int(setting, raw)
+    if name in _OPTIONAL_INTS:
+        return None if raw is None else _as_int(setting, raw)
+    if name == "rate_limit":
+        return None if raw is None else parse_rate(raw, setting).text
     if name in _BOOLS:
         return _as_bool(setting, raw)
     if name == "database":  # a Django DATABASES alias, or None

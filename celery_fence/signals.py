@@ -17,7 +17,9 @@ where they fit: ``remaining`` for ``lease_busy``, ``countdown`` and ``attempts``
 - ``job_replayed``: a redelivered message found the job completed and returns the stored result.
 - ``stale_rejected``: the store refused this attempt's write; a newer generation owns the job.
 - ``job_retry_scheduled``: the message is re-sent after ``countdown`` seconds (retry policy, lost
-  lease, store or lease store unavailable, newer generation still running).
+  lease, store or lease store unavailable, newer generation still running; ``reason`` exactly
+  ``group_full`` or ``rate_limited`` when over ``fence_group_limit`` / ``fence_rate_limit``,
+  with ``generation`` and ``attempts`` None: the limits are taken before the claim).
 - ``job_dead``: the job reached the terminal ``dead`` state.
 - ``unfenced_write``: the body committed a write that no fenced block covers (once per attempt;
   ``where`` names the connection, ``table`` the table when known).

@@ -43,7 +43,7 @@ from celery_fence.errors import (
 )
 from celery_fence.ops.outbox import trigger_delivery
 from celery_fence.pipeline import outcomes as o
-from celery_fence.pipeline.backends import Backends, backends
+from celery_fence.pipeline.backends import Backends, backends, limits_for
 from celery_fence.pipeline.execution import Execution
 from celery_fence.schema import KEY_LENGTH
 from celery_fence.store import Store
@@ -180,6 +180,7 @@ class FencedTask(Task, Fenced):
             retries=retries,
             celery_command=celery_command(self.app),
             trace=trace,
+            limits=limits_for(config),
         )
 
     def logical_key(self, args: Any, kwargs: Any, task_id: str | None) -> str:
@@ -310,6 +311,7 @@ class FencedTask(Task, Fenced):
         request = self.request
         try:
             key = self._key_of(args, kwargs)
+            execution.group = self.fence_group_of(args, kwargs, execution.config)
         except ConfigurationError as exc:
             if request.called_directly:
                 raise
@@ -340,6 +342,29 @@ class FencedTask(Task, Fenced):
             max_runtime=self._max_runtime(execution.config),
         )
         return self._carry_out(disposition)
+
+    def fence_group_of(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], config: FenceConfig
+    ) -> str | None:
+        """This call's concurrency group: ``fence_group`` itself (a str), or what it returns
+        given ``(args, kwargs)``; None without one."""
+        group = config.group
+        if group is None or isinstance(group, str):
+            return group
+        try:
+            value = group(tuple(args or ()), dict(kwargs or {}))
+        except Exception as exc:
+            raise ConfigurationError(
+                f"fence_group of task {self.name} raised {type(exc).__name__}: {exc}; it is "
+                "called with the task's (args, kwargs) and must return a str"
+            ) from exc
+        if not isinstance(value, str) or not value or len(value) > KEY_LENGTH:
+            raise ConfigurationError(
+                f"fence_group of task {self.name} returned a {type(value).__name__}; it must "
+                f"return a non-empty str of at most {KEY_LENGTH} characters, e.g. "
+                "f'tenant:{kwargs[\"tenant\"]}'"
+            )
+        return value
 
     def invalid_settings(self, error: ConfigurationError) -> o.Disposition:
         """The disposition of a message whose task's settings are invalid: re-sent later."""

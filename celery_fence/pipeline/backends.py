@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 from celery_fence.config import FenceConfig
 from celery_fence.leases.lease import LeaseStore
+from celery_fence.leases.limits import Limits
 from celery_fence.leases.redis_client import client_identity, make_client
 from celery_fence.leases.renewer import Renewer
 from celery_fence.pipeline.retry import RetryBudget, RetryPolicy
@@ -74,6 +75,17 @@ def renewer(config: FenceConfig) -> Renewer:
     return runtime().get("renewer", id(leases), lambda: Renewer(leases))
 
 
+def limits_for(config: FenceConfig) -> Limits | None:
+    """The cluster-wide limits' scripts on ``config``'s lease Redis, or None when ``config``
+    sets neither a group limit nor a rate limit."""
+    if config.group_limit is None and config.rate_limit is None:
+        return None
+    ident = (client_identity(config), config.key_prefix)
+    return runtime().get(
+        "limits", ident, lambda: Limits(redis_client(config), prefix=config.key_prefix)
+    )
+
+
 def retry_budget(config: FenceConfig) -> RetryBudget:
     """The retry budgets (per task name) for ``config``'s Redis, prefix and budget settings."""
     ident = (
@@ -106,6 +118,7 @@ __all__ = [
     "backends",
     "get_store",
     "lease_store",
+    "limits_for",
     "redis_client",
     "renewer",
     "retry_budget",

@@ -38,6 +38,7 @@ from celery_fence.errors import (
     StaleGeneration,
 )
 from celery_fence.leases.lease import HeldLease
+from celery_fence.leases.limits import Limits, Slot
 from celery_fence.leases.renewer import Renewer
 from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.ports import JobStore, LeaseBackend
@@ -52,6 +53,13 @@ logger = logging.getLogger("celery_fence")
 
 #: How many times a claim is retried after the store showed Redis had lost its counter.
 CLAIM_ROUNDS = 3
+
+#: Seconds a message over its group's limit waits at most before it looks again (less when the
+#: soonest slot expires sooner); a slot usually frees long before its lease would expire.
+GROUP_POLL = 1.0
+
+#: The re-send reasons of a message over a limit (the ``retry_scheduled`` row's reason).
+GROUP_FULL, RATE_LIMITED = "group_full", "rate_limited"
 
 
 class Execution:
@@ -73,6 +81,7 @@ class Execution:
         celery_command: str = "celery -A <app>",
         attempt_id: str | None = None,
         trace: tracing.AttemptTrace | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.task_name = task_name
         self.config = config
@@ -109,6 +118,12 @@ class Execution:
         #: An eager run (``.apply()``, ``task_always_eager``): Celery runs a ``self.retry()``
         #: inline.
         self.eager = False
+        #: The cluster-wide limits' scripts (None: the task has no group limit or rate limit).
+        self.limits = limits
+        #: This message's concurrency group (``fence_group``), or None.
+        self.group: str | None = None
+        #: The group slot this attempt holds, renewed with its lease.
+        self.slot: HeldLease | None = None
 
     # -- the path ----------------------------------------------------------------------------------
 
@@ -135,6 +150,8 @@ class Execution:
         finally:  # whatever ends the attempt, even an exit raised in the settle step itself
             if self.lease is not None and not self.released:
                 self.renewer.discard(self.lease)  # compare-and-delete, batched by the renewer
+            if self.slot is not None:
+                self.renewer.discard(self.slot)  # the group's slot, the same way
 
     def settle(self, outcome: o.Outcome) -> o.Disposition:
         """The one step every ending passes through: see :mod:`celery_fence.pipeline.settle`."""
@@ -236,6 +253,9 @@ class Execution:
         """Claim a generation and register it; None when the body may run, else the outcome."""
         config, leases, renewer = self.config, self.leases, self.renewer
         on_lost, on_renewed = lease_observers(self.announcer, self.store)
+        limited = self._take_limits(max_runtime)
+        if limited is not None:
+            return limited
         request: str | None = None
         for _ in range(CLAIM_ROUNDS):
             claimed_at = time.monotonic()
@@ -313,6 +333,63 @@ class Execution:
             FenceError(f"could not claim a generation above the store's for {self.key!r}"),
             "generation regressed on every claim round",
         )
+
+    def _take_limits(self, max_runtime: float | None) -> o.Outcome | None:
+        """Before the claim: a slot of the group (``fence_group_limit``), then a token of the
+        rate limit (``fence_rate_limit``; the group's bucket when a group is set). None when the
+        attempt may claim, else the outcome (over a limit, or Redis unavailable). The slot is a
+        lease renewed with the key's; losing it loses the key's lease too."""
+        config, limits = self.config, self.limits
+        if limits is None:
+            return None
+        group, limit, rate = self.group, config.group_limit, config.rate
+        try:
+            if group is not None and limit is not None:
+                claimed_at = time.monotonic()
+                # the process's queued releases ride in this round trip, as in the key's claim
+                releases = self.renewer.take_releases() if limits.carries_releases else []
+                try:
+                    taken = limits.claim_slot(
+                        group,
+                        limit,
+                        f"{self.attempt_id}/slot",
+                        config.lease_ttl_ms,
+                        releases=releases,
+                    )
+                except BaseException:
+                    self.renewer.return_releases(releases)
+                    raise
+                if not isinstance(taken, Slot):
+                    detail = f"all {limit} slots of group {group!r} are taken"
+                    return o.Limited(GROUP_FULL, min(taken, GROUP_POLL), detail)
+                self.slot = HeldLease(
+                    key=self.key,
+                    lease_key=taken.lease_key,
+                    token=taken.token,
+                    generation=taken.index,
+                    ttl=config.lease_ttl,
+                    interval=config.renew_interval,
+                    margin=config.lease_margin,
+                    claimed_at=claimed_at,
+                    max_runtime=max_runtime,
+                    on_lost=self._slot_lost,
+                )
+                self.renewer.add(self.slot)
+            if rate is not None:
+                bucket = f"group:{group}" if group is not None else f"task:{self.task_name}"
+                wait = limits.take_token(bucket, rate)
+                if wait > 0:
+                    detail = f"{rate.text} reached for {bucket!r}"
+                    return o.Limited(RATE_LIMITED, wait, detail)
+        except Exception as exc:  # Redis unreachable or refusing: re-send, never drop
+            return o.Unavailable(exc, f"lease store unavailable ({type(exc).__name__})")
+        return None
+
+    def _slot_lost(self, slot: HeldLease, reason: str) -> None:
+        """The group slot expired or was taken over: the attempt may no longer count as one of
+        the group's running ones, so its lease is lost too (``fence.check()`` raises)."""
+        if self.lease is not None:
+            self.lease.mark_lost(f"group slot lost: {reason}")
 
     def refused_registration(self, error: sa_exc.DataError) -> o.Outcome:
         """The database refused the registration's request: it would every time."""
@@ -407,4 +484,4 @@ class Execution:
         return True
 
 
-__all__ = ["CLAIM_ROUNDS", "Execution"]
+__all__ = ["CLAIM_ROUNDS", "GROUP_FULL", "GROUP_POLL", "RATE_LIMITED", "Execution"]

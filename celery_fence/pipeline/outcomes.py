@@ -80,6 +80,17 @@ class Busy:
 
 
 @dataclass(frozen=True)
+class Limited:
+    """Over a cluster-wide limit before the claim: ``reason`` is ``group_full`` (every slot of
+    the group is held) or ``rate_limited`` (the bucket is empty); ``wait``: seconds until a slot
+    or a token is due. Never an attempt: the message is re-sent."""
+
+    reason: str
+    wait: float
+    detail: str
+
+
+@dataclass(frozen=True)
 class Unavailable:
     error: BaseException
     reason: str
@@ -152,6 +163,7 @@ Outcome = (
     | Lost
     | Stale
     | Busy
+    | Limited
     | Unavailable
     | Refused
     | Unkeyed
@@ -229,6 +241,7 @@ __all__ = [
     "Failed",
     "Final",
     "Interrupted",
+    "Limited",
     "Lost",
     "Outcome",
     "Refused",

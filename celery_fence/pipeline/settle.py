@@ -29,6 +29,9 @@ Stale                transition ``stale`` only                Return stored resu
 Busy                 none                                     Resend (never an attempt); in
                                                               the caller's thread the caller
                                                               gets ``Rescheduled``
+Limited              transition ``retry_scheduled`` (reason   Resend when a slot / token is
+                     ``group_full`` / ``rate_limited``)       due (never an attempt); in the
+                                                              caller's thread ``Rescheduled``
 Unavailable          none (the store could not be asked)      Resend with backoff
 Refused              ``dead``, the request kept encoded       Fail (ack)
 Refused, job ended   none (completed or dead already)         Return stored result / Fail
@@ -94,6 +97,7 @@ from celery_fence.pipeline.outcomes import (
     Fail,
     Failed,
     Interrupted,
+    Limited,
     Lost,
     Outcome,
     Refused,
@@ -274,6 +278,33 @@ def _busy(a: Execution, o: Busy) -> Disposition:
             "send it with .delay()"
         )
     return Resend(o.remaining + jitter, "lease busy", error)
+
+
+def _limited(a: Execution, o: Limited) -> Disposition:
+    """Over a group's slots or a rate limit: the message comes back when a slot or a token is
+    due, with jitter; never an attempt, never a retry of the job's. The transitions table says
+    so before the ack (a failed write is logged: the re-send itself loses nothing)."""
+    countdown = o.wait + random.uniform(0, min(0.25, o.wait / 4))
+    reason = o.reason  # the row and the signal say exactly group_full / rate_limited
+    if a.in_caller:  # not re-sent: the caller gets this error
+        error = Rescheduled(
+            f"{reason}: {o.detail}; a {a.in_caller} is not re-sent: call it again in "
+            f"{countdown:.1f}s, or send it with .delay()"
+        )
+        a.announce(Action.RETRY_SCHEDULED, reason=reason, countdown=countdown, attempts=None)
+        return Resend(countdown, o.reason, error)
+    try:
+        a.store.record(a.key, action=Action.RETRY_SCHEDULED, attempt_id=a.attempt_id, reason=reason)
+    except Exception as exc:
+        logger.warning(
+            "fence could not record %s key=%s: %s; the message is re-sent",
+            o.reason,
+            a.key,
+            type(exc).__name__,
+            extra={"action": LogAction.STORE_ERROR, "fence_key": a.key, "reason": o.reason},
+        )
+    a.announce(Action.RETRY_SCHEDULED, reason=reason, countdown=countdown, attempts=None)
+    return Resend(countdown, reason, Rescheduled(f"{reason}: {o.detail}"))
 
 
 def _unavailable(a: Execution, o: Unavailable) -> Disposition:
@@ -467,6 +498,7 @@ _HANDLERS: dict[type, Callable[[Execution, Any], Disposition]] = {
     Lost: _lost,
     Stale: _stale,
     Busy: _busy,
+    Limited: _limited,
     Unavailable: _unavailable,
     Refused: _refused,
     Unkeyed: _unkeyed,

@@ -20,6 +20,10 @@ Fixtures (each test gets its own store, Redis key prefix and queue; nothing is l
   ``--fence-lease-ttl``), undone after the test; ``fence_env.worker(name)`` makes more workers.
 - ``fenced_worker`` — a real ``celery worker`` of your app on the test's queue: ``start()``,
   ``pause()``, ``resume()``, ``kill()``, ``logs``; its process group is killed after the test.
+- ``fence_group_full`` — ``fill(group, limit, hold=60)``: every slot of a concurrency group taken
+  (``free()`` gives them back; done after the test), so your task meets ``group_full``.
+- ``fence_rate_limited`` — ``drain(rate_limit, seconds=..., task=name | group=...)``: a rate
+  limit's bucket empty for ``seconds``, so your task meets ``rate_limited``.
 - ``fence_chaos`` — the failure windows against your own task and ``assert_converged(key)``
   (``check=`` checks your own rows too).
 
@@ -270,3 +274,21 @@ def fence_chaos(fence_env: Any) -> Any:
     from celery_fence.testing.chaos import FenceChaos
 
     return FenceChaos(fence_env)
+
+
+@pytest.fixture
+def fence_group_full(fence_env: Any) -> Iterator[Any]:
+    """Occupy a concurrency group's slots (see ``celery_fence.testing.limits``)."""
+    from celery_fence.testing.limits import GroupFull
+
+    faults = GroupFull(fence_env.redis.client, fence_env.prefix)
+    yield faults
+    faults.free()
+
+
+@pytest.fixture
+def fence_rate_limited(fence_env: Any) -> Any:
+    """Drain a rate limit's bucket (see ``celery_fence.testing.limits``)."""
+    from celery_fence.testing.limits import RateLimited
+
+    return RateLimited(fence_env.redis.client, fence_env.prefix)

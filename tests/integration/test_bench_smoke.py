@@ -23,6 +23,8 @@ VARIANTS = (
     "plain",
     "fenced-pg",
     "fenced-pg-redisresult",
+    "fenced-pg-group",
+    "fenced-pg-ratelimit",
     "plain-dbresult",
     "fenced-sqlite",
     "redis-lock",
@@ -170,6 +172,39 @@ def test_throughput_mode_reports_every_variant_and_counts_at_most_three_round_tr
         assert "tx-control" not in counts["sql_by_kind"]
         assert 0.99 <= counts["redis_scripts"] <= 2.01
         assert counts["redis_reads"] <= 2.0
+    # a group slot or a rate token is one more script a task (the slot's release rides in the
+    # next claim, as a lease's does), and no more SQL than fenced-pg
+    for name in ("fenced-pg-group", "fenced-pg-ratelimit"):
+        counts = result["counts"][name]
+        assert 1.99 <= counts["redis_scripts"] <= 3.51  # a leftover release may go on its own
+        assert counts["sql_by_kind"].get("register") == pytest.approx(1.0)
+    # plain Celery does not touch the lease Redis or the store: the counting is per variant
+    assert result["counts"]["plain"]["redis_scripts"] == 0
+    assert result["counts"]["plain"]["sql_statements"] == 0
+
+    # And the variants a user would pick instead did what they stand for, counted by the servers:
+    # Celery's database backend wrote one row a task in one transaction on the same PostgreSQL
+    dbresult = result["counts"]["plain-dbresult"]
+    assert dbresult["sql_by_kind"].get("celery insert") == pytest.approx(1.0)
+    assert dbresult["sql_by_kind"].get("tx-control") == pytest.approx(2.0)  # BEGIN, COMMIT
+    assert "register" not in dbresult["sql_by_kind"]
+    assert dbresult["redis_commands"] == 0
+    # celery_once locked each key when it was sent (SET) and unlocked it in the worker (DEL)
+    once = result["counts"]["celery-once"]["redis_by_command"]
+    assert once.get("set") == pytest.approx(1.0)
+    assert once.get("del") == pytest.approx(1.0)
+    assert result["counts"]["celery-once"]["sql_statements"] == 0
+    # a fenced task in an app with a Redis result backend: the result is written twice, fenced in
+    # PostgreSQL (one register, one complete) and once more to Redis (SETEX, PUBLISH)
+    twice = result["counts"]["fenced-pg-redisresult"]
+    assert twice["sql_by_kind"].get("register") == pytest.approx(1.0)
+    assert twice["sql_by_kind"].get("complete") == pytest.approx(1.0)
+    assert twice["redis_by_command"].get("setex") == pytest.approx(1.0)
+    assert twice["redis_by_command"].get("publish") == pytest.approx(1.0)
+    assert "setex" not in result["counts"]["fenced-pg"]["redis_by_command"]
+
+    # And the worker itself counted at most 3 blocking round trips on a fenced task's own thread
+    # (1 lease-Redis round trip + 2 PostgreSQL statements), the rest in the background
     for name in ("fenced-pg", "fenced-pg-50ms"):
         traced = result["trace"][name]
         assert traced["blocking_round_trips"] <= 3.0

@@ -26,6 +26,7 @@ from redis.crc import key_slot
 from celery_fence.config import FenceConfig
 from celery_fence.errors import StaleGeneration
 from celery_fence.leases.lease import LeaseStore, make_redis_client
+from celery_fence.leases.limits import Limits, Slot, parse_rate
 from celery_fence.store import Store
 from celery_fence.store.records import Completion
 from tests.support import ledger
@@ -479,3 +480,22 @@ def test_sentinel_failover_with_a_real_worker(
             assert rec is not None and rec.status == "completed"
     finally:
         worker.stop()
+
+
+def test_cluster_group_slots_and_rate_buckets_run_one_script_on_one_node(
+    cluster_config: FenceConfig, cluster_leases: LeaseStore, prefix: str
+) -> None:
+    # Given the limits on a Redis Cluster (each limit's keys share one hash tag) ...
+    limits = Limits(cluster_leases.client, prefix=prefix)
+    assert not limits.carries_releases
+    groups = [f"tenant:{i}" for i in range(8)]  # spread over the nodes
+    for group in groups:
+        taken = [limits.claim_slot(group, 2, f"tok-{i}", TTL_MS) for i in range(3)]
+        assert [isinstance(t, Slot) for t in taken] == [True, True, False]
+        slot = taken[0]
+        assert isinstance(slot, Slot)
+        assert cluster_leases.release(slot.lease_key, slot.value)  # a slot is a lease
+        assert isinstance(limits.claim_slot(group, 2, "tok-x", TTL_MS), Slot)
+    rate = parse_rate("1/s")
+    assert [limits.take_token(f"group:{g}", rate) == 0.0 for g in groups] == [True] * 8
+    assert all(limits.take_token(f"group:{g}", rate) > 0 for g in groups)

@@ -569,3 +569,58 @@ if E.get("FENCE_T_SPANS"):  # the trace tests' workers: spans to a file, an outb
     @outbox.handler("traced")
     def traced(payload: Any, *, idempotency_key: str) -> None:
         ledger.rpush(f"{PREFIX}:delivered:{payload['key']}", idempotency_key)
+
+
+# -- cluster-wide limits: concurrency groups and rate limits ----------------------------------
+def _span(key: str, sleep: float) -> None:
+    """Record ``<start>:<end>`` (wall clock) of this body to ``<prefix>:spans``; a body whose
+    ``kill:mid_body:<key>`` flag is armed records ``<start>:<kill time>`` and is SIGKILLed."""
+    start = time.time()
+    end = time.monotonic() + sleep
+    while time.monotonic() < end:
+        time.sleep(0.01)
+        if faults.take(ledger, PREFIX, "kill", "mid_body", key):
+            ledger.rpush(f"{PREFIX}:spans", f"{start}:{time.time()}")
+            os.kill(os.getpid(), signal.SIGKILL)
+    ledger.rpush(f"{PREFIX}:spans", f"{start}:{time.time()}")
+
+
+@app.task(
+    shared=False,
+    base=FencedTask,
+    bind=True,
+    fence_key=lambda key, **kw: key,
+    fence_group=lambda args, kwargs: "limited",
+    fence_group_limit=int(E.get("FENCE_T_GROUP_LIMIT", "3")),
+)
+def grouped(self: Any, key: str, *, sleep: float = 0.5) -> str:
+    """At most ``FENCE_T_GROUP_LIMIT`` of these run at once across all workers."""
+    _span(key, sleep)
+    return key
+
+
+@app.task(shared=False, base=FencedTask, bind=True, fence_key=lambda key, **kw: key)
+def ungrouped(self: Any, key: str, *, sleep: float = 0.5) -> str:
+    """The control arm of ``grouped``: only each worker's own concurrency limits it."""
+    _span(key, sleep)
+    return key
+
+
+@app.task(
+    shared=False,
+    base=FencedTask,
+    bind=True,
+    fence_key=lambda key: key,
+    fence_rate_limit=E.get("FENCE_T_RATE", "20/s"),
+)
+def rated(self: Any, key: str) -> str:
+    """At most ``FENCE_T_RATE`` of these start, across all workers."""
+    ledger.rpush(f"{PREFIX}:starts", str(time.time()))
+    return key
+
+
+@app.task(shared=False, rate_limit=E.get("FENCE_T_RATE", "20/s"))
+def celery_rated(key: str) -> str:
+    """The control arm of ``rated``: Celery's own ``rate_limit``, which is per worker."""
+    ledger.rpush(f"{PREFIX}:starts", str(time.time()))
+    return key

@@ -195,6 +195,16 @@ CASES: list[tuple[str, Any, dict[str, BaseException], JobRecord | None, type, st
     ),
     ("stale, get fails", o.Stale(STALE), {"get": DOWN}, None, o.Resend, "record"),
     ("busy", o.Busy(1.5), {}, None, o.Resend, None),
+    ("group full", o.Limited("group_full", 1.0, "3 of 3"), {}, None, o.Resend, "record"),
+    ("rate limited", o.Limited("rate_limited", 0.2, "1/s"), {}, None, o.Resend, "record"),
+    (
+        "rate limited, store down",
+        o.Limited("rate_limited", 0.2, "x"),
+        {"record": DOWN},
+        None,
+        o.Resend,
+        None,
+    ),
     ("unavailable", o.Unavailable(DOWN, "store unavailable"), {}, None, o.Resend, None),
     (
         "refused arguments",
@@ -482,6 +492,7 @@ IN_CALLER: list[tuple[str, str, Any, type, str | None]] = [
     ("requeue", "eager run", o.Control(Reject("r", requeue=True)), o.Reraise, "CallerFailed"),
     ("ignore", "direct call", o.Control(Ignore()), o.Reraise, "CallerFailed"),
     ("busy", "direct call", o.Busy(1.5), o.Resend, None),
+    ("group full", "direct call", o.Limited("group_full", 1.0, "3 of 3"), o.Resend, None),
 ]
 
 
@@ -503,8 +514,21 @@ def test_an_attempt_in_the_caller_s_thread_is_never_left_for_a_re_send(
     if write == "CallerFailed":
         assert store.writes[0][1]["reason"].endswith(f"in the caller's thread ({how})")
         assert error is outcome.error  # the caller gets the body's own error
-    if isinstance(outcome, o.Busy):  # raised to the caller: it names the key and the fix
+    if isinstance(outcome, (o.Busy, o.Limited)):  # raised to the caller: it names the fix
         assert "a direct call is not re-sent" in str(error)
+
+
+@pytest.mark.parametrize("reason", ["group_full", "rate_limited"])
+def test_a_message_over_a_limit_is_re_sent_when_due_and_the_row_says_why(reason: str) -> None:
+    store = FakeStore()
+    attempt = _attempt(store)
+    result = s.settle(attempt, o.Limited(reason, 0.8, "detail"))
+    assert isinstance(result, o.Resend) and result.reason == reason
+    assert 0.8 <= result.countdown <= 1.0  # when due, with a little jitter
+    assert store.writes == [
+        ("record", {"action": "retry_scheduled", "attempt_id": "mine", "reason": reason})
+    ]
+    assert attempt.emitted == ["retry_scheduled"]  # type: ignore[attr-defined]
 
 
 def test_a_failed_ending_a_newer_generation_fenced_out_converges_or_fails() -> None:
