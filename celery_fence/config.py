@@ -208,6 +208,12 @@ class FenceConfig:
     #: provider account set different namespaces so their keys never collide. Empty: the keys
     #: of earlier versions, unchanged.
     idempotency_namespace: str = ""
+    #: The port a worker serves Prometheus's ``/metrics`` on (its main process); None: none.
+    metrics_port: int | None = None
+    #: Prometheus metrics on (True), off (False), or None: on when ``prometheus_client`` is
+    #: importable and ``metrics_port`` or ``PROMETHEUS_MULTIPROC_DIR`` is set
+    #: (:func:`celery_fence.metrics.wanted`).
+    metrics: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -313,6 +319,11 @@ class FenceConfig:
                 "registration cannot see that its job already completed, so an expired counter "
                 "that hands out generation 1 again would run a completed job's body again. Set "
                 "fence_generation_ttl=0, or turn deferral off."
+            )
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ConfigurationError(
+                f"fence_metrics_port={self.metrics_port} is not a TCP port: set it to a free "
+                "port such as 9808, or None to serve no /metrics."
             )
         if self.recover_after is not None and not self.recover_after >= 2 * self.lease_ttl:
             raise ConfigurationError(
@@ -469,6 +480,10 @@ def _parse(name: str, raw: Any, setting: str | None = None) -> Any:
         return None if raw is None else _as_float(setting, raw)
     if name in _INTS:
         return _as_int(setting, raw)
+    if name == "metrics_port":
+        return None if raw is None else _as_int(setting, raw)
+    if name == "metrics":
+        return None if raw is None else _as_bool(setting, raw)
     if name in _BOOLS:
         return _as_bool(setting, raw)
     if name == "database":  # a Django DATABASES alias, or None

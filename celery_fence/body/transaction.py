@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from celery_fence import metrics
 from celery_fence.body import sqla, watch
 from celery_fence.errors import BlockIdleTimeout, ConfigurationError, FenceError, LeaseLost
 from celery_fence.store import sql
@@ -397,6 +398,8 @@ def _on_commit(fence: Fence, store: Store, block: Block, conn: sa.Connection) ->
     raises out of the commit. A transaction that ended under the block (a raw COMMIT on its
     connection committed what came before, unchecked) is said as such, never as "nothing of the
     block commits"."""
+    observer = metrics.active
+    started = time.perf_counter() if observer is not None else 0.0
     try:
         if store.block_transaction_ended(conn, ask=False):
             raise watch.raw_commit_error(sqla.where(conn))
@@ -411,9 +414,13 @@ def _on_commit(fence: Fence, store: Store, block: Block, conn: sa.Connection) ->
     if not owner:
         _end_driver_transaction(store, conn, "rollback", quiet=True)
         refused = store._rejected(fence.key, fence.generation, fence.attempt_id, "fenced commit")
+        refused.context["where"] = "block"
         block.refused = fence.blocks.refused = refused
         raise refused
     _end_driver_transaction(store, conn, "commit")
+    if observer is not None:
+        task = fence.execution.task_name if fence.execution is not None else "unknown"
+        observer.committed(task, "block", time.perf_counter() - started)
 
 
 def _on_rollback(store: Store, conn: sa.Connection) -> None:

@@ -54,6 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from celery_fence import metrics
 from celery_fence.actions import LogAction
 from celery_fence.app_state import app_state
 from celery_fence.body.effects import StagedEffects, idempotency_key, storage_key
@@ -123,6 +124,12 @@ class DeliveryReport:
     dead: int = 0
     lost_claims: int = 0  # the claim expired before the row was marked: it may be sent again
     retry_in: float | None = None
+
+
+def _count(effect: str, outcome: str) -> None:
+    observer = metrics.active
+    if observer is not None:
+        observer.outbox(effect, outcome)
 
 
 class Outbox:
@@ -227,6 +234,7 @@ class Outbox:
         report = DeliveryReport()
         for row in store.outbox_rows.dead_exhausted(max_attempts=self.max_attempts, key=key):
             report.dead += 1  # its handler never returned (a killed or hung sender)
+            _count(row.name, "dead")
             logger.error(
                 "outbox dead key=%s effect=%s id=%s after %s claims that never finished",
                 row.key,
@@ -265,6 +273,7 @@ class Outbox:
         elapsed = time.monotonic() - started
         if store.outbox_rows.mark_delivered(row.id, claimer=claimer):
             report.delivered += 1
+            _count(row.name, "delivered")
             logger.info(
                 "outbox delivered key=%s effect=%s id=%s attempt=%s",
                 row.key,
@@ -313,6 +322,7 @@ class Outbox:
             return
         if dead is not None:
             report.dead += 1
+            _count(row.name, "dead")
             logger.error(
                 "outbox dead key=%s effect=%s id=%s after %s attempts: %s",
                 row.key,
@@ -324,6 +334,7 @@ class Outbox:
             )
         else:
             report.failed += 1
+            _count(row.name, "failed")
             logger.warning(
                 "outbox retry key=%s effect=%s id=%s attempt=%s: %s",
                 row.key,
