@@ -55,6 +55,7 @@ app.conf.update(
     # deferral needs counters that never expire (0); the default otherwise
     fence_generation_ttl=float(E.get("FENCE_T_GEN_TTL", "0" if DEFER else "600")),
     fence_max_runtime=float(E["FENCE_T_MAX_RUNTIME"]) if E.get("FENCE_T_MAX_RUNTIME") else None,
+    fence_metrics_port=int(E["FENCE_T_METRICS_PORT"]) if E.get("FENCE_T_METRICS_PORT") else None,
 )
 ledger = redis.Redis.from_url(E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"))
 
