@@ -26,11 +26,11 @@ from typing import Any
 
 from celery.utils.dispatch import Signal
 
+from celery_fence.adapters import metrics as metrics_serve
 from celery_fence.adapters import worker
 from celery_fence.announce import events, logs
 from celery_fence.app_state import installed, mark_installed, real_app
 from celery_fence.body import watch
-from celery_fence.metrics import serve as metrics_serve
 from celery_fence.ops.recovery import RECOVER_TASK, recover_task
 from celery_fence.ops.retention import PURGE_TASK, purge_task
 

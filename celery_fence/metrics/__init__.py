@@ -10,9 +10,9 @@ is one ``is None`` test. Importing this package never imports ``prometheus_clien
   observer (:func:`celery_fence.announce.transitions.emit_transition` calls it for every
   transition; the claim, the renewer, the fenced commits and the outbox call it for what
   transitions do not carry);
-- :mod:`celery_fence.metrics.serve`: the worker's ``/metrics`` endpoint (multiprocess mode under
-  prefork);
-- :mod:`celery_fence.metrics.store`: the store gauges, served by ``celery -A proj fence metrics``.
+- :mod:`celery_fence.adapters.metrics`: the worker's ``/metrics`` endpoint (multiprocess mode
+  under prefork);
+- :mod:`celery_fence.ops.metrics`: the store gauges, served by ``celery -A proj fence metrics``.
 
 Labels name the task (or the outbox effect), a ``where`` or a ``reason`` class: never a key,
 arguments, results or payloads.
@@ -24,16 +24,14 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from celery_fence.errors import ConfigurationError
+from celery_fence.metrics import families
+from celery_fence.metrics.families import INSTALL_HINT, Metrics
 
 if TYPE_CHECKING:
     from celery_fence.config import FenceConfig
-    from celery_fence.metrics.families import Metrics
 
 #: The observer of this process: None while metrics are off (the hooks then do nothing).
 active: Metrics | None = None
-
-#: What the error says when ``prometheus_client`` is missing.
-INSTALL_HINT = "pip install 'celery-fence[prometheus]'"
 
 #: The environment variable of prometheus_client's multiprocess mode.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -41,11 +39,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 def available() -> bool:
     """Whether ``prometheus_client`` can be imported."""
-    try:
-        import prometheus_client  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return families.Counter is not None
 
 
 def wanted(config: FenceConfig) -> bool:
@@ -71,11 +65,7 @@ def enable() -> Metrics:
     ``prometheus_client`` is missing."""
     global active
     if active is None:
-        if not available():
-            raise ConfigurationError(f"celery-fence metrics need prometheus_client: {INSTALL_HINT}")
-        from celery_fence.metrics.families import Metrics
-
-        active = Metrics.shared()
+        active = Metrics.shared()  # ConfigurationError without prometheus_client
     return active
 
 
@@ -95,6 +85,7 @@ def observe_transition(action: Any, sender: Any, reason: str | None, extra: Any)
 __all__ = [
     "INSTALL_HINT",
     "MULTIPROC_ENV",
+    "Metrics",
     "active",
     "available",
     "disable",

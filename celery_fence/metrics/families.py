@@ -12,9 +12,16 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
-
 from celery_fence.actions import Action
+from celery_fence.errors import ConfigurationError
+
+try:
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+except ImportError:  # the extra is not installed: Metrics() says which one
+    REGISTRY = CollectorRegistry = Counter = Histogram = None  # type: ignore[assignment,misc]
+
+#: What the error says when ``prometheus_client`` is missing.
+INSTALL_HINT = "pip install 'celery-fence[prometheus]'"
 
 PREFIX = "celery_fence_"
 
@@ -73,6 +80,9 @@ class Metrics:
     _lock = threading.Lock()
 
     def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
+        if Counter is None:
+            raise ConfigurationError(f"celery-fence metrics need prometheus_client: {INSTALL_HINT}")
+
         def counter(name: str, doc: str, *labels: str) -> Counter:
             return Counter(PREFIX + name, doc, ("task", *labels), registry=registry)
 
@@ -186,6 +196,7 @@ class Metrics:
 
 
 __all__ = [
+    "INSTALL_HINT",
     "PREFIX",
     "RETRY_REASONS",
     "STALE_WHERE",

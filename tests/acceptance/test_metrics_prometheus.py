@@ -159,8 +159,10 @@ def test_prometheus_sees_a_takeover_and_the_stale_completion_refused(
     # Then Prometheus saw B's takeover (with its time) and A's refused completion.
     query = prom.query
     wait_until(
-        lambda: query("sum(celery_fence_takeovers_total)") == 1
-        and query('sum(celery_fence_stale_refusals_total{where="completion"})') == 1,
+        lambda: (
+            query("sum(celery_fence_takeovers_total)") == 1
+            and query('sum(celery_fence_stale_refusals_total{where="completion"})') == 1
+        ),
         30,
         what="prometheus sees the takeover and the stale refusal",
     )
@@ -179,7 +181,8 @@ def test_the_shipped_rules_pass_promtool_and_the_dashboard_names_real_metrics(
         ["promtool", "check", "rules", str(rules)], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    from celery_fence.metrics import families, store
+    from celery_fence.metrics import families
+    from celery_fence.ops import metrics as store
 
     known = {
         *(families.PREFIX + n + "_total" for n, _ in families.TRANSITION_COUNTERS.values()),
@@ -219,11 +222,7 @@ def test_the_shipped_rules_pass_promtool_and_the_dashboard_names_real_metrics(
     import re
 
     dashboard = json.loads((ROOT / "docs" / "grafana" / "celery-fence.json").read_text())
-    exprs = [
-        target["expr"]
-        for panel in dashboard["panels"]
-        for target in panel.get("targets", [])
-    ]
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
     assert exprs
     named = {m for e in exprs for m in re.findall(r"celery_fence_[a-z_]+", e)}
     assert named and named <= known, named - known

@@ -46,9 +46,7 @@ def test_every_transition_moves_its_counter(observed: CollectorRegistry) -> None
 
 def test_labels_never_carry_the_key(observed: CollectorRegistry) -> None:
     emit_transition(Action.CLAIMED, "proj.t", key="secret-key-123", generation=1)
-    text = "\n".join(
-        f"{s.name}{s.labels}" for family in observed.collect() for s in family.samples
-    )
+    text = "\n".join(f"{s.name}{s.labels}" for family in observed.collect() for s in family.samples)
     assert "secret-key-123" not in text
 
 

@@ -13,6 +13,7 @@ from celery.bin.base import CeleryOption
 
 from celery_fence import metrics
 from celery_fence.ops.cli.common import EX_USAGE, FenceCLIError, command
+from celery_fence.ops.metrics import StoreCollector
 
 #: The port ``fence metrics --serve`` listens on when neither ``--port`` nor
 #: ``fence_metrics_port`` says one (a worker on the same host takes ``fence_metrics_port``).
@@ -23,8 +24,6 @@ def _registry(app: Any) -> Any:
     if not metrics.available():
         raise FenceCLIError(f"fence metrics needs prometheus_client: {metrics.INSTALL_HINT}")
     from prometheus_client import CollectorRegistry
-
-    from celery_fence.metrics.store import StoreCollector
 
     app.loader.import_default_modules()
     registry = CollectorRegistry()

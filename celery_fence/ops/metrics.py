@@ -17,13 +17,15 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
-
 from celery_fence.ops import recovery
 from celery_fence.ops.scope import Scope
 from celery_fence.schema import STATUSES, OutboxStatus, utcnow
 from celery_fence.store import UNFINISHED
+
+try:
+    from prometheus_client.core import GaugeMetricFamily
+except ImportError:  # ``fence metrics`` says which extra to install
+    GaugeMetricFamily = None  # type: ignore[assignment,misc]
 
 logger = logging.getLogger("celery_fence")
 
@@ -37,7 +39,7 @@ def _utc(value: dt.datetime) -> dt.datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=dt.timezone.utc)
 
 
-class StoreCollector(Collector):
+class StoreCollector:
     """Reads the store of ``app``'s fenced tasks (every database they write to) at collect."""
 
     def __init__(self, app: Any) -> None:
