@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
-import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,80 +18,12 @@ import redis
 
 from celery_fence.store import Store
 from tests.support import ledger
+from tests.support.prom import Prometheus, free_port, sample, scrape
 from tests.support.worker import SpawnWorker, wait_until
 
 pytestmark = pytest.mark.acceptance
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return str(r.read().decode())
-
-
-def sample(text: str, name: str) -> float:
-    """The sum of every sample of ``name`` in a text exposition."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-class Prometheus:
-    def __init__(self, tmp: Path, targets: list[int]) -> None:
-        self.port = free_port()
-        config = tmp / "prometheus.yml"
-        config.write_text(
-            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-            "scrape_configs:\n"
-            "  - job_name: celery-fence\n"
-            "    static_configs:\n"
-            f"      - targets: {json.dumps([f'127.0.0.1:{p}' for p in targets])}\n"
-        )
-        self.log = (tmp / "prometheus.log").open("w")
-        self.proc = subprocess.Popen(
-            [
-                "prometheus",
-                f"--config.file={config}",
-                f"--storage.tsdb.path={tmp / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        wait_until(self.ready, 20, what="prometheus ready")
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=1) as r:
-                return bool(r.status == 200)
-        except OSError:
-            return False
-
-    def query(self, expr: str) -> float:
-        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode(
-            {"query": expr}
-        )
-        with urllib.request.urlopen(url, timeout=5) as r:
-            result = json.load(r)["data"]["result"]
-        return sum(float(item["value"][1]) for item in result)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-        self.log.close()
 
 
 @pytest.fixture
@@ -171,6 +100,26 @@ def test_prometheus_sees_a_takeover_and_the_stale_completion_refused(
     assert query('sum(celery_fence_lease_renewal_seconds_count{job="celery-fence"})') > 0
     b.stop()
     a.stop()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_solo_worker_counts_in_process_and_a_replay_is_no_takeover(
+    spawn_worker: SpawnWorker, client_app: ModuleType
+) -> None:
+    # Given a solo worker (no multiprocess directory: its own registry) serving /metrics,
+    port = free_port()
+    spawn_worker("solo", pool="solo", FENCE_T_METRICS_PORT=str(port))
+    key = f"once:{uuid.uuid4().hex[:8]}"
+    # when one key is sent twice (the second delivery replays the stored result),
+    first = client_app.work.delay(key).get(timeout=20)
+    assert client_app.work.delay(key).get(timeout=20) == first
+    # then it counted two claims, one completion, one replay and no takeover.
+    text = scrape(port)
+    assert sample(text, "celery_fence_claims_total") == 2
+    assert sample(text, "celery_fence_completions_total") == 1
+    assert sample(text, "celery_fence_replays_total") == 1
+    assert sample(text, "celery_fence_takeovers_total") == 0
+    assert sample(text, "celery_fence_commit_seconds_count") == 1  # the completion
 
 
 def test_the_shipped_rules_pass_promtool_and_the_dashboard_names_real_metrics(

@@ -93,3 +93,19 @@ def test_off_by_default_no_prometheus_import_and_a_clear_error_without_it() -> N
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     # ... asking for metrics names the extra to install.
     assert "pip install 'celery-fence[prometheus]'" in out.stdout
+
+
+def test_off_no_family_is_registered_even_with_prometheus_installed() -> None:
+    # Given metrics off (the default) in a fresh process with prometheus_client importable ...
+    code = (
+        "import prometheus_client\n"
+        "from celery_fence.actions import Action\n"
+        "from celery_fence.announce.transitions import emit_transition\n"
+        "for action in (Action.CLAIMED, Action.STALE, Action.COMPLETED):\n"
+        "    emit_transition(action, 'proj.t', key='k', generation=1)\n"
+        "names = [m.name for m in prometheus_client.REGISTRY.collect()]\n"
+        "print(sorted(n for n in names if n.startswith('celery_fence')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # ... transitions register and observe nothing.
+    assert out.stdout.strip() == "[]"
