@@ -24,6 +24,7 @@ VARIANTS = (
     "fenced-pg",
     "fenced-pg-defer",
     "fenced-pg-redisresult",
+    "fenced-pg-metrics",
     "plain-dbresult",
     "fenced-sqlite",
     "redis-lock",
