@@ -104,7 +104,7 @@ def test_prometheus_sees_a_takeover_and_the_stale_completion_refused(
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_a_solo_worker_counts_in_process_and_a_replay_is_no_takeover(
-    spawn_worker: SpawnWorker, client_app: ModuleType
+    spawn_worker: SpawnWorker, client_app: ModuleType, redis_client: redis.Redis, prefix: str
 ) -> None:
     # Given a solo worker (no multiprocess directory: its own registry) serving /metrics,
     port = free_port()
@@ -113,13 +113,26 @@ def test_a_solo_worker_counts_in_process_and_a_replay_is_no_takeover(
     # when one key is sent twice (the second delivery replays the stored result),
     first = client_app.work.delay(key).get(timeout=20)
     assert client_app.work.delay(key).get(timeout=20) == first
-    # then it counted two claims, one completion, one replay and no takeover.
+    # and one job fails once (a retry, then completed) and another for good (dead),
+    flaky, doomed = f"flaky:{uuid.uuid4().hex[:8]}", f"doomed:{uuid.uuid4().hex[:8]}"
+    redis_client.set(f"{prefix}:fail_times:{flaky}", 1)
+    client_app.work.delay(flaky, fail="transient").get(timeout=30)
+    with pytest.raises(Exception, match="simulated permanent failure"):
+        client_app.work.delay(doomed, fail="permanent").get(timeout=30)
+    # then it counted each: claims, completions, the replay, the retry by its reason class, the
+    # dead job, and no takeover (a replay or a retry is none).
     text = scrape(port)
-    assert sample(text, "celery_fence_claims_total") == 2
-    assert sample(text, "celery_fence_completions_total") == 1
+    assert sample(text, "celery_fence_claims_total") == 5
+    assert sample(text, "celery_fence_completions_total") == 2
     assert sample(text, "celery_fence_replays_total") == 1
+    assert (
+        sample(text, 'celery_fence_retries_total{reason="error",task="tests.support.app.work"}')
+        == 1
+    )
+    assert sample(text, "celery_fence_retries_total") == 1
+    assert sample(text, "celery_fence_dead_jobs_total") == 1
     assert sample(text, "celery_fence_takeovers_total") == 0
-    assert sample(text, "celery_fence_commit_seconds_count") == 1  # the completion
+    assert sample(text, "celery_fence_commit_seconds_count") == 2  # the completions
 
 
 def test_the_shipped_rules_pass_promtool_and_the_dashboard_names_real_metrics(
