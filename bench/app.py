@@ -221,6 +221,9 @@ if SUCCESS_DIR:
         os.write(fd, b".")
 
 
+if E.get("BENCH_METRICS") == "1":  # fenced-pg-metrics: Prometheus metrics on, nobody scraping
+    app.conf.fence_metrics = True
+
 if E.get("BENCH_EXPERIMENT") == "1":
     from bench import experiments
 

@@ -46,11 +46,14 @@ class Variant:
     store: str  # "postgresql", "sqlite" or "-"
     experimental: bool = False  # run by the BENCH_EXPERIMENT=1 worker (see bench.experiments)
     old: str | None = None  # before/after: the variant this one is, on the --rev worker
+    metrics: bool = False  # run by the BENCH_METRICS=1 worker (Prometheus metrics on)
 
     @property
     def worker(self) -> str:
         """Which worker runs it: ``main`` (the working tree), ``exp`` or ``old`` (``--rev``)."""
-        return "old" if self.old else "exp" if self.experimental else "main"
+        if self.old:
+            return "old"
+        return "exp" if self.experimental else "metrics" if self.metrics else "main"
 
     @property
     def fenced(self) -> bool:
@@ -63,6 +66,7 @@ VARIANTS = (
     Variant("fenced-pg-redisresult", "bench.fenced_pg_redisresult", 0.0, "plain", "postgresql"),
     Variant("fenced-pg-group", "bench.fenced_pg_group", 0.0, "plain", "postgresql"),
     Variant("fenced-pg-ratelimit", "bench.fenced_pg_ratelimit", 0.0, "plain", "postgresql"),
+    Variant("fenced-pg-metrics", "bench.fenced_pg", 0.0, "plain", "postgresql", metrics=True),
     Variant("plain-dbresult", "bench.plain_dbresult", 0.0, "plain", "postgresql"),
     Variant("fenced-sqlite", "bench.fenced_sqlite", 0.0, "plain", "sqlite"),
     Variant("redis-lock", "bench.rlock", 0.0, "plain", "-"),
@@ -100,6 +104,7 @@ HEADLINES = (
     ("fenced-pg-redisresult", "fenced-pg"),
     ("fenced-pg-group", "fenced-pg"),
     ("fenced-pg-ratelimit", "fenced-pg"),
+    ("fenced-pg-metrics", "fenced-pg"),
 )
 #: The worker tree's processes in the CPU counts (the rest: the servers and the machine).
 WORKER_TREE = ("worker main", "worker children")
@@ -254,6 +259,14 @@ def run(
                 **({"BENCH_FENCE_PATH": experiment_fence_path} if experiment_fence_path else {}),
             ),
             queue=f"{svc.queue}-exp",
+            log_dir=svc.workdir,
+            concurrency=concurrency,
+            loglevel=loglevel,
+        )
+    if any(v.worker == "metrics" for v in variants):
+        workers["metrics"] = BenchWorker(
+            svc.worker_env(BENCH_METRICS="1"),
+            queue=f"{svc.queue}-metrics",
             log_dir=svc.workdir,
             concurrency=concurrency,
             loglevel=loglevel,

@@ -230,6 +230,12 @@ class FenceConfig:
     group_limit: int | None = None
     #: A cluster-wide rate limit ("10/s", "100/m", "1000/h") for the task, or its group.
     rate_limit: str | None = None
+    #: The port a worker serves Prometheus's ``/metrics`` on (its main process); None: none.
+    metrics_port: int | None = None
+    #: Prometheus metrics on (True), off (False), or None: on when ``prometheus_client`` is
+    #: importable and ``metrics_port`` or ``PROMETHEUS_MULTIPROC_DIR`` is set
+    #: (:func:`celery_fence.metrics.wanted`).
+    metrics: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -336,6 +342,11 @@ class FenceConfig:
             )
         if self.defer_first_registration:
             warnings.warn(RETIRED_DEFERRAL, FutureWarning, stacklevel=2)
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ConfigurationError(
+                f"fence_metrics_port={self.metrics_port} is not a TCP port: set it to a free "
+                "port such as 9808, or None to serve no /metrics."
+            )
         if self.recover_after is not None and not self.recover_after >= 2 * self.lease_ttl:
             raise ConfigurationError(
                 f"fence_recover_after={self.recover_after} must be at least twice "
@@ -521,6 +532,10 @@ def _parse(name: str, raw: Any, setting: str | None = None) -> Any:
         return None if raw is None else _as_int(setting, raw)
     if name == "rate_limit":
         return None if raw is None else parse_rate(raw, setting).text
+    if name == "metrics_port":
+        return None if raw is None else _as_int(setting, raw)
+    if name == "metrics":
+        return None if raw is None else _as_bool(setting, raw)
     if name in _BOOLS:
         return _as_bool(setting, raw)
     if name == "database":  # a Django DATABASES alias, or None

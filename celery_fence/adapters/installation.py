@@ -26,6 +26,7 @@ from typing import Any
 
 from celery.utils.dispatch import Signal
 
+from celery_fence.adapters import metrics as metrics_serve
 from celery_fence.adapters import worker
 from celery_fence.announce import events, logs
 from celery_fence.app_state import installed, mark_installed, real_app
@@ -34,7 +35,12 @@ from celery_fence.ops.recovery import RECOVER_TASK, recover_task
 from celery_fence.ops.retention import PURGE_TASK, purge_task
 
 #: Every process-wide receiver, in the order the first :func:`install` connects them.
-RECEIVERS: tuple[tuple[Signal, Any], ...] = (*worker.RECEIVERS, *events.RECEIVERS, *logs.RECEIVERS)
+RECEIVERS: tuple[tuple[Signal, Any], ...] = (
+    *worker.RECEIVERS,
+    *events.RECEIVERS,
+    *logs.RECEIVERS,
+    *metrics_serve.RECEIVERS,
+)
 
 _lock = threading.RLock()  # registering a task binds it, which may ask for install() again
 _connected = False

@@ -12,6 +12,7 @@ drives in the worker's main process (hard time limit, expired or revoked message
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import json
 import logging
@@ -80,6 +81,9 @@ RETRIES_EXCEEDED = "fence_retries_exceeded"
 
 #: The header naming the job's key on a recovery's or a requeue's re-send.
 KEY_HEADER = "fence_key"
+#: The header :meth:`FencedTask.apply_async` stamps: the wall-clock time of the publish, from
+#: which the metrics' queue wait runs (``celery_fence_queue_wait_seconds``).
+PUBLISHED_HEADER = "fence_published_at"
 
 
 def _fenced_entry(call: Callable[..., Any]) -> Callable[..., Any]:
@@ -94,6 +98,24 @@ def _fenced_entry(call: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(__call__, FENCED_ENTRY, True)
     return __call__
+
+
+def published_at(request: Any) -> float | None:
+    """When ``request``'s message was published (:data:`PUBLISHED_HEADER`), or its ETA when
+    that is later: the start of its queue wait. None when the message does not say."""
+    stamp = request.get(PUBLISHED_HEADER)
+    if not isinstance(stamp, (int, float)) or isinstance(stamp, bool):
+        return None
+    eta = request.get("eta")
+    if isinstance(eta, str):
+        try:
+            when = dt.datetime.fromisoformat(eta)
+        except ValueError:
+            return float(stamp)
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=dt.timezone.utc)
+        return max(float(stamp), when.timestamp())
+    return float(stamp)
 
 
 class FencedTask(Task, Fenced):
@@ -319,6 +341,7 @@ class FencedTask(Task, Fenced):
             decoded = None if stored is None else json.loads(stored)
             return self._carry_out(execution.run_unkeyed(exc, request.id, decoded))
         execution.run_number = self._run_number()
+        execution.published_at = published_at(request)
         if execution.trace is None:
             return self._run_attempt(execution, key, args, kwargs, call)
         # the attempt's span is current from the claim until its disposition is carried out
@@ -568,6 +591,8 @@ class FencedTask(Task, Fenced):
             fence = request.get("fence")
             if fence is not None and fence.execution is not None:
                 fence.execution.release_before_retry()
+        headers = kwargs.get("headers")
+        kwargs["headers"] = {**(headers or {}), PUBLISHED_HEADER: time.time()}
         return super().apply_async(*args, **kwargs)
 
     def _publish_refused(self, reason: Any, countdown: Any) -> NoReturn:

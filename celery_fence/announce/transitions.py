@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery.utils.dispatch import Signal
 
-from celery_fence import signals
+from celery_fence import metrics, signals
 from celery_fence.actions import Action
 from celery_fence.announce.events import event_type, send_transition_event
 from celery_fence.leases.lease import HeldLease
@@ -134,6 +134,12 @@ def emit_transition(
     the same state change, not this function's.
     """
     t = TABLE[action]
+    observer = metrics.active
+    if observer is not None:
+        try:
+            observer.transition(action, sender, reason, extra)
+        except Exception:  # metrics are a view, never a reason to fail
+            logger.debug("could not count the fence transition %s", action, exc_info=True)
     if t.logger.isEnabledFor(t.level):
         t.logger.log(
             t.level,

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from celery_fence import metrics
 from celery_fence.body import sqla, watch
 from celery_fence.errors import BlockIdleTimeout, ConfigurationError, FenceError, LeaseLost
 from celery_fence.store import sql
@@ -407,6 +408,9 @@ def _on_commit(fence: Fence, store: Store, block: Block, conn: sa.Connection) ->
 
 
 def _commit_checked(fence: Fence, store: Store, block: Block, conn: sa.Connection) -> None:
+    """The check and the COMMIT (:func:`_on_commit`), timed for the metrics when they are on."""
+    observer = metrics.active
+    started = time.perf_counter() if observer is not None else 0.0
     try:
         if store.block_transaction_ended(conn, ask=False):
             raise watch.raw_commit_error(sqla.where(conn))
@@ -421,9 +425,13 @@ def _commit_checked(fence: Fence, store: Store, block: Block, conn: sa.Connectio
     if not owner:
         _end_driver_transaction(store, conn, "rollback", quiet=True)
         refused = store._rejected(fence.key, fence.generation, fence.attempt_id, "fenced commit")
+        refused.context["where"] = "block"
         block.refused = fence.blocks.refused = refused
         raise refused
     _end_driver_transaction(store, conn, "commit")
+    if observer is not None:
+        task = fence.execution.task_name if fence.execution is not None else "unknown"
+        observer.committed(task, "block", time.perf_counter() - started)
 
 
 def _on_rollback(store: Store, conn: sa.Connection) -> None:

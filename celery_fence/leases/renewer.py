@@ -18,6 +18,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from celery_fence import metrics
 from celery_fence.actions import LogAction
 from celery_fence.leases.lease import HeldLease
 from celery_fence.process.background import Background
@@ -218,6 +219,9 @@ class Renewer(Background):
             return
         finally:
             self.ticks += 1
+        observer = metrics.active
+        if observer is not None and held:
+            observer.renewed(time.monotonic() - sent_at)
         for lease, ok in zip(held, renewed, strict=True):
             if ok:
                 lease.confirm(sent_at)

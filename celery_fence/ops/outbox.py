@@ -56,6 +56,7 @@ from typing import Any
 
 from celery import current_task
 
+from celery_fence import metrics
 from celery_fence.actions import LogAction
 from celery_fence.announce import tracing
 from celery_fence.app_state import app_state
@@ -126,6 +127,12 @@ class DeliveryReport:
     dead: int = 0
     lost_claims: int = 0  # the claim expired before the row was marked: it may be sent again
     retry_in: float | None = None
+
+
+def _count(effect: str, outcome: str) -> None:
+    observer = metrics.active
+    if observer is not None:
+        observer.outbox(effect, outcome)
 
 
 class Outbox:
@@ -234,6 +241,7 @@ class Outbox:
         report = DeliveryReport()
         for row in store.outbox_rows.dead_exhausted(max_attempts=self.max_attempts, key=key):
             report.dead += 1  # its handler never returned (a killed or hung sender)
+            _count(row.name, "dead")
             logger.error(
                 "outbox dead key=%s effect=%s id=%s after %s claims that never finished",
                 row.key,
@@ -273,6 +281,7 @@ class Outbox:
         elapsed = time.monotonic() - started
         if store.outbox_rows.mark_delivered(row.id, claimer=claimer):
             report.delivered += 1
+            _count(row.name, "delivered")
             logger.info(
                 "outbox delivered key=%s effect=%s id=%s attempt=%s",
                 row.key,
@@ -321,6 +330,7 @@ class Outbox:
             return
         if dead is not None:
             report.dead += 1
+            _count(row.name, "dead")
             logger.error(
                 "outbox dead key=%s effect=%s id=%s after %s attempts: %s",
                 row.key,
@@ -332,6 +342,7 @@ class Outbox:
             )
         else:
             report.failed += 1
+            _count(row.name, "failed")
             logger.warning(
                 "outbox retry key=%s effect=%s id=%s attempt=%s: %s",
                 row.key,

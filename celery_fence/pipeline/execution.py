@@ -13,6 +13,7 @@ hard time limit, an expired or revoked message) build one and carry out the disp
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import functools
 import logging
 import time
@@ -23,6 +24,7 @@ from typing import Any
 from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
+from celery_fence import metrics
 from celery_fence.actions import Action, LogAction
 from celery_fence.announce import tracing
 from celery_fence.announce.transitions import Announcer, lease_observers
@@ -46,8 +48,10 @@ from celery_fence.pipeline.retry import RetryPolicy
 from celery_fence.pipeline.settle import settle
 from celery_fence.process.background import BackgroundWriter
 from celery_fence.process.runtime import runtime
+from celery_fence.schema import RUNNING
 from celery_fence.store import Store
 from celery_fence.store.engine import refusal_reason
+from celery_fence.store.records import JobRecord
 
 logger = logging.getLogger("celery_fence")
 
@@ -124,6 +128,11 @@ class Execution:
         self.group: str | None = None
         #: The group slot this attempt holds, renewed with its lease.
         self.slot: HeldLease | None = None
+        #: Wall-clock time the message was published (or its ETA, when later): the metrics'
+        #: queue wait runs from it to the claim. None: unknown.
+        self.published_at: float | None = None
+        #: ``time.monotonic()`` of the claim that got a lease (the metrics' attempt duration).
+        self.claimed_at: float | None = None
 
     # -- the path ----------------------------------------------------------------------------------
 
@@ -152,6 +161,9 @@ class Execution:
                 self.renewer.discard(self.lease)  # compare-and-delete, batched by the renewer
             if self.slot is not None:
                 self.renewer.discard(self.slot)  # the group's slot, the same way
+            observer = metrics.active
+            if observer is not None and self.claimed_at is not None:
+                observer.attempt(self.task_name, time.monotonic() - self.claimed_at)
 
     def settle(self, outcome: o.Outcome) -> o.Disposition:
         """The one step every ending passes through: see :mod:`celery_fence.pipeline.settle`."""
@@ -290,10 +302,17 @@ class Execution:
                 on_renewed=on_renewed,
             )
             renewer.add(self.lease)
+            self.claimed_at = claimed_at
             self.announce(Action.CLAIMED)
+            observer = metrics.active
+            if observer is not None and self.published_at is not None:
+                observer.waited(self.task_name, time.time() - self.published_at)
             if request is None:
                 request = request_json() or ""
             self.request_json = request or None
+            # With metrics on, a repeat claim reads the row first: a takeover is a registration
+            # over a row a previous generation left running.
+            previous = self._previous() if observer is not None and self.generation > 1 else None
             try:
                 outcome = self._register()
             except sa_exc.DataError as exc:  # the database refuses the request: every time
@@ -305,6 +324,8 @@ class Execution:
                 return o.Unavailable(exc, f"store unavailable ({type(exc).__name__})")
             if outcome is None:
                 self.registered = True
+                if previous is not None and observer is not None:
+                    self._count_takeover(previous, observer)
                 return o.Exhausted() if self.attempts > config.max_attempts else None
             if not isinstance(outcome, o.Stale):
                 return outcome
@@ -391,6 +412,27 @@ class Execution:
         if self.lease is not None:
             self.lease.mark_lost(f"group slot lost: {reason}")
 
+    def _previous(self) -> JobRecord | None:
+        """The job's row before this claim registers (metrics only; None when unreadable)."""
+        try:
+            return self.store.get(self.key)
+        except Exception:  # the registration will say what is wrong
+            return None
+
+    def _count_takeover(self, previous: JobRecord, observer: metrics.Metrics) -> None:
+        """Count a takeover when ``previous`` (the row this claim registered over) was left
+        ``running`` by an older generation of another attempt: with the seconds since that
+        row last moved (its registration, or its last fenced commit)."""
+        if previous.status != RUNNING or previous.attempt_id == self.attempt_id:
+            return
+        if not 0 < previous.generation < (self.generation or 0):
+            return
+        moved = previous.updated_at
+        if moved.tzinfo is None:
+            moved = moved.replace(tzinfo=dt.timezone.utc)
+        seconds = (dt.datetime.now(dt.timezone.utc) - moved).total_seconds()
+        observer.took_over(self.task_name, seconds)
+
     def refused_registration(self, error: sa_exc.DataError) -> o.Outcome:
         """The database refused the registration's request: it would every time."""
         return o.Refused(error, self.request_json)
@@ -463,6 +505,7 @@ class Execution:
             StaleGeneration(
                 f"generation {self.generation} of {self.key!r} was superseded before it registered",
                 stored_generation=registration.stored_generation,
+                where="registration",
             )
         )
 

@@ -71,12 +71,14 @@ import logging
 import random
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
+from celery_fence import metrics
 from celery_fence.actions import INTERRUPTED_BY, Action, LogAction
 from celery_fence.announce import tracing
 from celery_fence.errors import (
@@ -154,11 +156,15 @@ def _completed(a: Execution, o: Completed) -> Disposition:
     assert a.generation is not None
     try:
         ending = Completion(a.generation, a.attempt_id, o.result, o.effects)
+        observer = metrics.active
+        started = time.perf_counter() if observer is not None else 0.0
         if a.trace is None:
             a.store.end(a.key, ending)
         else:
             with tracing.child("fence complete", _attempt_attributes(a)):
                 a.store.end(a.key, ending)
+        if observer is not None:
+            observer.committed(a.task_name, "completion", time.perf_counter() - started)
     except StaleGeneration as exc:
         return _stale(a, Stale(exc))
     except ResultNotSerializable as exc:
@@ -242,7 +248,8 @@ def _lost(a: Execution, o: Lost) -> Disposition:
 def _stale(a: Execution, o: Stale) -> Disposition:
     """A newer generation owns the job: record it, then converge on its result."""
     stored = o.error.context.get("stored_generation")
-    a.announce(Action.STALE, reason=f"stored generation {stored}")
+    where = o.error.context.get("where") or "completion"
+    a.announce(Action.STALE, reason=f"stored generation {stored}", where=where)
     try:
         a.store.record(
             a.key,

@@ -574,6 +574,11 @@ class Store:
         with self.db.connect() as conn:
             return [job_record(r) for r in conn.execute(query).all()]
 
+    def status_counts(self) -> dict[tuple[str, str], int]:
+        """``{(task_name, status): jobs}``, one grouped read (the metrics' store gauges)."""
+        with self.db.connect() as conn:
+            return {(r[0], r[1]): int(r[2]) for r in conn.execute(sql.job_status_counts()).all()}
+
     # -- the operator's self-test (celery_fence.store.probe) ---------------------------------
 
     write_probe = probe.write_probe

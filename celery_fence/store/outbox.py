@@ -194,6 +194,12 @@ class OutboxRows:
             sql.outbox_rows(key=key, status=status, limit=limit, newest_first=newest_first)
         )
 
+    def summary(self) -> dict[str, tuple[int, dt.datetime | None]]:
+        """``{status: (rows, oldest created_at)}``, one grouped read (the metrics' gauges)."""
+        with self._store.db.connect() as conn:
+            rows = conn.execute(sql.outbox_status_summary()).all()
+        return {r[0]: (int(r[1]), r[2]) for r in rows}
+
 
 def _outbox_row(row: Any) -> OutboxRow:
     m = row._mapping

@@ -496,6 +496,20 @@ def list_jobs(
     return query
 
 
+def job_status_counts() -> sa.Select[Any]:
+    """``(task_name, status, count)`` of every job (the metrics' store gauges)."""
+    return sa.select(jobs.c.task_name, jobs.c.status, sa.func.count()).group_by(
+        jobs.c.task_name, jobs.c.status
+    )
+
+
+def outbox_status_summary() -> sa.Select[Any]:
+    """``(status, count, oldest created_at)`` of the outbox's rows (the metrics' gauges)."""
+    return sa.select(outbox.c.status, sa.func.count(), sa.func.min(outbox.c.created_at)).group_by(
+        outbox.c.status
+    )
+
+
 def commit_check(
     key: str, generation: int, attempt_id: str, *, now: dt.datetime, in_block: bool = False
 ) -> Any:

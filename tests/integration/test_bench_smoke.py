@@ -25,6 +25,7 @@ VARIANTS = (
     "fenced-pg-redisresult",
     "fenced-pg-group",
     "fenced-pg-ratelimit",
+    "fenced-pg-metrics",
     "plain-dbresult",
     "fenced-sqlite",
     "redis-lock",

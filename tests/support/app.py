@@ -52,6 +52,7 @@ app.conf.update(
     fence_retry_budget_window=float(E.get("FENCE_T_BUDGET_WINDOW", "60")),
     fence_generation_ttl=float(E.get("FENCE_T_GEN_TTL", "600")),
     fence_max_runtime=float(E["FENCE_T_MAX_RUNTIME"]) if E.get("FENCE_T_MAX_RUNTIME") else None,
+    fence_metrics_port=int(E["FENCE_T_METRICS_PORT"]) if E.get("FENCE_T_METRICS_PORT") else None,
 )
 ledger = redis.Redis.from_url(E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"))
 

@@ -23,7 +23,7 @@ OPTIONAL = "celery_fence.contrib.django"
 #: layers below it. Two packages in one layer import neither of each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "actions", "schema", "signals", "app_state", "migrate"),  # what everything uses
-    ("process",),  # the per-process registry and the background threads' lifecycle
+    ("process", "metrics"),  # the per-process registry and threads; the metrics observer
     ("leases",),  # the Redis side
     ("config",),  # the settings, each validated by the layer it configures
     ("store",),  # the fence tables

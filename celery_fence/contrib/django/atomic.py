@@ -149,6 +149,7 @@ def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
     except _Refused:
         fence.blocks.atomic.discard(alias)  # before the loss is recorded: no block left open
         refused = store._rejected(fence.key, fence.generation, fence.attempt_id, "fenced commit")
+        refused.context["where"] = "atomic"
         fence.blocks.refused = refused
         raise refused from None
     except BaseException as exc:

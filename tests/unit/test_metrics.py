@@ -1,0 +1,111 @@
+"""The metrics observer: counters per transition, label vocabularies, settings; off by default."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from celery_fence import metrics
+from celery_fence.actions import Action
+from celery_fence.announce.transitions import emit_transition
+from celery_fence.config import FenceConfig
+from celery_fence.errors import ConfigurationError
+from celery_fence.metrics.families import Metrics, retry_reason
+
+
+@pytest.fixture
+def observed() -> object:
+    registry = CollectorRegistry()
+    previous = metrics.active
+    metrics.active = Metrics(registry)
+    yield registry
+    metrics.active = previous
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+def test_every_transition_moves_its_counter(observed: CollectorRegistry) -> None:
+    for action in (Action.CLAIMED, Action.COMPLETED, Action.LOST, Action.BUSY, Action.DEAD):
+        emit_transition(action, "proj.t", key="k", generation=2, reason="x")
+    emit_transition(Action.STALE, "proj.t", key="k", generation=1, where="block")
+    emit_transition(Action.STALE, "proj.t", key="k", generation=1)  # a completion
+    emit_transition(Action.RETRY_SCHEDULED, "proj.t", key="k", reason="lease lost")
+    for name in ("claims", "completions", "lease_losses", "busy_resends", "dead_jobs"):
+        assert value(observed, f"celery_fence_{name}_total", task="proj.t") == 1, name
+    stale = "celery_fence_stale_refusals_total"
+    assert value(observed, stale, task="proj.t", where="block") == 1
+    assert value(observed, stale, task="proj.t", where="completion") == 1
+    retries = "celery_fence_retries_total"
+    assert value(observed, retries, task="proj.t", reason="lease_lost") == 1
+
+
+def test_labels_never_carry_the_key(observed: CollectorRegistry) -> None:
+    emit_transition(Action.CLAIMED, "proj.t", key="secret-key-123", generation=1)
+    text = "\n".join(f"{s.name}{s.labels}" for family in observed.collect() for s in family.samples)
+    assert "secret-key-123" not in text
+
+
+@pytest.mark.parametrize(
+    ("reason", "expected"),
+    [
+        ("lease lost", "lease_lost"),
+        ("newer generation 3 still running", "newer_generation"),
+        ("store unavailable (OperationalError)", "unavailable"),
+        ("error ValueError; retry in 0.400s", "error"),
+        ("completion not recorded: store unavailable (X)", "unavailable"),
+        (None, "other"),
+    ],
+)
+def test_retry_reasons_are_a_small_vocabulary(reason: str | None, expected: str) -> None:
+    assert retry_reason(reason) == expected
+
+
+def test_settings_decide_and_a_bad_port_is_named() -> None:
+    assert not metrics.wanted(FenceConfig.from_mapping({}))
+    assert metrics.wanted(FenceConfig.from_mapping({"fence_metrics_port": 9808}))
+    assert not metrics.wanted(
+        FenceConfig.from_mapping({"fence_metrics_port": 9808, "fence_metrics": False})
+    )
+    with pytest.raises(ConfigurationError, match="fence_metrics_port=0 is not a TCP port"):
+        FenceConfig.from_mapping({"fence_metrics_port": 0})
+
+
+def test_off_by_default_no_prometheus_import_and_a_clear_error_without_it() -> None:
+    # Given a process where prometheus_client cannot be imported ...
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "import celery_fence, celery_fence.announce.transitions as t\n"
+        "from celery_fence import metrics\n"
+        "from celery_fence.actions import Action\n"
+        "t.emit_transition(Action.CLAIMED, 'x', key='k')  # off: nothing observed\n"
+        "assert metrics.active is None\n"
+        "from celery_fence.config import FenceConfig\n"
+        "try:\n"
+        "    metrics.wanted(FenceConfig.from_mapping({'fence_metrics_port': 9808}))\n"
+        "except Exception as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # ... asking for metrics names the extra to install.
+    assert "pip install 'celery-fence[prometheus]'" in out.stdout
+
+
+def test_off_no_family_is_registered_even_with_prometheus_installed() -> None:
+    # Given metrics off (the default) in a fresh process with prometheus_client importable ...
+    code = (
+        "import prometheus_client\n"
+        "from celery_fence.actions import Action\n"
+        "from celery_fence.announce.transitions import emit_transition\n"
+        "for action in (Action.CLAIMED, Action.STALE, Action.COMPLETED):\n"
+        "    emit_transition(action, 'proj.t', key='k', generation=1)\n"
+        "names = [m.name for m in prometheus_client.REGISTRY.collect()]\n"
+        "print(sorted(n for n in names if n.startswith('celery_fence')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # ... transitions register and observe nothing.
+    assert out.stdout.strip() == "[]"
