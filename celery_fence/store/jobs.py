@@ -23,6 +23,7 @@ from celery_fence.store import admin, probe, sql
 from celery_fence.store.engine import Database
 from celery_fence.store.fenced import FencedWriter, Row
 from celery_fence.store.outbox import OutboxRows
+from celery_fence.store.steps import StepRows
 from celery_fence.store.records import (
     ENCODED_REQUEST,
     CallerFailed,
@@ -101,6 +102,8 @@ class Store:
         self.error_message_length = error_message_length
         self.writer = FencedWriter(self.db, record_transitions=record_transitions)
         self.outbox_rows = self.outbox = OutboxRows(self)  # ``outbox``: an alias for scripts
+        #: The completed steps and the checkpoint of each job (``fence_steps``).
+        self.steps = StepRows(self)
         #: The operator's and the recovery's verbs: requeue, stranded, take_for_resend, purge.
         self.admin = admin.JobAdmin(self)
 
@@ -114,6 +117,7 @@ class Store:
         view.db = db
         view.writer = FencedWriter(db, record_transitions=self.record_transitions)
         view.outbox_rows = view.outbox = OutboxRows(view)
+        view.steps = StepRows(view)
         view.admin = admin.JobAdmin(view)
         return view
 
