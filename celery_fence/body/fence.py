@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
-from celery_fence.body.effects import StagedEffects
 from celery_fence.body import steps as _steps
+from celery_fence.body.effects import StagedEffects
 from celery_fence.body.orm import session as _session
 from celery_fence.body.transaction import OpenBlocks, unrecorded_loss
 from celery_fence.body.transaction import transaction as _transaction

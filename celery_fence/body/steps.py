@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+
 def checked_name(name: object) -> str:
     """A step name, or a clear error."""
     if not isinstance(name, str) or not name or len(name) > STEP_NAME_LENGTH:
@@ -254,4 +255,3 @@ def _store(fence: Fence) -> Store:
             "@app.task(base=FencedTask, bind=True))"
         )
     return fence.store
-

@@ -23,7 +23,6 @@ from celery_fence.store import admin, probe, sql
 from celery_fence.store.engine import Database
 from celery_fence.store.fenced import FencedWriter, Row
 from celery_fence.store.outbox import OutboxRows
-from celery_fence.store.steps import StepRows
 from celery_fence.store.records import (
     ENCODED_REQUEST,
     CallerFailed,
@@ -45,6 +44,7 @@ from celery_fence.store.records import (
     job_record,
     run_value,
 )
+from celery_fence.store.steps import StepRows
 
 if TYPE_CHECKING:
     from celery_fence.body.fence import Fence

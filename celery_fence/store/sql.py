@@ -38,8 +38,16 @@ from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from celery_fence.actions import INTERRUPTED_BY, Action
-from celery_fence.schema import CHECKPOINT, COMPLETED, OutboxStatus, Status, jobs, outbox, steps
-from celery_fence.schema import transitions
+from celery_fence.schema import (
+    CHECKPOINT,
+    COMPLETED,
+    OutboxStatus,
+    Status,
+    jobs,
+    outbox,
+    steps,
+    transitions,
+)
 
 JOBS, TRANSITIONS, OUTBOX, STEPS = jobs.name, transitions.name, outbox.name, steps.name
 RETURNING = "RETURNING key, generation, attempt_id, attempts"
@@ -344,7 +352,8 @@ def step_done_sql(dialect: str) -> str:
     its name, or no row."""
     return render(
         dialect,
-        _STEP_INSERT.format(json=_json(dialect)) + "ON CONFLICT (key, name) DO NOTHING RETURNING name",
+        _STEP_INSERT.format(json=_json(dialect))
+        + "ON CONFLICT (key, name) DO NOTHING RETURNING name",
     )
 
 
