@@ -186,11 +186,11 @@ def _killed_export(
             break
         seen = len(_batches(redis_client, prefix, key))
         point = seen + rng.randint(2, max(2, total // (kills + 1)))
-        wait_until(
-            lambda point=point: len(_batches(redis_client, prefix, key)) >= point,
-            60,
-            what=f"batch {point} started",
-        )
+
+        def started(point: int = point) -> bool:
+            return len(_batches(redis_client, prefix, key)) >= point
+
+        wait_until(started, 60, what=f"batch {point} started")
         time.sleep(rng.uniform(0, 0.05))
         worker.kill()
     wait_until(lambda: _completed(store, key), 120, what="the export completed")
