@@ -198,3 +198,41 @@ def test_a_step_name_per_key(tables: Store) -> None:
     a, other = _attempt(tables), _attempt(tables, f"tx:{uuid.uuid4().hex}")
     a.run_step("one", lambda: "a")
     assert other.run_step("one", lambda: "other") == "other"
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_the_bench_steps_mode_runs_tiny(db_url: str) -> None:
+    """``python -m bench --steps`` measures every variant (tiny here; the lead measures)."""
+    import io
+
+    from bench import steps as bench_steps
+
+    samples = bench_steps.measure(db_url, ops=3, rounds=1)
+    out = io.StringIO()
+    result = bench_steps.report(samples, ops=3, rounds=1, out=out)
+    assert set(result["variants"]) == set(bench_steps.VARIANTS)
+    assert all(len(samples[name]) == 3 for name in bench_steps.VARIANTS)
+    assert "step-replay" in out.getvalue()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_fence_show_lists_steps_with_sizes_and_values_only_when_asked(
+    tables: Store, worker_env: dict[str, str]
+) -> None:
+    import json
+
+    from tests.integration.test_cli import fence_cli, ok
+
+    a = _attempt(tables)
+    a.run_step("charge", lambda: {"card": "secret-4242"})
+    a.checkpoint({"after": 12})
+    text = ok(fence_cli(worker_env, "show", a.key))
+    assert "steps:" in text and "charge" in text and "@checkpoint" in text
+    assert "secret-4242" not in text and "gen 1" in text
+    assert "secret-4242" in ok(fence_cli(worker_env, "show", a.key, "--values"))
+    doc = json.loads(ok(fence_cli(worker_env, "show", a.key, "--json")))
+    assert [(s["name"], s["state"]) for s in doc["steps"]] == [
+        ("charge", "done"),
+        ("@checkpoint", "checkpoint"),
+    ]
+    assert "value" not in doc["steps"][0] and doc["steps"][0]["size"] > 0
