@@ -5,7 +5,7 @@ Run it against your own configuration (your Redis, broker, database and TTLs)::
     python -m celery_fence.chaos [--scenario NAME|all ...] [--runs N] [--seed S]
         [--redis-url URL] [--broker-url URL] [--database-url URL] [--pg-admin-url URL]
         [--ttl SECONDS] [--max-attempts N] [--workers N] [--own-redis] [--unfenced] [--unsettled]
-        [--rerun-finished] [--async-endings] [--provider-not-idempotent]
+        [--rerun-finished] [--async-endings] [--unfenced-steps] [--provider-not-idempotent]
         [--converge-timeout SECONDS] [--json PATH] [--workdir DIR] [-q]
 
 Defaults: Redis ``redis://127.0.0.1:6379/1`` (leases under a fresh key prefix, the ledger,
@@ -141,6 +141,13 @@ Scenarios (faults counted per run, from what happened: the ledger, the store, th
   re-sends three jobs enqueued and never published; then starts it again. Every job must complete
   once (the after-commit one: attempts 1, body starts 1). What each crash did to each job's row is
   printed. Faults: the crashes (2). :mod:`.scenarios_crash`.
+- ``steps``: a job of three fenced steps (``self.fence.run_step()``; each an unguarded external
+  call, ledger ``effect``, and an app-table row in the step's transaction); the worker is
+  SIGSTOPped inside step ``k`` (1 on odd runs, 2 on even ones) past its TTL, the job is sent again,
+  a newer attempt takes it over, and the first one gets SIGCONT. Expected: attempts 2, body starts
+  2; no step body started after another attempt committed that step (an unexpected outcome), no
+  step started by the paused attempt after the newer registration (a stale effect). Control arm:
+  ``--unfenced-steps``. Faults: as ``pause``'s. :mod:`.scenarios_steps`.
 
 Columns (per scenario, summed over its runs). The transitions table is written in the same
 statement or transaction as the state change it records, so its ``id`` order for a key is the
@@ -228,6 +235,13 @@ committed runs the body again).
 registration, without waiting for their WAL flush. ``--scenario store-crash --async-endings``
 then shows a lost job: the completion acked before the crash is rolled back by it, with its
 registration, and nothing is left to find it.
+
+``--unfenced-steps`` is a demonstration too: the workload's task's fence
+(:class:`~celery_fence.chaos.arms.PlainStepsFence`) runs ``run_step()`` as a plain call, nothing
+stored and nothing checked at a step's start. ``--scenario steps --unfenced-steps`` then shows
+stale writes accepted > 0 (the resumed attempt starts its next step, and its external call, after
+the newer attempt registered) and unexpected outcomes > 0 (a step committed by one attempt run
+again by the other).
 
 ``--provider-not-idempotent`` is a demonstration too: the provider stub ignores
 ``Idempotency-Key`` and performs every request, as a provider without idempotency support would.

@@ -100,6 +100,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "(synchronous_commit off); expect lost jobs in store-crash",
     )
     p.add_argument(
+        "--unfenced-steps",
+        action="store_true",
+        help="DEMONSTRATION ONLY: fence.run_step() is a plain call (nothing stored, no boundary "
+        "check: celery_fence.chaos.arms.UnfencedStepsTask); expect stale writes and unexpected "
+        "outcomes in steps",
+    )
+    p.add_argument(
         "--provider-not-idempotent",
         dest="provider_idempotent",
         action="store_false",
@@ -159,6 +166,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         unsettled=a.unsettled,
         rerun_finished=a.rerun_finished,
         unwatched=a.unwatched,
+        unfenced_steps=a.unfenced_steps,
         async_endings=a.async_endings,
         provider_idempotent=a.provider_idempotent,
         own_redis=a.own_redis,
@@ -197,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("UNSETTLED", opts.unsettled),
             ("RERUN FINISHED", opts.rerun_finished),
             ("UNWATCHED", opts.unwatched),
+            ("UNFENCED STEPS", opts.unfenced_steps),
             ("ASYNC ENDINGS", opts.async_endings),
             ("PROVIDER NOT IDEMPOTENT", not opts.provider_idempotent),
         )
@@ -230,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "unsettled": opts.unsettled,
                     "rerun_finished": opts.rerun_finished,
                     "unwatched": opts.unwatched,
+                    "unfenced_steps": opts.unfenced_steps,
                     "async_endings": opts.async_endings,
                     "provider_idempotent": opts.provider_idempotent,
                     "faults": total,
