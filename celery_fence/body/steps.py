@@ -152,27 +152,32 @@ class Step:
         tb: TracebackType | None,
     ) -> bool:
         stack = self._stack
-        assert stack is not None and self.conn is not None
+        assert stack is not None
         if exc_type is None and not self.done:
             try:
                 text = dumps_strict(self.result, f"value of step {self.name!r}")
-                fence = self.fence
-                store = _store(fence)
-                written = store.steps.write_done(
-                    self.conn,
-                    fence.key,
-                    self.name,
-                    text,
-                    generation=fence.generation,
-                    attempt_id=fence.attempt_id,
-                )
-                if not written:
-                    raise refuse(fence, store, f"step {self.name!r}")
+                self._store(text)
                 self.value = json.loads(text)
             except BaseException:
                 stack.__exit__(*sys.exc_info())  # rolls the step back
                 raise
         return bool(stack.__exit__(exc_type, exc, tb))
+
+    def _store(self, text: str) -> None:
+        """The step's row, fenced, in the step's transaction (``text``: its JSON value)."""
+        fence = self.fence
+        store = _store(fence)
+        assert self.conn is not None
+        written = store.steps.write_done(
+            self.conn,
+            fence.key,
+            self.name,
+            text,
+            generation=fence.generation,
+            attempt_id=fence.attempt_id,
+        )
+        if not written:
+            raise refuse(fence, store, f"step {self.name!r}")
 
 
 def run_step(fence: Fence, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

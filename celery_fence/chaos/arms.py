@@ -22,6 +22,7 @@ show that each safety column fires without it. Never for production; nothing out
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import sqlalchemy as sa
@@ -32,6 +33,7 @@ from celery_fence.adapters.task import FencedTask
 from celery_fence.adapters.worker import FencedRequest
 from celery_fence.body import sqla
 from celery_fence.body.fence import Fence
+from celery_fence.body.steps import Step
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError
 from celery_fence.pipeline import outcomes as o
@@ -138,13 +140,32 @@ class UnwatchedTask(FencedTask):
     execution_class = UnwatchedExecution
 
 
+class PlainStep(Step):
+    """A step that is a plain call: no block, no boundary read, nothing stored (its value is
+    returned as a stored one would be)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> PlainStep:
+        self._stack = contextlib.ExitStack()
+        return self
+
+    def _store(self, text: str) -> None:
+        return None
+
+
 class PlainStepsFence(Fence):
     """A fence whose steps and checkpoints are plain code (``--unfenced-steps``)."""
 
     __slots__ = ()
 
+    def step(self, name: str) -> PlainStep:
+        return PlainStep(self, name)
+
     def run_step(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
+        with PlainStep(self, name) as step:
+            step.result = fn(*args, **kwargs)
+        return step.value
 
     def checkpoint(self, details: Any) -> None:
         return None
