@@ -6,7 +6,8 @@
 - ``fence_outbox``: external effects staged by a completed job, each with a stable idempotency key.
 - ``fence_steps``: the completed steps of a job (``fence.step()``) and its checkpoint
   (``fence.checkpoint()``, the reserved name :data:`CHECKPOINT`), each written by a fenced
-  statement; kept until the job is re-run from scratch (``requeue --completed``) or purged.
+  statement; deleted by the job's completion (in its statement), a re-run from scratch
+  (``requeue --completed``) or a purge.
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ block if there is one (so it commits with the work it describes), else in a bloc
 A stale attempt's checkpoint is refused (``StaleGeneration``), never written over a newer
 attempt's. Its JSON is bounded by ``fence_checkpoint_max_bytes``.
 
-Steps and the checkpoint are kept until the job is re-run from scratch
-(``celery fence requeue --completed``) or purged; ``celery fence show KEY`` lists them (names,
+Steps and the checkpoint are deleted by the completion of an attempt that used them (in the
+completion's statement), by a re-run from scratch (``celery fence requeue --completed``) and by
+purge; ``celery fence show KEY`` lists them (names,
 generation, when, sizes; values only with ``--values``). Values are never logged.
 """
 
@@ -118,6 +119,7 @@ class Step:
             raise FenceError(f"fence.step({self.name!r}) is entered once; make a new one")
         fence = self.fence
         store = _store(fence)
+        used(fence)
         self._stack = stack = contextlib.ExitStack()
         try:
             conn = stack.enter_context(fence.transaction())
@@ -203,6 +205,7 @@ def checkpoint(fence: Fence, details: Any) -> None:
             limit=limit,
         )
     store = _store(fence)
+    used(fence)
     with fence.transaction() as conn:
         written = store.steps.write_checkpoint(
             conn, fence.key, text, generation=fence.generation, attempt_id=fence.attempt_id
@@ -216,6 +219,12 @@ def progress(fence: Fence) -> Any:
     store = _store(fence)
     block = fence.blocks.current()
     return store.steps.value(fence.key, CHECKPOINT, None if block is None else block.conn)
+
+
+def used(fence: Fence) -> None:
+    """The attempt wrote (or may write) steps: its completion clears the job's."""
+    if fence.execution is not None:
+        fence.execution.steps_used = True
 
 
 def max_bytes(fence: Fence) -> int:

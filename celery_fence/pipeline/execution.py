@@ -63,6 +63,8 @@ class Execution:
 
     #: The class of ``self.fence`` (the chaos harness's ``--unfenced-steps`` arm replaces it).
     fence_class: type[Fence] = Fence
+    #: Whether the body used fenced steps or a checkpoint: its completion then clears them.
+    steps_used = False
 
     def __init__(
         self,

@@ -156,7 +156,9 @@ def settle(attempt: Execution, outcome: Outcome) -> Disposition:
 def _completed(a: Execution, o: Completed) -> Disposition:
     assert a.generation is not None
     try:
-        ending: Ending = Completion(a.generation, a.attempt_id, o.result, o.effects)
+        ending: Ending = Completion(
+            a.generation, a.attempt_id, o.result, o.effects, clear_steps=a.steps_used
+        )
         if a.deferred:  # one statement: the row inserted as completed, or nothing
             ending = FirstCompletion(
                 a.generation, a.attempt_id, a.task_name, a.request_json, o.result, o.effects

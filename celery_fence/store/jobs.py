@@ -307,7 +307,12 @@ class Store:
                 )
                 effects = ending.effects
                 self.fenced_write(
-                    "completion", statement, params, Action.COMPLETED, effects=effects
+                    "completion",
+                    statement,
+                    params,
+                    Action.COMPLETED,
+                    effects=effects,
+                    clear_steps=ending.clear_steps,
                 )
             case FirstCompletion():  # where no row exists, or only a never-claimed pending one
                 params = self._owner(
@@ -445,6 +450,7 @@ class Store:
         *actions: Action,
         reason: str | None = None,
         effects: Sequence[Effect] = (),
+        clear_steps: bool = False,
     ) -> Row:
         """A fenced write that must change this attempt's row (``params``' key, generation and
         attempt): :class:`StaleGeneration` (``what`` ... rejected) when it did not."""
@@ -455,6 +461,7 @@ class Store:
             reason=reason,
             effects=effects,
             durable=self.durable_endings,
+            clear_steps=clear_steps,
         )
         if row is None:
             raise self._rejected(params["key"], params["generation"], params["attempt_id"], what)

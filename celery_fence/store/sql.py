@@ -417,6 +417,9 @@ def transition_sql(dialect: str) -> str:
     )
 
 
+#: A completed job's steps and checkpoint, deleted in its completion's transaction (SQLite).
+SQLITE_CLEAR_STEPS = f"DELETE FROM {STEPS} WHERE key = :key"
+
 SQLITE_OUTBOX_SQL = (
     f"INSERT INTO {OUTBOX} ({OUTBOX_COLUMNS}) "
     f"VALUES (:key, :name, :idempotency_key, :payload, '{OutboxStatus.PENDING}', 0, :now, :now) "
@@ -449,6 +452,7 @@ def pg_with_records(
     effects: bool,
     reason: bool = False,
     durable: bool = True,
+    clear_steps: bool = False,
 ) -> str:
     """Wrap a fenced write in data-modifying CTEs so its transition rows (one per action, in
     order; ``reason``: with ``%(reason)s``) and outbox rows (``%(effects)s``, a JSON array of
@@ -479,6 +483,8 @@ def pg_with_records(
             "AS e(name text, idempotency_key text, payload jsonb) "
             "ON CONFLICT (idempotency_key) DO NOTHING)"
         )
+    if clear_steps:
+        parts.append(f", cleared AS (DELETE FROM {STEPS} WHERE key IN (SELECT key FROM fenced))")
     parts.append(" SELECT * FROM fenced")  # a registration's also its stored run
     parts.append(f" WHERE {PG_DURABLE_COMMIT if durable else PG_ASYNC_COMMIT}")
     return "".join(parts)

@@ -183,15 +183,32 @@ def test_requeue_completed_clears_steps_and_purge_deletes_them(tables: Store) ->
     from celery_fence.store.records import Completion
 
     tables.end(a.key, Completion(generation=a.generation, attempt_id=a.attempt_id, result=1))
-    assert len(tables.steps.list(a.key)) == 2  # kept (inert) until a re-run or a purge
+    assert len(tables.steps.list(a.key)) == 2  # a completion that used none keeps them
     tables.admin.requeue(a.key, completed=True)
     assert tables.steps.list(a.key) == []
     b = _attempt(tables, a.key, generation=2)
     b.run_step("one", lambda: 2)
     tables.end(b.key, Completion(generation=2, attempt_id=b.attempt_id, result=2))
+    assert len(tables.steps.list(a.key)) == 1
     later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=5)
     assert tables.admin.purge(finished_before=later) >= 1
     assert tables.steps.list(a.key) == []
+
+
+def test_a_completion_that_used_steps_clears_them_in_its_transaction(tables: Store) -> None:
+    from celery_fence.store.records import Completion
+
+    a = _attempt(tables)
+    a.run_step("one", lambda: 1)
+    a.checkpoint({"after": 1})
+    b = _takeover(tables, a)
+    stale = Completion(a.generation, a.attempt_id, "stale", clear_steps=True)
+    with pytest.raises(StaleGeneration):  # a refused completion clears nothing
+        tables.end(a.key, stale)
+    assert len(tables.steps.list(a.key)) == 2
+    tables.end(b.key, Completion(b.generation, b.attempt_id, "done", clear_steps=True))
+    assert tables.steps.list(a.key) == []
+    assert tables.get(a.key).status == "completed"  # type: ignore[union-attr]
 
 
 def test_a_step_name_per_key(tables: Store) -> None:
