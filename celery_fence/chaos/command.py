@@ -31,6 +31,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     p.add_argument("--runs", type=int, default=3, help="runs per scenario (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random timings (default 0)")
     p.add_argument(
+        "--rows", type=int, default=10_000, help="rows the export scenario exports (10000)"
+    )
+    p.add_argument(
         "--redis-url",
         default=Options.redis_url,
         help="Redis for leases, the ledger and results (default %(default)s)",
@@ -167,6 +170,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         rerun_finished=a.rerun_finished,
         unwatched=a.unwatched,
         unfenced_steps=a.unfenced_steps,
+        rows=a.rows,
         async_endings=a.async_endings,
         provider_idempotent=a.provider_idempotent,
         own_redis=a.own_redis,

@@ -1,4 +1,6 @@
-"""The ``steps`` scenario: an attempt paused inside a fenced step, a newer one taking over.
+"""The ``steps`` and ``export`` scenarios: fenced steps and checkpoints under real signals.
+
+``steps``: an attempt paused inside a fenced step, a newer one taking over.
 
 A job runs three fenced steps (``self.fence.run_step()``; the workload's ``_run_steps``): each
 records its start, makes an unguarded external call (ledger ``effect``) and writes one
@@ -17,10 +19,14 @@ step after B's registration: both show. Faults: as ``pause``'s, for A.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 import time
 
+import sqlalchemy as sa
+
+from celery_fence.chaos import EXPORT_ROWS
 from celery_fence.chaos.checker import Job
 from celery_fence.chaos.scenario import Scenario, superseded
 from celery_fence.testing import faults
@@ -77,4 +83,70 @@ def rerun_steps(s: Scenario, key: str) -> list[str]:
     return problems
 
 
-RUNS = {"steps": run_steps}
+#: Batches (checkpoint intervals) one export is made of.
+EXPORT_BATCHES = 20
+
+
+def run_export(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
+    """``export``: a checkpointed export of ``--rows`` rows, its pool process SIGKILLed at random
+    batches; every row must be exported once, with at most one batch of work repeated per
+    kill."""
+    rows = s.opts.rows
+    batch = max(1, rows // EXPORT_BATCHES)
+    kills_wanted = max(0, min(2, s.opts.max_attempts - 1))
+    job = Job(s.key(i))
+    started = time.monotonic()
+    s.send(job, export_rows=rows, export_batch=batch, check=False, notify=False)
+    kills = 0
+    seen = 0
+    for _ in range(kills_wanted):
+        at = seen + rng.randint(2, max(2, EXPORT_BATCHES // (kills_wanted + 1)))
+        with contextlib.suppress(TimeoutError):
+            s.wait_event(
+                job.key, "batch", timeout=30, start=lambda e, at=at: e["start"] >= at * batch
+            )
+        done = (r := s.store.get(job.key)) is not None and r.status == "completed"
+        batches = [e for e in s.events(job.key) if e["ev"] == "batch"]
+        if done or not batches:
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(batches[-1]["pid"]), signal.SIGKILL)
+            kills += 1
+        seen = batches[-1]["start"] // batch
+    elapsed = s.converge([job], started)
+    job.observed.extend(export_problems(s, job.key, rows=rows, batch=batch, kills=kills))
+    return kills, elapsed
+
+
+def export_problems(s: Scenario, key: str, *, rows: int, batch: int, kills: int) -> list[str]:
+    """Rows not exported exactly once, and more than one batch of work repeated per kill (the
+    ledger's ``batch`` entries: every batch an attempt started)."""
+    with s.store.engine.connect() as conn:
+        distinct, total = conn.execute(
+            sa.select(sa.func.count(sa.distinct(EXPORT_ROWS.c.row_id)), sa.func.count()).where(
+                EXPORT_ROWS.c.key == key
+            )
+        ).one()
+    work = sum(e["end"] - e["start"] for e in s.events(key) if e["ev"] == "batch")
+    repeated = work - rows
+    if not s.opts.quiet:
+        print(
+            f"  export: {key}: {kills} kill(s), {repeated} rows of work repeated "
+            f"(batch {batch}), {total - distinct} rows exported twice",
+            flush=True,
+        )
+    problems = []
+    if distinct != rows or total != rows:
+        problems.append(
+            f"export {key}: {distinct} distinct rows of {rows}, {total - distinct} exported "
+            "more than once"
+        )
+    if repeated > kills * batch:
+        problems.append(
+            f"export {key}: {repeated} rows of work repeated after {kills} kill(s), more than "
+            f"one batch ({batch}) per kill"
+        )
+    return problems
+
+
+RUNS = {"steps": run_steps, "export": run_export}

@@ -66,7 +66,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_fence import FencedTask, PermanentError
 from celery_fence import signals as fence_signals
 from celery_fence.actions import Action
-from celery_fence.chaos import APP_ROWS, BESIDE_FORMS, CHARGE, NOTIFY, TASK_NAME
+from celery_fence.chaos import APP_ROWS, BESIDE_FORMS, CHARGE, EXPORT_ROWS, NOTIFY, TASK_NAME
 from celery_fence.chaos.arms import (
     AsyncEndingsTask,
     UnfencedStepsTask,
@@ -277,6 +277,8 @@ def op(
     beside: str = "",
     payload: str = "",
     steps: int = 0,
+    export_rows: int = 0,
+    export_batch: int = 0,
 ) -> dict[str, Any]:
     """One logical operation. ``check=False``: no direct side effect, the body relies on the
     store alone (its result and its outbox row are what a stale attempt would write).
@@ -296,13 +298,16 @@ def op(
     before its COMMIT) or ``beside_refused``.
     ``payload``: only carried in the request (the refused-arg scenario puts a NUL in it).
     ``steps``: first run that many fenced steps (:func:`_run_steps`; a one-shot flag pauses one
-    of them for ``block_sleep`` seconds)."""
+    of them for ``block_sleep`` seconds).
+    ``export_rows``: first export that many rows, ``export_batch`` at a time (:func:`_export`)."""
     fence = self.fence
     gen, attempt = fence.generation, fence.attempt_id
     record("start", key, gen, attempt)
     _kill_once("before_effect", key, gen, attempt)
     if steps:
         _run_steps(fence, key, gen, attempt, steps, block_sleep)
+    if export_rows:
+        _export(fence, key, gen, attempt, export_rows, export_batch)
     if mode == "overrun" or faults.take(ledger, LEDGER, "overrun", key):
         record("overrun", key, gen, attempt)
         sleep = OVERRUN_S  # the pool's hard time limit kills this process first
@@ -373,6 +378,21 @@ def _run_steps(fence: Any, key: str, gen: int, attempt: str, steps: int, pause_s
     for n in range(1, steps + 1):
         fence.run_step(f"step{n}", _step, fence, key, gen, attempt, n, pause_s)
         record("step_committed", key, gen, attempt, step=n)
+
+
+def _export(fence: Any, key: str, gen: int, attempt: str, rows: int, batch: int) -> None:
+    """Export rows ``0..rows-1`` from the job's checkpoint on: each batch (ledger ``batch``, with
+    its ``start`` and ``end``) and the checkpoint after it in one fenced block."""
+    start = int((fence.progress or {}).get("next", 0))
+    while start < rows:
+        end = min(start + batch, rows)
+        record("batch", key, gen, attempt, start=start, end=end)
+        time.sleep(0.05)  # the batch's own work (a read of the source, say)
+        with fence.transaction() as conn:
+            values = [{"key": key, "row_id": n} for n in range(start, end)]
+            conn.execute(EXPORT_ROWS.insert(), values)
+            fence.checkpoint({"next": end})
+        start = end
 
 
 def _step(fence: Any, key: str, gen: int, attempt: str, n: int, pause_s: float) -> dict[str, int]:
