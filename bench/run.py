@@ -18,6 +18,8 @@ Modes (default: throughput):
   saturation (50 ms tasks), plain vs fenced vs python-redis-lock: percentiles and added latency;
 - ``python -m bench --enqueue`` — what a durable ``enqueue()`` costs the caller per job, beside
   ``delay()`` and commit-then-``delay()``;
+- ``python -m bench --steps`` — what a fenced step (``fence.run_step``), a replayed step and a
+  checkpoint cost the body per call, beside a fenced block with the same insert;
 - ``python -m bench --experiment`` — the default mode plus ``fenced-pg-exp``: candidate hot-path
   changes (:mod:`bench.experiments`, monkeypatched in a second worker only), same run.
 
@@ -43,6 +45,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument("--memory", action="store_true", help="worker RSS over many tasks")
     mode.add_argument("--scale", action="store_true", help="store latency at 10^3..10^6 rows")
     mode.add_argument("--enqueue", action="store_true", help="caller cost of a durable enqueue")
+    mode.add_argument("--steps", action="store_true", help="body cost of a step, a checkpoint")
     mode.add_argument(
         "--latency", action="store_true", help="publish -> result stored per task, steady rate"
     )
@@ -56,6 +59,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--latency-sleep", type=float, default=0.05, help="--latency: body seconds (default 0.05)"
     )
     p.add_argument("--enqueue-jobs", type=int, default=500, help="--enqueue: jobs a round (500)")
+    p.add_argument("--steps-ops", type=int, default=300, help="--steps: calls a variant a round")
     p.add_argument(
         "--rounds",
         type=int,
@@ -109,7 +113,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = p.parse_args(argv)
-    other_mode = args.renewal or args.memory or args.scale or args.enqueue or args.latency
+    other_mode = (
+        args.renewal or args.memory or args.scale or args.enqueue or args.latency or args.steps
+    )
     if args.rounds is None:
         args.rounds = 5 if other_mode else 6
     if args.rounds < 1:
@@ -191,6 +197,10 @@ def _main(argv: list[str] | None = None) -> int:
             from bench import enqueue
 
             result = enqueue.run(svc, jobs=args.enqueue_jobs, rounds=args.rounds, out=sys.stdout)
+        elif args.steps:
+            from bench import steps
+
+            result = steps.run(svc, ops=args.steps_ops, rounds=args.rounds, out=sys.stdout)
         elif args.latency:
             from bench import latency
 

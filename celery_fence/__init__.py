@@ -35,6 +35,7 @@ from celery_fence.config import FenceConfig
 from celery_fence.durable import Enqueued, enqueue
 from celery_fence.errors import (
     BlockIdleTimeout,
+    CheckpointTooLarge,
     ConfigurationError,
     FenceError,
     JobDead,
@@ -63,6 +64,7 @@ except PackageNotFoundError:  # pragma: no cover - run from a source tree that i
 
 __all__ = [
     "BlockIdleTimeout",
+    "CheckpointTooLarge",
     "ConfigurationError",
     "Enqueued",
     "Fence",

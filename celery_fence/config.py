@@ -64,6 +64,8 @@ DEFAULT_RETRY_BUDGET_FLOOR = 10
 DEFAULT_RETRY_BUDGET_WINDOW = 60.0
 #: Characters of an error message kept in the store.
 DEFAULT_ERROR_MESSAGE_LENGTH = 500
+#: Bytes of JSON one ``fence.checkpoint()`` may store: a position, not the data.
+DEFAULT_CHECKPOINT_MAX_BYTES = 64 * 1024
 #: Seconds any one database call may take (statement timeout, TCP user timeout, keepalive
 #: detection, connect timeout and the client-side deadline all derive from it).
 DEFAULT_DATABASE_TIMEOUT = 10.0
@@ -203,6 +205,7 @@ class FenceConfig:
     transient_exceptions: tuple[type[BaseException], ...] | None = None  # None: the defaults
     retry_unknown_errors: bool = True
     error_message_length: int = DEFAULT_ERROR_MESSAGE_LENGTH
+    checkpoint_max_bytes: int = DEFAULT_CHECKPOINT_MAX_BYTES
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT
     record_transitions: bool = True
     send_events: bool = True
@@ -296,6 +299,12 @@ class FenceConfig:
             raise ConfigurationError(
                 f"fence_key_prefix={self.key_prefix!r} must be non-empty, without spaces or braces "
                 "(braces are Redis Cluster hash tags): e.g. 'fence'."
+            )
+        if self.checkpoint_max_bytes < 1:
+            raise ConfigurationError(
+                f"fence_checkpoint_max_bytes={self.checkpoint_max_bytes} must be a positive "
+                "number of bytes (the largest JSON one fence.checkpoint() stores), e.g. "
+                f"{DEFAULT_CHECKPOINT_MAX_BYTES}."
             )
         if self.max_attempts < 1:
             raise ConfigurationError(f"fence_max_attempts={self.max_attempts} must be at least 1.")
@@ -501,7 +510,13 @@ _FLOATS = {
 }
 _OPTIONAL_FLOATS = {"recover_after", "max_runtime", "retention"}
 _OPTIONAL_INTS = {"group_limit"}
-_INTS = {"max_attempts", "outbox_max_attempts", "retry_budget_floor", "error_message_length"}
+_INTS = {
+    "max_attempts",
+    "outbox_max_attempts",
+    "retry_budget_floor",
+    "error_message_length",
+    "checkpoint_max_bytes",
+}
 _BOOLS = {
     "retry_unknown_errors",
     "record_transitions",

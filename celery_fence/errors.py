@@ -29,6 +29,15 @@ class ConfigurationError(FenceError):
     default = "a celery-fence setting is missing or invalid"
 
 
+class CheckpointTooLarge(ConfigurationError):
+    """A ``fence.checkpoint()`` value is larger than ``fence_checkpoint_max_bytes``."""
+
+    default = (
+        "the checkpoint is larger than fence_checkpoint_max_bytes: store a position (an id, an "
+        "offset), not the data, or raise the setting"
+    )
+
+
 class LeaseError(FenceError):
     """The Redis lease for a key could not be used."""
 

@@ -4,6 +4,10 @@
 - ``fence_transitions``: the history of a key (claimed, completed, stale, retry, dead, ...), no
   payloads; written in the same statement or transaction as the state change it records.
 - ``fence_outbox``: external effects staged by a completed job, each with a stable idempotency key.
+- ``fence_steps``: the completed steps of a job (``fence.step()``) and its checkpoint
+  (``fence.checkpoint()``, the reserved name :data:`CHECKPOINT`), each written by a fenced
+  statement; deleted by the job's completion (in its statement), a re-run from scratch
+  (``requeue --completed``) or a purge.
 """
 
 from __future__ import annotations
@@ -156,6 +160,23 @@ outbox = sa.Table(
     sa.Column("delivered_at", Timestamp, nullable=True),
     sa.Index("ix_fence_outbox_status_available", "status", "available_at"),
     sa.Index("ix_fence_outbox_key", "key"),
+)
+
+#: The reserved step name of a job's checkpoint (step names may not start with ``@``).
+CHECKPOINT = "@checkpoint"
+STEP_NAME_LENGTH = 255
+
+steps = sa.Table(
+    "fence_steps",
+    metadata,
+    sa.Column("key", sa.String(KEY_LENGTH), primary_key=True),
+    sa.Column("name", sa.String(STEP_NAME_LENGTH), primary_key=True),
+    sa.Column("generation", sa.BigInteger, nullable=False),
+    sa.Column("attempt_id", sa.String(64), nullable=False),
+    sa.Column("value", Json, nullable=True),
+    sa.Column("size", sa.Integer, nullable=False),
+    sa.Column("created_at", Timestamp, nullable=False),
+    sa.Column("updated_at", Timestamp, nullable=False),
 )
 
 

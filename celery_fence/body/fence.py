@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from celery_fence.body import steps as _steps
 from celery_fence.body.effects import StagedEffects
 from celery_fence.body.orm import session as _session
 from celery_fence.body.transaction import OpenBlocks, unrecorded_loss
@@ -123,6 +124,33 @@ class Fence:
         )
 
         return atomic(self, using)
+
+    def run_step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``value = self.fence.run_step("charge", charge, order_id)`` — run ``fn(*args,
+        **kwargs)`` as the fenced step ``name``, once per job: its return value (JSON) is stored
+        under (key, name) in the same fenced transaction as the step's own writes (made through
+        ``self.fence.transaction()``/``session()`` inside it), and a later attempt gets it back
+        without running ``fn``. A stale attempt raises :class:`~celery_fence.StaleGeneration`
+        here and runs nothing more. See :mod:`celery_fence.body.steps`."""
+        return _steps.run_step(self, name, fn, *args, **kwargs)
+
+    def step(self, name: str) -> _steps.Step:
+        """``with self.fence.step("charge") as step: if not step.done: ...; step.result = v``,
+        or ``@self.fence.step("charge")`` on a function: see :class:`~.steps.Step`."""
+        return _steps.Step(self, name)
+
+    def checkpoint(self, details: Any) -> None:
+        """``self.fence.checkpoint({"after_id": 41_000})`` — store the job's progress (JSON, at
+        most ``fence_checkpoint_max_bytes``) by a fenced write: in the open fenced block if any
+        (it commits with the work it describes), else on its own. Refused for a stale attempt
+        (:class:`~celery_fence.StaleGeneration`); never overwrites a newer attempt's."""
+        _steps.checkpoint(self, details)
+
+    @property
+    def progress(self) -> Any:
+        """The job's last committed checkpoint (None before the first): where a new attempt
+        starts. Read from the store on each access: read it once, at the start."""
+        return _steps.progress(self)
 
     @property
     def outbox(self) -> StagedEffects:

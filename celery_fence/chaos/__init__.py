@@ -5,7 +5,8 @@ Run it against your own configuration (your Redis, broker, database and TTLs)::
     python -m celery_fence.chaos [--scenario NAME|all ...] [--runs N] [--seed S]
         [--redis-url URL] [--broker-url URL] [--database-url URL] [--pg-admin-url URL]
         [--ttl SECONDS] [--max-attempts N] [--workers N] [--own-redis] [--unfenced] [--unsettled]
-        [--rerun-finished] [--async-endings] [--provider-not-idempotent]
+        [--rerun-finished] [--async-endings] [--unfenced-steps] [--rows N]
+        [--provider-not-idempotent]
         [--converge-timeout SECONDS] [--json PATH] [--workdir DIR] [-q]
 
 Defaults: Redis ``redis://127.0.0.1:6379/1`` (leases under a fresh key prefix, the ledger,
@@ -141,6 +142,19 @@ Scenarios (faults counted per run, from what happened: the ledger, the store, th
   re-sends three jobs enqueued and never published; then starts it again. Every job must complete
   once (the after-commit one: attempts 1, body starts 1). What each crash did to each job's row is
   printed. Faults: the crashes (2). :mod:`.scenarios_crash`.
+- ``steps``: a job of three fenced steps (``self.fence.run_step()``; each an unguarded external
+  call, ledger ``effect``, and an app-table row in the step's transaction); the worker is
+  SIGSTOPped inside step ``k`` (1 on odd runs, 2 on even ones) past its TTL, the job is sent again,
+  a newer attempt takes it over, and the first one gets SIGCONT. Expected: attempts 2, body starts
+  2; no step body started after another attempt committed that step (an unexpected outcome), no
+  step started by the paused attempt after the newer registration (a stale effect). Control arm:
+  ``--unfenced-steps``. Faults: as ``pause``'s. :mod:`.scenarios_steps`.
+- ``export``: a checkpointed export of ``--rows`` rows (default 10,000; ``--rows 1000000``
+  works) in 20 batches, each batch's rows and its ``self.fence.checkpoint()`` in one fenced block;
+  the pool process running it is SIGKILLed at a random batch (up to twice a run, fewer than
+  ``--max-attempts``) and the message comes back. Expected: every row exported exactly once, and
+  at most one batch (one checkpoint interval) of work repeated per kill (printed). Control arm:
+  ``--unfenced-steps`` (no checkpoint: every attempt starts from zero). Faults: the kills.
 
 Columns (per scenario, summed over its runs). The transitions table is written in the same
 statement or transaction as the state change it records, so its ``id`` order for a key is the
@@ -229,6 +243,13 @@ registration, without waiting for their WAL flush. ``--scenario store-crash --as
 then shows a lost job: the completion acked before the crash is rolled back by it, with its
 registration, and nothing is left to find it.
 
+``--unfenced-steps`` is a demonstration too: the workload's task's fence
+(:class:`~celery_fence.chaos.arms.PlainStepsFence`) runs ``run_step()`` as a plain call, nothing
+stored and nothing checked at a step's start. ``--scenario steps --unfenced-steps`` then shows
+stale writes accepted > 0 (the resumed attempt starts its next step, and its external call, after
+the newer attempt registered) and unexpected outcomes > 0 (a step committed by one attempt run
+again by the other).
+
 ``--provider-not-idempotent`` is a demonstration too: the provider stub ignores
 ``Idempotency-Key`` and performs every request, as a provider without idempotency support would.
 ``--scenario unknown-remote --provider-not-idempotent`` then shows duplicate external effects > 0
@@ -293,6 +314,14 @@ BESIDE_ROWS = sa.Table(
     sa.Column("attempt_id", sa.String(64), nullable=False),
     sa.Column("written_at", sa.Float, nullable=False),
 )
+#: The rows the ``export`` scenario's bodies export, one row per exported row (no unique key: a
+#: row exported twice shows).
+EXPORT_ROWS = sa.Table(
+    "chaos_export_rows",
+    app_metadata,
+    sa.Column("key", sa.String(200), nullable=False, index=True),
+    sa.Column("row_id", sa.Integer, nullable=False),
+)
 #: The text forms of a write beside a block the ``beside-block`` scenario cycles through (each a
 #: write a statement's first word does not reveal), by name.
 BESIDE_FORMS = ("comment", "with-newline", "function", "call", "do", "select-into")
@@ -302,6 +331,7 @@ __all__ = [
     "BESIDE_FORMS",
     "BESIDE_ROWS",
     "CHARGE",
+    "EXPORT_ROWS",
     "NOTIFY",
     "TASK_NAME",
     "app_metadata",

@@ -10,6 +10,10 @@ show that each safety column fires without it. Never for production; nothing out
   exit that is not an ``Exception`` escapes with its lease still held and renewed; invalid
   settings fail the message instead of re-sending it (and the worker starts with them); a request
   the database refuses is re-sent in a loop; the fence's re-send keeps ``expires``.
+- :class:`UnfencedStepsTask` (``--unfenced-steps``): ``fence.run_step()`` just calls the function
+  (no boundary check, nothing stored, nothing skipped) and ``fence.checkpoint()`` stores nothing:
+  the same body as plain code. A later attempt runs every step again, and a superseded attempt
+  runs its next steps until something else stops it.
 - :class:`UnwatchedTask` (``--unwatched``): nobody watches the body's writes on connections that
   are not a fenced block's (:mod:`celery_fence.body.sqla`'s listeners are never added in the
   worker): a write beside an open block commits unchecked, whatever its text, and a write
@@ -18,7 +22,8 @@ show that each safety column fires without it. Never for production; nothing out
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+from typing import Any
 
 import sqlalchemy as sa
 from celery.worker.request import Request
@@ -27,15 +32,14 @@ from sqlalchemy import exc as sa_exc
 from celery_fence.adapters.task import FencedTask
 from celery_fence.adapters.worker import FencedRequest
 from celery_fence.body import sqla
+from celery_fence.body.fence import Fence
+from celery_fence.body.steps import Step
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError
 from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.backends import Backends, backends
 from celery_fence.pipeline.execution import Execution
 from celery_fence.store import Store, sql
-
-if TYPE_CHECKING:
-    from celery_fence.body.fence import Fence
 
 
 class UnfencedStore(Store):
@@ -136,6 +140,54 @@ class UnwatchedTask(FencedTask):
     execution_class = UnwatchedExecution
 
 
+class PlainStep(Step):
+    """A step that is a plain call: no block, no boundary read, nothing stored (its value is
+    returned as a stored one would be)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> PlainStep:
+        self._stack = contextlib.ExitStack()
+        return self
+
+    def _store(self, text: str) -> None:
+        return None
+
+
+class PlainStepsFence(Fence):
+    """A fence whose steps and checkpoints are plain code (``--unfenced-steps``)."""
+
+    __slots__ = ()
+
+    def step(self, name: str) -> PlainStep:
+        return PlainStep(self, name)
+
+    def run_step(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        with PlainStep(self, name) as step:
+            step.result = fn(*args, **kwargs)
+        return step.value
+
+    def checkpoint(self, details: Any) -> None:
+        return None
+
+    @property
+    def progress(self) -> Any:
+        return None
+
+
+class UnfencedStepsExecution(Execution):
+    """An execution whose fence runs steps as plain calls (``--unfenced-steps``)."""
+
+    fence_class = PlainStepsFence
+
+
+class UnfencedStepsTask(FencedTask):
+    """A fenced task whose steps are not fenced (``--unfenced-steps``)."""
+
+    abstract = True
+    execution_class = UnfencedStepsExecution
+
+
 class UnsettledTask(FencedTask):
     """A fenced task whose Celery exits are left unsettled (``--unsettled``)."""
 
@@ -154,6 +206,9 @@ class UnsettledTask(FencedTask):
 __all__ = [
     "AsyncEndingsStore",
     "AsyncEndingsTask",
+    "PlainStepsFence",
+    "UnfencedStepsExecution",
+    "UnfencedStepsTask",
     "UnfencedStore",
     "UnfencedTask",
     "UnsettledExecution",

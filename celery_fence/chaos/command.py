@@ -31,6 +31,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     p.add_argument("--runs", type=int, default=3, help="runs per scenario (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random timings (default 0)")
     p.add_argument(
+        "--rows", type=int, default=10_000, help="rows the export scenario exports (10000)"
+    )
+    p.add_argument(
         "--redis-url",
         default=Options.redis_url,
         help="Redis for leases, the ledger and results (default %(default)s)",
@@ -100,6 +103,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "(synchronous_commit off); expect lost jobs in store-crash",
     )
     p.add_argument(
+        "--unfenced-steps",
+        action="store_true",
+        help="DEMONSTRATION ONLY: fence.run_step() is a plain call (nothing stored, no boundary "
+        "check: celery_fence.chaos.arms.UnfencedStepsTask); expect stale writes and unexpected "
+        "outcomes in steps",
+    )
+    p.add_argument(
         "--provider-not-idempotent",
         dest="provider_idempotent",
         action="store_false",
@@ -159,6 +169,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         unsettled=a.unsettled,
         rerun_finished=a.rerun_finished,
         unwatched=a.unwatched,
+        unfenced_steps=a.unfenced_steps,
+        rows=a.rows,
         async_endings=a.async_endings,
         provider_idempotent=a.provider_idempotent,
         own_redis=a.own_redis,
@@ -197,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("UNSETTLED", opts.unsettled),
             ("RERUN FINISHED", opts.rerun_finished),
             ("UNWATCHED", opts.unwatched),
+            ("UNFENCED STEPS", opts.unfenced_steps),
             ("ASYNC ENDINGS", opts.async_endings),
             ("PROVIDER NOT IDEMPOTENT", not opts.provider_idempotent),
         )
@@ -230,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "unsettled": opts.unsettled,
                     "rerun_finished": opts.rerun_finished,
                     "unwatched": opts.unwatched,
+                    "unfenced_steps": opts.unfenced_steps,
                     "async_endings": opts.async_endings,
                     "provider_idempotent": opts.provider_idempotent,
                     "faults": total,

@@ -28,6 +28,8 @@ SCENARIOS = (
     "enqueue-crash",
     "broker-loss",
     "store-crash",
+    "steps",
+    "export",
 )
 #: Scenarios that run against PostgreSQL whatever the store (a throwaway database if need be).
 POSTGRESQL_ONLY = ("db-outage", "refused-arg", "beside-block", "atomic-threads")
@@ -62,6 +64,8 @@ class Options:
     unsettled: bool = False
     rerun_finished: bool = False  # the registration takes a finished job's row (control arm)
     unwatched: bool = False  # nobody watches the body's other connections (control arm)
+    unfenced_steps: bool = False  # fence.run_step() is a plain call (control arm)
+    rows: int = 10_000  # rows the export scenario exports
     async_endings: bool = False  # a job's endings commit without their WAL flush (control arm)
     provider_idempotent: bool = True  # False: the provider performs every repeat (control arm)
     own_redis: bool = False

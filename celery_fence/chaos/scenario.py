@@ -86,6 +86,7 @@ class Scenario:
             "CHAOS_UNSETTLED": "1" if self.opts.unsettled else "0",
             "CHAOS_RERUN_FINISHED": "1" if self.opts.rerun_finished else "0",
             "CHAOS_UNWATCHED": "1" if self.opts.unwatched else "0",
+            "CHAOS_UNFENCED_STEPS": "1" if self.opts.unfenced_steps else "0",
             "CHAOS_ASYNC_ENDINGS": "1" if self.opts.async_endings else "0",
             "CHAOS_PROVIDER_URL": self.provider.url,
             "CHAOS_REMOTE_TIMEOUT": str(self.opts.remote_timeout),
@@ -260,3 +261,21 @@ class Scenario:
         for w in self.workers:
             w.signal(signal.SIGCONT)
         self._collect([j for j in self.sent if not any(j is k for k in self.jobs)])
+
+
+def superseded(s: Scenario, key: str, attempt: str) -> int:
+    """1 when the fault acted on ``attempt`` (the paused or held one), from the ledger: it
+    learnt it had lost its lease (``lost``), or it reached the store (an ``outcome``) after an
+    attempt of a newer generation had started; else 0."""
+    events = s.events(key)
+    own = [e for e in events if e.get("attempt") == attempt]
+    if any(e["ev"] == "lost" for e in own):
+        return 1
+    gen = next((e["gen"] for e in own if e["ev"] == "start"), None)
+    newer = [
+        e["t"]
+        for e in events
+        if e["ev"] == "start" and e.get("attempt") != attempt and (e.get("gen") or 0) > (gen or 0)
+    ]
+    reached = [e["t"] for e in own if e["ev"] == "outcome"]
+    return int(bool(newer and reached and max(reached) > min(newer)))

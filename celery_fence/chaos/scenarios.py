@@ -15,9 +15,10 @@ from celery import signature
 
 from celery_fence.chaos import BESIDE_FORMS, BESIDE_ROWS, CHARGE, TASK_NAME
 from celery_fence.chaos.checker import Job
-from celery_fence.chaos.scenario import Scenario
+from celery_fence.chaos.scenario import Scenario, superseded
 from celery_fence.chaos.scenarios_crash import RUNS as CRASH_RUNS
 from celery_fence.chaos.scenarios_enqueue import RUNS as ENQUEUE_RUNS
+from celery_fence.chaos.scenarios_steps import RUNS as STEPS_RUNS
 from celery_fence.chaos.workload_sql import BESIDE_ROUTINES
 from celery_fence.ops.outbox import idempotency_key
 from celery_fence.ops.recovery import KEY_HEADER, RECOVER_TASK
@@ -31,24 +32,6 @@ KILL_WINDOWS = ("before_effect", "before_commit", "after_commit")
 NUL_ARGUMENT = "before\x00after"
 
 Run = Callable[[Scenario, int, random.Random], tuple[int, float]]
-
-
-def superseded(s: Scenario, key: str, attempt: str) -> int:
-    """1 when the fault acted on ``attempt`` (the paused or held one), from the ledger: it
-    learnt it had lost its lease (``lost``), or it reached the store (an ``outcome``) after an
-    attempt of a newer generation had started; else 0."""
-    events = s.events(key)
-    own = [e for e in events if e.get("attempt") == attempt]
-    if any(e["ev"] == "lost" for e in own):
-        return 1
-    gen = next((e["gen"] for e in own if e["ev"] == "start"), None)
-    newer = [
-        e["t"]
-        for e in events
-        if e["ev"] == "start" and e.get("attempt") != attempt and (e.get("gen") or 0) > (gen or 0)
-    ]
-    reached = [e["t"] for e in own if e["ev"] == "outcome"]
-    return int(bool(newer and reached and max(reached) > min(newer)))
 
 
 def run_pause(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
@@ -525,4 +508,5 @@ RUNS: dict[str, Run] = {
     "recovered-chain": run_recovered_chain,
     **ENQUEUE_RUNS,
     **CRASH_RUNS,
+    **STEPS_RUNS,
 }

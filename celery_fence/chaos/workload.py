@@ -66,8 +66,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from celery_fence import FencedTask, PermanentError
 from celery_fence import signals as fence_signals
 from celery_fence.actions import Action
-from celery_fence.chaos import APP_ROWS, BESIDE_FORMS, CHARGE, NOTIFY, TASK_NAME
-from celery_fence.chaos.arms import AsyncEndingsTask, UnfencedTask, UnsettledTask, UnwatchedTask
+from celery_fence.chaos import APP_ROWS, BESIDE_FORMS, CHARGE, EXPORT_ROWS, NOTIFY, TASK_NAME
+from celery_fence.chaos.arms import (
+    AsyncEndingsTask,
+    UnfencedStepsTask,
+    UnfencedTask,
+    UnsettledTask,
+    UnwatchedTask,
+)
 from celery_fence.chaos.workload_sql import beside_statement
 from celery_fence.errors import ConfigurationError
 from celery_fence.ops.outbox import Outbox, idempotency_key
@@ -91,6 +97,7 @@ ENV_DEFAULTS = {
     "CHAOS_UNSETTLED": "0",
     "CHAOS_RERUN_FINISHED": "0",
     "CHAOS_UNWATCHED": "0",
+    "CHAOS_UNFENCED_STEPS": "0",
     "CHAOS_ASYNC_ENDINGS": "0",
     "CHAOS_RENEW_INTERVAL": "",  # empty: ttl / 3 (the misconfig scenario sets an invalid one)
     "CHAOS_PROVIDER_URL": "",
@@ -240,6 +247,7 @@ def _base(s: Mapping[str, str]) -> type[FencedTask]:
             ("CHAOS_UNSETTLED", UnsettledTask),
             ("CHAOS_RERUN_FINISHED", RerunsFinished),
             ("CHAOS_UNWATCHED", UnwatchedTask),
+            ("CHAOS_UNFENCED_STEPS", UnfencedStepsTask),
             ("CHAOS_ASYNC_ENDINGS", AsyncEndingsTask),
         )
         if s[flag] == "1"
@@ -268,6 +276,9 @@ def op(
     via: str = "transaction",
     beside: str = "",
     payload: str = "",
+    steps: int = 0,
+    export_rows: int = 0,
+    export_batch: int = 0,
 ) -> dict[str, Any]:
     """One logical operation. ``check=False``: no direct side effect, the body relies on the
     store alone (its result and its outbox row are what a stale attempt would write).
@@ -285,11 +296,18 @@ def op(
     on another connection of the store's database (committed there) in the text form named
     (:data:`~celery_fence.chaos.BESIDE_FORMS`): ledger ``beside_committed`` (``t0``: just
     before its COMMIT) or ``beside_refused``.
-    ``payload``: only carried in the request (the refused-arg scenario puts a NUL in it)."""
+    ``payload``: only carried in the request (the refused-arg scenario puts a NUL in it).
+    ``steps``: first run that many fenced steps (:func:`_run_steps`; a one-shot flag pauses one
+    of them for ``block_sleep`` seconds).
+    ``export_rows``: first export that many rows, ``export_batch`` at a time (:func:`_export`)."""
     fence = self.fence
     gen, attempt = fence.generation, fence.attempt_id
     record("start", key, gen, attempt)
     _kill_once("before_effect", key, gen, attempt)
+    if steps:
+        _run_steps(fence, key, gen, attempt, steps, block_sleep)
+    if export_rows:
+        _export(fence, key, gen, attempt, export_rows, export_batch)
     if mode == "overrun" or faults.take(ledger, LEDGER, "overrun", key):
         record("overrun", key, gen, attempt)
         sleep = OVERRUN_S  # the pool's hard time limit kills this process first
@@ -349,6 +367,46 @@ def op(
     if notify:
         fence.outbox.add(NOTIFY, {"key": key})
     return {"key": key, "generation": gen, "attempt_id": attempt}
+
+
+def _run_steps(fence: Any, key: str, gen: int, attempt: str, steps: int, pause_s: float) -> None:
+    """Steps ``step1`` .. ``step<steps>`` through ``fence.run_step()``; each records ``step``
+    when its body starts, an unguarded ``effect`` (an external call), writes one app-table row in
+    the step's transaction, and, taking the one-shot flag ``pause:step:<n>:<key>``, records
+    ``step_paused`` and stays inside the step ``pause_s`` seconds (the harness SIGSTOPs it there).
+    ``step_committed`` once ``run_step`` returned (stored, or replayed)."""
+    for n in range(1, steps + 1):
+        fence.run_step(f"step{n}", _step, fence, key, gen, attempt, n, pause_s)
+        record("step_committed", key, gen, attempt, step=n)
+
+
+def _export(fence: Any, key: str, gen: int, attempt: str, rows: int, batch: int) -> None:
+    """Export rows ``0..rows-1`` from the job's checkpoint on: each batch (ledger ``batch``, with
+    its ``start`` and ``end``) and the checkpoint after it in one fenced block."""
+    start = int((fence.progress or {}).get("next", 0))
+    while start < rows:
+        end = min(start + batch, rows)
+        record("batch", key, gen, attempt, start=start, end=end)
+        time.sleep(0.05)  # the batch's own work (a read of the source, say)
+        with fence.transaction() as conn:
+            values = [{"key": key, "row_id": n} for n in range(start, end)]
+            conn.execute(EXPORT_ROWS.insert(), values)
+            fence.checkpoint({"next": end})
+        start = end
+
+
+def _step(fence: Any, key: str, gen: int, attempt: str, n: int, pause_s: float) -> dict[str, int]:
+    record("step", key, gen, attempt, step=n)
+    record("effect", key, gen, attempt, t0=time.time(), step=n)
+    with fence.transaction() as conn:  # the step's own transaction (fenced steps)
+        row = {"key": key, "generation": gen, "attempt_id": attempt, "written_at": time.time()}
+        conn.execute(APP_ROWS.insert().values(**row))
+    if faults.take(ledger, LEDGER, "pause", "step", str(n), key):
+        record("step_paused", key, gen, attempt, step=n)
+        end = time.monotonic() + pause_s
+        while time.monotonic() < end:
+            time.sleep(0.02)
+    return {"step": n, "generation": gen}
 
 
 @contextlib.contextmanager

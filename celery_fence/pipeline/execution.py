@@ -71,6 +71,11 @@ class Execution:
     ``lease``, the registration ``attempts`` (executions counted by the store, this one
     included)."""
 
+    #: The class of ``self.fence`` (the chaos harness's ``--unfenced-steps`` arm replaces it).
+    fence_class: type[Fence] = Fence
+    #: Whether the body used fenced steps or a checkpoint: its completion then clears them.
+    steps_used = False
+
     def __init__(
         self,
         *,
@@ -228,7 +233,7 @@ class Execution:
         if stop is not None:
             return stop
         assert self.lease is not None and self.generation is not None
-        fence = Fence(
+        fence = self.fence_class(
             key=self.key,
             attempt_id=self.attempt_id,
             generation=self.generation,

@@ -155,7 +155,9 @@ def settle(attempt: Execution, outcome: Outcome) -> Disposition:
 def _completed(a: Execution, o: Completed) -> Disposition:
     assert a.generation is not None
     try:
-        ending = Completion(a.generation, a.attempt_id, o.result, o.effects)
+        ending = Completion(
+            a.generation, a.attempt_id, o.result, o.effects, clear_steps=a.steps_used
+        )
         observer = metrics.active
         started = time.perf_counter() if observer is not None else 0.0
         if a.trace is None:

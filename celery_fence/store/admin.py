@@ -92,6 +92,8 @@ class JobAdmin:
             params["request"] = text
             sets = sql.REQUEUE_RERUN
             before = dataclasses.replace(before, request=request)
+        if completed:  # a run from scratch: the completed run's steps and checkpoint go first
+            self.store.steps.clear_completed(key)
         statement = sql.cas_sql(self.store.dialect, sets, sql.SAME)
         if reason is None:
             reason = "completed job re-run by operator" if completed else "by operator"
@@ -202,7 +204,8 @@ class JobAdmin:
                 if keys:
                     deleted = [row[0] for row in conn.execute(delete_jobs(keys))]
                     if deleted:
-                        conn.execute(delete_history(deleted))
+                        for statement in delete_history(deleted):  # history, steps
+                            conn.execute(statement)
                     total += len(deleted)
             if keys and progress is not None:
                 progress(total)

@@ -54,6 +54,7 @@ class FencedWriter:
         effects: Sequence[Effect] = (),
         now: dt.datetime | None = None,
         durable: bool = True,
+        clear_steps: bool = False,
     ) -> Row | None:
         """Run ``statement`` (with ``params``, and ``now``: the time it writes, by default this
         moment) and, only when it changed a row, a transition row per action and the staged
@@ -64,7 +65,9 @@ class FencedWriter:
         registration only), it returns before its WAL is flushed (``synchronous_commit`` off for
         this statement's transaction): a crash of the database can then lose it, never half of
         it. SQLite: True, the commit syncs the WAL to disk (``synchronous=FULL`` for this write);
-        False, the connection's ``synchronous=NORMAL`` (an OS crash can lose it): docs/design.md."""
+        False, the connection's ``synchronous=NORMAL`` (an OS crash can lose it): docs/design.md.
+        ``clear_steps``: when it changed a row, the key's steps and checkpoint are deleted in the
+        same statement (PostgreSQL) or transaction (SQLite)."""
         now = now or utcnow()
         record = self.record_transitions
         reason = (reason or "")[:255] or None  # the table keeps 255 characters, no empty one
@@ -78,6 +81,7 @@ class FencedWriter:
                 effects=bool(effects),
                 reason=reason is not None,
                 durable=durable,
+                clear_steps=clear_steps,
             )
             params["reason"] = reason
             if effects:
@@ -98,7 +102,9 @@ class FencedWriter:
             if synced:
                 cursor.execute(sql.SQLITE_SYNC_FULL)
             try:
-                return self._sqlite_write(cursor, statement, params, actions, reason, effects)
+                return self._sqlite_write(
+                    cursor, statement, params, actions, reason, effects, clear_steps
+                )
             finally:
                 if synced:
                     cursor.execute(sql.SQLITE_SYNC_NORMAL)
@@ -111,12 +117,13 @@ class FencedWriter:
         actions: tuple[Action, ...],
         reason: str | None,
         effects: Sequence[Effect],
+        clear_steps: bool = False,
     ) -> Row | None:
         record = self.record_transitions
         stamp = params["now"]
         # Its rows share one BEGIN IMMEDIATE transaction; a lone statement needs none, nor a
         # write inside the caller's open transaction.
-        own_tx = (record or bool(effects)) and not self.db.pinned
+        own_tx = (record or bool(effects) or clear_steps) and not self.db.pinned
         if own_tx:
             cursor.execute(sql.BEGIN_IMMEDIATE)
         try:
@@ -146,6 +153,8 @@ class FencedWriter:
                             "now": stamp,
                         },
                     )
+                if clear_steps:
+                    cursor.execute(sql.SQLITE_CLEAR_STEPS, {"key": row[0]})
         except BaseException:
             if own_tx:
                 cursor.execute(sql.ROLLBACK)

@@ -43,6 +43,7 @@ from celery_fence.store.records import (
     job_record,
     run_value,
 )
+from celery_fence.store.steps import StepRows
 
 if TYPE_CHECKING:
     from celery_fence.body.fence import Fence
@@ -98,6 +99,8 @@ class Store:
         self.error_message_length = error_message_length
         self.writer = FencedWriter(self.db, record_transitions=record_transitions)
         self.outbox_rows = self.outbox = OutboxRows(self)  # ``outbox``: an alias for scripts
+        #: The completed steps and the checkpoint of each job (``fence_steps``).
+        self.steps = StepRows(self)
         #: The operator's and the recovery's verbs: requeue, stranded, take_for_resend, purge.
         self.admin = admin.JobAdmin(self)
 
@@ -111,6 +114,7 @@ class Store:
         view.db = db
         view.writer = FencedWriter(db, record_transitions=self.record_transitions)
         view.outbox_rows = view.outbox = OutboxRows(view)
+        view.steps = StepRows(view)
         view.admin = admin.JobAdmin(view)
         return view
 
@@ -298,7 +302,12 @@ class Store:
                 )
                 effects = ending.effects
                 self.fenced_write(
-                    "completion", statement, params, Action.COMPLETED, effects=effects
+                    "completion",
+                    statement,
+                    params,
+                    Action.COMPLETED,
+                    effects=effects,
+                    clear_steps=ending.clear_steps,
                 )
             case RetryScheduled():  # where this attempt owns the running row (owned_where)
                 errors = self._error_fields(ending.error)
@@ -428,6 +437,7 @@ class Store:
         *actions: Action,
         reason: str | None = None,
         effects: Sequence[Effect] = (),
+        clear_steps: bool = False,
     ) -> Row:
         """A fenced write that must change this attempt's row (``params``' key, generation and
         attempt): :class:`StaleGeneration` (``what`` ... rejected) when it did not."""
@@ -438,6 +448,7 @@ class Store:
             reason=reason,
             effects=effects,
             durable=self.durable_endings,
+            clear_steps=clear_steps,
         )
         if row is None:
             raise self._rejected(params["key"], params["generation"], params["attempt_id"], what)

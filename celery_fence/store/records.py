@@ -92,12 +92,14 @@ class Effect:
 @dataclass(frozen=True)
 class Completion:
     """The result and ``completed``, where this attempt still owns the running row; the staged
-    ``effects`` in the same statement."""
+    ``effects`` in the same statement. ``clear_steps``: the job's steps and checkpoint
+    (``fence_steps``) deleted in the same statement or transaction (the attempt used them)."""
 
     generation: int
     attempt_id: str
     result: Any
     effects: Sequence[Effect] = ()
+    clear_steps: bool = False
 
 
 @dataclass(frozen=True)

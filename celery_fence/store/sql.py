@@ -38,9 +38,18 @@ from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from celery_fence.actions import INTERRUPTED_BY, Action
-from celery_fence.schema import OutboxStatus, Status, jobs, outbox, transitions
+from celery_fence.schema import (
+    CHECKPOINT,
+    COMPLETED,
+    OutboxStatus,
+    Status,
+    jobs,
+    outbox,
+    steps,
+    transitions,
+)
 
-JOBS, TRANSITIONS, OUTBOX = jobs.name, transitions.name, outbox.name
+JOBS, TRANSITIONS, OUTBOX, STEPS = jobs.name, transitions.name, outbox.name, steps.name
 RETURNING = "RETURNING key, generation, attempt_id, attempts"
 #: The re-run number (``fence_run``) the job row's stored request carries, as a registration
 #: returns it (an integer, else NULL): a late message without the header still runs as the
@@ -302,6 +311,72 @@ def dead_refused_sql(dialect: str) -> str:
     )
 
 
+# -- steps and checkpoints (fence.step(), fence.checkpoint()) -------------------------------------
+
+_STEP_INSERT = (
+    f"INSERT INTO {STEPS} (key, name, generation, attempt_id, value, size, created_at, updated_at) "
+    "SELECT key, :name, generation, attempt_id, :value{json}, :size, :now, :now "
+    f"FROM {JOBS} WHERE {OWNED} "
+)
+
+
+@cache
+def step_done_sql(dialect: str) -> str:
+    """A completed step's row, fenced: inserted only where this attempt owns the running job row
+    (:data:`OWNED`), never over an existing one (a completed step is never overwritten). Returns
+    its name, or no row."""
+    return render(
+        dialect,
+        _STEP_INSERT.format(json=_json(dialect))
+        + "ON CONFLICT (key, name) DO NOTHING RETURNING name",
+    )
+
+
+@cache
+def checkpoint_sql(dialect: str) -> str:
+    """The job's checkpoint (step :data:`~celery_fence.schema.CHECKPOINT`), fenced: written only
+    where this attempt owns the running job row, and over a stored one only from the same or a
+    newer generation. Returns its name, or no row."""
+    return render(
+        dialect,
+        _STEP_INSERT.replace(":name", f"'{CHECKPOINT}'").format(json=_json(dialect))
+        + "ON CONFLICT (key, name) DO UPDATE SET value = excluded.value, size = excluded.size, "
+        "generation = excluded.generation, attempt_id = excluded.attempt_id, "
+        f"updated_at = excluded.updated_at WHERE {STEPS}.generation <= excluded.generation "
+        "RETURNING name",
+    )
+
+
+def step_boundary(key: str, name: str) -> sa.Select[Any]:
+    """At a step's start: the job row's owner (generation, attempt, status) and the step's stored
+    row, if any (its value, generation), in one read."""
+    found = steps.c.value.label("step_value"), steps.c.generation.label("step_generation")
+    on = (steps.c.key == jobs.c.key) & (steps.c.name == name)
+    return (
+        sa.select(jobs.c.generation, jobs.c.attempt_id, jobs.c.status, *found)
+        .select_from(jobs.outerjoin(steps, on))
+        .where(jobs.c.key == key)
+    )
+
+
+def step_value(key: str, name: str) -> sa.Select[Any]:
+    return sa.select(steps.c.value).where((steps.c.key == key) & (steps.c.name == name))
+
+
+def steps_of(key: str) -> sa.Select[Any]:
+    """A key's steps and checkpoint, oldest first."""
+    return sa.select(steps).where(steps.c.key == key).order_by(steps.c.created_at, steps.c.name)
+
+
+def clear_completed_steps(key: str) -> Any:
+    """A completed job's steps and checkpoint, deleted while it is still completed (before an
+    operator's re-run from scratch: the re-run's own steps are never touched)."""
+    still_completed = (
+        sa.select(jobs.c.key).where((jobs.c.key == key) & (jobs.c.status == COMPLETED)).exists()
+    )
+    return steps.delete().where((steps.c.key == key) & still_completed)
+
+
 # -- transition rows and staged outbox rows -------------------------------------------------------
 
 
@@ -316,6 +391,9 @@ def transition_sql(dialect: str) -> str:
         f"VALUES (:key, :generation, :attempt_id, :action, :reason, :now){returning}",
     )
 
+
+#: A completed job's steps and checkpoint, deleted in its completion's transaction (SQLite).
+SQLITE_CLEAR_STEPS = f"DELETE FROM {STEPS} WHERE key = :key"
 
 SQLITE_OUTBOX_SQL = (
     f"INSERT INTO {OUTBOX} ({OUTBOX_COLUMNS}) "
@@ -349,6 +427,7 @@ def pg_with_records(
     effects: bool,
     reason: bool = False,
     durable: bool = True,
+    clear_steps: bool = False,
 ) -> str:
     """Wrap a fenced write in data-modifying CTEs so its transition rows (one per action, in
     order; ``reason``: with ``%(reason)s``) and outbox rows (``%(effects)s``, a JSON array of
@@ -379,6 +458,8 @@ def pg_with_records(
             "AS e(name text, idempotency_key text, payload jsonb) "
             "ON CONFLICT (idempotency_key) DO NOTHING)"
         )
+    if clear_steps:
+        parts.append(f", cleared AS (DELETE FROM {STEPS} WHERE key IN (SELECT key FROM fenced))")
     parts.append(" SELECT * FROM fenced")  # a registration's also its stored run
     parts.append(f" WHERE {PG_DURABLE_COMMIT if durable else PG_ASYNC_COMMIT}")
     return "".join(parts)
@@ -596,8 +677,11 @@ def purge_batch(
     def delete_jobs(keys: Sequence[str]) -> Any:
         return jobs.delete().where(jobs.c.key.in_(list(keys)) & done).returning(jobs.c.key)
 
-    def delete_history(keys: Sequence[str]) -> Any:
-        return transitions.delete().where(transitions.c.key.in_(list(keys)))
+    def delete_history(keys: Sequence[str]) -> tuple[Any, Any]:
+        return (
+            transitions.delete().where(transitions.c.key.in_(list(keys))),
+            steps.delete().where(steps.c.key.in_(list(keys))),
+        )
 
     return select, delete_jobs, delete_history
 
@@ -608,13 +692,13 @@ def delete_all(dialect: str) -> tuple[Any, ...]:
     earlier test that is still stopping, or a session the server has not ended yet, must not make
     the reset wait on it."""
     if dialect != "postgresql":
-        return outbox.delete(), transitions.delete(), jobs.delete()
+        return outbox.delete(), transitions.delete(), steps.delete(), jobs.delete()
     return tuple(
         sa.text(
             f"DELETE FROM {table} WHERE ctid = ANY(ARRAY("
             f"SELECT ctid FROM {table} FOR UPDATE SKIP LOCKED))"
         )
-        for table in (OUTBOX, TRANSITIONS, JOBS)
+        for table in (OUTBOX, TRANSITIONS, STEPS, JOBS)
     )
 
 

@@ -10,6 +10,11 @@ deliver task), and the windows, each given a Celery signature of the user's task
   ``fence.atomic()``, ``transaction()`` or ``session()``): as ``pause``, but A is stopped inside
   its outermost fenced block, after its writes and before its fenced commit (on SQLite, whose
   write lock A then holds, A is resumed after 1.5 TTL without waiting for B).
+- ``pause-inside-step`` (:data:`STEP_WINDOWS`: for a task with fenced steps,
+  ``self.fence.run_step()`` / ``step()``): as ``pause-inside-block``, but A is stopped inside its
+  ``k``-th step (:meth:`FenceChaos.pause_inside_step`; ``inject`` pauses inside the first), after
+  the step's body and before its row and fenced commit. B skips the steps A committed; A, resumed,
+  commits nothing of that step and runs no later one.
 - ``kill``: A's pool process is SIGKILLed after the completion committed and before the ack;
   Celery gives the message back and A runs it again.
 - ``duplicate``: one message (one task id) delivered to A and B at once.
@@ -43,6 +48,8 @@ WINDOWS = ("pause", "pause-at-write", "kill", "duplicate", "redis-loss")
 #: Windows for a task with a fenced block (``fence.atomic()``, ``transaction()``, ``session()``):
 #: not in :data:`WINDOWS`, whose windows fit every task.
 BLOCK_WINDOWS = ("pause-inside-block", "kill-after-block")
+#: Windows for a task with fenced steps (``self.fence.run_step()``, ``fence.step()``).
+STEP_WINDOWS = ("pause-inside-step",)
 FINAL_STATES = ("SUCCESS", "FAILURE")
 #: Seconds assert_converged waits for an ``unfenced_write`` row still being written.
 UNFENCED_GRACE = 0.5
@@ -70,6 +77,7 @@ class FenceChaos:
 
     windows = WINDOWS
     block_windows = BLOCK_WINDOWS
+    step_windows = STEP_WINDOWS
 
     def __init__(self, env: FenceEnv, *, timeout: float = 60.0) -> None:
         self.env = env
@@ -99,6 +107,7 @@ class FenceChaos:
         runs: dict[str, Callable[[Signature], Injection]] = {
             "pause": self.pause,
             "pause-inside-block": self.pause_inside_block,
+            "pause-inside-step": self.pause_inside_step,
             "pause-at-write": self.pause_at_write,
             "kill-after-block": self.kill_after_block,
             "kill": self.kill,
@@ -106,7 +115,7 @@ class FenceChaos:
             "redis-loss": self.redis_loss,
         }
         if window not in runs:
-            known = ", ".join(WINDOWS + BLOCK_WINDOWS)
+            known = ", ".join(WINDOWS + BLOCK_WINDOWS + STEP_WINDOWS)
             raise ValueError(f"unknown window {window!r}: choose from {known}")
         return runs[window](signature)
 
@@ -140,6 +149,22 @@ class FenceChaos:
             "transaction() or session())",
         )
 
+    def pause_inside_step(self, signature: Signature, step: int = 1) -> Injection:
+        """Pause A inside the ``step``-th fenced step its body runs (1, 2, ...: the step's body
+        run, its row and commit not) for longer than the TTL while a duplicate runs on B."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"pause_inside_step(step={step!r}): the step's ordinal, 1 or more")
+        return self._pause_at(
+            "pause-inside-step",
+            "step",
+            signature,
+            what=f"the body to reach the end of its fenced step {step} on worker A",
+            missing=f"finished without a fenced step {step} to pause inside: the "
+            "pause-inside-step window needs a body that runs that many fenced steps "
+            "(self.fence.run_step() or self.fence.step())",
+            action=f"hold:{step}",
+        )
+
     def pause_at_write(self, signature: Signature) -> Injection:
         """Pause A between a check and a write: at its body's first statement outside a fenced
         block, or right after its first ``fence.check()`` / ``guard()`` returns (outside a
@@ -156,11 +181,18 @@ class FenceChaos:
         )
 
     def _pause_at(
-        self, window: str, point: str, signature: Signature, *, what: str, missing: str | None
+        self,
+        window: str,
+        point: str,
+        signature: Signature,
+        *,
+        what: str,
+        missing: str | None,
+        action: str = "hold",
     ) -> Injection:
         a, b = self.workers
         inj = self._begin(window, signature)
-        first = self._send(inj, signature, a, fault=(point, "hold"))
+        first = self._send(inj, signature, a, fault=(point, action))
         self._wait(
             lambda: self._seen(point, first) or self._finished(first) >= 1,
             f"{what} (window {window!r})",

@@ -13,6 +13,9 @@ to do:
   registration, with ``self.fence`` set): ``hold`` blocks the body until the test releases it.
 - ``block`` — inside an open ``fence.atomic()`` block, after its writes and before its fenced
   commit (the ``block_committing`` signal): ``hold`` blocks there until the test releases it.
+- ``step`` — inside a fenced step (``fence.run_step()`` / ``fence.step()``), after the step's
+  body and before its row and fenced commit: ``hold:<k>`` blocks inside the body's ``k``-th step
+  (1, 2, ...; steps replayed from the store count too) until the test releases it.
 - ``commit`` — after the completion committed and before the message is acked (the fence's
   ``job_completed`` signal; Celery's ``task_success`` for a task that is not fenced): ``kill``
   SIGKILLs the pool process, so Celery gives the message back and it is delivered again.
@@ -105,12 +108,14 @@ class Hooks:
                 getattr(_body, "tid", None),
                 getattr(_body, "write_met", True),
             )
-            _body.fence, _body.tid, _body.write_met = fence, request.id, False
+            steps = getattr(_body, "steps", 0)
+            _body.fence, _body.tid, _body.write_met, _body.steps = fence, request.id, False, 0
             try:
                 with _django_statements_watched(self):
                     result = run(*args, **kwargs)
             finally:
                 _body.fence, _body.tid, _body.write_met = outer
+                _body.steps = steps
             staged = [e.name for e in fence.outbox.staged] if fence is not None else []
             self.record(ev="return", staged=staged, **attempt)
             return result
@@ -142,6 +147,21 @@ class Hooks:
             self.ledger.blpop([f"{self.base}:release:{task_id}"], timeout=HOLD_SECONDS)
             self.record(ev="released", **attempt)
         _body.committing = time.time()  # fence.atomic(): its check and commit start now
+
+    def inside_step(self, step: Any) -> None:
+        """The ``step`` fault point: the body's ``k``-th step, its body run, not committed."""
+        _body.steps = k = getattr(_body, "steps", 0) + 1
+        task_id = getattr(_body, "tid", None)
+        if task_id is None or step.done:
+            return
+        flag = faults.flag(self.base, faults.FAULT_POINT, "step", task_id)
+        if self.ledger.get(flag) != f"hold:{k}".encode() or self.take("step", task_id) is None:
+            return
+        fence = step.fence
+        attempt = {"tid": task_id, "gen": fence.generation, "step": k, "name": step.name}
+        self.record(ev="step", **attempt)
+        self.ledger.blpop([f"{self.base}:release:{task_id}"], timeout=HOLD_SECONDS)
+        self.record(ev="released", **attempt)
 
     def committed_block(self, fence: Any, began: float) -> None:
         """An outermost fenced block committed (``began``: just before its commit started)."""
@@ -297,6 +317,24 @@ def _watched(
         hooks.committed_block(fence, began)
 
 
+def watch_steps(hooks: Hooks) -> None:
+    """Give every fenced step the ``step`` fault point, after its body and before its row and
+    commit (a step that raised meets none)."""
+    from celery_fence.body.steps import Step
+
+    original = Step.__exit__
+    if getattr(original, "_fence_testing_wrapped", False):
+        return
+
+    def wrapped(step: Any, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is None:
+            hooks.inside_step(step)
+        return original(step, exc_type, exc, tb)
+
+    wrapped._fence_testing_wrapped = True  # type: ignore[attr-defined]
+    Step.__exit__ = functools.wraps(original)(wrapped)  # type: ignore[method-assign]
+
+
 def record_outbox(hooks: Hooks) -> None:
     """Deliver every outbox effect to a recording handler instead of the app's own (which may
     email real people, or charge a real provider account production shares): each delivery is
@@ -336,6 +374,7 @@ def load(spec: dict[str, Any]) -> Celery:
     fence_signals.job_completed.connect(hooks.after_commit, weak=False)
     fence_signals.block_committing.connect(hooks.inside_block, weak=False)
     watch_blocks(hooks)
+    watch_steps(hooks)
     watch_writes(hooks)
     if not spec.get("real_outbox"):
         record_outbox(hooks)

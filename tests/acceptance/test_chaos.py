@@ -57,6 +57,8 @@ MIN_FAULTS = {
     "enqueue-crash": RUNS,
     "broker-loss": 100 * RUNS,
     "store-crash": 2 * RUNS,
+    "steps": RUNS,
+    "export": RUNS,
 }
 #: The converge timeout of both runs of the unsettled comparison: well above what the settled
 #: run needs (time-limit and misconfig up to about 10 s of waiting on a loaded machine); a lost
@@ -213,6 +215,10 @@ ARMS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "--rerun-finished": (
         "kill",
         {"kill": ("reruns_after_completion", "duplicate_completions")},
+    ),
+    "--unfenced-steps": (
+        "steps,export",
+        {"steps": ("stale_writes", "unexpected_outcomes"), "export": ("unexpected_outcomes",)},
     ),
     "--provider-not-idempotent": (
         "unknown-remote",

@@ -129,6 +129,37 @@ def with_block(self, n):
     return {{"n": n}}
 
 
+step_rows = sa.Table(
+    "proj_step_rows",
+    block_rows.metadata,
+    sa.Column("key", sa.String(64), nullable=False),
+    sa.Column("step", sa.Integer, nullable=False),
+    sa.Column("generation", sa.Integer, nullable=False),
+)
+
+
+def _steps(fence, key):
+    def step(k):
+        with fence.transaction() as conn:
+            conn.execute(step_rows.insert().values(key=key, step=k, generation=fence.generation))
+        return k
+
+    return [fence.run_step(f"step{{k}}", step, k) for k in (1, 2, 3)]
+
+
+@app.task(base=FencedTask, bind=True, fence_key=lambda n: f"steps:{{n}}")
+def with_steps(self, n):
+    return _steps(self.fence, f"steps:{{n}}")
+
+
+from celery_fence.chaos.arms import UnfencedStepsTask  # control arm: steps are plain calls
+
+
+@app.task(base=UnfencedStepsTask, bind=True, fence_key=lambda n: f"plain-steps:{{n}}")
+def with_plain_steps(self, n):
+    return _steps(self.fence, f"plain-steps:{{n}}")
+
+
 @app.task(base=FencedTask, bind=True, fence_key=lambda n: f"job:{{n}}")
 def fenced(self, n):
     self.fence.effects.add("notify", {{"n": n}})
@@ -933,6 +964,59 @@ def test_pause_inside_block_records_the_commits_of_django_atomic_blocks(
         "a fenced block of generation 1 committed its rows although generation 2 had registered "
         "and started before that commit" in text
     ), text[-3000:]
+
+
+TEST_STEPS = """
+import sqlalchemy as sa
+
+from proj import step_rows, with_plain_steps, with_steps
+
+
+def _each_step_once(fence_store, key):
+    def check(record):
+        with fence_store.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(step_rows.c.step, step_rows.c.generation)
+                .where(step_rows.c.key == key)
+                .order_by(step_rows.c.step, step_rows.c.generation)
+            ).all()
+        assert [tuple(r) for r in rows] == [(1, 1), (2, 2), (3, 2)], f"step rows {rows}"
+        return True
+
+    return check
+
+
+def test_steps(fence_chaos, fence_store):
+    step_rows.metadata.create_all(fence_store.engine)
+    fence_chaos.pause_inside_step(with_steps.s(5), step=2)
+    fence_chaos.assert_converged("steps:5", check=_each_step_once(fence_store, "steps:5"))
+
+
+def test_plain_steps(fence_chaos, fence_store):
+    step_rows.metadata.create_all(fence_store.engine)
+    fence_chaos.pause_inside_step(with_plain_steps.s(5), step=2)
+    fence_chaos.assert_converged(
+        "plain-steps:5", check=_each_step_once(fence_store, "plain-steps:5")
+    )
+"""
+
+
+def test_pause_inside_step_2_of_3_skips_committed_steps_and_stops_the_stale_attempt(
+    tmp_path: Path,
+) -> None:
+    # Given a task of three fenced steps, each inserting a row in its step's transaction, and the
+    # same task with steps as plain calls (the chaos harness's --unfenced-steps arm), each
+    # stopped inside step 2 (its row written, not committed) past its lease while B takes over,
+    root = _project(tmp_path / "user", test_steps=TEST_STEPS)
+    outcomes = _run(root, "-p", "no:celery")
+    # then with fenced steps B skips step 1, A's step 2 never commits and A runs no step 3,
+    assert outcomes["test_steps"] == ("passed", ""), outcomes["test_steps"][1][-3000:]
+    # and with plain steps B runs step 1 again (the user's check sees it), naming the window.
+    outcome, text = outcomes["test_plain_steps"]
+    assert outcome == "failed", text
+    assert "window 'pause-inside-step' broke for key 'plain-steps:5'" in text, text[-3000:]
+    assert "step rows [(1, 1), (1, 2)," in text, text[-3000:]
+    _assert_nothing_left(_records(root))
 
 
 @pytest.mark.parametrize("unfenced", [False, True], ids=["fenced", "unfenced"])

@@ -33,10 +33,11 @@ from celery_fence.ops.cli.common import (
     utc_iso,
     utc_text,
 )
-from celery_fence.schema import PENDING, STATUSES
+from celery_fence.schema import CHECKPOINT, PENDING, STATUSES
 from celery_fence.store import COMPLETED, UNFINISHED, JobRecord, Store, Transition
 from celery_fence.store.engine import sqlstate
 from celery_fence.store.records import never_claimed as unclaimed
+from celery_fence.store.steps import StepRecord
 
 # -- check ---------------------------------------------------------------------------------------
 
@@ -295,17 +296,62 @@ def _result_text(record: JobRecord) -> str:
     return text
 
 
+def _step_json(step: StepRecord, values: bool) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "name": step.name,
+        "state": _step_state(step),
+        "generation": step.generation,
+        "attempt_id": step.attempt_id,
+        "at": utc_iso(step.updated_at),
+        "size": step.size,
+    }
+    if values:
+        doc["value"] = step.value
+    return doc
+
+
+def _step_state(step: StepRecord) -> str:
+    return "checkpoint" if step.name == CHECKPOINT else "done"
+
+
+def _step_lines(steps: list[StepRecord], values: bool) -> list[str]:
+    if not steps:
+        return ["steps:         none"]
+    rows = [
+        (
+            step.name,
+            _step_state(step),
+            f"gen {step.generation}",
+            step.attempt_id,
+            utc_text(step.updated_at),
+            f"{step.size} B",
+        )
+        + ((json.dumps(step.value, default=repr),) if values else ())
+        for step in steps
+    ]
+    header = ("NAME", "STATE", "GEN", "ATTEMPT", "AT", "SIZE") + (("VALUE",) if values else ())
+    return ["steps:"] + ["  " + line for line in table(rows, header).splitlines()]
+
+
 @command("show")
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of text.")
+@click.option(
+    "--values",
+    is_flag=True,
+    help="Also print the stored values of the job's steps and checkpoint (payloads).",
+)
 @click.pass_context
-def show(ctx: click.Context, key: str, as_json: bool) -> None:
-    """Show one job: its state, its lease in Redis, its transition history and its outbox
-    effects (name, state, attempts, last error, idempotency key; never their payloads)."""
+def show(ctx: click.Context, key: str, as_json: bool, values: bool) -> None:
+    """Show one job: its state, its lease in Redis, its transition history, its outbox
+    effects (name, state, attempts, last error, idempotency key; never their payloads) and its
+    completed steps and checkpoint (name, generation, when, size; their values with
+    ``--values``)."""
     with scope_of(ctx) as scope:
         store, record = locate(scope, key)
         remaining, lease_generation = scope.lease(record)
     history = store.history(key)
+    steps = store.steps.list(key, values=values)
     effects = store.outbox_rows.rows(key=key)
     routing = recovery.routing_for(record, ctx.obj.app) if record.request else {}
     queue = routing.get("queue")
@@ -322,6 +368,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
             result=record.result if record.status == COMPLETED else None,
             history=[_transition_json(t) for t in history],
             effects=[effect_json(e) for e in effects],
+            steps=[_step_json(step, values) for step in steps],
         )
         ctx.obj.echo(json.dumps(doc))
         return
@@ -372,4 +419,5 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         lines.extend("  " + line for line in table(cells, EFFECT_HEADER).splitlines())
     else:
         lines.append("effects:       none")
+    lines.extend(_step_lines(steps, values))
     ctx.obj.echo("\n".join(lines))
