@@ -4,6 +4,8 @@
 - ``fence_transitions``: the history of a key (claimed, completed, stale, retry, dead, ...), no
   payloads; written in the same statement or transaction as the state change it records.
 - ``fence_outbox``: external effects staged by a completed job, each with a stable idempotency key.
+- ``fence_beat_ticks``: the last tick each beat entry fired (:mod:`celery_fence.beat`), moved only
+  forward.
 """
 
 from __future__ import annotations
@@ -156,6 +158,14 @@ outbox = sa.Table(
     sa.Column("delivered_at", Timestamp, nullable=True),
     sa.Index("ix_fence_outbox_status_available", "status", "available_at"),
     sa.Index("ix_fence_outbox_key", "key"),
+)
+
+beat_ticks = sa.Table(
+    "fence_beat_ticks",
+    metadata,
+    sa.Column("entry", sa.String(255), primary_key=True),
+    sa.Column("last_scheduled", Timestamp, nullable=False),
+    sa.Column("updated_at", Timestamp, nullable=False),
 )
 
 

@@ -11,12 +11,13 @@ never a traceback.
 :mod:`~celery_fence.ops.cli.read` the verbs that only look (``check``, ``ls``, ``show``);
 :mod:`~celery_fence.ops.cli.write` those that change state (``init-db``, ``requeue``, ``recover``,
 ``purge``); :mod:`~celery_fence.ops.cli.outbox` the ``fence outbox`` group (``ls``,
-``requeue``). Importing the verb modules here registers their commands on ``fence``.
+``requeue``); :mod:`~celery_fence.ops.cli.beat` the ``fence beat`` group (``ls``). Importing
+the verb modules here registers their commands on ``fence``.
 """
 
 from __future__ import annotations
 
-from celery_fence.ops.cli import outbox, read, write
+from celery_fence.ops.cli import beat, outbox, read, write
 from celery_fence.ops.cli.common import EX_FAILURE, EX_USAGE, FenceCLIError, describe, fence
 from celery_fence.ops.cli.write import parse_before
 
@@ -24,6 +25,7 @@ __all__ = [
     "EX_FAILURE",
     "EX_USAGE",
     "FenceCLIError",
+    "beat",  # imported for its commands
     "describe",
     "fence",
     "outbox",  # imported for its commands
