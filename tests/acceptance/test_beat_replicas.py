@@ -27,6 +27,7 @@ from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues
 from celery_fence.testing.groups import kill_group, register
 from celery_fence.testing.redis_server import RedisServer, redis_server_binary
+from tests.support import ledger
 from tests.support.env import BROKER_URL, REDIS_URL
 from tests.support.worker import ROOT, Worker, app_worker, wait_until
 
@@ -96,7 +97,7 @@ def beat_env(prefix: str, pg_url: str, lease_redis: RedisServer) -> Iterator[dic
 
 
 def _runs(client: redis.Redis, prefix: str) -> list[str]:
-    return [v.decode() for v in client.lrange(f"{prefix}:beat-runs", 0, -1)]
+    return ledger.entries(client, f"{prefix}:beat-runs")
 
 
 def _tick_time(key: str) -> dt.datetime:

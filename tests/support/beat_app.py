@@ -1,7 +1,8 @@
 """The app beat replicas and their worker run in the beat tests (configured from FENCE_T_*).
 
-One entry (``FENCE_T_BEAT_ENTRY``, ``tick`` by default), every ``FENCE_T_BEAT_EVERY`` seconds (1 by default), of a fenced task whose
-body appends its fence key to the Redis list ``<prefix>:beat-runs``: one entry per body run.
+One entry (``FENCE_T_BEAT_ENTRY``, ``tick`` by default), every ``FENCE_T_BEAT_EVERY`` seconds (1
+by default), of a fenced task whose body appends its fence key to the Redis list
+``<prefix>:beat-runs``: one entry per body run.
 """
 
 from __future__ import annotations
