@@ -16,8 +16,11 @@ Every replica derives a tick's scheduled time from the schedule, never from its 
 Any other schedule (``solar``, a custom class) is refused when the scheduler starts, and so is an
 entry whose task is not a :class:`~celery_fence.FencedTask` registered in the beat process: a
 plain task's copies would each run. Make it ``@app.task(base=FencedTask)`` (its body then runs
-once per tick), or keep it under a plain single ``celery beat``. Celery's own
-``celery.backend_cleanup`` entry (a plain task) is not installed by this scheduler.
+once per tick), or keep it under a plain single ``celery beat``. celery-fence's own
+maintenance tasks (:data:`MAINTENANCE_TASKS`: ``celery_fence.recover``, ``celery_fence.purge``,
+``celery_fence.outbox.sweep``) are plain tasks safe to run concurrently: sent without a key, a tick
+of theirs runs once per replica that reached it before another recorded it (1 to N times). Celery's own ``celery.backend_cleanup`` entry (a plain
+task) is not installed by this scheduler.
 
 After a replica sends a tick it records the tick's scheduled time in ``fence_beat_ticks`` (a
 conditional upsert that only moves forward); ``celery fence beat ls`` shows it. Ticks an entry
@@ -43,6 +46,9 @@ from celery_fence.actions import LogAction
 from celery_fence.adapters.task import KEY_HEADER, FencedTask
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError
+from celery_fence.ops.outbox import SWEEP_TASK
+from celery_fence.ops.recovery import RECOVER_TASK
+from celery_fence.ops.retention import PURGE_TASK
 from celery_fence.pipeline.backends import store_for
 from celery_fence.schema import as_utc, utcnow
 from celery_fence.store import Store
@@ -57,6 +63,9 @@ MIN_INTERVAL = 1.0
 #: down for ~70 days); beyond, the oldest are not looked at.
 MAX_CRONTAB_STEPS = 100_000
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+#: celery-fence's own maintenance tasks (plain tasks, each safe to run concurrently and again):
+#: sent without a key, so a tick of theirs may run once per replica.
+MAINTENANCE_TASKS = frozenset({RECOVER_TASK, PURGE_TASK, SWEEP_TASK})
 
 
 def next_tick(timing: Any, after: dt.datetime) -> dt.datetime:
@@ -134,13 +143,15 @@ class Scheduler(beat.Scheduler):
         """Refuse ``entry`` (:class:`ConfigurationError`) unless its task is a fenced task this
         process knows and its schedule is an interval of at least a second or a crontab."""
         task = self.app.tasks.get(entry.task)
+        if entry.task in MAINTENANCE_TASKS:
+            task = FencedTask  # sent by name, without a key (see MAINTENANCE_TASKS)
         if task is None:
             raise ConfigurationError(
                 f"beat entry {entry.name!r}: task {entry.task!r} is not registered in the beat "
                 "process, so celery_fence.beat.Scheduler cannot tell that it is fenced; import "
                 "its module in the app (include=[...] or imports=[...])"
             )
-        if not isinstance(task, FencedTask):
+        if not (task is FencedTask or isinstance(task, FencedTask)):
             raise ConfigurationError(
                 f"beat entry {entry.name!r}: task {entry.task!r} is not a FencedTask, so every "
                 "beat replica's copy of a tick would run; declare it with "
@@ -231,17 +242,19 @@ class Scheduler(beat.Scheduler):
     def send_tick(self, entry: Any, scheduled: dt.datetime, producer: Any = None) -> Any:
         """Send ``entry``'s tick scheduled at ``scheduled``, under its :func:`tick_key`."""
         self.check(entry)
-        task = self.app.tasks[entry.task]
         options = dict(entry.options)
         headers = dict(options.pop("headers", None) or {})
         key = tick_key(entry.name, scheduled)
-        headers.update({"celery_beat_task": True, KEY_HEADER: key})
-        result = task.apply_async(
-            beat._evaluate_entry_args(entry.args),
-            beat._evaluate_entry_kwargs(entry.kwargs),
-            producer=producer,
-            headers=headers,
-            **options,
+        headers["celery_beat_task"] = True
+        args = beat._evaluate_entry_args(entry.args)
+        kwargs = beat._evaluate_entry_kwargs(entry.kwargs)
+        if entry.task in MAINTENANCE_TASKS:  # not fenced: each replica's copy runs
+            return self.app.send_task(
+                entry.task, args, kwargs, producer=producer, headers=headers, **options
+            )
+        headers[KEY_HEADER] = key
+        result = self.app.tasks[entry.task].apply_async(
+            args, kwargs, producer=producer, headers=headers, **options
         )
         logger.info(
             "fence beat: sent %s (%s)",
@@ -270,4 +283,12 @@ class Scheduler(beat.Scheduler):
         )
 
 
-__all__ = ["MIN_INTERVAL", "TICK_PREFIX", "Scheduler", "due_ticks", "next_tick", "tick_key"]
+__all__ = [
+    "MAINTENANCE_TASKS",
+    "MIN_INTERVAL",
+    "TICK_PREFIX",
+    "Scheduler",
+    "due_ticks",
+    "next_tick",
+    "tick_key",
+]

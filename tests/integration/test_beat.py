@@ -18,6 +18,7 @@ from celery.schedules import schedule
 from celery_fence import FencedTask
 from celery_fence.beat import Scheduler
 from celery_fence.errors import ConfigurationError
+from celery_fence.ops.recovery import RECOVER_TASK
 from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues
 from tests.integration.test_cli import fence_cli, ok
@@ -71,7 +72,7 @@ def sent_keys(app: Celery) -> list[str]:
         raw = client.lrange(app.conf.task_default_queue, 0, -1)
     finally:
         client.close()
-    return [json.loads(m)["headers"]["fence_key"] for m in reversed(raw)]
+    return [json.loads(m)["headers"].get("fence_key", "-") for m in reversed(raw)]
 
 
 def one_pass(app: Celery, clock: Clock) -> Scheduler:
@@ -143,6 +144,15 @@ def test_an_entry_it_cannot_fence_is_refused_at_start(
     assert "'bad'" in str(raised.value)
     for word in words:
         assert word in str(raised.value)
+
+
+def test_celery_fences_own_maintenance_tasks_are_sent_without_a_key(beat_app: Celery) -> None:
+    beat_app.conf.beat_schedule = {"fence-recover": {"task": RECOVER_TASK, "schedule": 60.0}}
+    clock = Clock(T0)
+    scheduler = Scheduler(beat_app, clock=clock)
+    clock.now += dt.timedelta(seconds=60)
+    scheduler.apply_entry(scheduler.schedule["fence-recover"])
+    assert sent_keys(beat_app) == ["-"]
 
 
 def test_the_record_only_moves_forward(store: Store, prefix: str) -> None:

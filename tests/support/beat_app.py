@@ -1,13 +1,14 @@
 """The app beat replicas and their worker run in the beat tests (configured from FENCE_T_*).
 
 One entry (``FENCE_T_BEAT_ENTRY``, ``tick`` by default), every ``FENCE_T_BEAT_EVERY`` seconds (1
-by default), of a fenced task whose body appends its fence key to the Redis list
-``<prefix>:beat-runs``: one entry per body run.
+by default), of a fenced task whose body appends ``<unix time> <fence key>`` to the Redis
+list ``<prefix>:beat-runs``: one entry per body run.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import redis
@@ -43,4 +44,4 @@ ledger = redis.Redis.from_url(E.get("FENCE_T_LEDGER", E.get("FENCE_T_REDIS", "")
 
 @app.task(shared=False, base=FencedTask, bind=True, name="beat_tests.tick")
 def tick(self: Any) -> None:
-    ledger.rpush(f"{PREFIX}:beat-runs", self.fence.key)
+    ledger.rpush(f"{PREFIX}:beat-runs", f"{time.time():.3f} {self.fence.key}")
