@@ -18,9 +18,9 @@ entry whose task is not a :class:`~celery_fence.FencedTask` registered in the be
 plain task's copies would each run. Make it ``@app.task(base=FencedTask)`` (its body then runs
 once per tick), or keep it under a plain single ``celery beat``. celery-fence's own
 maintenance tasks (:data:`MAINTENANCE_TASKS`: ``celery_fence.recover``, ``celery_fence.purge``,
-``celery_fence.outbox.sweep``) are plain tasks safe to run concurrently: sent without a key, a tick
-of theirs runs once per replica that reached it before another recorded it (1 to N times). Celery's own ``celery.backend_cleanup`` entry (a plain
-task) is not installed by this scheduler.
+``celery_fence.outbox.sweep``) are plain tasks safe to run concurrently: sent without a key,
+a tick of theirs runs once per replica that reached it before another recorded it (1 to N
+times). Celery's own ``celery.backend_cleanup`` entry (a plain task) is not installed.
 
 After a replica sends a tick it records the tick's scheduled time in ``fence_beat_ticks`` (a
 conditional upsert that only moves forward); ``celery fence beat ls`` shows it. Ticks an entry
@@ -138,6 +138,26 @@ class Scheduler(beat.Scheduler):
         super().setup_schedule()
         for entry in self.schedule.values():
             self.check(entry)
+        self._check_table()
+
+    def _check_table(self) -> None:
+        """Refuse to start on a store without ``fence_beat_ticks`` (a database not upgraded); an
+        unreachable one is only logged: beat waits it out, entry by entry."""
+        try:
+            present = self.store().beat_ticks.table_exists()
+        except Exception as exc:
+            logger.warning(
+                "fence beat: the store could not be checked (%s); ticks wait for it",
+                type(exc).__name__,
+                extra={"action": LogAction.BEAT_SEND_FAILED},
+            )
+            return
+        if not present:
+            raise ConfigurationError(
+                "the fence store's database has no fence_beat_ticks table (celery-fence 0.4 "
+                f"adds it): run 'celery -A {self.app.main or '<app>'} fence init-db' (or "
+                "manage.py migrate with Django), then start beat again"
+            )
 
     def check(self, entry: Any) -> None:
         """Refuse ``entry`` (:class:`ConfigurationError`) unless its task is a fenced task this

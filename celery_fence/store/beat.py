@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from celery_fence.schema import as_utc, utcnow
+import sqlalchemy as sa
+
+from celery_fence.schema import as_utc, beat_ticks, utcnow
 from celery_fence.store import sql
 
 if TYPE_CHECKING:
@@ -51,6 +53,10 @@ class BeatTicks:
 
     def __init__(self, store: Store) -> None:
         self._store = store
+
+    def table_exists(self) -> bool:
+        """Whether the database has ``fence_beat_ticks`` (``celery fence init-db`` adds it)."""
+        return bool(sa.inspect(self._store.engine).has_table(beat_ticks.name))
 
     def advance(self, entry: str, scheduled: dt.datetime) -> bool:
         """Record ``scheduled`` as ``entry``'s last fired tick if it is later than the stored one;

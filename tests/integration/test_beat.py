@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
+import sqlalchemy as sa
 from celery import Celery
 from celery.schedules import schedule
 
@@ -19,10 +21,11 @@ from celery_fence import FencedTask
 from celery_fence.beat import Scheduler
 from celery_fence.errors import ConfigurationError
 from celery_fence.ops.recovery import RECOVER_TASK
+from celery_fence.process.runtime import runtime
 from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues
 from tests.integration.test_cli import fence_cli, ok
-from tests.support.env import BROKER_URL, REDIS_URL
+from tests.support.env import BROKER_URL, PG_ADMIN_URL, REDIS_URL
 
 UTC = dt.timezone.utc
 T0 = dt.datetime(2026, 1, 1, 0, 0, 0, 500_000, tzinfo=UTC)
@@ -153,6 +156,24 @@ def test_celery_fences_own_maintenance_tasks_are_sent_without_a_key(beat_app: Ce
     clock.now += dt.timedelta(seconds=60)
     scheduler.apply_entry(scheduler.schedule["fence-recover"])
     assert sent_keys(beat_app) == ["-"]
+
+
+def test_a_store_without_the_table_is_refused_naming_init_db(beat_app: Celery) -> None:
+    name = f"celery_fence_beat_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    try:
+        url = sa.engine.make_url(PG_ADMIN_URL).set(database=name)
+        beat_app.conf.fence_database_url = url.render_as_string(hide_password=False)
+        with pytest.raises(ConfigurationError, match=r"no fence_beat_ticks table.*fence init-db"):
+            Scheduler(beat_app)
+    finally:
+        for store in runtime().stores():
+            store.dispose()
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
 
 
 def test_the_record_only_moves_forward(store: Store, prefix: str) -> None:
