@@ -9,6 +9,7 @@ import datetime as dt
 import json
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,11 +18,12 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.schedules import schedule
 
-from celery_fence import FencedTask
+from celery_fence import FencedTask, migrate
 from celery_fence.beat import Scheduler
 from celery_fence.errors import ConfigurationError
 from celery_fence.ops.recovery import RECOVER_TASK
 from celery_fence.process.runtime import runtime
+from celery_fence.schema import metadata
 from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues
 from tests.integration.test_cli import fence_cli, ok
@@ -174,6 +176,20 @@ def test_a_store_without_the_table_is_refused_naming_init_db(beat_app: Celery) -
         with admin.connect() as conn:
             conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.dispose()
+
+
+def test_init_db_adds_the_table_to_tables_an_older_create_all_made(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'older.sqlite3'}"
+    engine = sa.create_engine(url)
+    try:  # the 0.3 schema: every table but fence_beat_ticks, no version table
+        metadata.create_all(
+            engine, tables=[t for t in metadata.sorted_tables if t.name != "fence_beat_ticks"]
+        )
+        assert migrate.upgrade(url) == "upgraded"
+        assert "fence_beat_ticks" in sa.inspect(engine).get_table_names()
+        assert migrate.upgrade(url) == "current"
+    finally:
+        engine.dispose()
 
 
 def test_the_record_only_moves_forward(store: Store, prefix: str) -> None:
