@@ -227,11 +227,10 @@ class Scheduler(beat.Scheduler):
         try:
             self._send_due(entry, producer)
         except Exception as exc:  # beat goes on: the next pass sends what this one did not
-            logger.error(
-                "fence beat: entry %s not sent (%s: %s); retried on its next check",
+            logger.error(  # the error's type only: a message may quote the entry's arguments
+                "fence beat: entry %s not sent or not recorded (%s); retried on its next check",
                 entry.name,
                 type(exc).__name__,
-                exc,
                 extra={"action": LogAction.BEAT_SEND_FAILED, "fence_beat_entry": entry.name},
             )
 
