@@ -56,3 +56,12 @@ def test_the_key_is_utc_to_the_second() -> None:
     paris = dt.timezone(dt.timedelta(hours=1))
     when = dt.datetime(2026, 12, 4, 11, 0, 5, 999_000, tzinfo=paris)
     assert tick_key("report", when) == "beat:report:2026-12-04T10:00:05Z"
+
+
+def test_a_crontab_is_read_in_the_apps_timezone_and_keyed_in_utc() -> None:
+    app = Celery(set_as_current=False)
+    app.conf.timezone = "Europe/Paris"
+    nightly = crontab(hour=3, minute=0, app=app)
+    tick = next_tick(nightly, at(0, 0))
+    assert tick == at(2, 0)  # 03:00 in Paris, in winter
+    assert tick_key("nightly", tick) == "beat:nightly:2026-12-04T02:00:00Z"
