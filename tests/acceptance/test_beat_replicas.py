@@ -88,6 +88,8 @@ def beat_env(prefix: str, pg_url: str, lease_redis: RedisServer) -> Iterator[dic
         "FENCE_T_DB": pg_url,
         # the entry's name is the test's own, so its row in fence_beat_ticks is too
         "FENCE_T_BEAT_ENTRY": f"tick-{prefix}",
+        # a tick all three replicas reach late (a starved machine) is caught up, not skipped
+        "FENCE_T_BEAT_MISSED": "catch_up",
     }
     broker = Celery(broker=BROKER_URL)
     try:
@@ -119,7 +121,7 @@ def _worker(env: dict[str, str], tmp_path: Path) -> Worker:
 
 
 def _settle(client: redis.Redis, prefix: str) -> list[str]:
-    """The ledger once no run was added for 2 s (the worker drained the queue)."""
+    """The ledger once no run was added for 3 s (the worker drained the queue)."""
     last: list[int] = [-1]
     stable_since = [time.monotonic()]
 
@@ -127,7 +129,7 @@ def _settle(client: redis.Redis, prefix: str) -> list[str]:
         n = len(_runs(client, prefix))
         if n != last[0]:
             last[0], stable_since[0] = n, time.monotonic()
-        return time.monotonic() - stable_since[0] > 2.0
+        return time.monotonic() - stable_since[0] > 3.0
 
     wait_until(quiet, 30, interval=0.2, what="the worker to drain the ticks")
     return _runs(client, prefix)
