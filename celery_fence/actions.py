@@ -47,6 +47,8 @@ class LogAction(str, Enum):
 
     DB_TIMEOUT = "db_timeout"
     ENQUEUE_UNSENT = "enqueue_unsent"
+    BEAT_SENT = "beat_sent"  # the beat scheduler sent a tick (celery_fence.beat)
+    BEAT_SEND_FAILED = "beat_send_failed"  # it could not send or record one; sent on a later pass
     ENQUEUE_ROLLED_BACK = "enqueue_rolled_back"
     INTERRUPTED = "interrupted"
     OUTBOX_CLAIM_LOST = "outbox_claim_lost"

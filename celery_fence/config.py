@@ -97,6 +97,13 @@ DEFAULT_LOCK_TIMEOUT = 5.0
 #: back, ``ConfigurationError``) or ``"allow"`` (nothing).
 UNFENCED_WRITES = ("warn", "error", "allow")
 DEFAULT_UNFENCED_WRITES = "warn"
+#: What the beat scheduler (:mod:`celery_fence.beat`) does with the ticks an entry missed while
+#: every replica was down: ``skip`` sends only the latest, ``catch_up`` sends each (at most
+#: ``fence_beat_catch_up_max``, the latest ones), each under its own key.
+BEAT_MISSED = ("skip", "catch_up")
+DEFAULT_BEAT_MISSED = "skip"
+#: ``catch_up``: the most missed ticks of one entry sent at once (the latest ones).
+DEFAULT_BEAT_CATCH_UP_MAX = 10
 
 
 def _as_float(name: str, value: Any) -> float:
@@ -218,6 +225,9 @@ class FenceConfig:
     max_runtime: float | None = None  # None: the task's hard time limit, if it has one
     retention: float | None = None  # None: finished jobs are kept until purged by hand
     unfenced_writes: str = DEFAULT_UNFENCED_WRITES
+    #: The beat scheduler's missed-tick policy (:data:`BEAT_MISSED`) and its catch-up bound.
+    beat_missed: str = DEFAULT_BEAT_MISSED
+    beat_catch_up_max: int = DEFAULT_BEAT_CATCH_UP_MAX
     #: Whether ``renew_interval`` was set (False: it follows ``lease_ttl``, a third of it, also
     #: for a task that sets its own ``lease_ttl``).
     _renew_interval_given: bool = dataclasses.field(default=True, compare=False, repr=False)
@@ -392,6 +402,18 @@ class FenceConfig:
                 "default: log and record a write a fenced task commits outside every fenced "
                 "block), 'error' (roll it back and raise) or 'allow' (say nothing)."
             )
+        if self.beat_missed not in BEAT_MISSED:
+            raise ConfigurationError(
+                f"fence_beat_missed={self.beat_missed!r} must be 'skip' (the default: after every "
+                "beat replica was down, send only an entry's latest missed tick) or 'catch_up' "
+                "(send each missed tick, at most fence_beat_catch_up_max of them)."
+            )
+        if self.beat_catch_up_max < 1:
+            raise ConfigurationError(
+                f"fence_beat_catch_up_max={self.beat_catch_up_max} must be at least 1 (the most "
+                "missed ticks of one entry that catch_up sends), e.g. "
+                f"{DEFAULT_BEAT_CATCH_UP_MAX}."
+            )
         if "://" not in self.database_url:
             raise ConfigurationError(
                 f"fence_database_url={self.database_url!r} is not an SQLAlchemy URL: use e.g. "
@@ -516,6 +538,7 @@ _INTS = {
     "retry_budget_floor",
     "error_message_length",
     "checkpoint_max_bytes",
+    "beat_catch_up_max",
 }
 _BOOLS = {
     "retry_unknown_errors",
@@ -559,7 +582,7 @@ def _parse(name: str, raw: Any, setting: str | None = None) -> Any:
                 f"{setting}={raw!r} must be a DATABASES alias, e.g. 'default'."
             )
         return raw
-    if name == "unfenced_writes":  # one of UNFENCED_WRITES, any case; validate() names them
+    if name in ("unfenced_writes", "beat_missed"):  # any case; validate() names the values
         return raw.strip().lower() if isinstance(raw, str) else raw
     if name in _STRS:
         if not isinstance(raw, str):

@@ -50,6 +50,9 @@ VERSION_TABLE = "fence_alembic_version"
 BRANCH = "celery_fence"
 #: The tables celery-fence owns (``schema.py``).
 TABLES = frozenset(metadata.tables)
+#: Tables a later revision added, each with the revision of the schema without it: a database
+#: whose tables an older ``create_all`` made lacks them, and is stamped there, then upgraded.
+LATER_TABLES = {"fence_steps": "celery_fence_0001", "fence_beat_ticks": "celery_fence_0001"}
 
 Action = Literal["created", "upgraded", "stamped", "current"]
 
@@ -126,6 +129,10 @@ def upgrade(url: str, revision: str = "heads") -> Action:
             ours = existing & TABLES
             if VERSION_TABLE not in existing and ours:
                 missing = sorted(TABLES - ours)
+                if missing and set(missing) <= set(LATER_TABLES):  # an older create_all's
+                    command.stamp(cfg, min(LATER_TABLES[name] for name in missing))
+                    command.upgrade(cfg, revision)
+                    return "upgraded"
                 if missing:
                     raise ConfigurationError(
                         f"the database has some celery-fence tables but not {', '.join(missing)}"

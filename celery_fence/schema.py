@@ -8,6 +8,8 @@
   (``fence.checkpoint()``, the reserved name :data:`CHECKPOINT`), each written by a fenced
   statement; deleted by the job's completion (in its statement), a re-run from scratch
   (``requeue --completed``) or a purge.
+- ``fence_beat_ticks``: the last tick each beat entry fired (:mod:`celery_fence.beat`), moved only
+  forward.
 """
 
 from __future__ import annotations
@@ -176,6 +178,14 @@ steps = sa.Table(
     sa.Column("value", Json, nullable=True),
     sa.Column("size", sa.Integer, nullable=False),
     sa.Column("created_at", Timestamp, nullable=False),
+    sa.Column("updated_at", Timestamp, nullable=False),
+)
+
+beat_ticks = sa.Table(
+    "fence_beat_ticks",
+    metadata,
+    sa.Column("entry", sa.String(255), primary_key=True),
+    sa.Column("last_scheduled", Timestamp, nullable=False),
     sa.Column("updated_at", Timestamp, nullable=False),
 )
 

@@ -7,7 +7,8 @@ block statements of :mod:`.sql` on the user's own connection).
 - :mod:`.fenced`: the one fenced write (statement + transition rows + outbox rows, atomically);
 - :mod:`.jobs`: :class:`Store`, the verbs of a task's path and the reads;
 - :mod:`.admin`: the operator's and the recovery's verbs (methods of :class:`Store` too);
-- :mod:`.outbox`: the outbox's rows, composed as ``store.outbox_rows``.
+- :mod:`.outbox`: the outbox's rows, composed as ``store.outbox_rows``;
+- :mod:`.beat`: the beat scheduler's last tick per entry, composed as ``store.beat_ticks``.
 
 Its values (records, requests, effects) live in :mod:`celery_fence.store.records`.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from celery_fence.schema import COMPLETED, DEAD, FAILED, PENDING, RETRYING, RUNNING, utcnow
 from celery_fence.store.admin import UNFINISHED
+from celery_fence.store.beat import BeatTick, BeatTicks
 from celery_fence.store.jobs import Store
 from celery_fence.store.outbox import OutboxRow, OutboxRows
 from celery_fence.store.records import (
@@ -36,6 +38,8 @@ __all__ = [
     "RETRYING",
     "RUNNING",
     "UNFINISHED",
+    "BeatTick",
+    "BeatTicks",
     "Effect",
     "JobRecord",
     "OutboxRow",

@@ -20,6 +20,7 @@ from celery_fence.config import DEFAULT_DATABASE_TIMEOUT
 from celery_fence.errors import JobDead, StaleGeneration, StoreError
 from celery_fence.schema import COMPLETED, DEAD, utcnow
 from celery_fence.store import admin, probe, sql
+from celery_fence.store.beat import BeatTicks
 from celery_fence.store.engine import Database
 from celery_fence.store.fenced import FencedWriter, Row
 from celery_fence.store.outbox import OutboxRows
@@ -101,6 +102,8 @@ class Store:
         self.outbox_rows = self.outbox = OutboxRows(self)  # ``outbox``: an alias for scripts
         #: The completed steps and the checkpoint of each job (``fence_steps``).
         self.steps = StepRows(self)
+        #: The beat scheduler's last fired tick per entry (:mod:`celery_fence.beat`).
+        self.beat_ticks = BeatTicks(self)
         #: The operator's and the recovery's verbs: requeue, stranded, take_for_resend, purge.
         self.admin = admin.JobAdmin(self)
 
@@ -115,6 +118,7 @@ class Store:
         view.writer = FencedWriter(db, record_transitions=self.record_transitions)
         view.outbox_rows = view.outbox = OutboxRows(view)
         view.steps = StepRows(view)
+        view.beat_ticks = BeatTicks(view)
         view.admin = admin.JobAdmin(view)
         return view
 

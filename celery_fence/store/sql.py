@@ -43,6 +43,7 @@ from celery_fence.schema import (
     COMPLETED,
     OutboxStatus,
     Status,
+    beat_ticks,
     jobs,
     outbox,
     steps,
@@ -815,4 +816,34 @@ def outbox_rows(
         query = query.where(outbox.c.key == key)
     if status is not None:
         query = query.where(outbox.c.status == status)
+    return query
+
+
+# -- the beat scheduler's ticks -------------------------------------------------------------------
+
+
+def beat_tick_advance(dialect: str, *, entry: str, scheduled: dt.datetime, now: dt.datetime) -> Any:
+    """Record ``scheduled`` as ``entry``'s last fired tick, only forward: inserted when the entry
+    has no row, updated only when the stored tick is older (never an unconditional write).
+    RETURNING gives the row when it moved, nothing when a later tick was already stored."""
+    insert = (
+        pg_dialect.insert(beat_ticks)
+        if dialect == "postgresql"
+        else sqlite_dialect.insert(beat_ticks)
+    )
+    stmt = insert.values(entry=entry, last_scheduled=scheduled, updated_at=now)
+    return stmt.on_conflict_do_update(
+        index_elements=[beat_ticks.c.entry],
+        set_={
+            "last_scheduled": stmt.excluded.last_scheduled,
+            "updated_at": stmt.excluded.updated_at,
+        },
+        where=beat_ticks.c.last_scheduled < stmt.excluded.last_scheduled,
+    ).returning(beat_ticks.c.entry)
+
+
+def beat_ticks_of(entries: Sequence[str] | None = None) -> sa.Select[Any]:
+    query = sa.select(beat_ticks).order_by(beat_ticks.c.entry)
+    if entries is not None:
+        query = query.where(beat_ticks.c.entry.in_(list(entries)))
     return query

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipeline",),  # one attempt: execution, settle, retry, and the backends it is built from
     ("ops",),  # the operator's side: recovery, retention, requeue, outbox delivery, the CLI
     ("adapters",),  # Celery's side: FencedTask, FencedRequest, install(app)
-    ("durable",),  # enqueue(): a task's pending row in the caller's transaction
+    ("durable", "beat"),  # enqueue(): a pending row in the caller's transaction; the scheduler
     ("contrib",),  # the optional Django integration
     ("__init__",),  # the public names: ``from celery_fence import FencedTask``
     ("testing",),  # the pytest plugin, the doubles, the worker harness

@@ -12,12 +12,13 @@ never a traceback.
 :mod:`~celery_fence.ops.cli.write` those that change state (``init-db``, ``requeue``, ``recover``,
 ``purge``); :mod:`~celery_fence.ops.cli.outbox` the ``fence outbox`` group (``ls``,
 ``requeue``); :mod:`~celery_fence.ops.cli.metrics` the ``metrics`` verb (the store's
-gauges for Prometheus). Importing the verb modules here registers their commands on ``fence``.
+gauges for Prometheus); :mod:`~celery_fence.ops.cli.beat` the ``fence beat`` group (``ls``).
+Importing the verb modules here registers their commands on ``fence``.
 """
 
 from __future__ import annotations
 
-from celery_fence.ops.cli import metrics, outbox, read, write
+from celery_fence.ops.cli import beat, metrics, outbox, read, write
 from celery_fence.ops.cli.common import EX_FAILURE, EX_USAGE, FenceCLIError, describe, fence
 from celery_fence.ops.cli.write import parse_before
 
@@ -25,6 +26,7 @@ __all__ = [
     "EX_FAILURE",
     "EX_USAGE",
     "FenceCLIError",
+    "beat",  # imported for its commands
     "describe",
     "fence",
     "metrics",  # imported for its command

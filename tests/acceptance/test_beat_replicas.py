@@ -1,0 +1,200 @@
+"""Three real ``celery beat`` replicas and a worker: with ``-S celery_fence.beat:Scheduler`` every
+tick of a 1-second entry runs exactly once, while one replica is SIGKILLed and the lease Redis
+restarts; with plain ``celery beat`` (the control arm) each tick runs about three times.
+
+The body appends its fence key to a ledger list on the shared test Redis; the lease Redis is a
+private ``redis-server`` of the test's own, so its restart touches no other test.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_fence.store import Store
+from celery_fence.testing.broker import delete_queues
+from celery_fence.testing.groups import kill_group, register
+from celery_fence.testing.redis_server import RedisServer, redis_server_binary
+from tests.support import ledger
+from tests.support.env import BROKER_URL, REDIS_URL
+from tests.support.worker import ROOT, Worker, app_worker, wait_until
+
+APP = "tests.support.beat_app"
+pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is missing")
+
+
+class Beat:
+    """One ``celery beat`` process of :data:`APP` in its own session (SIGKILL kills it all)."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path, name: str, *, fenced: bool) -> None:
+        cmd = [sys.executable, "-m", "celery", "-A", APP, "beat", "-l", "INFO"]
+        cmd += ["-s", str(log_dir / f"{name}-schedule")]  # plain beat's own file, per replica
+        if fenced:
+            cmd += ["-S", "celery_fence.beat:Scheduler"]
+        self.log_path = log_dir / f"beat-{name}.log"
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        register(self.proc)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            kill_group(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            kill_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def lease_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def beat_env(prefix: str, pg_url: str, lease_redis: RedisServer) -> Iterator[dict[str, str]]:
+    queue = f"{prefix}-beat"
+    yield {
+        "FENCE_T_PREFIX": prefix,
+        "FENCE_T_QUEUE": queue,
+        "FENCE_T_BROKER": BROKER_URL,
+        "FENCE_T_REDIS": lease_redis.url_for(0),
+        "FENCE_T_LEDGER": REDIS_URL,
+        "FENCE_T_DB": pg_url,
+        # the entry's name is the test's own, so its row in fence_beat_ticks is too
+        "FENCE_T_BEAT_ENTRY": f"tick-{prefix}",
+        # a tick all three replicas reach late (a starved machine) is caught up, not skipped
+        "FENCE_T_BEAT_MISSED": "catch_up",
+    }
+    broker = Celery(broker=BROKER_URL)
+    try:
+        delete_queues(broker, [queue])
+    finally:
+        broker.close()
+
+
+def _runs(client: redis.Redis, prefix: str) -> list[str]:
+    return ledger.entries(client, f"{prefix}:beat-runs")
+
+
+def _tick_time(key: str) -> dt.datetime:
+    """The scheduled time in ``beat:<entry>:<YYYY-MM-DDTHH:MM:SSZ>`` (naive UTC)."""
+    return dt.datetime.strptime(key.split(":", 2)[2], "%Y-%m-%dT%H:%M:%SZ")
+
+
+def _worker(env: dict[str, str], tmp_path: Path) -> Worker:
+    worker = app_worker(
+        APP,
+        env=env,
+        queue=env["FENCE_T_QUEUE"],
+        name=f"beat-{uuid.uuid4().hex[:6]}",
+        log_dir=tmp_path,
+        concurrency=2,
+    )
+    worker.start()
+    return worker
+
+
+def _settle(client: redis.Redis, prefix: str) -> list[str]:
+    """The ledger once no run was added for 3 s (the worker drained the queue)."""
+    last: list[int] = [-1]
+    stable_since = [time.monotonic()]
+
+    def quiet() -> bool:
+        n = len(_runs(client, prefix))
+        if n != last[0]:
+            last[0], stable_since[0] = n, time.monotonic()
+        return time.monotonic() - stable_since[0] > 3.0
+
+    wait_until(quiet, 30, interval=0.2, what="the worker to drain the ticks")
+    return _runs(client, prefix)
+
+
+def test_three_fenced_replicas_run_every_tick_once_through_a_kill_and_a_redis_restart(
+    beat_env: dict[str, str],
+    redis_client: redis.Redis,
+    prefix: str,
+    lease_redis: RedisServer,
+    pg_url: str,
+    tmp_path: Path,
+) -> None:
+    worker = _worker(beat_env, tmp_path)
+    beats = [Beat(beat_env, tmp_path, f"r{i}", fenced=True) for i in range(3)]
+    try:
+        wait_until(lambda: len(_runs(redis_client, prefix)) >= 2, 60, what="the first ticks")
+        time.sleep(3)
+        beats[0].kill()  # SIGKILL one replica mid-run
+        time.sleep(2)
+        lease_redis.restart()  # the lease Redis loses every lease and generation
+        time.sleep(3)
+    finally:
+        for beat in beats:
+            beat.stop()
+    try:
+        runs = _settle(redis_client, prefix)
+    finally:
+        worker.stop()
+    times = [float(run.split(" ")[0]) for run in runs]
+    span = max(times) - min(times)
+    assert len(runs) <= span + 2, f"{len(runs)} runs in {span:.1f} s of 1-second ticks"
+    counts = collections.Counter(run.split(" ")[1] for run in runs)
+    assert all(n == 1 for n in counts.values()), {k: n for k, n in counts.items() if n > 1}
+    ticks = sorted(_tick_time(k) for k in counts)
+    seconds = int((ticks[-1] - ticks[0]).total_seconds()) + 1
+    assert len(ticks) == seconds >= 7, f"a tick was lost: {len(ticks)} ran in {seconds} s"
+    entry = beat_env["FENCE_T_BEAT_ENTRY"]
+    assert all(k.startswith(f"beat:{entry}:") for k in counts)
+    store = Store(pg_url)
+    try:
+        last = store.beat_ticks.last(entry)
+    finally:
+        store.dispose()
+    assert last is not None and last.replace(tzinfo=None) == ticks[-1]
+
+
+def test_control_three_plain_beats_run_each_tick_about_three_times(
+    beat_env: dict[str, str], redis_client: redis.Redis, prefix: str, tmp_path: Path
+) -> None:
+    worker = _worker(beat_env, tmp_path)
+    beats = [Beat(beat_env, tmp_path, f"p{i}", fenced=False) for i in range(3)]
+    try:
+        wait_until(lambda: len(_runs(redis_client, prefix)) >= 3, 60, what="the first ticks")
+        started = time.monotonic()
+        start_runs = len(_runs(redis_client, prefix))
+        time.sleep(4)
+        window = time.monotonic() - started
+    finally:
+        for beat in beats:
+            beat.stop()
+    try:
+        runs = _settle(redis_client, prefix)
+    finally:
+        worker.stop()
+    assert len({run.split(" ")[1] for run in runs}) == len(runs)  # every message its own key
+    ran = len(runs) - start_runs
+    assert ran >= 2 * window, f"{ran} runs in {window:.1f} s of 1-second ticks from 3 beats"
