@@ -34,6 +34,7 @@ from celery_fence.body.fence import Fence
 from celery_fence.config import FenceConfig
 from celery_fence.durable import Enqueued, enqueue
 from celery_fence.errors import (
+    AlreadyEnqueued,
     BlockIdleTimeout,
     ConfigurationError,
     FenceError,
@@ -64,6 +65,7 @@ except PackageNotFoundError:  # pragma: no cover - run from a source tree that i
 __all__ = [
     "BlockIdleTimeout",
     "ConfigurationError",
+    "AlreadyEnqueued",
     "Enqueued",
     "Fence",
     "FenceConfig",

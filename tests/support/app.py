@@ -134,6 +134,53 @@ def work(
     return result
 
 
+@app.task(
+    shared=False,
+    base=FencedTask,
+    bind=True,
+    fence_unique=lambda name, **kw: f"unique:{name}",
+    time_limit=float(E.get("FENCE_T_UNIQUE_TIME_LIMIT", "60")),
+)
+def unique_work(self: Any, name: str, *, sleep: float = 0.0) -> dict[str, Any]:
+    """A unique job (its uniqueness key ``unique:<name>``, its job key the task id): one entry a
+    body start in ``<prefix>:runs:<name>``; hangs on the ``hang`` flag of ``name``."""
+    fence = self.fence
+    hang = _takes_hang_flag(name)
+    ledger.rpush(f"{PREFIX}:runs:{name}", f"{self.request.id}:{fence.generation}")
+    if hang:
+        _hang(name)
+    end = time.monotonic() + sleep
+    while time.monotonic() < end:
+        time.sleep(0.02)
+    with fence.guard():
+        ledger.rpush(f"{PREFIX}:effects:{name}", f"{self.request.id}:{fence.generation}")
+    return {"name": name, "generation": fence.generation}
+
+
+@app.task(
+    shared=False,
+    base=FencedTask,
+    bind=True,
+    fence_unique=True,
+    fence_unique_states=("pending",),
+)
+def unique_while_queued(self: Any, name: str) -> str:
+    """Unique while queued only (celery-once's ``unlock_before_run``): a started job gives its
+    uniqueness key up."""
+    return name
+
+
+@app.task(shared=False, base=FencedTask, bind=True, fence_unique=True, fence_unique_period=0.5)
+def unique_brief(self: Any, name: str) -> str:
+    """Unique for half a second after each send, at most."""
+    return name
+
+
+@app.task(shared=False, base=FencedTask, bind=True, fence_unique=True, fence_unique_on_conflict="raise")
+def unique_or_raise(self: Any, name: str) -> str:
+    return name
+
+
 def _kill_after_commit(sender: Any = None, key: str = "", **_: Any) -> None:
     _kill_once("after_commit", key)
 
