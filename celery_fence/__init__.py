@@ -63,9 +63,9 @@ except PackageNotFoundError:  # pragma: no cover - run from a source tree that i
     __version__ = "0+unknown"
 
 __all__ = [
+    "AlreadyEnqueued",
     "BlockIdleTimeout",
     "ConfigurationError",
-    "AlreadyEnqueued",
     "Enqueued",
     "Fence",
     "FenceConfig",

@@ -59,7 +59,6 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Protocol
 
 import sqlalchemy as sa
@@ -72,7 +71,6 @@ from celery_fence.body import sqla
 from celery_fence.body.transaction import different_database
 from celery_fence.errors import ConfigurationError, FenceError
 from celery_fence.ops.recovery import KEY_HEADER
-from celery_fence.schema import utcnow
 from celery_fence.store.records import ENQUEUED_HEADER, encode_request
 
 logger = logging.getLogger("celery_fence.durable")
@@ -170,7 +168,7 @@ def enqueue(
     _check_options(task, options)
     due = _due(options)
     key = task.logical_key(args, kwargs, task_id)
-    policy = unique_jobs.policy_for(task, args, kwargs, unique=unique, on_conflict=on_conflict)
+    policy = task.unique_policy(args, kwargs, unique=unique, on_conflict=on_conflict)
     store = task.fence_backends().store
     if conn is None:  # Django's connection; Django is optional, so imported only when asked for
         from celery_fence.contrib.django.durable import django_target
@@ -196,7 +194,12 @@ def enqueue(
     if policy is not None:
         assert isinstance(target, _SqlAlchemyTarget)
         claimed = unique_jobs.claim(
-            store, target.connection, key, task_name=task.name, request=request, due=due,
+            store,
+            target.connection,
+            key,
+            task_name=task.name,
+            request=request,
+            due=due,
             policy=policy,
         )
         holder = claimed.existing

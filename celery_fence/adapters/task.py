@@ -25,7 +25,8 @@ from celery.app.task import _task_stack
 from celery.exceptions import Reject, Retry
 
 from celery_fence.actions import LogAction
-from celery_fence.adapters import direct, unique
+from celery_fence.adapters import direct
+from celery_fence.adapters import unique as unique_jobs
 from celery_fence.adapters.installation import install
 from celery_fence.adapters.worker import FENCED_REQUEST, celery_command
 from celery_fence.announce.transitions import Announcer
@@ -548,9 +549,25 @@ class FencedTask(Task, Fenced):
             fence = request.get("fence")
             if fence is not None and fence.execution is not None:
                 fence.execution.release_before_retry()
-        if self.fence_unique and not self._fence_send(task_id, options):
-            return self._send_unique(args, kwargs, task_id, options)
+        if not self._fence_send(task_id, options):
+            args, kwargs = tuple(args or ()), dict(kwargs or {})
+            policy = self.unique_policy(args, kwargs)
+            if policy is not None:
+                return self._send_unique(args, kwargs, task_id, options, policy)
         return super().apply_async(args, kwargs, task_id, **options)
+
+    def unique_policy(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        unique: bool | str | None = None,
+        on_conflict: str | None = None,
+    ) -> unique_jobs.UniquePolicy | None:
+        """This send's uniqueness (None: not unique): the ``fence_unique*`` options, or
+        ``enqueue()``'s ``unique`` and ``on_conflict`` (:func:`unique_jobs.policy_for`). The
+        celery-once and celery-singleton shims (:mod:`celery_fence.compat`) read theirs."""
+        return unique_jobs.policy_for(self, args, kwargs, unique=unique, on_conflict=on_conflict)
 
     def _fence_send(self, task_id: str | None, options: dict[str, Any]) -> bool:
         """Whether this publish is the fence's own (an enqueue's, a recovery's, a requeue's or a
@@ -564,36 +581,38 @@ class FencedTask(Task, Fenced):
         return bool(self.app.conf.task_always_eager)
 
     def _send_unique(
-        self, args: Any, kwargs: Any, task_id: str | None, options: dict[str, Any]
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        task_id: str | None,
+        options: dict[str, Any],
+        policy: unique_jobs.UniquePolicy,
     ) -> Any:
         """A new send of a unique task: its job's ``pending`` row with its uniqueness key (one
         statement on the store's connection, committed before the publish: a process that dies
         in between leaves the row to ``fence recover``), then the message; or, when an
         unfinished job holds the key, that job's ``AsyncResult`` (``on_conflict="return"``) or
         :class:`~celery_fence.errors.AlreadyEnqueued` (``"raise"``)."""
-        args, kwargs = tuple(args or ()), dict(kwargs or {})
-        policy = unique.policy_for(self, args, kwargs)
-        assert policy is not None
-        task_id = task_id or unique.new_task_id()
+        task_id = task_id or unique_jobs.new_task_id()
         key = self.logical_key(args, kwargs, task_id)
-        context = unique.message_context(self, args, kwargs, task_id, options)
+        context = unique_jobs.message_context(self, args, kwargs, task_id, options)
         stored = encode_request(self.name, args, kwargs, context)
         if stored is None:
             raise ConfigurationError(
                 f"{self.name}: a unique task's arguments must be JSON (its job is stored to be "
                 "re-sent); pass plain dicts, lists, str, int, float, bool or None"
             )
-        due = unique.due_time(options)
+        due = unique_jobs.due_time(options)
         if due is not None:
             stored["execution"] = {**(stored.get("execution") or {}), "eta": due.isoformat()}
         store = self.fence_backends().store
         with store.db.connect() as conn:  # AUTOCOMMIT: each statement commits on its own
-            claimed = unique.claim(
+            claimed = unique_jobs.claim(
                 store, conn, key, task_name=self.name, request=stored, due=due, policy=policy
             )
         if not claimed.created:
             holder = claimed.existing
-            found = None if holder is None else unique.task_id_of(holder)
+            found = None if holder is None else unique_jobs.task_id_of(holder)
             return self.AsyncResult(found or task_id)
         headers = {**dict(options.pop("headers", None) or {}), KEY_HEADER: key, ENQUEUED_HEADER: 1}
         return super().apply_async(args, kwargs, task_id, headers=headers, **options)

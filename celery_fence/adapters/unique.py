@@ -102,8 +102,7 @@ def policy_for(
         )
     if not key or len(key) > KEY_LENGTH:
         raise ConfigurationError(
-            f"{task.name}: the uniqueness key must be 1 to {KEY_LENGTH} characters "
-            f"(got {len(key)})"
+            f"{task.name}: the uniqueness key must be 1 to {KEY_LENGTH} characters (got {len(key)})"
         )
     return UniquePolicy(
         key=key,

@@ -533,6 +533,11 @@ class Store:
             row = conn.execute(sql.get_job(key)).first()
         return False, None if row is None else job_record(row)
 
+    def unique_holder(self, conn: sa.Connection, unique_key: str) -> JobRecord | None:
+        """The unfinished job holding ``unique_key``, if any (as ``conn`` sees it)."""
+        row = conn.execute(sql.unique_holder(unique_key)).first()
+        return None if row is None else job_record(row)
+
     def release_unique(
         self, conn: sa.Connection, key: str, *, unique_key: str, status: str
     ) -> bool:

@@ -217,3 +217,50 @@ def test_a_concurrent_send_waits_for_the_first_transaction(
         tx.commit()
         thread.join(10)
     assert not results["second"].created and results["second"].key == first.key
+
+
+# -- the celery-once and celery-singleton shims -----------------------------------------------------
+
+
+def test_queue_once_raises_already_queued_or_returns_rejected_when_graceful(
+    client_app: ModuleType, store: Store, worker_env: dict[str, str]
+) -> None:
+    from celery_fence.compat import AlreadyQueued
+
+    queue = worker_env["FENCE_T_QUEUE"]
+    a = int(uuid.uuid4().int % 10**9)
+    first = client_app.once_add.delay(a, 1)
+    with pytest.raises(AlreadyQueued) as caught:
+        client_app.once_add.delay(a, 2)  # keys=["a"]: b does not count
+    assert caught.value.task_id == first.id and caught.value.countdown is None
+    assert client_app.once_add.delay(a + 1, 1).id != first.id
+    assert client_app.once_add.apply_async((a, 3), once={"graceful": True}).result is None
+    assert _queued(queue) == 2
+    record = store.get(first.id)
+    assert record is not None and record.unique_key == f'{client_app.once_add.name}({{"a":{a}}})'
+
+    graceful = client_app.once_graceful
+    assert graceful.delay(a).id and graceful.delay(a).state == "REJECTED"
+    with pytest.raises(ConfigurationError, match="not lock"):
+        client_app.once_add.apply_async((a, 1), once={"lock": True})
+
+
+def test_singleton_returns_the_existing_async_result_or_raises(
+    client_app: ModuleType, store: Store, worker_env: dict[str, str]
+) -> None:
+    from celery_fence.compat import DuplicateTaskError
+
+    a = int(uuid.uuid4().int % 10**9)
+    first = client_app.singleton_add.delay(a, 1)
+    assert client_app.singleton_add.delay(a, 2).id == first.id  # unique_on=["a"]
+    assert client_app.singleton_add.delay(a=a, b=5).id == first.id  # by name too
+    assert client_app.singleton_add.delay(a + 1, 1).id != first.id
+    strict = client_app.singleton_strict
+    held = strict.delay(a)
+    with pytest.raises(DuplicateTaskError) as caught:
+        strict.delay(a)
+    assert caught.value.task_id == held.id
+    strict.release_lock(task_args=[a])  # celery-singleton's manual unlock
+    assert strict.delay(a).id != held.id
+    released = store.get(held.id)
+    assert released is not None and released.unique_key is None

@@ -176,9 +176,36 @@ def unique_brief(self: Any, name: str) -> str:
     return name
 
 
-@app.task(shared=False, base=FencedTask, bind=True, fence_unique=True, fence_unique_on_conflict="raise")
+@app.task(
+    shared=False, base=FencedTask, bind=True, fence_unique=True, fence_unique_on_conflict="raise"
+)
 def unique_or_raise(self: Any, name: str) -> str:
     return name
+
+
+from celery_fence.compat import QueueOnce, Singleton  # noqa: E402 - beside their tasks
+
+
+@app.task(shared=False, base=QueueOnce, bind=True, once={"keys": ["a"], "timeout": 60})
+def once_add(self: Any, a: int, b: int) -> int:
+    """A celery-once task: unique on ``a``."""
+    return a + b
+
+
+@app.task(shared=False, base=QueueOnce, bind=True, once={"graceful": True})
+def once_graceful(self: Any, a: int) -> int:
+    return a
+
+
+@app.task(shared=False, base=Singleton, bind=True, unique_on=["a"], lock_expiry=60)
+def singleton_add(self: Any, a: int, b: int) -> int:
+    """A celery-singleton task: unique on ``a``."""
+    return a + b
+
+
+@app.task(shared=False, base=Singleton, bind=True, raise_on_duplicate=True)
+def singleton_strict(self: Any, a: int) -> int:
+    return a
 
 
 def _kill_after_commit(sender: Any = None, key: str = "", **_: Any) -> None:

@@ -31,7 +31,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipeline",),  # one attempt: execution, settle, retry, and the backends it is built from
     ("ops",),  # the operator's side: recovery, retention, requeue, outbox delivery, the CLI
     ("adapters",),  # Celery's side: FencedTask, FencedRequest, install(app)
-    ("durable",),  # enqueue(): a task's pending row in the caller's transaction
+    # enqueue(): a task's pending row in the caller's transaction; the celery-once and
+    # celery-singleton shims
+    ("durable", "compat"),
     ("contrib",),  # the optional Django integration
     ("__init__",),  # the public names: ``from celery_fence import FencedTask``
     ("testing",),  # the pytest plugin, the doubles, the worker harness
