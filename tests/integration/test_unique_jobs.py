@@ -219,7 +219,7 @@ def test_a_concurrent_send_waits_for_the_first_transaction(
     assert not results["second"].created and results["second"].key == first.key
 
 
-# -- the celery-once and celery-singleton shims -----------------------------------------------------
+# -- the celery-once and celery-singleton shims ---------------------------------------------------
 
 
 def test_queue_once_raises_already_queued_or_returns_rejected_when_graceful(

@@ -139,7 +139,6 @@ def work(
     base=FencedTask,
     bind=True,
     fence_unique=lambda name, **kw: f"unique:{name}",
-    time_limit=float(E.get("FENCE_T_UNIQUE_TIME_LIMIT", "60")),
 )
 def unique_work(self: Any, name: str, *, sleep: float = 0.0) -> dict[str, Any]:
     """A unique job (its uniqueness key ``unique:<name>``, its job key the task id): one entry a
@@ -206,6 +205,34 @@ def singleton_add(self: Any, a: int, b: int) -> int:
 @app.task(shared=False, base=Singleton, bind=True, raise_on_duplicate=True)
 def singleton_strict(self: Any, a: int) -> int:
     return a
+
+
+# -- the control arm of the unique-job tests: celery-once's own QueueOnce (a Redis TTL lock) ------
+from celery_once import QueueOnce as UpstreamQueueOnce  # noqa: E402
+
+ONCE_TTL = int(E.get("FENCE_T_ONCE_TTL", "30"))
+app.conf.ONCE = {
+    "backend": "celery_once.backends.Redis",
+    "settings": {
+        "url": E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"),
+        "default_timeout": ONCE_TTL,
+    },
+}
+
+
+@app.task(
+    shared=False,
+    base=UpstreamQueueOnce,
+    bind=True,
+    once={"graceful": True},
+)
+def once_control(self: Any, name: str) -> str:
+    """``unique_work`` under celery-once's lock instead of a fenced job."""
+    hang = _takes_hang_flag(name)
+    ledger.rpush(f"{PREFIX}:runs:{name}", f"{self.request.id}:0")
+    if hang:
+        _hang(name)
+    return name
 
 
 def _kill_after_commit(sender: Any = None, key: str = "", **_: Any) -> None:
