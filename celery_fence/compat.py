@@ -179,11 +179,16 @@ class Singleton(FencedTask):
         names = [self.unique_on] if isinstance(self.unique_on, str) else self.unique_on
         return unique_policy_for(self, args, kwargs, names, on_conflict or self._on_conflict())
 
+    @property
+    def _raise_on_duplicate(self) -> bool:
+        """celery-singleton's: the task's ``raise_on_duplicate``, else the app's
+        ``singleton_raise_on_duplicate``, else False."""
+        if self.raise_on_duplicate is not None:
+            return bool(self.raise_on_duplicate)
+        return bool(self.app.conf.get("singleton_raise_on_duplicate", False))
+
     def _on_conflict(self) -> str:
-        raises = self.raise_on_duplicate
-        if raises is None:
-            raises = bool(self.app.conf.get("singleton_raise_on_duplicate", False))
-        return "raise" if raises else "return"
+        return "raise" if self._raise_on_duplicate else "return"
 
     def apply_async(
         self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
