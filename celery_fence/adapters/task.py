@@ -606,6 +606,11 @@ class FencedTask(Task, Fenced):
         if due is not None:
             stored["execution"] = {**(stored.get("execution") or {}), "eta": due.isoformat()}
         store = self.fence_backends().store
+        if not isinstance(store, Store):  # a store double (the testing plugin's): no index
+            raise ConfigurationError(
+                f"{self.name}: a unique task's send needs the SQL store (its unique index "
+                "decides); run it eagerly (task_always_eager) or against a real store in tests"
+            )
         with store.db.connect() as conn:  # AUTOCOMMIT: each statement commits on its own
             claimed = unique_jobs.claim(
                 store, conn, key, task_name=self.name, request=stored, due=due, policy=policy
