@@ -135,8 +135,9 @@ def default_unique_key(
     *,
     keys: Iterable[str] | None = None,
 ) -> str:
-    """``task_name(args and kwargs as canonical JSON)``, or with ``keys`` only those kwargs; a
-    key longer than the column is ``task_name:sha256`` of it."""
+    """``task_name:`` and the SHA-256 of the arguments as canonical JSON (with ``keys``, only
+    those kwargs): the arguments themselves never reach the key, its column, or an error message
+    (a key is logged; arguments never are). Give ``fence_unique`` a callable for a readable key."""
     if keys is None:
         shape: Any = [list(args), dict(sorted(kwargs.items()))]
     else:
@@ -148,9 +149,6 @@ def default_unique_key(
             f"{task_name}: the arguments cannot make a uniqueness key; give fence_unique a "
             "callable that returns one"
         ) from None
-    key = f"{task_name}({text})"
-    if len(key) <= KEY_LENGTH:
-        return key
     return f"{task_name}:{hashlib.sha256(text.encode()).hexdigest()}"
 
 

@@ -20,6 +20,7 @@ import redis
 import sqlalchemy as sa
 
 from celery_fence import AlreadyEnqueued, ConfigurationError, enqueue
+from celery_fence.adapters.unique import default_unique_key
 from celery_fence.store import Store
 from celery_fence.store.records import Completion
 from tests.support.env import BROKER_URL
@@ -237,7 +238,10 @@ def test_queue_once_raises_already_queued_or_returns_rejected_when_graceful(
     assert client_app.once_add.apply_async((a, 3), once={"graceful": True}).result is None
     assert _queued(queue) == 2
     record = store.get(first.id)
-    assert record is not None and record.unique_key == f'{client_app.once_add.name}({{"a":{a}}})'
+    assert record is not None and record.unique_key == default_unique_key(
+        client_app.once_add.name, (), {"a": a}, keys=["a"]
+    )
+    assert str(a) not in record.unique_key  # the arguments never reach the key
 
     graceful = client_app.once_graceful
     assert graceful.delay(a).id and graceful.delay(a).state == "REJECTED"
@@ -264,3 +268,18 @@ def test_singleton_returns_the_existing_async_result_or_raises(
     assert strict.delay(a).id != held.id
     released = store.get(held.id)
     assert released is not None and released.unique_key is None
+
+
+def test_fence_show_names_the_uniqueness_key(
+    client_app: ModuleType, engine: sa.Engine, worker_env: dict[str, str]
+) -> None:
+    import json
+
+    from tests.integration.test_cli import fence_cli, ok
+
+    name = _name()
+    with engine.begin() as conn:
+        job = enqueue(conn, client_app.unique_work, args=(name,))
+    assert f"unique:{name}" in ok(fence_cli(worker_env, "show", job.key))
+    shown = json.loads(ok(fence_cli(worker_env, "show", job.key, "--json")))
+    assert shown["unique_key"] == f"unique:{name}"
