@@ -124,3 +124,39 @@ def test_control_celery_once_discards_every_send_for_the_locks_ttl(
         assert ONCE_TTL - 12 < remaining <= ONCE_TTL, remaining
     finally:
         redis_client.delete(lock)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_replaced_jobs_message_is_acked_unrun(
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    db_url: str,
+) -> None:
+    import sqlalchemy as sa
+
+    from celery_fence import enqueue
+
+    task, name = client_app.unique_work, uuid.uuid4().hex[:10]
+    engine = sa.create_engine(db_url)
+    # Given a pending unique job replaced by a newer one before any worker ran (both messages
+    # queued),
+    with engine.begin() as conn:
+        old = enqueue(conn, task, args=(name,))
+    with engine.begin() as conn:
+        new = enqueue(conn, task, args=(name,), on_conflict="replace")
+    engine.dispose()
+    # when a worker takes both messages,
+    spawn_worker("w")
+    wait_until(
+        lambda: getattr(fence_store.get(new.key), "status", None) == "completed",
+        30,
+        what="the new job completed",
+    )
+    # then only the new job ran; the old one stays dead (replaced), its message acked unrun.
+    assert ledger.runs(redis_client, prefix, name) == [f"{new.task_id}:1"]
+    replaced = fence_store.get(old.key)
+    assert replaced is not None and (replaced.status, replaced.generation) == ("dead", 0)
+    assert "claimed" not in [t.action for t in fence_store.history(old.key)]
