@@ -34,6 +34,7 @@ from celery_fence.body.fence import Fence
 from celery_fence.config import FenceConfig
 from celery_fence.durable import Enqueued, enqueue
 from celery_fence.errors import (
+    AlreadyEnqueued,
     BlockIdleTimeout,
     CheckpointTooLarge,
     ConfigurationError,
@@ -63,6 +64,7 @@ except PackageNotFoundError:  # pragma: no cover - run from a source tree that i
     __version__ = "0+unknown"
 
 __all__ = [
+    "AlreadyEnqueued",
     "BlockIdleTimeout",
     "CheckpointTooLarge",
     "ConfigurationError",

@@ -610,6 +610,16 @@ def _parse(name: str, raw: Any, setting: str | None = None) -> Any:
     return raw
 
 
+#: ``fence_*`` task options that are the task's API, not settings: its key and its uniqueness.
+TASK_API = (
+    "fence_key",
+    "fence_unique",
+    "fence_unique_states",
+    "fence_unique_period",
+    "fence_unique_on_conflict",
+)
+
+
 def _task_fence_options(task: Any) -> list[str]:
     """The ``fence_*`` options given to ``@app.task(...)``: class attributes of the task's own
     classes below the fenced base (whose ``fence_key``/``fence_config`` are its API)."""
@@ -618,7 +628,7 @@ def _task_fence_options(task: Any) -> list[str]:
     for klass in type(task if unwrap is None else unwrap()).__mro__:
         if getattr(klass, "__module__", "").startswith(("celery_fence.", "celery.")):
             break
-        names.extend(n for n in vars(klass) if n.startswith("fence_") and n != "fence_key")
+        names.extend(n for n in vars(klass) if n.startswith("fence_") and n not in TASK_API)
     return names
 
 

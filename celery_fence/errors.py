@@ -89,6 +89,29 @@ class JobDead(StoreError):
     default = "the job is dead; requeue it with `celery fence requeue KEY`"
 
 
+class AlreadyEnqueued(StoreError):
+    """An unfinished job (pending, running or retrying) already holds this uniqueness key, and
+    the enqueue asked for ``on_conflict="raise"``. ``key``, ``unique_key``, ``status`` and
+    ``task_id`` name that job."""
+
+    default = "an unfinished job already holds this uniqueness key"
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        key: str = "",
+        unique_key: str = "",
+        status: str = "",
+        task_id: str | None = None,
+    ) -> None:
+        super().__init__(message, key=key, unique_key=unique_key, status=status)
+        self.key = key
+        self.unique_key = unique_key
+        self.status = status
+        self.task_id = task_id
+
+
 class ResultNotSerializable(StoreError):
     """The task's return value is not JSON; return plain dicts, lists, str, int, float, bool."""
 

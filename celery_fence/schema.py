@@ -96,6 +96,7 @@ RUNNING, RETRYING, COMPLETED, DEAD, PENDING, FAILED = (s.value for s in Status)
 STATUSES = tuple(s.value for s in Status)
 FINISHED_PREDICATE = f"status IN ('{COMPLETED}', '{DEAD}')"
 UNFINISHED_PREDICATE = f"status IN ('{RUNNING}', '{RETRYING}', '{PENDING}')"
+UNIQUE_PREDICATE = f"unique_key IS NOT NULL AND {UNFINISHED_PREDICATE}"
 
 jobs = sa.Table(
     "fence_jobs",
@@ -114,6 +115,8 @@ jobs = sa.Table(
     sa.Column("updated_at", Timestamp, nullable=False),
     sa.Column("finished_at", Timestamp, nullable=True),
     sa.Column("retry_at", Timestamp, nullable=True),
+    # a unique job's uniqueness key (enqueue(unique=...), fence_unique): NULL for other jobs
+    sa.Column("unique_key", sa.String(KEY_LENGTH), nullable=True),
     # purge's predicate; partial, so the planner never takes it for a completion's key lookup
     sa.Index(
         "ix_fence_jobs_finished",
@@ -128,6 +131,15 @@ jobs = sa.Table(
         "updated_at",
         postgresql_where=sa.text(UNFINISHED_PREDICATE),
         sqlite_where=sa.text(UNFINISHED_PREDICATE),
+    ),
+    # one unfinished job per uniqueness key: held while the job is pending, running or retrying,
+    # released by its own end (completed, dead), never by a TTL
+    sa.Index(
+        "ux_fence_jobs_unique_unfinished",
+        "unique_key",
+        unique=True,
+        postgresql_where=sa.text(UNIQUE_PREDICATE),
+        sqlite_where=sa.text(UNIQUE_PREDICATE),
     ),
 )
 

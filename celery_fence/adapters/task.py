@@ -27,6 +27,7 @@ from celery.exceptions import Reject, Retry
 
 from celery_fence.actions import LogAction
 from celery_fence.adapters import direct
+from celery_fence.adapters import unique as unique_jobs
 from celery_fence.adapters.installation import install
 from celery_fence.adapters.worker import FENCED_REQUEST, celery_command
 from celery_fence.announce import tracing
@@ -51,6 +52,7 @@ from celery_fence.store import Store
 from celery_fence.store.records import (
     ENQUEUED_HEADER,
     RUN_HEADER,
+    encode_request,
     message_publish_options,
     request_text,
 )
@@ -136,6 +138,13 @@ class FencedTask(Task, Fenced):
     lease_ttl: float | None = None
     renew_interval: float | None = None
     max_attempts: int | None = None
+    #: Unique jobs (:mod:`celery_fence.adapters.unique`): True (the uniqueness key is the task's
+    #: name and arguments), or a callable given the task's args and kwargs returning it. While an
+    #: unfinished job holds it, a new send returns that job (``fence_unique_on_conflict``).
+    fence_unique: bool | Callable[..., str] | None = None
+    fence_unique_states: tuple[str, ...] | None = None
+    fence_unique_period: float | None = None
+    fence_unique_on_conflict: str | None = None
     #: What runs each attempt (the chaos harness's control arms put a demonstration one here).
     execution_class: type[Execution] = Execution
     #: The worker refuses to start when this task's settings are invalid (``worker_init``).
@@ -582,18 +591,92 @@ class FencedTask(Task, Fenced):
         finally:
             setattr(request, RELEASE_BEFORE_SEND, False)
 
-    def apply_async(self, *args: Any, **kwargs: Any) -> Any:
+    def apply_async(
+        self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
+    ) -> Any:
         """Celery's ``apply_async``; when it publishes the body's own retry (see :meth:`retry`),
-        this attempt's lease is given back first."""
+        this attempt's lease is given back first. A task with ``fence_unique`` first writes its
+        job's ``pending`` row with its uniqueness key (:meth:`_send_unique`)."""
         request = self.request
         if request.get(RELEASE_BEFORE_SEND):
             setattr(request, RELEASE_BEFORE_SEND, False)
             fence = request.get("fence")
             if fence is not None and fence.execution is not None:
                 fence.execution.release_before_retry()
-        headers = kwargs.get("headers")
-        kwargs["headers"] = {**(headers or {}), PUBLISHED_HEADER: time.time()}
-        return super().apply_async(*args, **kwargs)
+        # the publish time, for the metrics' queue wait (one header, metrics on or off)
+        options["headers"] = {**(options.get("headers") or {}), PUBLISHED_HEADER: time.time()}
+        if not self._fence_send(task_id, options):
+            args, kwargs = tuple(args or ()), dict(kwargs or {})
+            policy = self.unique_policy(args, kwargs)
+            if policy is not None:
+                return self._send_unique(args, kwargs, task_id, options, policy)
+        return super().apply_async(args, kwargs, task_id, **options)
+
+    def unique_policy(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        unique: bool | str | None = None,
+        on_conflict: str | None = None,
+    ) -> unique_jobs.UniquePolicy | None:
+        """This send's uniqueness (None: not unique): the ``fence_unique*`` options, or
+        ``enqueue()``'s ``unique`` and ``on_conflict`` (:func:`unique_jobs.policy_for`). The
+        celery-once and celery-singleton shims (:mod:`celery_fence.compat`) read theirs."""
+        return unique_jobs.policy_for(self, args, kwargs, unique=unique, on_conflict=on_conflict)
+
+    def _fence_send(self, task_id: str | None, options: dict[str, Any]) -> bool:
+        """Whether this publish is the fence's own (an enqueue's, a recovery's, a requeue's or a
+        re-send's, all naming the job's key; the body's retry of its own message) or an eager
+        run: not a new send of the job, so no uniqueness check."""
+        headers = options.get("headers") or {}
+        if KEY_HEADER in headers or RESENDS_HEADER in headers:
+            return True
+        if task_id is not None and task_id == self.request.id:
+            return True
+        return bool(self.app.conf.task_always_eager)
+
+    def _send_unique(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        task_id: str | None,
+        options: dict[str, Any],
+        policy: unique_jobs.UniquePolicy,
+    ) -> Any:
+        """A new send of a unique task: its job's ``pending`` row with its uniqueness key (one
+        statement on the store's connection, committed before the publish: a process that dies
+        in between leaves the row to ``fence recover``), then the message; or, when an
+        unfinished job holds the key, that job's ``AsyncResult`` (``on_conflict="return"``) or
+        :class:`~celery_fence.errors.AlreadyEnqueued` (``"raise"``)."""
+        task_id = task_id or unique_jobs.new_task_id()
+        key = self.logical_key(args, kwargs, task_id)
+        context = unique_jobs.message_context(self, args, kwargs, task_id, options)
+        stored = encode_request(self.name, args, kwargs, context)
+        if stored is None:
+            raise ConfigurationError(
+                f"{self.name}: a unique task's arguments must be JSON (its job is stored to be "
+                "re-sent); pass plain dicts, lists, str, int, float, bool or None"
+            )
+        due = unique_jobs.due_time(options)
+        if due is not None:
+            stored["execution"] = {**(stored.get("execution") or {}), "eta": due.isoformat()}
+        store = self.fence_backends().store
+        if not isinstance(store, Store):  # a store double (the testing plugin's): no index
+            raise ConfigurationError(
+                f"{self.name}: a unique task's send needs the SQL store (its unique index "
+                "decides); run it eagerly (task_always_eager) or against a real store in tests"
+            )
+        with store.db.connect() as conn:  # AUTOCOMMIT: each statement commits on its own
+            claimed = unique_jobs.claim(
+                store, conn, key, task_name=self.name, request=stored, due=due, policy=policy
+            )
+        if not claimed.created:
+            holder = claimed.existing
+            found = None if holder is None else unique_jobs.task_id_of(holder)
+            return self.AsyncResult(found or task_id)
+        headers = {**dict(options.pop("headers", None) or {}), KEY_HEADER: key, ENQUEUED_HEADER: 1}
+        return super().apply_async(args, kwargs, task_id, headers=headers, **options)
 
     def _publish_refused(self, reason: Any, countdown: Any) -> NoReturn:
         """The broker refused a retry or re-send message: the original message goes back to the

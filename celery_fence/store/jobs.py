@@ -510,16 +510,52 @@ class Store:
         task_name: str,
         request: Mapping[str, Any],
         due: dt.datetime | None = None,
+        unique_key: str | None = None,
     ) -> tuple[bool, JobRecord | None]:
         """Write an enqueued job as ``pending`` on the caller's ``conn``, in the caller's
         transaction (``due``: when its countdown or eta ends; recovery waits for it):
         ``(True, None)``; or, when the key already has a job, nothing and ``(False, that job)``
-        as this transaction sees it."""
-        statement = self._pending(key, task_name, request, due)
+        as this transaction sees it. With ``unique_key``, also nothing when an unfinished job
+        holds that uniqueness key: ``(False, that holder)``."""
+        statement = sql.insert_pending(
+            self.dialect,
+            key=key,
+            task_name=task_name,
+            request=dict(request),
+            now=utcnow(),
+            due=due,
+            unique_key=unique_key,
+        )
         if conn.execute(statement).first() is not None:
             return True, None
-        row = conn.execute(sql.get_job(key)).first()
+        row = None
+        if unique_key is not None:
+            row = conn.execute(sql.unique_holder(unique_key)).first()
+        if row is None:
+            row = conn.execute(sql.get_job(key)).first()
         return False, None if row is None else job_record(row)
+
+    def unique_holder(self, conn: sa.Connection, unique_key: str) -> JobRecord | None:
+        """The unfinished job holding ``unique_key``, if any (as ``conn`` sees it)."""
+        row = conn.execute(sql.unique_holder(unique_key)).first()
+        return None if row is None else job_record(row)
+
+    def release_unique(
+        self, conn: sa.Connection, key: str, *, unique_key: str, status: str
+    ) -> bool:
+        """Take ``unique_key`` off job ``key`` if it is still in ``status`` (on ``conn``, in
+        the caller's transaction); the job runs on, no longer unique. True when it was."""
+        return bool(conn.execute(sql.release_unique(key, unique_key, status)).rowcount)
+
+    def replace_pending(self, conn: sa.Connection, key: str, *, unique_key: str) -> bool:
+        """End job ``key`` as ``dead`` (reason ``replaced``) if nobody has claimed it yet (on
+        ``conn``, in the caller's transaction). True when it was pending and is now dead."""
+        now = utcnow()
+        if not conn.execute(sql.replace_pending(key, unique_key, now)).rowcount:
+            return False
+        if self.record_transitions:
+            conn.execute(sql.replaced_transition(key, now))
+        return True
 
     def insert_pending_cursor(
         self,

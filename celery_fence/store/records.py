@@ -40,6 +40,8 @@ class JobRecord:
     updated_at: dt.datetime
     finished_at: dt.datetime | None
     retry_at: dt.datetime | None
+    #: The uniqueness key of a unique job (``enqueue(unique=...)``, ``fence_unique``), else None.
+    unique_key: str | None = None
 
 
 def never_claimed(record: JobRecord) -> bool:
@@ -417,6 +419,7 @@ def encode_request(task_name: str, args: Any, kwargs: Any, context: Any) -> dict
 
 def job_record(row: Any) -> JobRecord:
     m = row._mapping
-    fields = {name: m[name] for name in JobRecord.__dataclass_fields__}
+    fields = {name: m[name] for name in JobRecord.__dataclass_fields__ if name != "unique_key"}
+    fields["unique_key"] = m.get("unique_key")  # absent from the raw path's narrower RETURNING
     fields["request"] = decode_request(fields["request"])  # as sent, also when stored encoded
     return JobRecord(**fields)

@@ -477,27 +477,87 @@ def insert_pending(
     request: Any,
     now: dt.datetime,
     due: dt.datetime | None = None,
+    unique_key: str | None = None,
 ) -> Any:
     """A job enqueued with the caller's data: a ``pending`` row never claimed (generation 0,
     attempt ``-``; ``retry_at`` its countdown or eta, which recovery waits for), unless the key
-    already has a job (then nothing; RETURNING says which)."""
+    already has a job — or, with ``unique_key``, an unfinished job holds that uniqueness key
+    (``ux_fence_jobs_unique_unfinished``) — then nothing; RETURNING says which."""
     insert = pg_dialect.insert(jobs) if dialect == "postgresql" else sqlite_dialect.insert(jobs)
-    return (
-        insert.values(
-            key=key,
-            task_name=task_name,
-            status=Status.PENDING.value,
-            generation=0,
-            attempt_id=NEVER_CLAIMED,
-            attempts=0,
-            request=request,
-            retry_at=due,
-            created_at=now,
-            updated_at=now,
-        )
-        .on_conflict_do_nothing(index_elements=[jobs.c.key])
-        .returning(jobs.c.key)
+    statement = insert.values(
+        key=key,
+        task_name=task_name,
+        status=Status.PENDING.value,
+        generation=0,
+        attempt_id=NEVER_CLAIMED,
+        attempts=0,
+        request=request,
+        retry_at=due,
+        created_at=now,
+        updated_at=now,
+        unique_key=unique_key,
     )
+    if unique_key is None:
+        return statement.on_conflict_do_nothing(index_elements=[jobs.c.key]).returning(jobs.c.key)
+    # no conflict target: the key's row or the uniqueness key's unfinished holder
+    return statement.on_conflict_do_nothing().returning(jobs.c.key)
+
+
+def unique_holder(unique_key: str) -> sa.Select[Any]:
+    """The unfinished job holding ``unique_key`` (at most one: the partial unique index)."""
+    return sa.select(jobs).where(
+        jobs.c.unique_key == unique_key, jobs.c.status.in_(_UNFINISHED_STATUSES)
+    )
+
+
+def release_unique(key: str, unique_key: str, status: str) -> Any:
+    """Take ``unique_key`` off job ``key`` while it is still in ``status`` (outside the unique
+    states a task asked for, or past its ``unique_period``); the job itself runs on."""
+    return (
+        sa.update(jobs)
+        .where(jobs.c.key == key, jobs.c.unique_key == unique_key, jobs.c.status == status)
+        .values(unique_key=None)
+    )
+
+
+def replace_pending(key: str, unique_key: str, now: dt.datetime) -> Any:
+    """End the never-claimed ``pending`` job ``key`` as ``dead`` (reason ``replaced``) for a newer
+    job of its uniqueness key; only while nobody has claimed it (generation 0): its message,
+    when a worker gets it, finds the job dead and is acked."""
+    return (
+        sa.update(jobs)
+        .where(
+            jobs.c.key == key,
+            jobs.c.unique_key == unique_key,
+            jobs.c.status == Status.PENDING.value,
+            jobs.c.generation == 0,
+        )
+        .values(
+            status=Status.DEAD.value,
+            unique_key=None,
+            finished_at=now,
+            updated_at=now,
+            error_type=REPLACED,
+            error_message="replaced by a newer job of its uniqueness key",
+        )
+    )
+
+
+def replaced_transition(key: str, now: dt.datetime) -> Any:
+    return sa.insert(transitions).values(
+        key=key,
+        generation=0,
+        attempt_id=NEVER_CLAIMED,
+        action=Action.DEAD.value,
+        reason=REPLACED_REASON,
+        at=now,
+    )
+
+
+_UNFINISHED_STATUSES = (Status.PENDING.value, Status.RUNNING.value, Status.RETRYING.value)
+#: The error type and transition reason of a pending job a newer unique job replaced.
+REPLACED = "Replaced"
+REPLACED_REASON = "replaced"
 
 
 #: The attempt id of a job row no attempt has claimed yet (enqueued, or kept from a refused

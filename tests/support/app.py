@@ -132,6 +132,107 @@ def work(
     return result
 
 
+@app.task(
+    shared=False,
+    base=FencedTask,
+    bind=True,
+    fence_unique=lambda name, **kw: f"unique:{name}",
+)
+def unique_work(self: Any, name: str, *, sleep: float = 0.0) -> dict[str, Any]:
+    """A unique job (its uniqueness key ``unique:<name>``, its job key the task id): one entry a
+    body start in ``<prefix>:runs:<name>``; hangs on the ``hang`` flag of ``name``."""
+    fence = self.fence
+    hang = _takes_hang_flag(name)
+    ledger.rpush(f"{PREFIX}:runs:{name}", f"{self.request.id}:{fence.generation}")
+    if hang:
+        _hang(name)
+    end = time.monotonic() + sleep
+    while time.monotonic() < end:
+        time.sleep(0.02)
+    with fence.guard():
+        ledger.rpush(f"{PREFIX}:effects:{name}", f"{self.request.id}:{fence.generation}")
+    return {"name": name, "generation": fence.generation}
+
+
+@app.task(
+    shared=False,
+    base=FencedTask,
+    bind=True,
+    fence_unique=True,
+    fence_unique_states=("pending",),
+)
+def unique_while_queued(self: Any, name: str) -> str:
+    """Unique while queued only (celery-once's ``unlock_before_run``): a started job gives its
+    uniqueness key up."""
+    return name
+
+
+@app.task(shared=False, base=FencedTask, bind=True, fence_unique=True, fence_unique_period=0.5)
+def unique_brief(self: Any, name: str) -> str:
+    """Unique for half a second after each send, at most."""
+    return name
+
+
+@app.task(
+    shared=False, base=FencedTask, bind=True, fence_unique=True, fence_unique_on_conflict="raise"
+)
+def unique_or_raise(self: Any, name: str) -> str:
+    return name
+
+
+from celery_fence.compat import QueueOnce, Singleton  # noqa: E402 - beside their tasks
+
+
+@app.task(shared=False, base=QueueOnce, bind=True, once={"keys": ["a"], "timeout": 60})
+def once_add(self: Any, a: int, b: int) -> int:
+    """A celery-once task: unique on ``a``."""
+    return a + b
+
+
+@app.task(shared=False, base=QueueOnce, bind=True, once={"graceful": True})
+def once_graceful(self: Any, a: int) -> int:
+    return a
+
+
+@app.task(shared=False, base=Singleton, bind=True, unique_on=["a"], lock_expiry=60)
+def singleton_add(self: Any, a: int, b: int) -> int:
+    """A celery-singleton task: unique on ``a``."""
+    return a + b
+
+
+@app.task(shared=False, base=Singleton, bind=True, raise_on_duplicate=True)
+def singleton_strict(self: Any, a: int) -> int:
+    return a
+
+
+# -- the control arm of the unique-job tests: celery-once's own QueueOnce (a Redis TTL lock) ------
+from celery_once import QueueOnce as UpstreamQueueOnce  # noqa: E402
+
+ONCE_TTL = int(E.get("FENCE_T_ONCE_TTL", "30"))
+app.conf.ONCE = {
+    "backend": "celery_once.backends.Redis",
+    "settings": {
+        "url": E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"),
+        "default_timeout": ONCE_TTL,
+    },
+}
+
+
+@app.task(
+    shared=False,
+    base=UpstreamQueueOnce,
+    bind=True,
+    once={"graceful": True},
+)
+def once_control(self: Any, name: str) -> str:
+    """``unique_work`` under celery-once's lock instead of a fenced job."""
+    hang = _takes_hang_flag(name)
+    ledger.rpush(f"{PREFIX}:runs:{name}", f"{self.request.id}:0")
+    if hang:
+        _hang(name)
+    return name
+
+
 def _kill_after_commit(sender: Any = None, key: str = "", **_: Any) -> None:
     _kill_once("after_commit", key)
 

@@ -21,6 +21,7 @@ class Job(models.Model):
     updated_at = models.DateTimeField()
     finished_at = models.DateTimeField(null=True)
     retry_at = models.DateTimeField(null=True)
+    unique_key = models.CharField(max_length=512, null=True)
 
     class Meta:
         managed = False

@@ -165,6 +165,7 @@ def record_json(record: JobRecord) -> dict[str, Any]:
         "updated_at": utc_iso(record.updated_at),
         "finished_at": utc_iso(record.finished_at),
         "retry_at": utc_iso(record.retry_at),
+        "unique_key": record.unique_key,
     }
 
 

@@ -394,6 +394,8 @@ def show(ctx: click.Context, key: str, as_json: bool, values: bool) -> None:
         ("lease", lease),
         ("result", _result_text(record)),
     ]
+    if record.unique_key is not None:  # a unique job (enqueue(unique=...), fence_unique)
+        fields.append(("unique key", record.unique_key))
     lines = [f"{name + ':':<15}{value}" for name, value in fields]
     if history:
         lines.append("history:")
