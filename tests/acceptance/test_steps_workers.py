@@ -135,8 +135,10 @@ def test_control_arm_unfenced_steps_a_runs_step_3_again(
     )
     print(f"control arm: step runs {runs}, step writes {_step_effects(fence_store, key)}")
     assert runs.count("1:2") == 1  # B ran step 1 again
-    assert "3:1" in runs  # A, resumed, ran step 3 after B had
-    assert sorted(_step_effects(fence_store, key)).count((3, 1)) == 1
+    assert "3:1" in runs  # A, resumed, ran step 3's external effect after B had
+    # (A's plain write of step 3 may land or not: the body's write watch refuses a write from
+    # an attempt whose lease it already saw lost, depending on when the renewer saw it)
+    assert sorted(_step_effects(fence_store, key)).count((3, 1)) <= 1
 
 
 def _export_rows(store: Store, key: str) -> tuple[int, int]:
