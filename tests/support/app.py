@@ -55,6 +55,9 @@ app.conf.update(
     # deferral needs counters that never expire (0); the default otherwise
     fence_generation_ttl=float(E.get("FENCE_T_GEN_TTL", "0" if DEFER else "600")),
     fence_max_runtime=float(E["FENCE_T_MAX_RUNTIME"]) if E.get("FENCE_T_MAX_RUNTIME") else None,
+    # the worker's own recovery checks: off unless a test turns them on (the recovery tests
+    # run `fence recover` themselves and assert what it re-sent)
+    fence_recover_interval=float(E.get("FENCE_T_RECOVER_INTERVAL", "0")),
 )
 ledger = redis.Redis.from_url(E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"))
 
