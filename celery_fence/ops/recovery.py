@@ -4,7 +4,7 @@ A job row can stay ``running``, ``retrying`` or ``pending`` with no message left
 purged queue, a broker that lost messages, a ``fence requeue`` that died between its commit and
 its send, a worker killed while the Redis broker's visibility timeout is still hours away.
 Such a row is **stranded** when no live lease holds its key in Redis and it has not moved for
-``fence_recover_after`` seconds (default: 10 x ``fence_lease_ttl``) — for a ``retrying`` job,
+``fence_recover_after`` seconds (default: 3 x ``fence_lease_ttl``) — for a ``retrying`` job,
 counted from its ``retry_at`` too. A job :func:`~celery_fence.enqueue` wrote and no attempt has
 claimed (``pending``, generation 0) has no attempt to wait out: its threshold is the shorter
 ``fence_recover_pending_after`` (counted from its countdown or eta, if it has one). One whose
@@ -26,7 +26,9 @@ message goes through the ordinary claim: if the original message was only late a
 both are fenced on the key and one completion is stored. A job that ended ``dead`` (also a
 revoked one) is never stranded.
 
-Three ways to run it: ``celery -A proj fence recover [--older-than S] [--dry-run]``, the task
+Every fenced worker runs it itself, every ``fence_recover_interval`` seconds
+(:mod:`celery_fence.ops.recovery_thread`). Three more ways to run it: ``celery -A proj fence recover
+[--older-than S] [--dry-run]``, the task
 :data:`RECOVER_TASK` in beat (registered by :func:`celery_fence.install` on each app that has a
 fenced task, or that you install yourself)::
 

@@ -58,6 +58,9 @@ app.conf.update(
     # the worker's own recovery checks: off unless a test turns them on (the recovery tests
     # run `fence recover` themselves and assert what it re-sent)
     fence_recover_interval=float(E.get("FENCE_T_RECOVER_INTERVAL", "0")),
+    fence_recover_after=float(E["FENCE_T_RECOVER_AFTER"])
+    if E.get("FENCE_T_RECOVER_AFTER")
+    else None,
 )
 ledger = redis.Redis.from_url(E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"))
 
