@@ -2,7 +2,7 @@
 
 For each fault and broker, two fresh workers of the acceptance tests' app
 (``tests.support.app``, ``--concurrency 1``) share a queue; a job whose body hangs is sent, and
-once one worker's pool process claimed it the fault is injected:
+once one worker's pool process runs its body the fault is injected:
 
 - ``pause``: SIGSTOP the pool process running the body (it keeps its message and its key; its
   lease runs out);
@@ -29,6 +29,7 @@ import base64
 import importlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -106,7 +107,7 @@ def measure(
         "FENCE_T_TTL": str(ttl),
         "FENCE_T_RENEW": str(ttl / 4),
         "FENCE_T_SIGNALS": "1",
-        "FENCE_T_RECOVER_INTERVAL": "0" if before else str(ttl),
+        "FENCE_T_RECOVER_INTERVAL": "0" if before else "default",
     }
     if before:
         env["FENCE_T_RECOVER_AFTER"] = str(BEFORE_RECOVER_AFTER_TTLS * ttl)
@@ -136,8 +137,11 @@ def measure(
         key = f"takeover:{uuid.uuid4().hex[:8]}"
         faults.arm(ledger, prefix, "hang", key)
         client.work.apply_async((key,), kwargs={"check": False}, queue=queue)
-        if not poll_until(lambda: _claims(ledger, prefix, key), 30, 0.05):
-            raise RuntimeError(f"{fault}/{broker}: the job was never claimed")
+        # the body started: the claim is registered in the store (a worker killed between its
+        # Redis claim and its registration leaves no row to recover: only the broker's own
+        # redelivery, e.g. the Redis broker's visibility timeout, brings that message back)
+        if not poll_until(lambda: ledger.llen(f"{prefix}:runs:{key}"), 30, 0.05):
+            raise RuntimeError(f"{fault}/{broker}: the body never started")
         pid = _claims(ledger, prefix, key)[0]["pid"]
         holder = next(
             w for w in workers if pid in {c.pid for c in psutil.Process(w.pid).children()}
@@ -163,6 +167,7 @@ def measure(
                 recover(client.app)
                 next_beat += beat
             time.sleep(0.05)
+        _keep_logs(workers, workdir, prefix)
         return None
     finally:
         for worker in workers:
@@ -176,6 +181,20 @@ def measure(
             with kombu.Connection(urls["amqp"]) as conn:
                 conn.default_channel.queue_delete(queue)
             kombu.pools.reset()
+
+
+def _keep_logs(workers: Sequence[Worker], workdir: Path, prefix: str) -> None:
+    """A cell that did not take over: the live workers dump their threads' stacks (Celery's
+    SIGUSR1) into their logs, which are copied out of the temporary directory."""
+    for worker in workers:
+        if worker.running:
+            os.kill(worker.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    kept = Path(tempfile.gettempdir()) / f"fence-takeover-{prefix}"
+    kept.mkdir(exist_ok=True)
+    for worker in workers:
+        shutil.copy(worker.log_path, kept / worker.log_path.name)
+    print(f"no takeover: worker logs in {kept}", file=sys.stderr)
 
 
 def _lose(broker: str, urls: dict[str, str], key: str, queue: str) -> None:

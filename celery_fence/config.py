@@ -69,6 +69,9 @@ DEFAULT_DATABASE_TIMEOUT = 10.0
 #: Three: a frozen or killed worker's job is taken over about three TTLs after its last move (a
 #: re-send while the frozen worker still holds its message is fenced: see docs/design.md).
 RECOVER_AFTER_TTLS = 3
+#: Every fenced worker's own recovery check runs every this many lease TTLs (unless
+#: ``fence_recover_interval`` is set): a stranded job waits at most about this long for a check.
+RECOVER_INTERVAL_TTLS = 0.5
 #: ``fence recover`` / the recover task: a job enqueued with :func:`~celery_fence.enqueue` and
 #: never claimed (``pending``, generation 0) counts as stranded once it has not moved for this many
 #: seconds (``fence_recover_pending_after``): no attempt has a lease on it to wait out. One still
@@ -201,8 +204,8 @@ class FenceConfig:
     recover_after: float | None = None  # None: RECOVER_AFTER_TTLS x lease_ttl
     recover_pending_after: float = DEFAULT_RECOVER_PENDING_AFTER
     #: Seconds between two recovery checks a worker runs itself (its main process, with
-    #: jitter; one check per interval across the workers sharing the lease Redis). None: the
-    #: lease TTL; 0: off (schedule ``celery_fence.recover`` in beat instead).
+    #: jitter; one check per interval across the workers sharing the lease Redis). None: half
+    #: the lease TTL; 0: off (schedule ``celery_fence.recover`` in beat instead).
     recover_interval: float | None = None
     max_runtime: float | None = None  # None: the task's hard time limit, if it has one
     retention: float | None = None  # None: finished jobs are kept until purged by hand
@@ -239,7 +242,7 @@ class FenceConfig:
         """Seconds between a worker's own recovery checks (0: the worker runs none)."""
         if self.recover_interval is not None:
             return self.recover_interval
-        return self.lease_ttl
+        return RECOVER_INTERVAL_TTLS * self.lease_ttl
 
     @property
     def recover_pending_after_seconds(self) -> float:
@@ -343,7 +346,7 @@ class FenceConfig:
             raise ConfigurationError(
                 f"fence_recover_interval={self.recover_interval} must be a number of seconds "
                 "(between two recovery checks a worker runs itself), 0 to turn them off, or "
-                f"None (the lease TTL, e.g. {self.lease_ttl:g})."
+                f"None (half the lease TTL, e.g. {RECOVER_INTERVAL_TTLS * self.lease_ttl:g})."
             )
         if self.max_runtime is not None and not self.max_runtime > 0:
             raise ConfigurationError(

@@ -4,7 +4,7 @@ TTLs after their worker froze or died, whether or not beat schedules ``celery_fe
 One daemon thread in the worker's main process (started when the worker is ready, stopped with
 the process's other background threads: :mod:`celery_fence.process.background`), so one per
 worker, whatever its pool and concurrency. Every ``fence_recover_interval`` seconds (default:
-the lease TTL), with jitter (a wait drawn between half the interval and the whole of it), it
+half the lease TTL), with jitter (a wait drawn between half the interval and the whole of it), it
 takes a short Redis throttle ``<prefix>:recover:check`` (``SET NX PX``, about one interval) and,
 when it got it, runs one :func:`~celery_fence.ops.recovery.recover` on the worker's app. N
 workers thus scan about once per interval between them, not N times; the throttle is an
@@ -70,6 +70,7 @@ class RecoveryThread(Background):
 
         try:
             if not self.throttle():
+                logger.debug("fence recovery check: another worker checked within the interval")
                 return
             self.checks += 1
             report = recover(self.app)
@@ -89,6 +90,11 @@ class RecoveryThread(Background):
             )
 
     def _run(self) -> None:
+        logger.info(
+            "fence recovery checks every %gs (jittered) in this worker",
+            self.interval,
+            extra={"action": LogAction.RECOVER_CHECK, "reason": "started"},
+        )
         while not self._stop.wait(self.wait()):
             self.check()
 

@@ -57,7 +57,11 @@ app.conf.update(
     fence_max_runtime=float(E["FENCE_T_MAX_RUNTIME"]) if E.get("FENCE_T_MAX_RUNTIME") else None,
     # the worker's own recovery checks: off unless a test turns them on (the recovery tests
     # run `fence recover` themselves and assert what it re-sent)
-    fence_recover_interval=float(E.get("FENCE_T_RECOVER_INTERVAL", "0")),
+    fence_recover_interval=(
+        None  # "default": the library's default
+        if E.get("FENCE_T_RECOVER_INTERVAL") == "default"
+        else float(E.get("FENCE_T_RECOVER_INTERVAL", "0"))
+    ),
     fence_recover_after=float(E["FENCE_T_RECOVER_AFTER"])
     if E.get("FENCE_T_RECOVER_AFTER")
     else None,

@@ -79,7 +79,7 @@ def test_database_and_generation_settings_are_validated() -> None:
     assert config.database_timeout == 2.5
     assert config.recover_after_seconds == 3 * config.lease_ttl
     assert FenceConfig.from_mapping({"fence_recover_after": 120}).recover_after_seconds == 120
-    assert config.recover_interval_seconds == config.lease_ttl
+    assert config.recover_interval_seconds == config.lease_ttl / 2
     assert FenceConfig.from_mapping({"fence_recover_interval": 0}).recover_interval_seconds == 0
     with pytest.raises(ConfigurationError, match=r"fence_recover_interval=-1.*0 to turn them off"):
         FenceConfig.from_mapping({"fence_recover_interval": -1})
