@@ -9,7 +9,8 @@ once one worker's pool process runs its body the fault is injected:
 - ``kill-child``: SIGKILL that pool process (its worker's main process lives on);
 - ``kill-worker``: SIGKILL the whole worker (main process and pool);
 - ``lost``: SIGKILL the whole worker and delete its message from the broker (the Redis broker's
-  unacked entry; RabbitMQ's queue, once the message came back to it): only recovery finishes it.
+  unacked entry; RabbitMQ's queue, once the message came back to it), then start the second
+  worker: only recovery finishes it.
 
 The time-to-takeover is from the fault to the moment another attempt claims a newer generation
 of the key (its ``lease_claimed`` signal, recorded by the worker). The table prints it in
@@ -119,8 +120,9 @@ def measure(
 
     Store(env["FENCE_T_DB"]).create_schema()
     ledger = redis.Redis.from_url(urls["redis"])
-    workers = [
-        Worker(
+
+    def worker(name: str) -> Worker:
+        return Worker(
             "tests.support.app",
             env=env,
             queue=queue,
@@ -129,11 +131,13 @@ def measure(
             cwd=ROOT,
             pythonpath=[str(ROOT)],
         ).launch()
-        for name in ("one", "two")
-    ]
+
+    # ``lost``: the rescuer starts once the message is gone (RabbitMQ would hand the message
+    # of the killed worker to a consumer already there before it could be purged)
+    workers = [worker("one")] if fault == "lost" else [worker("one"), worker("two")]
     try:
-        for worker in workers:
-            worker.wait_ready()
+        for started in workers:
+            started.wait_ready()
         key = f"takeover:{uuid.uuid4().hex[:8]}"
         faults.arm(ledger, prefix, "hang", key)
         client.work.apply_async((key,), kwargs={"check": False}, queue=queue)
@@ -156,6 +160,8 @@ def measure(
             holder.kill()
         if fault == "lost":
             _lose(broker, urls, key, queue)
+            workers.append(worker("two"))
+            workers[-1].wait_ready()
         beat = BEFORE_BEAT_TTLS * ttl
         next_beat = time.monotonic() + beat
         end = time.monotonic() + timeout
@@ -170,8 +176,8 @@ def measure(
         _keep_logs(workers, workdir, prefix)
         return None
     finally:
-        for worker in workers:
-            worker.stop(timeout=5)
+        for started in workers:
+            started.stop(timeout=5)
         client.app.close()
         sys.modules.pop("tests.support.app", None)
         for k in ledger.scan_iter(f"{prefix}:*", count=1000):
