@@ -20,6 +20,10 @@ Modes (default: throughput):
   ``delay()`` and commit-then-``delay()``;
 - ``python -m bench --steps`` — what a fenced step (``fence.run_step``), a replayed step and a
   checkpoint cost the body per call, beside a fenced block with the same insert;
+- ``python -m bench --takeover`` — time-to-takeover, fault (pause, kill the pool process, kill the
+  worker, lost message) x broker (Redis, RabbitMQ), with real workers (:mod:`bench.takeover`;
+  ``--takeover-before``: the settings this release replaced); uses the tests' services
+  (``FENCE_TEST_*_URL``), starts none;
 - ``python -m bench --experiment`` — the default mode plus ``fenced-pg-exp``: candidate hot-path
   changes (:mod:`bench.experiments`, monkeypatched in a second worker only), same run.
 
@@ -48,6 +52,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument("--steps", action="store_true", help="body cost of a step, a checkpoint")
     mode.add_argument(
         "--latency", action="store_true", help="publish -> result stored per task, steady rate"
+    )
+    mode.add_argument(
+        "--takeover", action="store_true", help="time-to-takeover, fault x broker (real workers)"
+    )
+    p.add_argument("--takeover-ttl", type=float, default=2.0, help="--takeover: lease TTL (2)")
+    p.add_argument(
+        "--takeover-faults",
+        default="pause,kill-child,kill-worker,lost",
+        help="--takeover: faults (default pause,kill-child,kill-worker,lost)",
+    )
+    p.add_argument(
+        "--takeover-brokers", default="redis,amqp", help="--takeover: brokers (redis,amqp)"
+    )
+    p.add_argument(
+        "--takeover-before",
+        action="store_true",
+        help="--takeover: the old settings (10 TTLs, no worker check, beat every 2 TTLs)",
     )
     p.add_argument(
         "--latency-rate", type=float, default=20.0, help="--latency: tasks a second (default 20)"
@@ -176,6 +197,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.takeover:  # the tests' services: RabbitMQ is no private server here
+        from bench import takeover
+
+        figures = takeover.run(
+            ttl=args.takeover_ttl,
+            faults_=args.takeover_faults.split(","),
+            brokers=args.takeover_brokers.split(","),
+            before=args.takeover_before,
+        )
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=2))
+        return 0
     from bench.harness import services
 
     with (

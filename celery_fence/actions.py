@@ -35,6 +35,7 @@ class Action(str, Enum):
     REQUEUE_REVERTED = "requeue_reverted"
     RECOVERED = "recovered"
     UNFENCED_WRITE = "unfenced_write"
+    TAKEN_OVER = "taken_over"
 
     def __str__(self) -> str:
         return self.value
@@ -59,6 +60,7 @@ class LogAction(str, Enum):
     OUTBOX_RETRY = "outbox_retry"
     OUTBOX_TRIGGER_FAILED = "outbox_trigger_failed"
     PURGE = "purge"
+    RECOVER_CHECK = "recover_check"
     RECOVER_FAILED = "recover_failed"
     REGRESSED = "regressed"
     RELEASE_FAILED = "release_failed"

@@ -71,7 +71,12 @@ DEFAULT_CHECKPOINT_MAX_BYTES = 64 * 1024
 DEFAULT_DATABASE_TIMEOUT = 10.0
 #: ``fence recover`` / the recover task: a non-terminal job whose lease is gone counts as
 #: stranded once it has not moved for this many lease TTLs (unless ``fence_recover_after`` is set).
-RECOVER_AFTER_TTLS = 10
+#: Three: a frozen or killed worker's job is taken over about three TTLs after its last move (a
+#: re-send while the frozen worker still holds its message is fenced: see docs/design.md).
+RECOVER_AFTER_TTLS = 3
+#: Every fenced worker's own recovery check runs every this many lease TTLs (unless
+#: ``fence_recover_interval`` is set): a stranded job waits at most about this long for a check.
+RECOVER_INTERVAL_TTLS = 0.5
 #: ``fence recover`` / the recover task: a job enqueued with :func:`~celery_fence.enqueue` and
 #: never claimed (``pending``, generation 0) counts as stranded once it has not moved for this many
 #: seconds (``fence_recover_pending_after``): no attempt has a lease on it to wait out. One still
@@ -222,6 +227,10 @@ class FenceConfig:
     generation_ttl: float = DEFAULT_GENERATION_TTL
     recover_after: float | None = None  # None: RECOVER_AFTER_TTLS x lease_ttl
     recover_pending_after: float = DEFAULT_RECOVER_PENDING_AFTER
+    #: Seconds between two recovery checks a worker runs itself (its main process, with
+    #: jitter; one check per interval across the workers sharing the lease Redis). None: half
+    #: the lease TTL; 0: off (schedule ``celery_fence.recover`` in beat instead).
+    recover_interval: float | None = None
     max_runtime: float | None = None  # None: the task's hard time limit, if it has one
     retention: float | None = None  # None: finished jobs are kept until purged by hand
     unfenced_writes: str = DEFAULT_UNFENCED_WRITES
@@ -268,6 +277,13 @@ class FenceConfig:
         if self.recover_after is not None:
             return self.recover_after
         return RECOVER_AFTER_TTLS * self.lease_ttl
+
+    @property
+    def recover_interval_seconds(self) -> float:
+        """Seconds between a worker's own recovery checks (0: the worker runs none)."""
+        if self.recover_interval is not None:
+            return self.recover_interval
+        return RECOVER_INTERVAL_TTLS * self.lease_ttl
 
     @property
     def recover_pending_after_seconds(self) -> float:
@@ -377,6 +393,12 @@ class FenceConfig:
                 f"fence_recover_pending_after={self.recover_pending_after} must be a positive "
                 "number of seconds (how long a never-claimed enqueued job may wait for its first "
                 f"claim before recovery sends it again), e.g. {DEFAULT_RECOVER_PENDING_AFTER:g}."
+            )
+        if self.recover_interval is not None and not self.recover_interval >= 0:
+            raise ConfigurationError(
+                f"fence_recover_interval={self.recover_interval} must be a number of seconds "
+                "(between two recovery checks a worker runs itself), 0 to turn them off, or "
+                f"None (half the lease TTL, e.g. {RECOVER_INTERVAL_TTLS * self.lease_ttl:g})."
             )
         if self.max_runtime is not None and not self.max_runtime > 0:
             raise ConfigurationError(
@@ -530,7 +552,7 @@ _FLOATS = {
     "lock_timeout",
     "recover_pending_after",
 }
-_OPTIONAL_FLOATS = {"recover_after", "max_runtime", "retention"}
+_OPTIONAL_FLOATS = {"recover_after", "recover_interval", "max_runtime", "retention"}
 _OPTIONAL_INTS = {"group_limit"}
 _INTS = {
     "max_attempts",

@@ -21,6 +21,12 @@ where they fit: ``remaining`` for ``lease_busy``, ``countdown`` and ``attempts``
   ``group_full`` or ``rate_limited`` when over ``fence_group_limit`` / ``fence_rate_limit``,
   with ``generation`` and ``attempts`` None: the limits are taken before the claim).
 - ``job_dead``: the job reached the terminal ``dead`` state.
+- ``job_taken_over``: an attempt registered a job that recovery took over from an attempt that
+  never ended (its worker froze, died or lost the message), with ``previous_generation`` (the
+  generation taken over) and ``seconds`` (from the previous attempt's last move in the store —
+  its claim or its last fenced write — to this claim: the time-to-takeover, an upper bound of the
+  time the job stood still; measured on wall clocks of two hosts). Sent once per takeover, by the
+  new attempt's worker, after its registration and before its body runs.
 - ``unfenced_write``: the body committed a write that no fenced block covers (once per attempt;
   ``where`` names the connection, ``table`` the table when known).
 
@@ -48,6 +54,11 @@ job_replayed = Signal(name="job_replayed", providing_args=_ARGS)
 stale_rejected = Signal(name="stale_rejected", providing_args=_ARGS)
 job_retry_scheduled = Signal(name="job_retry_scheduled", providing_args=_ARGS | {"countdown"})
 job_dead = Signal(name="job_dead", providing_args=_ARGS | {"attempts"})
+#: A recovered job's new attempt registered: ``previous_generation`` and ``seconds`` besides the
+#: usual arguments (see the module docstring).
+job_taken_over = Signal(
+    name="job_taken_over", providing_args=_ARGS | {"previous_generation", "seconds"}
+)
 #: Sent inside an open ``fence.atomic()`` block just before its ownership check: the block's
 #: writes are made and not committed yet (the testing plugin pauses a worker here).
 block_committing = Signal(name="block_committing", providing_args=_ARGS)
@@ -62,6 +73,7 @@ __all__ = [
     "job_dead",
     "job_replayed",
     "job_retry_scheduled",
+    "job_taken_over",
     "lease_busy",
     "lease_claimed",
     "lease_lost",

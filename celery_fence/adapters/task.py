@@ -52,6 +52,7 @@ from celery_fence.store import Store
 from celery_fence.store.records import (
     ENQUEUED_HEADER,
     RUN_HEADER,
+    TAKEOVER_HEADER,
     encode_request,
     message_publish_options,
     request_text,
@@ -350,6 +351,7 @@ class FencedTask(Task, Fenced):
             decoded = None if stored is None else json.loads(stored)
             return self._carry_out(execution.run_unkeyed(exc, request.id, decoded))
         execution.run_number = self._run_number()
+        execution.takeover = self._takeover()
         execution.published_at = published_at(request)
         if execution.trace is None:
             return self._run_attempt(execution, key, args, kwargs, call)
@@ -425,6 +427,23 @@ class FencedTask(Task, Fenced):
         if value is None:
             value = (request.headers or {}).get(RUN_HEADER)  # an eager apply(headers=...)
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+    def _takeover(self) -> tuple[int, float] | None:
+        """(generation taken over, when its row last moved) from a recovery's re-send's
+        ``fence_takeover`` header; None for any other message (also the body's own retries of
+        one, which Celery sends with its headers)."""
+        request = self.request
+        if request.called_directly or request.retries:
+            return None
+        value = request.get(TAKEOVER_HEADER)
+        if not isinstance(value, dict):
+            return None
+        generation, moved = value.get("generation"), value.get("moved")
+        if not isinstance(generation, int) or isinstance(generation, bool):
+            return None
+        if not isinstance(moved, (int, float)) or isinstance(moved, bool):
+            return None
+        return generation, float(moved)
 
     def _body(
         self,

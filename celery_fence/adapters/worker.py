@@ -41,6 +41,7 @@ from celery.signals import (
     worker_init,
     worker_process_init,
     worker_process_shutdown,
+    worker_ready,
     worker_shutdown,
 )
 from celery.utils.dispatch import Signal
@@ -224,6 +225,24 @@ def _check_settings_at_start(sender: Any = None, **_: Any) -> None:
             raise SystemExit(message)
 
 
+def _start_recovery(sender: Any = None, **_: Any) -> None:
+    """The worker's main process, ready: start its recovery thread
+    (:mod:`celery_fence.ops.recovery_thread`; not with ``fence_recover_interval=0``)."""
+    app: Any = getattr(sender, "app", None)
+    if not installed(app):
+        return
+    from celery_fence.ops.recovery_thread import start_recovery_thread
+
+    try:
+        start_recovery_thread(app, owner=str(getattr(sender, "hostname", "") or ""))
+    except Exception as exc:  # the worker runs; recovery is then beat's or the operator's
+        logger.error(
+            "fence could not start the recovery thread: %s",
+            type(exc).__name__,
+            extra={"action": LogAction.RECOVER_FAILED, "reason": str(exc)},
+        )
+
+
 def _detach_thread(sender: Any = None, **_: Any) -> None:
     """A worker's own thread (its main thread, a pool thread about to run a task): a write on
     it is a running fenced attempt's only when that attempt runs on it
@@ -240,6 +259,7 @@ RECEIVERS: tuple[tuple[Signal, Any], ...] = (
     (worker_init, _check_settings_at_start),
     (worker_process_shutdown, _release_on_shutdown),
     (worker_shutdown, _release_on_shutdown),
+    (worker_ready, _start_recovery),
     (worker_init, _detach_thread),
     (worker_process_init, _detach_thread),
     (task_prerun, _detach_thread),

@@ -107,6 +107,14 @@ TABLE: Mapping[Action, ActionSpec] = MappingProxyType(
         # Logged at INFO per attempt: the WARNING naming the task and the fix is logged once
         # per task name and process by celery_fence.body.watch.
         Action.UNFENCED_WRITE: _t(signals.unfenced_write, _INFO, None, recorded=True),
+        # A claim's detail (the ``claimed`` row is its history): logged, signalled, no row.
+        Action.TAKEN_OVER: _t(
+            signals.job_taken_over,
+            _INFO,
+            None,
+            recorded=False,
+            logger_name="celery_fence.recovery",
+        ),
     }
 )
 

@@ -4,7 +4,7 @@ A job row can stay ``running``, ``retrying`` or ``pending`` with no message left
 purged queue, a broker that lost messages, a ``fence requeue`` that died between its commit and
 its send, a worker killed while the Redis broker's visibility timeout is still hours away.
 Such a row is **stranded** when no live lease holds its key in Redis and it has not moved for
-``fence_recover_after`` seconds (default: 10 x ``fence_lease_ttl``) — for a ``retrying`` job,
+``fence_recover_after`` seconds (default: 3 x ``fence_lease_ttl``) — for a ``retrying`` job,
 counted from its ``retry_at`` too. A job :func:`~celery_fence.enqueue` wrote and no attempt has
 claimed (``pending``, generation 0) has no attempt to wait out: its threshold is the shorter
 ``fence_recover_pending_after`` (counted from its countdown or eta, if it has one). One whose
@@ -26,7 +26,9 @@ message goes through the ordinary claim: if the original message was only late a
 both are fenced on the key and one completion is stored. A job that ended ``dead`` (also a
 revoked one) is never stranded.
 
-Three ways to run it: ``celery -A proj fence recover [--older-than S] [--dry-run]``, the task
+Every fenced worker runs it itself, every ``fence_recover_interval`` seconds
+(:mod:`celery_fence.ops.recovery_thread`). Three more ways to run it: ``celery -A proj fence recover
+[--older-than S] [--dry-run]``, the task
 :data:`RECOVER_TASK` in beat (registered by :func:`celery_fence.install` on each app that has a
 fenced task, or that you install yourself)::
 
@@ -50,9 +52,14 @@ from celery_fence.actions import Action, LogAction
 from celery_fence.announce.transitions import emit_transition
 from celery_fence.errors import FenceError
 from celery_fence.ops.scope import Scope
-from celery_fence.schema import PENDING, utcnow
+from celery_fence.schema import PENDING, RUNNING, utcnow
 from celery_fence.store import UNFINISHED, JobRecord, Store
-from celery_fence.store.records import ENQUEUED_HEADER, EXECUTION_OPTIONS, DeadStranded
+from celery_fence.store.records import (
+    ENQUEUED_HEADER,
+    EXECUTION_OPTIONS,
+    TAKEOVER_HEADER,
+    DeadStranded,
+)
 
 logger = logging.getLogger("celery_fence.recovery")
 
@@ -235,6 +242,18 @@ def _queue_bound(app: Any, exchange: str, routing_key: str) -> str | None:
     return None
 
 
+def takeover_header(record: JobRecord) -> dict[str, Any] | None:
+    """The :data:`~celery_fence.store.records.TAKEOVER_HEADER` of a re-send of ``record`` as
+    read before it was taken: for a ``running`` job (an attempt that never ended), its
+    generation and when its row last moved; None otherwise."""
+    if record.status != RUNNING or record.generation < 1:
+        return None
+    moved = record.updated_at
+    if moved.tzinfo is None:
+        moved = moved.replace(tzinfo=dt.timezone.utc)
+    return {"generation": record.generation, "moved": moved.timestamp()}
+
+
 def execution_for(record: JobRecord) -> dict[str, Any]:
     """The ``send_task`` options that carry the job's workflow on, as stored with its request
     (chain, link, link_error, chord, group, root/parent ids, time limits, custom headers and
@@ -242,7 +261,11 @@ def execution_for(record: JobRecord) -> dict[str, Any]:
     ``ignore_result`` and publish options), plus the key header."""
     stored: Mapping[str, Any] = (record.request or {}).get("execution") or {}
     options = {name: stored[name] for name in EXECUTION_OPTIONS if stored.get(name) is not None}
-    headers = {k: v for k, v in (options.get("headers") or {}).items() if k != ENQUEUED_HEADER}
+    headers = {
+        k: v
+        for k, v in (options.get("headers") or {}).items()
+        if k not in (ENQUEUED_HEADER, TAKEOVER_HEADER)
+    }
     options["headers"] = {**headers, KEY_HEADER: record.key}  # a re-send: registers first
     stamps = options.pop("stamps", None) or {}
     for stamp in options.get("stamped_headers") or ():
@@ -251,7 +274,7 @@ def execution_for(record: JobRecord) -> dict[str, Any]:
     return options
 
 
-def send_stored(app: Any, record: JobRecord) -> str:
+def send_stored(app: Any, record: JobRecord, *, takeover: dict[str, Any] | None = None) -> str:
     """Send ``record``'s stored request again, under its key, with its workflow; return the
     Celery task id.
 
@@ -267,12 +290,15 @@ def send_stored(app: Any, record: JobRecord) -> str:
         )
     task_name = str(request.get("task") or record.task_name)
     task_id = task_id_for(app, record)
+    execution = execution_for(record)
+    if takeover is not None:
+        execution["headers"][TAKEOVER_HEADER] = takeover
     app.send_task(
         task_name,
         args=list(request.get("args") or []),
         kwargs=dict(request.get("kwargs") or {}),
         task_id=task_id,
-        **execution_for(record),
+        **execution,
         **routing_for(record, app),
     )
     return task_id
@@ -293,7 +319,7 @@ def resend(app: Any, store: Store, record: JobRecord, *, reason: str) -> str | N
     taken = store.admin.take_for_resend(record, reason=reason)
     if taken is None:
         return None
-    return send_stored(app, taken)
+    return send_stored(app, taken, takeover=takeover_header(record))
 
 
 def recover(
@@ -391,5 +417,6 @@ __all__ = [
     "routing_for",
     "send_stored",
     "stranded_jobs",
+    "takeover_header",
     "task_id_for",
 ]

@@ -120,6 +120,9 @@ class Execution:
         #: The operator's re-run this message belongs to (its ``fence_run`` header; 0: the key's
         #: first run): its outbox effects get idempotency keys of their own.
         self.run_number = 0
+        #: A recovery's takeover of this job (the message's ``fence_takeover`` header): the
+        #: generation taken over and when its row last moved (epoch seconds); None otherwise.
+        self.takeover: tuple[int, float] | None = None
         #: How the attempt runs in the caller's thread, with no message behind it (``"direct
         #: call"``, ``"eager run"``), else empty: the settle step never leaves its row for a
         #: re-send (:mod:`celery_fence.pipeline.settle`).
@@ -484,6 +487,22 @@ class Execution:
 
     # -- registration ------------------------------------------------------------------------------
 
+    def _announce_takeover(self) -> None:
+        """``job_taken_over``, when this registration took over a generation recovery found
+        stranded: the seconds from that attempt's last move to now."""
+        if self.takeover is None or self.generation is None:
+            return
+        previous, moved = self.takeover
+        if not previous < self.generation:
+            return
+        seconds = max(0.0, time.time() - moved)
+        self.announce(
+            Action.TAKEN_OVER,
+            f"generation {previous} taken over after {seconds:.1f}s",
+            previous_generation=previous,
+            seconds=seconds,
+        )
+
     def _register(self) -> o.Outcome | None:
         """Register this claim: None when it registered, else the outcome the store's state
         calls for (replayed, already dead, or stale: a newer generation got there first)."""
@@ -500,6 +519,7 @@ class Execution:
             # The row's stored request says which re-run this is, also when the message does
             # not (the key's first message redelivered late, after a requeue --completed).
             self.run_number = max(self.run_number, registration.run)
+            self._announce_takeover()
             return None
         if registration.outcome == "completed":
             assert registration.record is not None

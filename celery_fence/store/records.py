@@ -250,6 +250,10 @@ ENQUEUED_HEADER = "fence_enqueued"
 #: re-sends and Celery's retries carry it too; the run's outbox effects get idempotency keys of
 #: their own (:func:`celery_fence.body.effects.idempotency_key`).
 RUN_HEADER = "fence_run"
+#: The header of a recovery's re-send of a job whose attempt never ended:
+#: ``{"generation": g, "moved": <epoch seconds of the row's last move>}``; the new attempt sends
+#: ``job_taken_over`` from it. Never stored with a request (a later re-send is no takeover).
+TAKEOVER_HEADER = "fence_takeover"
 
 
 def run_of(request: Mapping[str, Any] | None) -> int:
@@ -375,7 +379,7 @@ def message_publish_options(context: Any) -> dict[str, Any]:
 def _json_headers(headers: Any) -> dict[str, Any] | None:
     out = {}
     for name, value in dict(headers or {}).items():
-        if str(name).lower().startswith("x-") or name == ENQUEUED_HEADER:
+        if str(name).lower().startswith("x-") or name in (ENQUEUED_HEADER, TAKEOVER_HEADER):
             continue  # (a re-send is never the enqueued first delivery)
         try:
             json.dumps(value, allow_nan=False)

@@ -290,3 +290,23 @@ def test_the_happy_path_count_follows_one_task_from_the_message_to_the_ack(tmp_p
     assert "celery_fence/pipeline/settle.py" in files
     assert not [f for f in files if f.startswith("celery_fence/ops/")]
     assert f"working tree: {len(files)} celery_fence files" in stdout
+
+
+@pytest.mark.timeout(120)
+def test_takeover_mode_measures_a_fault_on_a_broker(tmp_path: Path) -> None:
+    # Given one cell: the whole worker killed inside the body, on the Redis broker, TTL 1 s
+    stdout, result = _bench(
+        tmp_path,
+        "--takeover",
+        "--takeover-faults",
+        "kill-worker",
+        "--takeover-brokers",
+        "redis",
+        "--takeover-ttl",
+        "1",
+    )
+    # Then another worker's own recovery check took the job over within a few TTLs, and the
+    # table says so
+    seconds = result["seconds"]["kill-worker"]["redis"]
+    assert seconds is not None and 0 < seconds <= 5.0
+    assert "| kill-worker |" in stdout and "TTLs" in stdout

@@ -204,7 +204,7 @@ def test_ls_stuck_and_recover_resend_stranded_jobs_under_their_key(
     # ls --stuck lists exactly the stranded ones (not the one a lease holds)
     listed = json.loads(ok(fence_cli(worker_env, "ls", "--stuck", "--older-than", "0", "--json")))
     assert {j["key"] for j in listed} & ours == {running.key, retrying.key, requeued.key}
-    # nothing has moved for 10 x TTL yet (TTL 30 s here: a slow CLI start on a loaded machine
+    # nothing has moved for 3 x TTL yet (TTL 30 s here: a slow CLI start on a loaded machine
     # must not age the rows past the default threshold)
     slow = {**worker_env, "FENCE_T_TTL": "30"}
     default = json.loads(ok(fence_cli(slow, "ls", "--stuck", "--json")))
@@ -440,7 +440,7 @@ def test_recover_scans_a_task_s_own_database_and_judges_each_job_by_its_task_s_t
     # (check covers the task's database as well as the app's)
     assert f"database: ok ({own_url}, schema current)" in ok(fence_cli(env, "check"))
     # Given a stranded job in a task's own database, one of a task whose fence_recover_after
-    # is 2 s, and one of a task with the app's (10 x its 2 s TTL = 20 s), none moved for 2 s,
+    # is 2 s, and one of a task with the app's (3 x its 2 s TTL = 6 s), none moved for 2 s,
     own = f"own-db:{uuid.uuid4().hex[:8]}"
     short = f"short:{uuid.uuid4().hex[:8]}"
     default = f"default:{uuid.uuid4().hex[:8]}"
@@ -473,7 +473,7 @@ def test_a_never_claimed_enqueued_job_is_recovered_after_the_shorter_pending_thr
     from celery_fence import enqueue
 
     queue = worker_env["FENCE_T_QUEUE"]
-    # (a 30 s lease TTL: the running job's threshold is 10 x 30 s, however slow the CLI runs)
+    # (a 30 s lease TTL: the running job's threshold is 3 x 30 s, however slow the CLI runs)
     env = {**worker_env, "FENCE_T_RECOVER_PENDING_AFTER": "1", "FENCE_T_TTL": "30"}
     # Given, with no worker, two enqueued jobs whose messages are lost, one of them due in an
     # hour (countdown), and a running job whose lease is gone,

@@ -53,6 +53,16 @@ app.conf.update(
     fence_generation_ttl=float(E.get("FENCE_T_GEN_TTL", "600")),
     fence_max_runtime=float(E["FENCE_T_MAX_RUNTIME"]) if E.get("FENCE_T_MAX_RUNTIME") else None,
     fence_metrics_port=int(E["FENCE_T_METRICS_PORT"]) if E.get("FENCE_T_METRICS_PORT") else None,
+    # the worker's own recovery checks: off unless a test turns them on (the recovery tests
+    # run `fence recover` themselves and assert what it re-sent)
+    fence_recover_interval=(
+        None  # "default": the library's default
+        if E.get("FENCE_T_RECOVER_INTERVAL") == "default"
+        else float(E.get("FENCE_T_RECOVER_INTERVAL", "0"))
+    ),
+    fence_recover_after=float(E["FENCE_T_RECOVER_AFTER"])
+    if E.get("FENCE_T_RECOVER_AFTER")
+    else None,
 )
 ledger = redis.Redis.from_url(E.get("FENCE_T_REDIS", "redis://127.0.0.1:6379/1"))
 

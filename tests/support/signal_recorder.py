@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import redis
@@ -38,6 +39,7 @@ SIGNALS = {
         "stale_rejected",
         "job_retry_scheduled",
         "job_dead",
+        "job_taken_over",
     )
 }
 
@@ -48,6 +50,7 @@ def _record(signal: Any = None, sender: Any = None, **kwargs: Any) -> None:
         "sender": getattr(sender, "name", None),
         "thread": threading.current_thread().name,
         "pid": os.getpid(),
+        "at": time.time(),
         **kwargs,
     }
     _ledger.rpush(f"{PREFIX}:signals", json.dumps(entry, default=repr))

@@ -77,8 +77,12 @@ def test_per_task_options_override_and_are_validated() -> None:
 def test_database_and_generation_settings_are_validated() -> None:
     config = FenceConfig.from_mapping({"fence_database_timeout": "2.5"})
     assert config.database_timeout == 2.5
-    assert config.recover_after_seconds == 10 * config.lease_ttl
+    assert config.recover_after_seconds == 3 * config.lease_ttl
     assert FenceConfig.from_mapping({"fence_recover_after": 120}).recover_after_seconds == 120
+    assert config.recover_interval_seconds == config.lease_ttl / 2
+    assert FenceConfig.from_mapping({"fence_recover_interval": 0}).recover_interval_seconds == 0
+    with pytest.raises(ConfigurationError, match=r"fence_recover_interval=-1.*0 to turn them off"):
+        FenceConfig.from_mapping({"fence_recover_interval": -1})
     for bad in (
         {"fence_database_timeout": 0},
         {"fence_generation_ttl": 5, "fence_lease_ttl": 30},

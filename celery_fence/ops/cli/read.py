@@ -189,7 +189,7 @@ def _write_fix(exc: BaseException, store: Store, celery: str) -> str:
     default=None,
     help_group="Filter Options",
     help="With --stuck: seconds without movement (default: each job's task's fence_recover_after, "
-    "10 x its lease TTL; fence_recover_pending_after for a never-claimed one).",
+    "3 x its lease TTL; fence_recover_pending_after for a never-claimed one).",
 )
 @click.option(
     "--never-claimed",

@@ -167,7 +167,7 @@ def _requeued(ctx: click.Context, record: JobRecord, task_id: str) -> None:
     default=None,
     help_group="Recover Options",
     help="Seconds an unfinished job must not have moved (default: each job's task's "
-    "fence_recover_after, 10 x its lease TTL; fence_recover_pending_after, 60, for a job "
+    "fence_recover_after, 3 x its lease TTL; fence_recover_pending_after, 60, for a job "
     "enqueued and never claimed).",
 )
 @click.option(
