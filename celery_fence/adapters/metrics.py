@@ -129,9 +129,14 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         return
     try:
         config = FenceConfig.from_app(app)
+    except ConfigurationError:
+        # Invalid settings are the settings check's to refuse (at the worker's start) or the
+        # first task's settle step's (a task that opts out of the start check): no metrics then.
+        return
+    try:
         if not metrics.wanted(config):
             return
-    except ConfigurationError as exc:
+    except ConfigurationError as exc:  # metrics asked for without prometheus_client
         message = f"celery-fence: invalid settings, the worker does not start: {exc}"
         logger.critical(message)
         raise SystemExit(message) from None
