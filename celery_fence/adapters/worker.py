@@ -51,6 +51,7 @@ from celery_fence.actions import LogAction
 from celery_fence.app_state import app_state, installed, installed_apps
 from celery_fence.body import watch
 from celery_fence.errors import ConfigurationError
+from celery_fence.ops.recovery_thread import start_recovery_thread
 from celery_fence.pipeline import outcomes as o
 from celery_fence.process.runtime import runtime
 from celery_fence.store.engine import missing_database
@@ -231,8 +232,6 @@ def _start_recovery(sender: Any = None, **_: Any) -> None:
     app: Any = getattr(sender, "app", None)
     if not installed(app):
         return
-    from celery_fence.ops.recovery_thread import start_recovery_thread
-
     try:
         start_recovery_thread(app, owner=str(getattr(sender, "hostname", "") or ""))
     except Exception as exc:  # the worker runs; recovery is then beat's or the operator's

@@ -200,7 +200,7 @@ BREAKAGES = (
         "recovery-send",
         "recovery takes a stranded job for a re-send and never sends it",
         "ops/recovery.py",
-        "    return send_stored(app, taken)\n",
+        "    return send_stored(app, taken, takeover=takeover_header(record))\n",
         "    return taken.key  # broken: taken for a re-send, never sent\n",
         ("--scenario", "recovered-chain", "--runs", "1"),
         column="lost_jobs",

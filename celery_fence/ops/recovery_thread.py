@@ -26,7 +26,9 @@ from typing import Any
 from celery_fence.actions import LogAction
 from celery_fence.config import FenceConfig
 from celery_fence.leases.lease import make_redis_client
+from celery_fence.ops.recovery import recover
 from celery_fence.process.background import Background
+from celery_fence.process.runtime import runtime
 
 logger = logging.getLogger("celery_fence.recovery")
 
@@ -66,8 +68,6 @@ class RecoveryThread(Background):
 
     def check(self) -> None:
         """One check: the throttle, then one recovery run (never raises)."""
-        from celery_fence.ops.recovery import recover  # (recovery imports the adapters' layer)
-
         try:
             if not self.throttle():
                 logger.debug("fence recovery check: another worker checked within the interval")
@@ -109,8 +109,6 @@ class RecoveryThread(Background):
 def start_recovery_thread(app: Any, owner: str = "") -> RecoveryThread | None:
     """Start ``app``'s recovery thread in this process (once); None when
     ``fence_recover_interval`` is 0."""
-    from celery_fence.process.runtime import runtime
-
     config = FenceConfig.from_app(app)
     if config.recover_interval_seconds <= 0:
         return None

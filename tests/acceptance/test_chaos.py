@@ -362,14 +362,16 @@ def test_store_crash_loses_nothing_and_an_asynchronous_completion_loses_its_job(
     assert code == 0, output
     # ... the completion committed before the crash was there after it (its job: 1 attempt) ...
     assert "crash in after_commit: completed g1 attempts 1 before, completed g1" in output, output
-    # and with the endings committed as the registration is, without their WAL flush, the job
-    # whose completion was acked before the crash is lost: the scenario catches it.
+    # and with the endings committed as the registration is, without their WAL flush, a
+    # completion acked before the crash is gone after it: its job is lost (no row says it
+    # completed, no message left), or — when the workers' own recovery check finds its row still
+    # `running` and re-sends it — completed a second time, two attempts told their completion
+    # counted. Either way the scenario catches it.
     arm_args = [*args, "--converge-timeout", "10", "--async-endings"]
     code, report, output = _chaos(tmp_path / "arm", *arm_args)
     row = _by_name(report)["store-crash"]
     assert row["runs"] == 1 and row["faults"] == 2, (row, output)
-    assert row["lost_jobs"] >= 1, (row["violations"], output)
-    assert any("after_commit" in v for v in row["violations"]), row["violations"]
+    assert row["lost_jobs"] + row["duplicate_completions"] >= 1, (row["violations"], output)
     assert code == 1 and report["ok"] is False, output
 
 

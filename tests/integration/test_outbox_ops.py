@@ -8,6 +8,7 @@ deliveries run in this process through :class:`~celery_fence.ops.outbox.Outbox`,
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import uuid
 from collections.abc import Iterator
@@ -98,7 +99,9 @@ def test_show_lists_the_effects_without_payloads(
 
     text = ok(fence_cli(worker_env, "show", key))
     assert SECRET not in text and "card" not in text
-    effects = text[text.index("\neffects:") + 1 :].splitlines()[2:]  # after the table's header
+    section = text[text.index("\neffects:") + 1 :].splitlines()[2:]  # after the table's header
+    # the effects table's rows: indented, up to the next section (``steps:``, ...)
+    effects = [line for line in itertools.takewhile(lambda line: line.startswith(" "), section)]
     by_name = {line.split()[1]: line for line in effects}
     assert set(by_name) == {"sent", "broken", "waiting"}
     for name, row in rows.items():

@@ -32,9 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ops",),  # the operator's side: recovery, retention, requeue, outbox delivery, the CLI
     ("adapters",),  # Celery's side: FencedTask, FencedRequest, install(app)
     ("durable", "beat"),  # enqueue(): a pending row in the caller's transaction; the scheduler
-    # enqueue(): a task's pending row in the caller's transaction; the celery-once and
-    # celery-singleton shims
-    ("durable", "compat"),
+    ("compat",),  # the celery-once and celery-singleton shims, over unique jobs
     ("contrib",),  # the optional Django integration
     ("__init__",),  # the public names: ``from celery_fence import FencedTask``
     ("testing",),  # the pytest plugin, the doubles, the worker harness
