@@ -134,9 +134,12 @@ def make_app(s: Mapping[str, str]) -> Celery:
         fence_outbox_backoff_max=0.5,
         # the harness retries on purpose, many times a minute: the budget must not delay it
         fence_retry_budget_floor=100_000,
-        # --unsettled shows what the settle step keeps: the workers' own recovery checks would
-        # re-send the jobs that arm loses (and hide it); the harness runs recovery itself
-        fence_recover_interval=0.0 if s["CHAOS_UNSETTLED"] == "1" else None,
+        # --unsettled shows what the settle step keeps, --async-endings what durable endings
+        # keep: the workers' own recovery checks would re-send the jobs those arms lose (and
+        # hide it, or show it only as a re-run); the harness runs recovery itself
+        fence_recover_interval=(
+            0.0 if "1" in (s["CHAOS_UNSETTLED"], s["CHAOS_ASYNC_ENDINGS"]) else None
+        ),
     )
     return app
 
