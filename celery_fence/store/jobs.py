@@ -16,9 +16,9 @@ import sqlalchemy as sa
 
 from celery_fence import schema
 from celery_fence.actions import Action
-from celery_fence.config import DEFAULT_DATABASE_TIMEOUT
 from celery_fence.errors import JobDead, StaleGeneration, StoreError
 from celery_fence.schema import COMPLETED, DEAD, utcnow
+from celery_fence.settings import DEFAULT_DATABASE_TIMEOUT
 from celery_fence.store import admin, sql
 from celery_fence.store.beat import BeatTicks
 from celery_fence.store.engine import Database

@@ -13,7 +13,6 @@ import sqlalchemy as sa
 from celery.bin.base import CeleryOption
 
 from celery_fence import migrate
-from celery_fence.config import DJANGO_STORE_UNSET, read_setting
 from celery_fence.leases.lease import make_redis_client
 from celery_fence.ops import recovery
 from celery_fence.ops.cli.common import (
@@ -34,6 +33,7 @@ from celery_fence.ops.cli.common import (
     utc_text,
 )
 from celery_fence.schema import CHECKPOINT, PENDING, STATUSES
+from celery_fence.settings import DJANGO_STORE_UNSET, read_setting
 from celery_fence.store import COMPLETED, UNFINISHED, JobRecord, Store, Transition, probe
 from celery_fence.store.engine import sqlstate
 from celery_fence.store.records import never_claimed as unclaimed
