@@ -169,10 +169,10 @@ class FencedTask(Task, Fenced):
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Celery binds the task to its app: install celery-fence on that app (its beat tasks,
-        the process's receivers; idempotent). A class declared with ``fence_base=True`` is a
-        base of fenced tasks, not one: it installs nothing. A task whose ``__call__`` was
-        replaced after its class was made (it would run unfenced) is refused."""
+        """Celery binds the task to its app: :func:`~celery_fence.install` that app. A class
+        declared with ``fence_base=True`` is a base of fenced tasks, not one: it installs nothing.
+        A task whose ``__call__`` was replaced after its class was made (it would run unfenced)
+        is refused."""
         super().on_bound(app)
         if not getattr(cls.__call__, FENCED_ENTRY, False):
             raise ConfigurationError(
