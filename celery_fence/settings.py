@@ -229,6 +229,8 @@ FIELD_NAMES = frozenset(
 
 
 def parse(name: str, raw: Any, setting: str | None = None) -> Any:
+    """Setting ``name``'s value ``raw`` as its type, or a :class:`ConfigurationError` naming it
+    as written (``setting``; default ``fence_<name>``)."""
     setting = setting or f"fence_{name}"
     if name not in FIELD_NAMES:
         raise ConfigurationError(f"unknown celery-fence setting {setting!r}.")
