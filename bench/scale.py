@@ -9,8 +9,8 @@ finished (or last moved) 2 to 31 days ago, evenly by key. Then, at each size:
 - ``samples`` fresh keys registered and completed through :class:`~celery_fence.store.Store`,
   one after the other, each call timed; ``EXPLAIN`` of both statements as the hot path sends them;
 - the stranded scan (``Store.stranded``, what ``fence recover`` and ``fence ls --stuck`` run,
-  1,000 rows at most) and ``fence ls --status dead`` (``Store.list``, 50 rows), each timed on its
-  first run and as the best of five, with the index their plans use.
+  1,000 rows at most) and ``fence ls --status dead`` (``Store.list_jobs``, 50 rows), each timed on
+  its first run and as the best of five, with the index their plans use.
 
 After the largest size, ``purge`` of the jobs finished more than 29.5 days ago (two thirtieths of
 the bulk rows, ``completed`` and ``dead``), batch by batch (``Store.purge``'s progress callback
@@ -238,7 +238,7 @@ def _scans(store: Store, engine: sa.Engine) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, call, query in (
         ("stranded", lambda: store.admin.stranded(older_than=90, limit=1000), stranded_q),
-        ("ls_dead", lambda: store.list(status="dead", limit=50), dead_q),
+        ("ls_dead", lambda: store.list_jobs(status="dead", limit=50), dead_q),
     ):
         first, warm = _timed(call)
         sql, params = _compiled(engine, query)

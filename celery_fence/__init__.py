@@ -3,29 +3,10 @@
 A Redis lease with an owner token and an ever-increasing generation decides who works; a SQL
 store fenced on that generation decides whose result counts.
 
-What importing ``celery_fence`` does, and nothing more:
-
-- defines its classes, functions, settings reader and its signals (:mod:`celery_fence.signals`,
-  with no receiver connected);
-- registers one at-fork hook (:func:`os.register_at_fork`) that gives a forked child a fresh,
-  empty celery-fence runtime (it touches nothing of Celery's or of any app).
-
-It connects no Celery signal receiver and registers no task on any app. That is
-:func:`install`'s work, for one app (:mod:`celery_fence.adapters.installation`):
-
-- registers the beat tasks ``celery_fence.recover`` and ``celery_fence.purge`` on that app;
-- the first call in a process connects, once, the process-wide receivers of Celery's signals
-  (``worker_init``: the settings check and the ``-A`` value, the task-events flag;
-  ``worker_shutdown``/``worker_process_shutdown``: lease releases and events flushed;
-  ``after_setup_logger``/``after_setup_task_logger``/``worker_process_init``: the logging
-  filters); each acts only for installed apps.
-
-``install(app)`` is idempotent, and :class:`FencedTask` calls it for its app when Celery binds
-the task, so an app with a fenced task needs no line of its own. Registered elsewhere, on
-request: ``Outbox(app)`` registers the outbox's deliver and sweep tasks on ``app``; the
-``celery fence`` commands and the pytest plugin are entry points (``celery.commands``,
-``pytest11``); ``celery_fence.contrib.django`` registers its system checks and admin when Django
-loads it from ``INSTALLED_APPS``.
+Importing ``celery_fence`` connects no Celery signal receiver and registers no task on any app;
+:func:`install` adds celery-fence to one app, and :class:`FencedTask` calls it for its app. What
+each does is described once, in docs/design.md, "What importing does, and what install(app)
+does".
 """
 
 from celery_fence.adapters.installation import install

@@ -99,10 +99,9 @@ def _key_on(
     return unique_jobs.default_unique_key(task.name, (), named, keys=wanted)
 
 
-class QueueOnce(FencedTask):
+class QueueOnce(FencedTask, fence_base=True):
     """celery-once's ``QueueOnce`` as a fenced unique task (see the module docstring)."""
 
-    abstract = True
     once: ClassVar[dict[str, Any]] = {}
 
     def unique_policy(
@@ -158,10 +157,9 @@ class QueueOnce(FencedTask):
         return super().apply_async(args, kwargs, task_id, **options)
 
 
-class Singleton(FencedTask):
+class Singleton(FencedTask, fence_base=True):
     """celery-singleton's ``Singleton`` as a fenced unique task (see the module docstring)."""
 
-    abstract = True
     unique_on: ClassVar[str | list[str] | None] = None
     raise_on_duplicate: ClassVar[bool | None] = None
     lock_expiry: ClassVar[float | None] = None

@@ -80,8 +80,8 @@ class Status(str, Enum):
 
 
 class OutboxStatus(str, Enum):
-    """An outbox row's status: ``dead`` rows wait for an operator (``store.outbox.requeue(row_id)``;
-    there is no CLI verb for it)."""
+    """An outbox row's status: ``dead`` rows wait for an operator
+    (``store.outbox_rows.requeue(row_id)``; there is no CLI verb for it)."""
 
     PENDING = "pending"
     DELIVERED = "delivered"

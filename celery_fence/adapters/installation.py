@@ -1,21 +1,8 @@
 """``celery_fence.install(app)``: what celery-fence adds to a Celery app, done once, on request.
 
-Importing ``celery_fence`` connects no Celery signal receiver and registers no task on any app.
-:func:`install` does both, for one app:
-
-- it registers the beat tasks :data:`~celery_fence.ops.recovery.RECOVER_TASK`
-  (``celery_fence.recover``) and :data:`~celery_fence.ops.retention.PURGE_TASK`
-  (``celery_fence.purge``) on ``app``, and on no other app;
-- the first call in a process connects the process-wide receivers of Celery's signals
-  (:data:`RECEIVERS`: the worker's settings check and ``-A`` value at ``worker_init``, the task
-  events flag, the release of leases and the flush of events at shutdown, the logging filters);
-  Celery's signals belong to the process, so they are connected once, never per app, and each
-  receiver acts only for an installed app and ignores every other.
-
-:class:`~celery_fence.FencedTask` calls it for its app when Celery binds the task
-(``on_bound``), so an app with a fenced task is installed without a line of its own; call it
-yourself for an app that runs the beat tasks without defining a fenced task. Calling it again,
-for the same app, does nothing.
+What it adds (the beat tasks on ``app``; once per process, the receivers of Celery's signals,
+each acting only for installed apps) and when :class:`~celery_fence.FencedTask` calls it are
+described once, in docs/design.md, "What importing does, and what install(app) does".
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 from celery import Task
 from celery.app.task import _task_stack
@@ -129,7 +129,9 @@ class FencedTask(Task, Fenced):
     ``max_attempts`` and any ``fence_<setting>`` to override a setting for this task.
     """
 
-    abstract = True
+    #: A base of fenced tasks, not one: binding it installs nothing. Declared per class, not
+    #: inherited: ``class FlaskTask(FencedTask, fence_base=True)``.
+    _fence_base: ClassVar[bool] = True
     acks_late = True
     reject_on_worker_lost = True
     max_retries = None  # the store counts attempts (fence_max_attempts); busy reschedules are free
@@ -147,26 +149,30 @@ class FencedTask(Task, Fenced):
     fence_unique_period: float | None = None
     fence_unique_on_conflict: str | None = None
     #: What runs each attempt (the chaos harness's control arms put a demonstration one here).
-    execution_class: type[Execution] = Execution
+    _execution_class: type[Execution] = Execution
     #: The worker refuses to start when this task's settings are invalid (``worker_init``).
     settings_checked_at_start = True
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A subclass whose ``__call__`` is its own (Flask's documented base task runs
+    def __init_subclass__(cls, *, fence_base: bool = False, **kwargs: Any) -> None:
+        """``fence_base=True`` marks a base of fenced tasks (Flask's app-context base, a
+        mixin): Celery binding it installs nothing; each task made from it installs its app.
+
+        A subclass whose ``__call__`` is its own (Flask's documented base task runs
         ``self.run`` inside ``app.app_context()``; a mixin's, too) gets it wrapped: the fenced
         pipeline runs around it, so the body is fenced whatever that ``__call__`` does, and a
         ``super().__call__`` inside it runs ``run`` without fencing twice."""
         super().__init_subclass__(**kwargs)
+        cls._fence_base = fence_base
         call = cls.__call__
         if not getattr(call, FENCED_ENTRY, False):
             cls.__call__ = _fenced_entry(call)  # type: ignore[method-assign]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Celery binds the task to its app: install celery-fence on that app (its beat tasks,
-        the process's receivers; idempotent). A class that declares itself ``abstract`` is a
-        base of fenced tasks, not one: it installs nothing. A task whose ``__call__`` was
-        replaced after its class was made (it would run unfenced) is refused."""
+        """Celery binds the task to its app: :func:`~celery_fence.install` that app. A class
+        declared with ``fence_base=True`` is a base of fenced tasks, not one: it installs nothing.
+        A task whose ``__call__`` was replaced after its class was made (it would run unfenced)
+        is refused."""
         super().on_bound(app)
         if not getattr(cls.__call__, FENCED_ENTRY, False):
             raise ConfigurationError(
@@ -174,7 +180,7 @@ class FencedTask(Task, Fenced):
                 "made and would run the task without the fence; define __call__ in the class "
                 "body (it then runs fenced), or wrap the work in run()"
             )
-        if not cls.__dict__.get("abstract", False):
+        if not cls._fence_base:
             install(app)
 
     # -- configuration ---------------------------------------------------------------------------
@@ -186,10 +192,10 @@ class FencedTask(Task, Fenced):
         """This task's settings and this process's backends for them (made again after a fork)."""
         cache: Backends | None = self.__dict__.get("_fence_cache")
         if cache is None or cache.runtime.forked:
-            cache = self.__dict__["_fence_cache"] = self.make_backends(FenceConfig.for_task(self))
+            cache = self.__dict__["_fence_cache"] = self._make_backends(FenceConfig.for_task(self))
         return cache
 
-    def make_backends(self, config: FenceConfig) -> Backends:
+    def _make_backends(self, config: FenceConfig) -> Backends:
         """This process's backends for ``config`` (a demonstration task gives another store)."""
         return backends(config)
 
@@ -199,7 +205,7 @@ class FencedTask(Task, Fenced):
         """A new execution of this task for a message (its id and worker, for the events)."""
         config, store, leases, policy, renewer, _ = self.fence_backends()
         trace = tracing.attempt_trace()  # None without opentelemetry-api
-        return self.execution_class(
+        return self._execution_class(
             task_name=self.name,
             config=config,
             store=store,
@@ -304,7 +310,7 @@ class FencedTask(Task, Fenced):
             )
         except ConfigurationError as exc:  # checked at worker start; still, lose nothing
             logger.critical("fence settings invalid for task %s: %s", self.name, exc)
-            return self._carry_out(self.invalid_settings(exc))
+            return self._carry_out(self._invalid_settings(exc))
         if request.called_directly or request.is_eager:  # in the caller's thread
             return self._run_in_caller(execution, args, kwargs, call)
         return self._run_keyed(execution, args, kwargs, call)
@@ -400,7 +406,7 @@ class FencedTask(Task, Fenced):
             )
         return value
 
-    def invalid_settings(self, error: ConfigurationError) -> o.Disposition:
+    def _invalid_settings(self, error: ConfigurationError) -> o.Disposition:
         """The disposition of a message whose task's settings are invalid: re-sent later."""
         return o.Resend(CONFIG_ERROR_COUNTDOWN, "invalid fence settings", error)
 
@@ -541,7 +547,7 @@ class FencedTask(Task, Fenced):
             headers=headers,
             # the message's serializer and compression (Celery's signature keeps neither), then
             # the options of this task's re-sends
-            **{**message_publish_options(request), **self.resend_options()},
+            **{**message_publish_options(request), **self._resend_options()},
         )
         error = Rescheduled(disposition.reason)
         retry = Retry(exc=error, when=countdown, is_eager=request.is_eager, sig=signature)
@@ -552,7 +558,7 @@ class FencedTask(Task, Fenced):
                 self._publish_refused(exc, countdown)
         raise retry from None
 
-    def resend_options(self) -> dict[str, Any]:
+    def _resend_options(self) -> dict[str, Any]:
         """Options of the fence's own re-send: ``expires`` is not carried over."""
         return {"expires": None}
 

@@ -40,8 +40,8 @@ from celery._state import get_current_task
 from celery.utils.dispatch import Signal
 
 from celery_fence.app_state import installed, installed_apps
-from celery_fence.config import read_setting
 from celery_fence.errors import ConfigurationError
+from celery_fence.settings import read_setting
 
 logger = logging.getLogger("celery_fence")
 

@@ -153,12 +153,6 @@ class Fence:
         return _steps.progress(self)
 
     @property
-    def outbox(self) -> StagedEffects:
-        """``self.fence.outbox.add(...)``: an alias of :attr:`effects`, for code written
-        against that name."""
-        return self.effects
-
-    @property
     def remaining(self) -> float:
         """Seconds until the local lease deadline (negative once passed)."""
         return self.lease.remaining()

@@ -42,9 +42,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from celery_fence.config import DEFAULT_CHECKPOINT_MAX_BYTES
 from celery_fence.errors import CheckpointTooLarge, FenceError, LeaseLost, StaleGeneration
 from celery_fence.schema import CHECKPOINT, STEP_NAME_LENGTH
+from celery_fence.settings import DEFAULT_CHECKPOINT_MAX_BYTES
 from celery_fence.store.records import dumps_strict
 
 if TYPE_CHECKING:

@@ -48,9 +48,9 @@ class UnfencedStore(Store):
     last writer wins) and stamps the row with its own generation and attempt, so the history
     shows whose write it was."""
 
-    owned_where = "key = :key"
-    register_where = f"{sql.JOBS}.status NOT IN ('completed', 'dead')"
-    completion_sets = ", generation = :generation, attempt_id = :attempt_id"
+    _owned_where = "key = :key"
+    _register_where = f"{sql.JOBS}.status NOT IN ('completed', 'dead')"
+    _completion_sets = ", generation = :generation, attempt_id = :attempt_id"
 
     def block_begin(self, conn: sa.Connection, ttl: float) -> None:
         if conn.dialect.name == "sqlite":
@@ -66,12 +66,10 @@ class UnfencedStore(Store):
         return True
 
 
-class UnfencedTask(FencedTask):
+class UnfencedTask(FencedTask, fence_base=True):
     """A fenced task whose store has no fence (``--unfenced``)."""
 
-    abstract = True
-
-    def make_backends(self, config: FenceConfig) -> Backends:
+    def _make_backends(self, config: FenceConfig) -> Backends:
         return backends(config, store_class=UnfencedStore)
 
 
@@ -80,15 +78,13 @@ class AsyncEndingsStore(Store):
     WAL flush, as the registration does (the ``--async-endings`` control arm): the message is
     acked after a completion a database crash can still lose."""
 
-    durable_endings = False
+    _durable_endings = False
 
 
-class AsyncEndingsTask(FencedTask):
+class AsyncEndingsTask(FencedTask, fence_base=True):
     """A fenced task whose store commits its endings asynchronously (``--async-endings``)."""
 
-    abstract = True
-
-    def make_backends(self, config: FenceConfig) -> Backends:
+    def _make_backends(self, config: FenceConfig) -> Backends:
         return backends(config, store_class=AsyncEndingsStore)
 
 
@@ -133,11 +129,10 @@ class UnwatchedExecution(Execution):
         return super()._execute(*args, **kwargs)
 
 
-class UnwatchedTask(FencedTask):
+class UnwatchedTask(FencedTask, fence_base=True):
     """A fenced task whose body's other connections nobody watches (``--unwatched``)."""
 
-    abstract = True
-    execution_class = UnwatchedExecution
+    _execution_class = UnwatchedExecution
 
 
 class PlainStep(Step):
@@ -181,25 +176,23 @@ class UnfencedStepsExecution(Execution):
     fence_class = PlainStepsFence
 
 
-class UnfencedStepsTask(FencedTask):
+class UnfencedStepsTask(FencedTask, fence_base=True):
     """A fenced task whose steps are not fenced (``--unfenced-steps``)."""
 
-    abstract = True
-    execution_class = UnfencedStepsExecution
+    _execution_class = UnfencedStepsExecution
 
 
-class UnsettledTask(FencedTask):
+class UnsettledTask(FencedTask, fence_base=True):
     """A fenced task whose Celery exits are left unsettled (``--unsettled``)."""
 
-    abstract = True
     Request = f"{__name__}:UnsettledRequest"
-    execution_class = UnsettledExecution
+    _execution_class = UnsettledExecution
     settings_checked_at_start = False
 
-    def invalid_settings(self, error: ConfigurationError) -> o.Disposition:
+    def _invalid_settings(self, error: ConfigurationError) -> o.Disposition:
         raise error  # acked as a failure: the job is lost
 
-    def resend_options(self) -> dict[str, Any]:
+    def _resend_options(self) -> dict[str, Any]:
         return {}  # the re-send keeps expires: it may expire unsettled
 
 

@@ -161,7 +161,7 @@ def check(
                 + (f" generations claimed={job.claims}" if job.claims is not None else "")
             )
         elif record.status == "completed" and any(
-            row.status != "delivered" for row in store.outbox.rows(key=job.key)
+            row.status != "delivered" for row in store.outbox_rows.rows(key=job.key)
         ):
             result.lost_jobs += 1
             result.violations.append(f"lost: {job.key} has a committed effect never delivered")
@@ -236,7 +236,7 @@ def _orphan_effects(
     own statement or transaction, with the same time as its ``completed`` transition."""
     done = [_epoch(t.at) for t in history if t.action == "completed"]
     count = 0
-    for row in store.outbox.rows(key=key):
+    for row in store.outbox_rows.rows(key=key):
         created = _epoch(row.created_at)
         if not any(abs(created - at) < 0.002 for at in done):
             count += 1
@@ -426,7 +426,7 @@ def _duplicate_effects(
     for e in events:
         if e["ev"] == "call" and e.get("idem"):
             idems[str(e["effect"])].add(str(e["idem"]))
-    rows = store.outbox.rows(key=key)
+    rows = store.outbox_rows.rows(key=key)
     names = [row.name for row in rows]
     count = 0
     for name in set(names):

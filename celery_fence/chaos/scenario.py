@@ -225,7 +225,7 @@ class Scenario:
                     return False
                 if not self._finished(job):
                     return False
-                if any(r.status == "pending" for r in self.store.outbox.rows(key=job.key)):
+                if any(r.status == "pending" for r in self.store.outbox_rows.rows(key=job.key)):
                     if time.monotonic() - last_sweep > 3.0:  # the beat a real deployment runs
                         self.client.send_task(SWEEP_TASK, queue=self.queue)
                         last_sweep = time.monotonic()

@@ -54,6 +54,7 @@ import logging
 import os
 import signal
 import time
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -226,13 +227,11 @@ class _RegistersFinished(FencedWriter):
         return super().write(statement, params, **kw)
 
 
-class RerunsFinished(FencedTask):
+class RerunsFinished(FencedTask, fence_base=True):
     """The control arm of ``body re-runs after completion`` (``--rerun-finished``): this task's
     store registers a newer generation over a completed or dead job, as a registration without
     its ``status NOT IN (completed, dead)`` term would. A redelivered message of a completed job
     then runs its body again."""
-
-    abstract = True
 
     def fence_backends(self) -> Any:
         backends = super().fence_backends()
@@ -260,7 +259,7 @@ def _base(s: Mapping[str, str]) -> type[FencedTask]:
     ]
     if len(bases) <= 1:
         return bases[0] if bases else FencedTask
-    return type("ControlArms", tuple(bases), {"abstract": True})
+    return types.new_class("ControlArms", tuple(bases), {"fence_base": True})
 
 
 _BASE = _base(S)
@@ -371,7 +370,7 @@ def op(
         _hold_once("after_block", key, gen, attempt)
     _kill_once("before_commit", key, gen, attempt)
     if notify:
-        fence.outbox.add(NOTIFY, {"key": key})
+        fence.effects.add(NOTIFY, {"key": key})
     return {"key": key, "generation": gen, "attempt_id": attempt}
 
 

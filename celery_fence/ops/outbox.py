@@ -3,9 +3,9 @@
 Three objects, one name each:
 
 - ``self.fence.effects`` (:class:`~celery_fence.body.effects.StagedEffects`, one per attempt): what
-  the body stages (``self.fence.outbox`` is the same object);
+  the body stages;
 - ``store.outbox_rows`` (:class:`~celery_fence.store.OutboxRows`): the rows of the
-  ``fence_outbox`` table, written by the fenced completion (``store.outbox`` is the same object);
+  ``fence_outbox`` table, written by the fenced completion;
 - :class:`Outbox` (this module, one per app): the delivery side, handlers and the tasks that
   deliver the rows.
 

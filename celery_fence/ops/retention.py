@@ -13,7 +13,7 @@ outbox rows are purged by ``celery fence purge``.
 
 A completed job's row is what makes a late redelivery of its message replay the result instead
 of running the body again, so the age must outlast any message that can still arrive: the
-setting is at least an hour (:data:`~celery_fence.config.MIN_RETENTION`), and should exceed the
+setting is at least an hour (:data:`~celery_fence.settings.MIN_RETENTION`), and should exceed the
 broker's redelivery delay (the Redis broker's ``visibility_timeout``) and
 ``fence_retry_backoff_max``.
 """

@@ -3,9 +3,10 @@
 :class:`celery_fence.store.Store`) and the Redis lease operations (:class:`LeaseBackend`,
 implemented by :class:`celery_fence.leases.lease.LeaseStore`).
 
-:mod:`celery_fence.testing.memory` implements both in memory, with the same semantics, for fast
-unit tests of the orchestration; ``tests/integration/test_doubles_contract.py`` runs the same
-tests against the real classes and the doubles.
+The project's tests implement both in memory (``tests/support/memory.py``), with the same
+semantics, for fast unit tests of the orchestration;
+``tests/integration/test_doubles_contract.py`` runs the same tests against the real classes and
+the doubles.
 
 Only value types are imported here (no SQLAlchemy, no redis-py), so importing this module pulls
 in neither backend.

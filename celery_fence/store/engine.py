@@ -17,9 +17,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_fence import schema
-from celery_fence.config import DEFAULT_DATABASE_TIMEOUT
 from celery_fence.errors import ConfigurationError
 from celery_fence.process.runtime import runtime
+from celery_fence.settings import DEFAULT_DATABASE_TIMEOUT
 from celery_fence.store import green, sql
 from celery_fence.store.watchdog import watchdog
 

@@ -16,10 +16,10 @@ import sqlalchemy as sa
 
 from celery_fence import schema
 from celery_fence.actions import Action
-from celery_fence.config import DEFAULT_DATABASE_TIMEOUT
 from celery_fence.errors import JobDead, StaleGeneration, StoreError
 from celery_fence.schema import COMPLETED, DEAD, utcnow
-from celery_fence.store import admin, probe, sql
+from celery_fence.settings import DEFAULT_DATABASE_TIMEOUT
+from celery_fence.store import admin, sql
 from celery_fence.store.beat import BeatTicks
 from celery_fence.store.engine import Database
 from celery_fence.store.fenced import FencedWriter, Row
@@ -61,12 +61,12 @@ class Store:
 
     #: The fence on the endings of a running attempt (completion, retry, dead):
     #: :data:`.sql.OWNED`.
-    owned_where = sql.OWNED
+    _owned_where = sql.OWNED
     #: What a completion sets besides its result and state: nothing, the fence already names
     #: the writer (the chaos harness's store without the fence names it here).
-    completion_sets = ""
+    _completion_sets = ""
     #: A registration's condition: a strictly newer generation of a live job.
-    register_where = sql.NEWER_LIVE
+    _register_where = sql.NEWER_LIVE
     #: Whether a registration's commit waits for its WAL flush (PostgreSQL). It does not: losing
     #: a registration in a database crash only costs a re-run, and any later commit of the
     #: attempt (a block, the completion) flushes it first. docs/design.md, "One durable commit
@@ -74,7 +74,7 @@ class Store:
     durable_registration = False
     #: Whether an ending's commit waits for its WAL flush. It must: the message is acked after
     #: it (the chaos harness's control arm turns it off).
-    durable_endings = True
+    _durable_endings = True
 
     def __init__(
         self,
@@ -99,7 +99,7 @@ class Store:
         self.record_transitions = record_transitions
         self.error_message_length = error_message_length
         self.writer = FencedWriter(self.db, record_transitions=record_transitions)
-        self.outbox_rows = self.outbox = OutboxRows(self)  # ``outbox``: an alias for scripts
+        self.outbox_rows = OutboxRows(self)
         #: The completed steps and the checkpoint of each job (``fence_steps``).
         self.steps = StepRows(self)
         #: The beat scheduler's last fired tick per entry (:mod:`celery_fence.beat`).
@@ -116,7 +116,7 @@ class Store:
         view = copy.copy(self)
         view.db = db
         view.writer = FencedWriter(db, record_transitions=self.record_transitions)
-        view.outbox_rows = view.outbox = OutboxRows(view)
+        view.outbox_rows = OutboxRows(view)
         view.steps = StepRows(view)
         view.beat_ticks = BeatTicks(view)
         view.admin = admin.JobAdmin(view)
@@ -155,7 +155,7 @@ class Store:
             if request is None
             else json.dumps(request, separators=(",", ":")),
         }
-        statement = sql.register_sql(self.dialect, where=self.register_where)
+        statement = sql.register_sql(self.dialect, where=self._register_where)
         row = self.writer.write(
             statement, params, actions=_CLAIMED, durable=self.durable_registration
         )
@@ -294,7 +294,7 @@ class Store:
         changed the row.
         """
         match ending:
-            case Completion():  # where this attempt owns the running row (owned_where)
+            case Completion():  # where this attempt owns the running row (_owned_where)
                 params = self._owner(
                     key,
                     ending.generation,
@@ -302,7 +302,7 @@ class Store:
                     result=dumps_strict(ending.result, "task's return value"),
                 )
                 statement = sql.complete_sql(
-                    self.dialect, where=self.owned_where, sets=self.completion_sets
+                    self.dialect, where=self._owned_where, sets=self._completion_sets
                 )
                 effects = ending.effects
                 self.fenced_write(
@@ -313,7 +313,7 @@ class Store:
                     effects=effects,
                     clear_steps=ending.clear_steps,
                 )
-            case RetryScheduled():  # where this attempt owns the running row (owned_where)
+            case RetryScheduled():  # where this attempt owns the running row (_owned_where)
                 errors = self._error_fields(ending.error)
                 params = self._owner(
                     key,
@@ -322,10 +322,12 @@ class Store:
                     retry_at=self.db.stamp(ending.retry_at),
                     **errors,
                 )
-                statement = sql.retry_sql(self.dialect, errors=bool(errors), where=self.owned_where)
+                statement = sql.retry_sql(
+                    self.dialect, errors=bool(errors), where=self._owned_where
+                )
                 reason = ending.reason
                 self.fenced_write("retry", statement, params, Action.RETRY_SCHEDULED, reason=reason)
-            case Dead():  # where this attempt owns the running row (owned_where)
+            case Dead():  # where this attempt owns the running row (_owned_where)
                 errors = self._error_fields(ending.error)
                 attempts = ending.attempts
                 params = self._owner(
@@ -333,17 +335,17 @@ class Store:
                 )
                 statement = sql.dead_sql(
                     self.dialect,
-                    where=self.owned_where,
+                    where=self._owned_where,
                     errors=bool(errors),
                     attempts=attempts is not None,
                 )
                 reason = ending.reason
                 self.fenced_write("dead-letter", statement, params, Action.DEAD, reason=reason)
-            case CallerFailed():  # where this attempt owns the running row (owned_where)
+            case CallerFailed():  # where this attempt owns the running row (_owned_where)
                 errors = self._error_fields(ending.error)
                 params = self._owner(key, ending.generation, ending.attempt_id, **errors)
                 statement = sql.caller_failed_sql(
-                    self.dialect, errors=bool(errors), where=self.owned_where
+                    self.dialect, errors=bool(errors), where=self._owned_where
                 )
                 reason = ending.reason
                 self.fenced_write("failure", statement, params, Action.FAILED, reason=reason)
@@ -451,7 +453,7 @@ class Store:
             actions=actions,
             reason=reason,
             effects=effects,
-            durable=self.durable_endings,
+            durable=self._durable_endings,
             clear_steps=clear_steps,
         )
         if row is None:
@@ -609,7 +611,7 @@ class Store:
             Transition(r.key, r.generation, r.attempt_id, r.action, r.reason, r.at) for r in rows
         ]
 
-    def list(
+    def list_jobs(
         self,
         *,
         status: str | None = None,
@@ -629,10 +631,6 @@ class Store:
         """``{(task_name, status): jobs}``, one grouped read (the metrics' store gauges)."""
         with self.db.connect() as conn:
             return {(r[0], r[1]): int(r[2]) for r in conn.execute(sql.job_status_counts()).all()}
-
-    # -- the operator's self-test (celery_fence.store.probe) ---------------------------------
-
-    write_probe = probe.write_probe
 
 
 def _json(value: Mapping[str, Any] | None) -> str | None:

@@ -1,7 +1,7 @@
 """The outbox's rows: claim, mark, fail, requeue and purge rows of ``fence_outbox`` (the
-statements are in :mod:`.sql`). Composed into the job store as ``store.outbox_rows`` (also
-``store.outbox``); rows are written only by the fenced completion (:mod:`.fenced`), with the
-result. The staging side is :class:`~celery_fence.body.effects.StagedEffects`, the delivery side
+statements are in :mod:`.sql`). Composed into the job store as ``store.outbox_rows``; rows
+are written only by the fenced completion (:mod:`.fenced`), with the result.
+The staging side is :class:`~celery_fence.body.effects.StagedEffects`, the delivery side
 :class:`~celery_fence.ops.outbox.Outbox`.
 
 A sender claims a row for ``claim_ttl`` seconds under a claim token of its own; marking and

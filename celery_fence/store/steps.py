@@ -3,7 +3,7 @@
 The writes run on a fenced block's connection, in its transaction (:mod:`celery_fence.body.steps`):
 each is one statement conditional on the attempt still owning the running job row
 (:data:`.sql.OWNED`), and the block's commit is fenced again. Values are payloads: never logged;
-the operator's view (:meth:`StepRows.list`) gives their sizes.
+the operator's view (:meth:`StepRows.rows`) gives their sizes.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class StepRows:
         with self.store.db.connect() as own:
             return own.execute(sql.step_value(key, name)).scalar()
 
-    def list(self, key: str, *, values: bool = False) -> list[StepRecord]:
+    def rows(self, key: str, *, values: bool = False) -> list[StepRecord]:
         """The key's steps and checkpoint, oldest first (``values``: with their values)."""
         with self.store.db.connect() as conn:
             rows = conn.execute(sql.steps_of(key)).all()

@@ -386,7 +386,7 @@ class FenceChaos:
         return problems
 
     def _outbox_problems(self, inj: Injection, key: str, attempt_id: str) -> list[str]:
-        rows = self.env.store.outbox.rows(key=key)
+        rows = self.env.store.outbox_rows.rows(key=key)
         names = Counter(r.name for r in rows)
         problems = [
             f"outbox effect {name!r} recorded {count} times" for name, count in names.items()
@@ -538,7 +538,7 @@ def _unfenced_writes(history: list[Any]) -> list[str]:
     return [
         f"generation {t.generation} wrote outside a fenced block ({t.reason or 'no detail'}): "
         "a stale attempt's write there lands; write in self.fence.transaction()/session()/"
-        "atomic(), or stage it on self.fence.outbox"
+        "atomic(), or stage it on self.fence.effects"
         for t in history
         if t.action == "unfenced_write"
     ]

@@ -168,7 +168,8 @@ def app_database_url(app: Any, *, alias_only: bool = False) -> str | None:
     """The store database the app's own settings name (``fence_database_url``, or
     ``fence_database``'s Django alias: under pytest-django its test database), else None (it
     relies on the default). ``alias_only``: the alias only."""
-    from celery_fence.config import DEFAULT_DATABASE_URL, FenceConfig, django_database_url
+    from celery_fence.config import FenceConfig
+    from celery_fence.settings import DEFAULT_DATABASE_URL, django_database_url
 
     try:
         config = FenceConfig.from_mapping(app.conf)

@@ -116,7 +116,7 @@ class Hooks:
             finally:
                 _body.fence, _body.tid, _body.write_met = outer
                 _body.steps = steps
-            staged = [e.name for e in fence.outbox.staged] if fence is not None else []
+            staged = [e.name for e in fence.effects.staged] if fence is not None else []
             self.record(ev="return", staged=staged, **attempt)
             return result
 

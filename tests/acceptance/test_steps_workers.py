@@ -115,7 +115,7 @@ def test_a_paused_inside_step_2_of_3_runs_nothing_more_and_b_skips_step_1(
     assert runs == ["1:1", "2:1", "2:2", "3:2"]
     # each step's write committed once: step 1 by A, steps 2 and 3 by B
     assert _step_effects(fence_store, key) == [(1, 1), (2, 2), (3, 2)]
-    assert fence_store.steps.list(key) == []  # cleared by B's completion
+    assert fence_store.steps.rows(key) == []  # cleared by B's completion
     assert fence_store.get(key).result == [  # type: ignore[union-attr]
         {"step": 1, "generation": 1},
         {"step": 2, "generation": 2},

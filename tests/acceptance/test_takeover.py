@@ -25,8 +25,8 @@ import psutil
 import pytest
 import redis
 
-from celery_fence.config import RECOVER_AFTER_TTLS
 from celery_fence.leases.lease import LeaseStore
+from celery_fence.settings import RECOVER_AFTER_TTLS
 from celery_fence.store import Store
 from celery_fence.testing import faults
 from tests.support import ledger

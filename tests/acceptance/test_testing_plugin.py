@@ -173,13 +173,11 @@ from celery_fence.pipeline.backends import backends
 class RerunStore(UnfencedStore):
     """Broken: a registration takes a completed job's row (its body runs again)."""
 
-    register_where = "1 = 1"
+    _register_where = "1 = 1"
 
 
-class RerunTask(FencedTask):
-    abstract = True
-
-    def make_backends(self, config):
+class RerunTask(FencedTask, fence_base=True):
+    def _make_backends(self, config):
         return backends(config, store_class=RerunStore)
 
 
@@ -636,11 +634,11 @@ def test_outbox(fence_env, fenced_worker, fence_store):
     fenced.delay(9).get(timeout=60)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        rows = fence_store.outbox.rows(key="job:9")
+        rows = fence_store.outbox_rows.rows(key="job:9")
         if rows and rows[0].status == "delivered":
             break
         time.sleep(0.1)
-    (row,) = fence_store.outbox.rows(key="job:9")
+    (row,) = fence_store.outbox_rows.rows(key="job:9")
     with open("delivered.json", "w") as f:
         json.dump({"status": row.status, "idem": row.idempotency_key,
                    "recorded": fence_env.outbox_deliveries()}, f)

@@ -1169,7 +1169,7 @@ def _traced_attempt(store: Store) -> tuple[Fence, Any]:
     from celery_fence.leases.renewer import Renewer
     from celery_fence.pipeline.execution import Execution
     from celery_fence.pipeline.retry import RetryPolicy
-    from celery_fence.testing.memory import MemoryLeaseStore
+    from tests.support.memory import MemoryLeaseStore
 
     fence = _attempt(store)
     trace_ = tracing.attempt_trace()

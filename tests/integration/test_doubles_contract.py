@@ -1,4 +1,4 @@
-"""The in-memory doubles (:mod:`celery_fence.testing.memory`) against the real backends: each test
+"""The in-memory doubles (:mod:`tests.support.memory`) against the real backends: each test
 runs on the real :class:`Store` (SQLite and PostgreSQL) and on :class:`MemoryStore`, or on the
 real :class:`LeaseStore` (Redis) and on :class:`MemoryLeaseStore`, and asserts the same observable
 state. A double that passes here can stand in for the real one in a unit test of the pipeline.
@@ -37,7 +37,7 @@ from celery_fence.store.records import (
     JobRecord,
     RetryScheduled,
 )
-from celery_fence.testing.memory import MemoryLeaseStore, MemoryStore
+from tests.support.memory import MemoryLeaseStore, MemoryStore
 from tests.support.stores import store_url
 
 if TYPE_CHECKING:

@@ -164,24 +164,26 @@ def test_idempotency_key_is_the_same_for_every_attempt(
     assert delivered == [({"report": key}, key1)]
 
 
-def test_the_outbox_names_of_staging_and_rows_are_aliases(app: Celery, store: Store) -> None:
+def test_staging_and_rows_have_one_name_each(app: Celery, store: Store) -> None:
     key = f"report:{uuid.uuid4().hex[:8]}"
     Outbox(app)
+    seen: dict[str, bool] = {}
 
     @app.task(base=FencedTask, bind=True, fence_key=lambda k: k)
     def job(self: Any, k: str) -> None:
-        assert self.fence.outbox is self.fence.effects
+        seen["fence.outbox"] = hasattr(self.fence, "outbox")
         self.fence.effects.add("notify:a", {"via": "effects"})
-        self.fence.outbox.add("notify:b", {"via": "outbox"})
 
-    # Given a body that stages one effect under each name (no handler: the rows stay pending),
+    # Given a body that stages one effect (no handler: the row stays pending),
     job(key)
-    # then both are rows of the one completion, read the same through either store name.
-    assert store.outbox is store.outbox_rows
-    rows = sorted(store.outbox_rows.rows(key=key), key=lambda r: r.name)
+    # then the staging side is only ``fence.effects`` and the rows only ``store.outbox_rows``
+    # (the aliases ``fence.outbox`` and ``store.outbox`` were removed),
+    assert seen == {"fence.outbox": False}
+    assert not hasattr(store, "outbox")
+    # and the staged effect is a row of the completion.
+    rows = store.outbox_rows.rows(key=key)
     assert [(r.name, r.payload, r.status) for r in rows] == [
         ("notify:a", {"via": "effects"}, "pending"),
-        ("notify:b", {"via": "outbox"}, "pending"),
     ]
 
 
@@ -567,7 +569,7 @@ def test_the_idempotency_namespace_reaches_the_stored_row_and_the_handler(
 
     @app.task(base=FencedTask, bind=True, fence_key=lambda k: k)
     def job(self: Any, k: str) -> str:
-        return self.fence.outbox.add("email", {"order": k})
+        return self.fence.effects.add("email", {"order": k})
 
     # when a fenced task stages an effect and completes,
     staged = job(key)

@@ -65,9 +65,9 @@ def test_a_completed_step_is_not_run_again(tables: Store) -> None:
     assert b.run_step("one", _effect, b, "one") == {"did": "one"}  # stored, not run
     assert b.run_step("two", _effect, b, "two") == {"did": "two"}
     assert _effects(tables, a.key) == ["one", "two"]
-    names = [s.name for s in tables.steps.list(a.key)]
+    names = [s.name for s in tables.steps.rows(a.key)]
     assert names == ["one", "two"]
-    assert [s.generation for s in tables.steps.list(a.key)] == [1, 2]
+    assert [s.generation for s in tables.steps.rows(a.key)] == [1, 2]
 
 
 def test_a_stale_attempt_runs_nothing_of_its_next_step(tables: Store) -> None:
@@ -99,7 +99,7 @@ def test_a_step_refused_at_its_end_commits_nothing(tables: Store) -> None:
 
     with pytest.raises(StaleGeneration):
         a.run_step("one", body)
-    assert _effects(tables, a.key) == [] and tables.steps.list(a.key) == []
+    assert _effects(tables, a.key) == [] and tables.steps.rows(a.key) == []
 
 
 def test_an_exception_rolls_the_step_back(tables: Store) -> None:
@@ -111,7 +111,7 @@ def test_an_exception_rolls_the_step_back(tables: Store) -> None:
 
     with pytest.raises(RuntimeError):
         a.run_step("one", failing)
-    assert _effects(tables, a.key) == [] and tables.steps.list(a.key) == []
+    assert _effects(tables, a.key) == [] and tables.steps.rows(a.key) == []
     assert a.run_step("one", _effect, a, "again") == {"did": "again"}
 
 
@@ -149,7 +149,7 @@ def test_checkpoints_are_fenced(tables: Store) -> None:
     with pytest.raises(StaleGeneration):
         a.checkpoint({"after": 25})
     assert b.progress == {"after": 30}
-    [row] = tables.steps.list(a.key, values=True)
+    [row] = tables.steps.rows(a.key, values=True)
     assert (row.name, row.generation, row.value) == (CHECKPOINT, 2, {"after": 30})
 
 
@@ -173,7 +173,7 @@ def test_bad_input_is_refused_clearly(tables: Store) -> None:
         a.step("")
     with pytest.raises(FenceError, match="not JSON"):
         a.run_step("obj", lambda: object())
-    assert tables.steps.list(a.key) == []
+    assert tables.steps.rows(a.key) == []
 
 
 def test_requeue_completed_clears_steps_and_purge_deletes_them(tables: Store) -> None:
@@ -183,16 +183,16 @@ def test_requeue_completed_clears_steps_and_purge_deletes_them(tables: Store) ->
     from celery_fence.store.records import Completion
 
     tables.end(a.key, Completion(generation=a.generation, attempt_id=a.attempt_id, result=1))
-    assert len(tables.steps.list(a.key)) == 2  # a completion that used none keeps them
+    assert len(tables.steps.rows(a.key)) == 2  # a completion that used none keeps them
     tables.admin.requeue(a.key, completed=True)
-    assert tables.steps.list(a.key) == []
+    assert tables.steps.rows(a.key) == []
     b = _attempt(tables, a.key, generation=2)
     b.run_step("one", lambda: 2)
     tables.end(b.key, Completion(generation=2, attempt_id=b.attempt_id, result=2))
-    assert len(tables.steps.list(a.key)) == 1
+    assert len(tables.steps.rows(a.key)) == 1
     later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=5)
     assert tables.admin.purge(finished_before=later) >= 1
-    assert tables.steps.list(a.key) == []
+    assert tables.steps.rows(a.key) == []
 
 
 def test_a_completion_that_used_steps_clears_them_in_its_transaction(tables: Store) -> None:
@@ -205,9 +205,9 @@ def test_a_completion_that_used_steps_clears_them_in_its_transaction(tables: Sto
     stale = Completion(a.generation, a.attempt_id, "stale", clear_steps=True)
     with pytest.raises(StaleGeneration):  # a refused completion clears nothing
         tables.end(a.key, stale)
-    assert len(tables.steps.list(a.key)) == 2
+    assert len(tables.steps.rows(a.key)) == 2
     tables.end(b.key, Completion(b.generation, b.attempt_id, "done", clear_steps=True))
-    assert tables.steps.list(a.key) == []
+    assert tables.steps.rows(a.key) == []
     assert tables.get(a.key).status == "completed"  # type: ignore[union-attr]
 
 

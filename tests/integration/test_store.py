@@ -18,7 +18,7 @@ from celery_fence.chaos.arms import UnfencedStore
 from celery_fence.errors import ResultNotSerializable, StaleGeneration, StoreError
 from celery_fence.leases.lease import LeaseStore
 from celery_fence.schema import create_schema
-from celery_fence.store import Effect, Store, utcnow
+from celery_fence.store import Effect, Store, probe, utcnow
 from celery_fence.store.probe import PROBE_KEY_PREFIX
 from celery_fence.store.records import (
     Completion,
@@ -465,19 +465,19 @@ def test_the_write_probe_runs_a_tasks_writes_and_leaves_nothing(
     db_url: str, settings: dict[str, Any]
 ) -> None:
     store = Store(db_url, **settings)
-    before = store.list(limit=10_000)
-    assert "rolled back" in store.write_probe()
-    assert store.list(limit=10_000) == before
+    before = store.list_jobs(limit=10_000)
+    assert "rolled back" in probe.write_probe(store)
+    assert store.list_jobs(limit=10_000) == before
     assert [r for r in store.outbox_rows.rows() if r.key.startswith(PROBE_KEY_PREFIX)] == []
     store.dispose()
 
 
 def test_the_write_probe_fails_on_a_store_without_the_fence_and_leaves_nothing(db_url: str) -> None:
     store = UnfencedStore(db_url)
-    before = store.list(limit=10_000)
+    before = store.list_jobs(limit=10_000)
     with pytest.raises(StoreError, match="stale completion was accepted: the fence is off"):
-        store.write_probe()
-    assert store.list(limit=10_000) == before
+        probe.write_probe(store)
+    assert store.list_jobs(limit=10_000) == before
     store.dispose()
 
 
@@ -486,7 +486,7 @@ def test_the_write_probe_fails_on_a_store_it_cannot_write(tmp_path: Path) -> Non
     Store(f"sqlite:///{path}").create_schema()
     read_only = Store(f"sqlite:///file:{path}?mode=ro&uri=true")
     with pytest.raises(StoreError, match=r"registration failed: OperationalError: .*readonly"):
-        read_only.write_probe()
+        probe.write_probe(read_only)
     read_only.dispose()
 
 

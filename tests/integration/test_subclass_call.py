@@ -30,9 +30,7 @@ def app_context() -> Iterator[None]:
         CONTEXT.pop()
 
 
-class ContextTask(FencedTask):
-    abstract = True
-
+class ContextTask(FencedTask, fence_base=True):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with app_context():
             return self.run(*args, **kwargs)
@@ -44,8 +42,8 @@ class ContextMixin:
             return super().__call__(*args, **kwargs)  # type: ignore[misc]
 
 
-class MixinTask(ContextMixin, FencedTask):
-    abstract = True
+class MixinTask(ContextMixin, FencedTask, fence_base=True):
+    pass
 
 
 @pytest.fixture
@@ -93,8 +91,8 @@ def test_a_call_assigned_after_the_class_was_made_is_refused_when_bound(app: Cel
 
 
 def test_a_base_whose_call_was_assigned_late_still_runs_fenced(app: Celery, store: Store) -> None:
-    class LateBase(FencedTask):
-        abstract = True
+    class LateBase(FencedTask, fence_base=True):
+        pass
 
     def call_in_context(self: Any, *args: Any, **kwargs: Any) -> Any:
         with app_context():

@@ -663,7 +663,7 @@ def stage_effect(self: Any, key: str) -> dict[str, Any]:
     ledger.rpush(f"{PREFIX}:runs:{key}", f"{self.fence.generation}:{self.fence.attempt_id}")
     with self.fence.transaction() as conn:  # a fenced block: its commit is a span
         conn.execute(sa.text("SELECT 1"))
-    self.fence.outbox.add("traced", {"key": key})
+    self.fence.effects.add("traced", {"key": key})
     return {"key": key, "generation": self.fence.generation}
 
 

@@ -54,7 +54,7 @@ def publish(self: Any, key: str, *, sleep: float = 0.0) -> dict[str, Any]:
     fence = self.fence
     ledger.rpush(f"{PREFIX}:runs:{key}", f"{fence.generation}:{fence.attempt_id}")
     payload = {"key": key, "generation": fence.generation, "attempt_id": fence.attempt_id}
-    idem = fence.outbox.add("notify", payload)
+    idem = fence.effects.add("notify", payload)
     end = time.monotonic() + sleep
     while time.monotonic() < end:  # works without checking its lease: the store must defend
         time.sleep(0.02)

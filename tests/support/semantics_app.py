@@ -28,20 +28,16 @@ def _sleep(seconds: float) -> None:
         time.sleep(0.02)
 
 
-class FlaskTask(FencedTask):
+class FlaskTask(FencedTask, fence_base=True):
     """Flask's documented base task: ``__call__`` runs ``self.run`` inside the app context."""
-
-    abstract = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with flask_app.app_context():
             return self.run(*args, **kwargs)
 
 
-class FlaskSuperTask(FencedTask):
+class FlaskSuperTask(FencedTask, fence_base=True):
     """The same pattern through ``super().__call__`` (it must not fence twice)."""
-
-    abstract = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with flask_app.app_context():

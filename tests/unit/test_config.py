@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from celery import Celery
 
 from celery_fence import FencedTask
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError, FenceError
+from celery_fence.settings import FIELD_NAMES
 
 
 def test_defaults_are_the_embedded_ones() -> None:
@@ -220,3 +223,10 @@ def test_the_outbox_retries_for_hours_by_default() -> None:
         {"fence_outbox_max_attempts": 3, "fence_outbox_backoff": 1, "fence_outbox_backoff_max": 1.5}
     )
     assert dead_after(small) == (1.25, 2.5)
+
+
+def test_the_settings_table_names_every_field_of_the_config_and_no_other() -> None:
+    # (a field without a row in celery_fence.settings could not be set; a row without a field
+    # would be accepted and dropped)
+    fields = {f.name for f in dataclasses.fields(FenceConfig) if not f.name.startswith("_")}
+    assert fields == set(FIELD_NAMES)

@@ -27,7 +27,7 @@ from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.execution import CLAIM_ROUNDS, Execution
 from celery_fence.pipeline.retry import RetryPolicy
 from celery_fence.store.records import Completion, DeadUnrun, Ending, RetryScheduled
-from celery_fence.testing.memory import MemoryLeaseStore, MemoryStore
+from tests.support.memory import MemoryLeaseStore, MemoryStore
 
 KEY = "job:1"
 

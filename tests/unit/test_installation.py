@@ -231,3 +231,30 @@ def test_a_fenced_task_registered_without_being_bound_installs_its_app_at_first_
     assert report["before"] == [False, []]
     # and its first use binds it, which installs it like any other.
     assert report["after"] == [True, sorted(FENCE_TASKS)]
+
+
+def test_a_fence_base_installs_nothing_and_each_task_made_from_it_installs_its_app() -> None:
+    base_app = Celery("fence-base", set_as_current=False)
+    task_app = Celery("fence-base-task", set_as_current=False)
+
+    # Given a base of fenced tasks declared with the marker, and one declared without it,
+    class Base(FencedTask, fence_base=True):
+        pass
+
+    class NotABase(FencedTask):
+        pass
+
+    # when Celery binds the base to an app, that app is not installed (the marker is no
+    # Celery attribute: Celery's deprecated ``abstract`` is not read),
+    Base.bind(base_app)
+    # (``app.tasks`` is not read: finalizing would attach the process's shared fenced tasks)
+    assert not installed(base_app)
+    assert "abstract" not in Base.__dict__
+    # and a task made from the base, and a subclass without the marker, each install their app.
+    task_cls: type[FencedTask] = type("made_from_base", (Base,), {"name": "fence-base.job"})
+    assert task_cls._fence_base is False
+    task_cls.bind(task_app)
+    assert installed(task_app)
+    other = Celery("fence-not-a-base", set_as_current=False)
+    NotABase.bind(other)
+    assert installed(other)

@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "actions", "schema", "signals", "app_state", "migrate"),  # what everything uses
     ("process", "metrics"),  # the per-process registry and threads; the metrics observer
     ("leases",),  # the Redis side
+    ("settings",),  # each setting's name, default and type; how one is read from app.conf
     ("config",),  # the settings, each validated by the layer it configures
     ("store",),  # the fence tables
     ("body", "announce"),  # what a task body sees; transitions, events and log records

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from celery_fence.chaos import mutations
 from celery_fence.chaos.checker import SAFETY_COLUMNS
+from tests import mutations
 
 
 @pytest.mark.parametrize("breakage", mutations.BREAKAGES, ids=lambda b: b.name)

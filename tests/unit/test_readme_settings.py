@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from celery_fence.config import FIELD_NAMES
+from celery_fence.settings import FIELD_NAMES
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

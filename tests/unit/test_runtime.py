@@ -26,7 +26,7 @@ from celery_fence.pipeline import backends as b
 from celery_fence.process.background import Background, BackgroundWriter
 from celery_fence.process.runtime import Runtime, runtime
 from celery_fence.store.watchdog import Watchdog, watchdog
-from celery_fence.testing.memory import MemoryLeaseStore
+from tests.support.memory import MemoryLeaseStore
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from celery_fence.leases.renewer import Renewer
 from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.execution import Execution
 from celery_fence.pipeline.retry import RetryPolicy
-from celery_fence.testing.memory import MemoryLeaseStore, MemoryStore
+from tests.support.memory import MemoryLeaseStore, MemoryStore
 from tests.support.spans import process_exporter
 from tests.support.worker import ROOT
 

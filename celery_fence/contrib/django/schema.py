@@ -16,9 +16,9 @@ from typing import Any
 from django.db import router
 
 from celery_fence import migrate
-from celery_fence.config import DEFAULT_DATABASE_URL
 from celery_fence.contrib.django.database import same_database_problem, url_for_settings
 from celery_fence.contrib.django.settings import fence_alias, fence_config
+from celery_fence.settings import DEFAULT_DATABASE_URL
 
 APP_LABEL = "celery_fence"
 

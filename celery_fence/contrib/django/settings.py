@@ -8,7 +8,8 @@ from typing import Any
 
 from django.conf import settings
 
-from celery_fence.config import DJANGO_STORE_UNSET, FenceConfig
+from celery_fence.config import FenceConfig
+from celery_fence.settings import DJANGO_STORE_UNSET
 
 PREFIXES = ("CELERY_FENCE_", "FENCE_")
 

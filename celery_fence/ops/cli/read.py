@@ -13,7 +13,6 @@ import sqlalchemy as sa
 from celery.bin.base import CeleryOption
 
 from celery_fence import migrate
-from celery_fence.config import DJANGO_STORE_UNSET, read_setting
 from celery_fence.leases.lease import make_redis_client
 from celery_fence.ops import recovery
 from celery_fence.ops.cli.common import (
@@ -34,7 +33,8 @@ from celery_fence.ops.cli.common import (
     utc_text,
 )
 from celery_fence.schema import CHECKPOINT, PENDING, STATUSES
-from celery_fence.store import COMPLETED, UNFINISHED, JobRecord, Store, Transition
+from celery_fence.settings import DJANGO_STORE_UNSET, read_setting
+from celery_fence.store import COMPLETED, UNFINISHED, JobRecord, Store, Transition, probe
 from celery_fence.store.engine import sqlstate
 from celery_fence.store.records import never_claimed as unclaimed
 from celery_fence.store.steps import StepRecord
@@ -119,7 +119,7 @@ def _check_writes(ctx: click.Context, store: Store) -> None:
     """The store's write probe (:func:`celery_fence.store.probe.write_probe`), or one line: the
     store, the error and the fix."""
     try:
-        ran = store.write_probe()
+        ran = probe.write_probe(store)
     except Exception as exc:
         raise FenceCLIError(
             f"store {safe_url(store.url)} cannot take a fenced task's writes: {exc}; "
@@ -240,7 +240,7 @@ def ls(
             listed = [
                 r
                 for db in scope.databases()
-                for r in db.store.list(
+                for r in db.store.list_jobs(
                     status=status, task_name=task, limit=limit, never_claimed=never_claimed
                 )
             ]
@@ -351,7 +351,7 @@ def show(ctx: click.Context, key: str, as_json: bool, values: bool) -> None:
         store, record = locate(scope, key)
         remaining, lease_generation = scope.lease(record)
     history = store.history(key)
-    steps = store.steps.list(key, values=values)
+    steps = store.steps.rows(key, values=values)
     effects = store.outbox_rows.rows(key=key)
     routing = recovery.routing_for(record, ctx.obj.app) if record.request else {}
     queue = routing.get("queue")

@@ -15,7 +15,6 @@ from celery.bin.base import CeleryOption
 from celery_fence import migrate
 from celery_fence.actions import Action
 from celery_fence.announce.transitions import emit_transition
-from celery_fence.config import MIN_RETENTION
 from celery_fence.ops import recovery
 from celery_fence.ops.cli.common import (
     EX_USAGE,
@@ -30,6 +29,7 @@ from celery_fence.ops.cli.common import (
 from celery_fence.ops.requeue import SendFailed, requeue_finished
 from celery_fence.ops.scope import Scope
 from celery_fence.schema import COMPLETED, DEAD
+from celery_fence.settings import MIN_RETENTION
 from celery_fence.store import JobRecord, Store
 from celery_fence.store.admin import PURGE_BATCH
 

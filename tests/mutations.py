@@ -1,7 +1,8 @@
 """The mutation check: break the fence on purpose, one breakage at a time, and show that the chaos
 checker catches each one by name.
 
-``python -m celery_fence.chaos.mutations [--only NAME ...] [--ttl SECONDS] [--seed S] [-q]``
+``python -m tests.mutations [--only NAME ...] [--ttl SECONDS] [--seed S] [-q]``, from a checkout
+of the repository (the project's own check: it is not in the wheel).
 
 For each breakage it copies the installed ``celery_fence`` package to a temporary directory
 (never touching the working tree), applies one textual change to the copy, and runs the chaos
@@ -66,9 +67,10 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+import celery_fence
 from celery_fence.chaos.checker import COLUMNS, SAFETY_COLUMNS
 
-PACKAGE = Path(__file__).resolve().parents[1]  # the celery_fence package being checked
+PACKAGE = Path(celery_fence.__file__).resolve().parent  # the celery_fence package being checked
 
 
 @dataclass(frozen=True)
@@ -338,7 +340,7 @@ def check(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m celery_fence.chaos.mutations",
+        prog="python -m tests.mutations",
         description="Break the fence on purpose, one breakage at a time; every one must be caught.",
     )
     names = [b.name for b in BREAKAGES]

@@ -442,8 +442,8 @@ class MemoryStore:
         with self._lock:
             return [e for ik, e in self._effects.items() if self._effect_keys[ik] == key]
 
-    def list(self) -> list[JobRecord]:
-        """Every job (a test's view; not the real store's filtered ``list``)."""
+    def list_jobs(self) -> list[JobRecord]:
+        """Every job (a test's view; not the real store's filtered ``list_jobs``)."""
         with self._lock:
             return [self._read(row) for row in self._jobs.values()]
 
