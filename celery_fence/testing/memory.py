@@ -1,7 +1,7 @@
 """In-memory doubles of the two backends, for fast unit tests of the orchestration:
 :class:`MemoryStore` (a :class:`~celery_fence.pipeline.ports.JobStore`, like
 :class:`celery_fence.store.Store`) and :class:`MemoryLeaseStore` (a
-:class:`~celery_fence.pipeline.ports.LeaseBackend`, like
+:class:`~celery_fence.leases.ports.LeaseBackend`, like
 :class:`celery_fence.leases.lease.LeaseStore`).
 
 Pure Python, no I/O, thread-safe (one lock each). Each verb (each ending of

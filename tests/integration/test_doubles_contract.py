@@ -41,7 +41,8 @@ from celery_fence.testing.memory import MemoryLeaseStore, MemoryStore
 from tests.support.stores import store_url
 
 if TYPE_CHECKING:
-    from celery_fence.pipeline.ports import JobStore, LeaseBackend
+    from celery_fence.leases.ports import LeaseBackend
+    from celery_fence.pipeline.ports import JobStore
 
     def _the_real_ones_and_the_doubles_satisfy_the_ports(
         store: Store, leases: LeaseStore, memory: MemoryStore, memory_leases: MemoryLeaseStore
