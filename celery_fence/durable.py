@@ -69,10 +69,10 @@ from celery_fence.adapters import unique as unique_jobs
 from celery_fence.adapters.task import FencedTask
 from celery_fence.announce import tracing
 from celery_fence.body import sqla
-from celery_fence.body.transaction import different_database
 from celery_fence.errors import ConfigurationError, FenceError
 from celery_fence.ops.recovery import KEY_HEADER
 from celery_fence.store.records import ENQUEUED_HEADER, encode_request
+from celery_fence.store.urls import different_database
 
 logger = logging.getLogger("celery_fence.durable")
 
@@ -247,7 +247,7 @@ class _SqlAlchemyTarget:
     def insert(
         self, key: str, task_name: str, request: Mapping[str, Any], due: dt.datetime | None
     ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
-        created, existing = self.store.insert_pending(
+        created, existing = self.store.pending.insert(
             self.connection, key, task_name=task_name, request=request, due=due
         )
         if created or existing is None:

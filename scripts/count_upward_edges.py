@@ -84,20 +84,18 @@ def targets(module: str, is_pkg: bool, node: ast.AST) -> list[str]:
 
 
 def edges() -> list[tuple[str, str, str, bool]]:
-    found = []
+    found: list[tuple[str, str, str, bool]] = []
     for module, (path, is_pkg) in sorted(MODULES.items()):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-
-        def walk(node: ast.AST, parents: list[ast.AST]) -> None:
+        stack: list[tuple[ast.AST, list[ast.AST]]] = [(tree, [])]
+        while stack:
+            node, parents = stack.pop()
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 relative = isinstance(node, ast.ImportFrom) and node.level > 0
                 for t in targets(module, is_pkg, node):
                     if t != module:
                         found.append((module, t, kind_of(parents), relative))
-            for child in ast.iter_child_nodes(node):
-                walk(child, [*parents, node])
-
-        walk(tree, [])
+            stack.extend((child, [*parents, node]) for child in ast.iter_child_nodes(node))
     return found
 
 

@@ -619,7 +619,7 @@ class FencedTask(Task, Fenced):
         if request.get(RELEASE_BEFORE_SEND):
             setattr(request, RELEASE_BEFORE_SEND, False)
             fence = request.get("fence")
-            if fence is not None and fence.execution is not None:
+            if fence is not None and isinstance(fence.execution, Execution):
                 fence.execution.release_before_retry()
         # the publish time, for the metrics' queue wait (one header, metrics on or off)
         options["headers"] = {**(options.get("headers") or {}), PUBLISHED_HEADER: time.time()}

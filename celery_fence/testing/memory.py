@@ -394,8 +394,8 @@ class MemoryStore:
     ) -> tuple[bool, JobRecord | None]:
         """An enqueued job, ``pending`` and never claimed (generation 0, attempt ``-``), unless
         the key has a job: ``(True, None)`` or ``(False, that job)``. The real store's
-        :meth:`~celery_fence.store.Store.insert_pending` without its ``conn`` (it writes in the
-        caller's transaction; here there is none)."""
+        :meth:`~celery_fence.store.pending.PendingRows.insert` without its ``conn`` (it writes
+        in the caller's transaction; here there is none)."""
         with self._lock:
             existing = self._jobs.get(key)
             if existing is not None:

@@ -71,7 +71,7 @@ class Jobs:
             written, _ = self.store.insert_pending(key, task_name="t", request=request)
         else:
             with self.store.engine.begin() as conn:
-                written, _ = self.store.insert_pending(conn, key, task_name="t", request=request)
+                written, _ = self.store.pending.insert(conn, key, task_name="t", request=request)
         assert written
 
     def effects(self, key: str) -> list[tuple[str, str, Any]]:

@@ -54,7 +54,7 @@ class DjangoTarget:
         self, key: str, task_name: str, request: Mapping[str, Any], due: dt.datetime | None
     ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
         with self.connection.cursor() as cursor:
-            return self.store.insert_pending_cursor(
+            return self.store.pending.insert_cursor(
                 cursor, key, task_name=task_name, request=request, due=due
             )
 
@@ -65,7 +65,7 @@ class DjangoTarget:
         """Publish ``send`` when its row committed (it is there, with this send's task id)."""
         try:
             with connections[self.alias].cursor() as cursor:
-                found = self.store.status_and_request_cursor(cursor, send.key)
+                found = self.store.pending.status_and_request_cursor(cursor, send.key)
         except Exception as exc:  # committed or not, the row (if any) is the record
             logger.warning(
                 "fence enqueue could not read key=%s after the commit (%s); not sent: a "
