@@ -9,11 +9,16 @@ each does is described once, in docs/design.md, "What importing does, and what i
 does".
 """
 
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from celery_fence import durable
 from celery_fence.adapters.installation import install
 from celery_fence.adapters.task import FencedTask
 from celery_fence.body.fence import Fence
 from celery_fence.config import FenceConfig
-from celery_fence.durable import Enqueued, enqueue
+from celery_fence.durable import Enqueued
 from celery_fence.errors import (
     AlreadyEnqueued,
     BlockIdleTimeout,
@@ -43,6 +48,34 @@ try:  # one version, in setup.cfg: the installed distribution's metadata
     __version__ = _version("celery-fence")
 except PackageNotFoundError:  # pragma: no cover - run from a source tree that is not installed
     __version__ = "0+unknown"
+
+
+def enqueue(
+    conn: Any,
+    task: Any,
+    args: Iterable[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Enqueued:
+    """``enqueue(conn, task, args=..., **options)``: write ``task(*args, **kwargs)`` as a
+    ``pending`` job in ``conn``'s transaction (an SQLAlchemy ``Connection`` or ``Session``) and
+    send it when that transaction commits: :func:`celery_fence.durable.enqueue`.
+
+    ``conn=None`` (Django's connection) is deprecated: call
+    :func:`celery_fence.contrib.django.enqueue` ``(task, args=..., **options)``, which it runs."""
+    if conn is None:
+        warnings.warn(
+            "enqueue(None, task, ...) is deprecated: call "
+            "celery_fence.contrib.django.enqueue(task, ...) (the same write on Django's "
+            "connection)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from celery_fence.contrib.django import enqueue as django_enqueue  # Django is optional
+
+        return django_enqueue(task, args, kwargs, **options)
+    return durable.enqueue(conn, task, args, kwargs, **options)
+
 
 __all__ = [
     "AlreadyEnqueued",

@@ -5,22 +5,19 @@ forks and shared by the children (per-process objects live on
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
-if TYPE_CHECKING:
-    from celery_fence.config import FenceConfig
-    from celery_fence.ops.outbox import Outbox
+T = TypeVar("T")
 
 
 @dataclass
 class AppState:
     """The celery-fence state of one app."""
 
-    #: The app's settings (:meth:`FenceConfig.from_app`); None until first read.
-    config: FenceConfig | None = None
-    #: The app's :class:`~celery_fence.ops.outbox.Outbox` (its handler registry), if one was made.
-    outbox: Outbox | None = None
+    #: The values the layers above keep on the app, each through its own typed :class:`AppSlot`
+    #: (the settings, the outbox's handler registry).
+    slots: dict[str, Any] = field(default_factory=dict)
     #: Whether the worker sends task events (``-E`` sets the worker's flag, not ``app.conf``);
     #: None until ``worker_init`` says (see
     # :func:`celery_fence.announce.events.task_events_enabled`).
@@ -44,6 +41,24 @@ def app_state(app: Any) -> AppState:
     if state is None:
         state = app.__dict__.setdefault(_STATE_ATTRIBUTE, AppState())
     return state
+
+
+class AppSlot(Generic[T]):
+    """One value of type ``T`` a layer above this one keeps on each app, typed where it is
+    declared: ``FenceConfig.from_app``'s settings (:mod:`celery_fence.config`), the app's
+    ``Outbox`` (:mod:`celery_fence.ops.outbox`)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def get(self, app: Any) -> T | None:
+        """The app's value; None until one is set."""
+        value: T | None = app_state(app).slots.get(self.name)
+        return value
+
+    def set(self, app: Any, value: T | None) -> None:
+        """Set (None: forget) the app's value."""
+        app_state(app).slots[self.name] = value
 
 
 def real_app(app: Any) -> Any:
@@ -76,4 +91,12 @@ def installed_apps() -> list[Any]:
     return list(_installed_apps)
 
 
-__all__ = ["AppState", "app_state", "installed", "installed_apps", "mark_installed", "real_app"]
+__all__ = [
+    "AppSlot",
+    "AppState",
+    "app_state",
+    "installed",
+    "installed_apps",
+    "mark_installed",
+    "real_app",
+]

@@ -213,9 +213,11 @@ class Singleton(FencedTask, fence_base=True):
         policy = self.unique_policy(args, kwargs)
         store = self.fence_backends().store
         with store.db.connect() as conn:
-            holder = store.unique_holder(conn, policy.key)
+            holder = store.pending.unique_holder(conn, policy.key)
             if holder is not None:
-                store.release_unique(conn, holder.key, unique_key=policy.key, status=holder.status)
+                store.pending.release_unique(
+                    conn, holder.key, unique_key=policy.key, status=holder.status
+                )
 
     @classmethod
     def clear_locks(cls, app: Any = None) -> None:

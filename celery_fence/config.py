@@ -9,17 +9,18 @@ named on purpose.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from celery_fence.app_state import app_state
+from celery_fence.app_state import AppSlot
 from celery_fence.errors import ConfigurationError
 from celery_fence.leases.lease import DEFAULT_GENERATION_TTL  # (the lease's own default)
 from celery_fence.leases.limits import MAX_GROUP_LIMIT, Rate, parse_rate
-from celery_fence.leases.redis_client import parse_redis_settings
+from celery_fence.leases.redis_client import RedisSettings, parse_redis_settings
 from celery_fence.settings import (
     BEAT_MISSED,
     DEFAULT_BEAT_CATCH_UP_MAX,
@@ -416,11 +417,33 @@ class FenceConfig:
 
     @classmethod
     def from_app(cls, app: Any) -> FenceConfig:
-        """The app's settings, read once (forget them with ``app_state(app).config = None``)."""
-        state = app_state(app)
-        if state.config is None:
-            state.config = cls.from_mapping(app.conf)
-        return state.config
+        """The app's settings, read once (:meth:`forget` them to read them again)."""
+        config = _APP_CONFIG.get(app)
+        if config is None:
+            config = cls.from_mapping(app.conf)
+            _APP_CONFIG.set(app, config)
+        return config
+
+    @staticmethod
+    def forget(app: Any) -> None:
+        """Forget the settings :meth:`from_app` read for ``app`` (the next call reads them)."""
+        _APP_CONFIG.set(app, None)
+
+    @functools.cached_property
+    def redis(self) -> RedisSettings:
+        """The settings the Redis side is built from, as the leases layer takes them."""
+        return RedisSettings(
+            url=self.redis_url,
+            lease_ttl=self.lease_ttl,
+            client=self.redis_client,
+            cluster=self.redis_cluster,
+            ssl=self.redis_ssl,
+            transport_options=self.redis_transport_options,
+        )
+
+
+#: The settings :meth:`FenceConfig.from_app` read, kept on each app.
+_APP_CONFIG: AppSlot[FenceConfig] = AppSlot("config")
 
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9._-]{0,32}")

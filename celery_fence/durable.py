@@ -20,10 +20,10 @@ removes. :func:`enqueue` closes both windows::
   found (``created`` false, its ``status``; a completed one's result is in the store, a dead one
   waits for ``fence requeue``).
 
-``conn`` is an SQLAlchemy ``Connection`` in a transaction (``engine.begin()``), an ORM
-``Session`` (a ``scoped_session`` such as Flask-SQLAlchemy's ``db.session`` too), or ``None``:
-Django's connection for the store's alias, inside ``transaction.atomic()``
-(:mod:`celery_fence.contrib.django.durable`). Each must be on the store's database, which is what
+``conn`` is an SQLAlchemy ``Connection`` in a transaction (``engine.begin()``) or an ORM
+``Session`` (a ``scoped_session`` such as Flask-SQLAlchemy's ``db.session`` too); Django's
+connection is :func:`celery_fence.contrib.django.enqueue`'s (it writes through
+:func:`enqueue_on`). Each must be on the store's database, which is what
 makes the row part of your transaction (anything else is refused with
 :class:`ConfigurationError`), in a real transaction: a connection in ``AUTOCOMMIT`` (an engine
 created with ``isolation_level="AUTOCOMMIT"``, the store's own engine) commits the row on its own
@@ -69,10 +69,10 @@ from celery_fence.adapters import unique as unique_jobs
 from celery_fence.adapters.task import FencedTask
 from celery_fence.announce import tracing
 from celery_fence.body import sqla
-from celery_fence.body.transaction import different_database
 from celery_fence.errors import ConfigurationError, FenceError
 from celery_fence.ops.recovery import KEY_HEADER
 from celery_fence.store.records import ENQUEUED_HEADER, encode_request
+from celery_fence.store.urls import different_database
 
 logger = logging.getLogger("celery_fence.durable")
 
@@ -127,7 +127,9 @@ class Enqueued:
 
 
 @dataclass(frozen=True)
-class _Send:
+class Send:
+    """One job's message, sent after its row commits."""
+
     task: Any
     key: str
     task_id: str
@@ -137,7 +139,7 @@ class _Send:
 
 
 def enqueue(
-    conn: sa.Connection | Session | scoped_session[Any] | None,
+    conn: sa.Connection | Session | scoped_session[Any],
     task: Any,
     args: Iterable[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
@@ -156,14 +158,45 @@ def enqueue(
     unfinished job holds the key, ``on_conflict`` says what this call does: ``"return"`` that
     job (``created`` false), ``"replace"`` it while nobody has claimed it, or ``"raise"``
     :class:`~celery_fence.errors.AlreadyEnqueued`. See :mod:`celery_fence.adapters.unique`."""
+    if conn is None:  # (celery_fence.enqueue(None, ...), deprecated, goes to Django's enqueue)
+        raise ConfigurationError(
+            "celery_fence.durable.enqueue(None, ...): Django's connection is "
+            "celery_fence.contrib.django.enqueue(task, ...)'s; pass an SQLAlchemy Connection or "
+            "Session here"
+        )
+    if isinstance(conn, scoped_session):  # Flask-SQLAlchemy's db.session: this thread's Session
+        conn = conn()
+    session_or_connection = conn
+    return enqueue_on(
+        lambda store: _SqlAlchemyTarget(session_or_connection, store),
+        task,
+        args,
+        kwargs,
+        unique=unique,
+        on_conflict=on_conflict,
+        **options,
+    )
+
+
+def enqueue_on(
+    target_for: Callable[[Any], Target],
+    task: Any,
+    args: Iterable[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    unique: bool | str | None = None,
+    on_conflict: str | None = None,
+    **options: Any,
+) -> Enqueued:
+    """:func:`enqueue` on the :class:`Target` ``target_for(store)`` makes (the row's
+    connection and the send after its commit): an SQLAlchemy one here, Django's in
+    :mod:`celery_fence.contrib.django.durable`."""
     if not isinstance(task, FencedTask):
         raise ConfigurationError(
             f"enqueue() takes a fenced task (@app.task(base=FencedTask, ...)), not "
             f"{getattr(task, 'name', type(task).__name__)!r}: only a fenced job has a row to "
             "write"
         )
-    if isinstance(conn, scoped_session):  # Flask-SQLAlchemy's db.session: this thread's Session
-        conn = conn()
     args, kwargs = tuple(args), dict(kwargs or {})
     task_id = str(options.pop("task_id", None) or uuid.uuid4())
     _check_options(task, options)
@@ -172,18 +205,13 @@ def enqueue(
     key = task.logical_key(args, kwargs, task_id)
     policy = task.unique_policy(args, kwargs, unique=unique, on_conflict=on_conflict)
     store = task.fence_backends().store
-    if conn is None:  # Django's connection; Django is optional, so imported only when asked for
-        from celery_fence.contrib.django.durable import django_target
-
-        if policy is not None:
-            raise ConfigurationError(
-                f"enqueue(None, {task.name}, unique=...): unique jobs are written through "
-                "SQLAlchemy for now; enqueue on a Connection or Session of the store's database, "
-                "or send with task.apply_async() (a unique task's send is unique too)"
-            )
-        target: _Target = django_target(task, store)
-    else:
-        target = _SqlAlchemyTarget(conn, store)
+    target = target_for(store)
+    if policy is not None and not isinstance(target, _SqlAlchemyTarget):
+        raise ConfigurationError(
+            f"enqueue({task.name}, unique=...) on Django's connection: unique jobs are written "
+            "through SQLAlchemy for now; enqueue on a Connection or Session of the store's "
+            "database, or send with task.apply_async() (a unique task's send is unique too)"
+        )
     request = encode_request(
         task.name, args, kwargs, _context(task, args, kwargs, task_id, options)
     )
@@ -221,11 +249,11 @@ def enqueue(
             status=status or "unknown",
             task=task,
         )
-    target.after_commit(_Send(task, key, task_id, args, kwargs, options))
+    target.after_commit(Send(task, key, task_id, args, kwargs, options))
     return Enqueued(key=key, task_id=task_id, created=True, status="pending", task=task)
 
 
-class _Target(Protocol):
+class Target(Protocol):
     """Where the job's row is written, and what sends its message after the commit."""
 
     def insert(
@@ -233,8 +261,8 @@ class _Target(Protocol):
     ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
         """``(True, None, None)``: written; ``(False, status, request)``: the key's job."""
 
-    def after_commit(self, send: _Send) -> None:
-        """Send once the transaction commits; forget it when it rolls back."""
+    def after_commit(self, send: Send) -> None:
+        """Send once the transaction commits; forget it when it rolls back (:func:`publish`)."""
 
 
 class _SqlAlchemyTarget:
@@ -247,14 +275,14 @@ class _SqlAlchemyTarget:
     def insert(
         self, key: str, task_name: str, request: Mapping[str, Any], due: dt.datetime | None
     ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
-        created, existing = self.store.insert_pending(
+        created, existing = self.store.pending.insert(
             self.connection, key, task_name=task_name, request=request, due=due
         )
         if created or existing is None:
             return created, None, None
         return False, existing.status, existing.request
 
-    def after_commit(self, send: _Send) -> None:
+    def after_commit(self, send: Send) -> None:
         # On the Connection, for a Session too: a Session joined to an outer transaction
         # (Session(bind=conn) inside conn.begin()) commits nothing of it at session.commit();
         # the row commits with the connection's outermost transaction, and so goes the message.
@@ -384,11 +412,11 @@ def _check_same_database(store_url: str, theirs: sa.URL) -> None:
 #: ``info``: a connection returned to the pool without a commit must not carry its sends to the
 #: next user. (enqueue refuses a savepoint, so every row belongs to the outermost transaction and
 #: goes with its commit or rollback.)
-_WAITING: weakref.WeakKeyDictionary[Any, list[_Send]] = weakref.WeakKeyDictionary()
+_WAITING: weakref.WeakKeyDictionary[Any, list[Send]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
-def _after_commit(conn: sa.Connection, send: _Send) -> None:
+def _after_commit(conn: sa.Connection, send: Send) -> None:
     """Send once ``conn``'s outermost transaction commits; forget it when it rolls back."""
     with _LOCK:
         pending = _WAITING.get(conn)
@@ -405,18 +433,18 @@ def _listening(target: sa.Connection) -> bool:
     return sa.event.contains(target, name, fn)
 
 
-def _drain(target: Any) -> list[_Send]:
+def _drain(target: Any) -> list[Send]:
     with _LOCK:
         return _WAITING.pop(target, None) or []
 
 
-def publish(sends: list[_Send]) -> None:
+def publish(sends: list[Send]) -> None:
     """Send each job now (its transaction has committed); a failed send leaves the row
     ``pending`` for recovery."""
     _publish(sends)
 
 
-def _publish(sends: list[_Send]) -> None:
+def _publish(sends: list[Send]) -> None:
     for send in sends:
         headers = {
             **dict(send.options.get("headers") or {}),
@@ -471,4 +499,13 @@ _CONNECTION_EVENTS: dict[str, Callable[..., None]] = {
 }
 
 
-__all__ = ["LOCAL_OPTIONS", "PUBLISH_OPTIONS", "Enqueued", "enqueue"]
+__all__ = [
+    "LOCAL_OPTIONS",
+    "PUBLISH_OPTIONS",
+    "Enqueued",
+    "Send",
+    "Target",
+    "enqueue",
+    "enqueue_on",
+    "publish",
+]

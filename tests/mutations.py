@@ -120,7 +120,7 @@ BREAKAGES = (
         "commit-check",
         "commit-time check skipped in fence.transaction()",
         "body/transaction.py",
-        "        owner = store.block_owner(conn, fence)  # LeaseLost: paused past the lease in the"
+        "        owner = store.blocks.owner(conn, fence)  # LeaseLost: paused past the lease in the"
         " block\n",
         "        owner = True  # broken: the commit-time check skipped\n",
         ("--scenario", "app-write", "--runs", "2"),
@@ -183,7 +183,7 @@ BREAKAGES = (
         "atomic-check",
         "commit-time check skipped in fence.atomic()",
         "contrib/django/atomic.py",
-        "        owner = store.block_owner_cursor(cursor, fence)",
+        "        owner = store.blocks.owner_cursor(cursor, fence)",
         "        owner = True  # broken: the commit-time check skipped",
         ("--scenario", "django-write", "--runs", "2"),
         column="stale_app_writes",

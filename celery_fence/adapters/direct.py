@@ -32,8 +32,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_fence.body.transaction import different_database
 from celery_fence.store import Store, sql
+from celery_fence.store.urls import different_database
 
 _local = threading.local()  # .open: {id(connection): weakref to it} of this thread
 _track_lock = threading.Lock()

@@ -134,7 +134,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         # first task's settle step's (a task that opts out of the start check): no metrics then.
         return
     try:
-        if not metrics.wanted(config):
+        if not metrics.wanted(setting=config.metrics, port=config.metrics_port):
             return
     except ConfigurationError as exc:  # metrics asked for without prometheus_client
         message = f"celery-fence: invalid settings, the worker does not start: {exc}"

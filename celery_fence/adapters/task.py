@@ -32,7 +32,6 @@ from celery_fence.adapters.installation import install
 from celery_fence.adapters.worker import FENCED_REQUEST, celery_command
 from celery_fence.announce import tracing
 from celery_fence.announce.transitions import Announcer
-from celery_fence.app_state import app_state
 from celery_fence.body import watch
 from celery_fence.body.fence import Fence
 from celery_fence.config import FenceConfig, Fenced
@@ -43,7 +42,7 @@ from celery_fence.errors import (
     Rescheduled,
     RetryNotSent,
 )
-from celery_fence.ops.outbox import trigger_delivery
+from celery_fence.ops.outbox import registered_outbox, trigger_delivery
 from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.backends import Backends, backends, limits_for
 from celery_fence.pipeline.execution import Execution
@@ -497,7 +496,7 @@ class FencedTask(Task, Fenced):
         the exits the worker drives are applied by
         :meth:`~celery_fence.adapters.worker.FencedRequest._apply`."""
         if isinstance(disposition, o.Return):
-            replay_only = disposition.replay and app_state(self.app).outbox is None
+            replay_only = disposition.replay and registered_outbox(self.app) is None
             if disposition.deliver is not None and not replay_only:
                 trigger_delivery(self.app, disposition.deliver)
             return disposition.result
@@ -626,7 +625,7 @@ class FencedTask(Task, Fenced):
         if request.get(RELEASE_BEFORE_SEND):
             setattr(request, RELEASE_BEFORE_SEND, False)
             fence = request.get("fence")
-            if fence is not None and fence.execution is not None:
+            if fence is not None and isinstance(fence.execution, Execution):
                 fence.execution.release_before_retry()
         # the publish time, for the metrics' queue wait (one header, metrics on or off)
         options["headers"] = {**(options.get("headers") or {}), PUBLISHED_HEADER: time.time()}

@@ -217,12 +217,12 @@ def claim(
     own connection: each statement commits) under ``policy``: :class:`Claimed`, or
     :class:`AlreadyEnqueued` (``on_conflict="raise"``, or a started holder to replace)."""
     if policy is None:
-        created, existing = store.insert_pending(
+        created, existing = store.pending.insert(
             conn, key, task_name=task_name, request=request, due=due
         )
         return Claimed(created, existing)
     for _ in range(_PASSES):
-        created, holder = store.insert_pending(
+        created, holder = store.pending.insert(
             conn, key, task_name=task_name, request=request, due=due, unique_key=policy.key
         )
         if created:
@@ -230,12 +230,14 @@ def claim(
         if holder is None or holder.key == key or holder.unique_key != policy.key:
             return Claimed(False, holder)  # the key's own job: the same job sent again
         if holder.status not in policy.states or _period_over(holder, policy.period):
-            store.release_unique(conn, holder.key, unique_key=policy.key, status=holder.status)
+            store.pending.release_unique(
+                conn, holder.key, unique_key=policy.key, status=holder.status
+            )
             continue
         if policy.on_conflict == "return":
             return Claimed(False, holder)
         if policy.on_conflict == "replace" and holder.status == PENDING and holder.generation == 0:
-            store.replace_pending(conn, holder.key, unique_key=policy.key)
+            store.pending.replace(conn, holder.key, unique_key=policy.key)
             continue
         raise already_enqueued(holder, policy)
     raise FenceError(

@@ -14,10 +14,8 @@ and a reason.
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -27,14 +25,9 @@ from celery.utils.dispatch import Signal
 from celery_fence import metrics, signals
 from celery_fence.actions import Action
 from celery_fence.announce.events import event_type, send_transition_event
-from celery_fence.leases.lease import HeldLease
-from celery_fence.leases.renewer import RENEWER_THREAD_NAME
-from celery_fence.process.background import BackgroundWriter
-from celery_fence.process.runtime import runtime
 
 if TYPE_CHECKING:
     from celery_fence.announce.tracing import AttemptTrace
-    from celery_fence.pipeline.ports import JobStore
 
 logger = logging.getLogger("celery_fence")
 
@@ -258,60 +251,10 @@ class Announcer:
             self.trace.transition(action, generation=generation, reason=reason)
 
 
-def lease_observers(
-    announcer: Announcer, store: JobStore
-) -> tuple[Callable[[HeldLease, str], None], Callable[[HeldLease], None]]:
-    """``(on_lost, on_renewed)`` of one attempt's :class:`HeldLease`: announce, and record a
-    loss in ``store``."""
-    return (
-        functools.partial(_on_lost, announcer, store),
-        functools.partial(_on_renewed, announcer),
-    )
-
-
-def _on_lost(announcer: Announcer, store: JobStore, lease: HeldLease, reason: str) -> None:
-    announcer(
-        Action.LOST,
-        key=lease.key,
-        attempt_id=lease.token,
-        generation=lease.generation,
-        reason=reason,
-    )
-    if threading.current_thread().name != RENEWER_THREAD_NAME:
-        _record_lost(store, lease, reason)  # the task noticed: record before it goes on
-        return
-    # The renewal thread noticed: write the history row off that thread, so a slow database
-    # never delays the renewal of the process's other leases.
-    runtime().get("writer", None, BackgroundWriter).submit(_record_lost, store, lease, reason)
-
-
-def _record_lost(store: JobStore, lease: HeldLease, reason: str) -> None:
-    try:
-        store.record(
-            lease.key,
-            action=Action.LOST,
-            generation=lease.generation,
-            attempt_id=lease.token,
-            reason=reason,
-        )
-    except Exception as exc:  # the loss is already in force locally; the record is history
-        logger.warning(
-            "could not record lease loss key=%s generation=%s: %s",
-            lease.key,
-            lease.generation,
-            type(exc).__name__,
-        )
-
-
-def _on_renewed(announcer: Announcer, lease: HeldLease) -> None:
-    announcer(Action.RENEWED, key=lease.key, attempt_id=lease.token, generation=lease.generation)
-
-
 __all__ = [
     "TABLE",
     "ActionSpec",
     "Announcer",
     "Origin",
     "emit_transition",
-    "lease_observers",
 ]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_fence.body import steps as _steps
+from celery_fence.body.blocks import OpenBlocks, unrecorded_loss
 from celery_fence.body.effects import StagedEffects
 from celery_fence.body.orm import session as _session
-from celery_fence.body.transaction import OpenBlocks, unrecorded_loss
 from celery_fence.body.transaction import transaction as _transaction
 from celery_fence.leases.lease import HeldLease
 
@@ -17,8 +17,23 @@ if TYPE_CHECKING:
     import sqlalchemy as sa
     from sqlalchemy.orm import Session
 
-    from celery_fence.pipeline.execution import Execution
+    from celery_fence.config import FenceConfig
     from celery_fence.store import Store
+
+
+class Attempt(Protocol):
+    """What the body's blocks, steps and write watch ask of the attempt a :class:`Fence` belongs
+    to (:class:`celery_fence.pipeline.execution.Execution`, which makes the fence): its task and
+    settings, the span around a fenced commit, the report of a write outside every block, and
+    the mark that its completion clears the job's steps."""
+
+    task_name: str
+    config: FenceConfig
+    steps_used: bool
+
+    def committing(self, where: str) -> AbstractContextManager[Any]: ...
+
+    def unfenced_write(self, *, where: str, table: str | None, refused: bool) -> None: ...
 
 
 class Fence:
@@ -52,7 +67,7 @@ class Fence:
         attempts: int,
         lease: HeldLease,
         store: Store | None = None,
-        execution: Execution | None = None,
+        execution: Attempt | None = None,
         run: int = 0,
         idempotency_namespace: str = "",
     ) -> None:
@@ -66,7 +81,8 @@ class Fence:
         #: This attempt's lease, and the store its fenced blocks check ownership in.
         self.lease = lease
         self.store = store
-        #: The execution this fence belongs to (None: a fence made by hand, e.g. in a test).
+        #: The attempt this fence belongs to (an ``Execution``; None: a fence made by hand, e.g.
+        #: in a test).
         self.execution = execution
         #: The open fence.transaction()/session()/atomic() blocks, and a refused commit.
         self.blocks = OpenBlocks()

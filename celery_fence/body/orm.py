@@ -20,14 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from celery_fence.body.transaction import (
-    Block,
-    different_database,
-    join_block,
-    open_block,
-    store_of,
-)
+from celery_fence.body.blocks import Block
+from celery_fence.body.transaction import join_block, open_block, store_of
 from celery_fence.errors import ConfigurationError
+from celery_fence.store.urls import different_database
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session, scoped_session

@@ -7,7 +7,7 @@ transaction, that this attempt still owns its key:
 1. the lease, locally (``fence.check()``: an attempt that was paused past its lease stops here,
    without a round trip), then
 2. the store: one fenced ``UPDATE fence_jobs ... WHERE key, generation, attempt, status =
-   'running' RETURNING`` (:meth:`Store.commit_check`), at Read Committed on PostgreSQL and in one
+   'running' RETURNING`` (``store.blocks.commit_check``), at Read Committed on PostgreSQL and in one
    ``BEGIN IMMEDIATE`` transaction on SQLite. Why that is enough: docs/design.md, "Why the check
    is enough (Read Committed)".
 
@@ -28,7 +28,7 @@ the retry converge.
 A holder paused inside a block holds its transaction's locks. On PostgreSQL the block sets
 ``idle_in_transaction_session_timeout`` to the lease TTL (the server ends a session that waits that
 long between two statements, which rolls it back) and ``lock_timeout`` to
-:data:`~celery_fence.store.jobs.LOCK_TIMEOUT_TTLS` TTLs, at most ``fence_database_timeout`` (a
+:data:`~celery_fence.store.blocks.LOCK_TIMEOUT_TTLS` TTLs, at most ``fence_database_timeout`` (a
 newer attempt's block waits that long for rows a paused holder locked, then fails and retries); the
 store's own statements wait ``fence_lock_timeout`` (a registration then fails and its message is
 re-sent). On SQLite nothing can end a stopped process's transaction: every write to the database
@@ -48,135 +48,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from celery_fence import metrics
 from celery_fence.body import sqla, watch
-from celery_fence.errors import BlockIdleTimeout, ConfigurationError, FenceError, LeaseLost
+from celery_fence.body.blocks import Block, again
+from celery_fence.errors import BlockIdleTimeout, ConfigurationError, FenceError
 from celery_fence.store import sql
+from celery_fence.store.urls import different_database
 from celery_fence.store.watchdog import watchdog
 
 if TYPE_CHECKING:
     from celery_fence.body.fence import Fence
-    from celery_fence.leases.lease import HeldLease
     from celery_fence.store import Store
-
-_LOCAL_HOSTS = frozenset({"", "localhost", "127.0.0.1", "::1"})
-
-
-@dataclass
-class Block:
-    """The outermost open block of one attempt on one thread: its engine, its connection, and
-    the refusal of its commit (kept so a refusal swallowed inside the block still ends it)."""
-
-    engine: sa.Engine
-    conn: sa.Connection
-    thread: int = field(default_factory=threading.get_ident)
-    #: When its last statement ended, and how long it had been idle when the latest began (a
-    #: PostgreSQL block idle past the lease TTL is ended by the server: :func:`_idle_timeout`).
-    active_at: float = field(default_factory=time.monotonic)
-    idle: float = 0.0
-    refused: FenceError | None = None
-
-
-class AtomicAliases:
-    """The Django aliases with an open outermost ``fence.atomic()`` block, per thread: Django's
-    connections are per thread, so each thread's block is on a connection of its own and is
-    fenced on its own (:mod:`celery_fence.contrib.django.atomic`). True while any thread has one
-    open."""
-
-    def __init__(self) -> None:
-        self._by_thread: dict[int, set[str]] = {}
-        self._lock = threading.Lock()
-
-    def here(self) -> frozenset[str]:
-        """This thread's aliases with an open fenced ``atomic()`` block."""
-        with self._lock:
-            return frozenset(self._by_thread.get(threading.get_ident(), ()))
-
-    def add(self, alias: str) -> None:
-        with self._lock:
-            self._by_thread.setdefault(threading.get_ident(), set()).add(alias)
-
-    def discard(self, alias: str) -> None:
-        with self._lock:
-            mine = self._by_thread.get(threading.get_ident())
-            if mine is not None:
-                mine.discard(alias)
-                if not mine:
-                    del self._by_thread[threading.get_ident()]
-
-    def __bool__(self) -> bool:
-        with self._lock:
-            return bool(self._by_thread)
-
-
-class OpenBlocks:
-    """The fenced blocks of one attempt: its open outermost ``transaction()``/``session()``
-    blocks (one per thread at most), the Django aliases with an open ``atomic()`` block (per
-    thread), the
-    refusal of a fenced commit (every later block is refused too), and a lease loss seen while a
-    block was open, whose record waits for the last one to close."""
-
-    def __init__(self) -> None:
-        self._open: dict[int, Block] = {}
-        self._lock = threading.Lock()
-        self._loss_seen = False
-        #: Django aliases with an open ``fence.atomic()`` block, per thread.
-        self.atomic = AtomicAliases()
-        #: A fenced commit found a newer generation: no later block of this attempt commits.
-        self.refused: FenceError | None = None
-
-    @property
-    def any_open(self) -> bool:
-        """Whether a ``transaction()``/``session()`` or an ``atomic()`` block is open now."""
-        return bool(self._open) or bool(self.atomic)
-
-    def raise_refused(self) -> None:
-        """Raise (a fresh copy of) the refusal of an earlier fenced commit, if any."""
-        if self.refused is not None:
-            raise _again(self.refused)
-
-    def current(self) -> Block | None:
-        """This thread's open block."""
-        return self._open.get(threading.get_ident())
-
-    def add(self, block: Block) -> None:
-        with self._lock:
-            self._open[block.thread] = block
-
-    def defer_loss(self, lease: HeldLease) -> bool:
-        """True when the lease is lost while a block is open: the caller raises
-        :func:`unrecorded_loss`, and :meth:`remove` records the loss."""
-        with self._lock:
-            if self._open and lease.lost:
-                self._loss_seen = True
-                return True
-            return bool(self.atomic) and lease.lost
-
-    def remove(self, block: Block, lease: HeldLease) -> None:
-        """``block`` closed (its connection holds no lock any more): the last one to close
-        records a loss seen meanwhile — once, whatever the threads did."""
-        with self._lock:
-            self._open.pop(block.thread, None)
-            if self._open:
-                return
-            seen, self._loss_seen = self._loss_seen, False
-        try:
-            lease.check()  # records a loss (HeldLease.mark_lost: once)
-        except LeaseLost:
-            return
-        if seen:  # raised inside the block, then a late renewal moved the deadline on:
-            # what was raised stands.
-            lease.mark_lost("deadline passed without a confirmed renewal")
 
 
 @contextlib.contextmanager
@@ -233,7 +123,7 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
             raise
         if block.refused is not None:  # refused inside the block, and the refusal swallowed
             _rollback(store, conn)
-            raise _again(block.refused)
+            raise again(block.refused)
     finally:
         try:
             if busy_timeout is not None and not conn.invalidated:
@@ -388,7 +278,7 @@ def join_block(fence: Fence, block: Block, bind: sa.Engine | None, what: str) ->
 def _on_begin(fence: Fence, store: Store, conn: sa.Connection) -> None:
     """Every transaction the block's connection begins (the block's, and one after a commit
     inside it)."""
-    store.block_begin(conn, fence.lease.ttl)
+    store.blocks.begin(conn, fence.lease.ttl)
 
 
 def _on_commit(fence: Fence, store: Store, block: Block, conn: sa.Connection) -> None:
@@ -412,10 +302,10 @@ def _commit_checked(fence: Fence, store: Store, block: Block, conn: sa.Connectio
     observer = metrics.active
     started = time.perf_counter() if observer is not None else 0.0
     try:
-        if store.block_transaction_ended(conn, ask=False):
+        if store.blocks.transaction_ended(conn, ask=False):
             raise watch.raw_commit_error(sqla.where(conn))
-        owner = store.block_owner(conn, fence)  # LeaseLost: paused past the lease in the block
-        if not owner and store.block_transaction_ended(conn):
+        owner = store.blocks.owner(conn, fence)  # LeaseLost: paused past the lease in the block
+        if not owner and store.blocks.transaction_ended(conn):
             raise watch.raw_commit_error(sqla.where(conn))
     except BaseException as exc:
         _end_driver_transaction(store, conn, "rollback", quiet=True)
@@ -472,17 +362,6 @@ def _end_driver_transaction(
         watchdog().disarm(token)
 
 
-def unrecorded_loss(fence: Fence) -> LeaseLost:
-    """The ``LeaseLost`` of a check while a block is open, whose loss is recorded (and
-    signalled) once the blocks have closed: :meth:`OpenBlocks.remove`."""
-    return LeaseLost(
-        f"lease lost for key {fence.key!r} at generation {fence.generation}: "
-        f"{fence.lease.lost_reason or 'deadline passed without a confirmed renewal'}",
-        key=fence.key,
-        generation=fence.generation,
-    )
-
-
 def _rollback(store: Store, conn: sa.Connection) -> None:
     if conn.invalidated:
         return
@@ -492,12 +371,6 @@ def _rollback(store: Store, conn: sa.Connection) -> None:
         _end_driver_transaction(store, conn, "rollback", quiet=True)  # a BEGIN of our own
     except Exception:
         conn.invalidate()
-
-
-def _again(refused: FenceError) -> FenceError:
-    """A fresh exception with the refusal's message and context (a raised exception object
-    carries its traceback; do not raise the same one twice)."""
-    return type(refused)(str(refused), **refused.context)
 
 
 def store_of(fence: Fence) -> Store:
@@ -534,33 +407,3 @@ def checked_bind(store: Store, bind: Any) -> sa.Engine:
             "fence_database_url to your app's database."
         )
     return bind
-
-
-def different_database(ours: sa.URL, theirs: sa.URL) -> str | None:
-    """Why two URLs name different databases, or None when they name the same one: the same
-    backend, host (local names alike), port and database; for SQLite the same file."""
-    if ours.get_backend_name() != theirs.get_backend_name():
-        return f"backend {theirs.get_backend_name()}, the store's is {ours.get_backend_name()}"
-    if ours.get_backend_name() == "sqlite":
-        a, b = _sqlite_file(ours), _sqlite_file(theirs)
-        if a is None or b is None:
-            return "an in-memory SQLite database is never the store's"
-        return None if a == b else f"file {b}, the store's is {a}"
-    host = [(u.host or "").lower() for u in (ours, theirs)]
-    host = ["localhost" if h in _LOCAL_HOSTS else h for h in host]
-    if host[0] != host[1]:
-        return f"host {theirs.host}, the store's is {ours.host}"
-    if (ours.port or 5432) != (theirs.port or 5432):
-        return f"port {theirs.port}, the store's is {ours.port}"
-    if ours.database != theirs.database:
-        return f"database {theirs.database}, the store's is {ours.database}"
-    return None
-
-
-def _sqlite_file(url: sa.URL) -> str | None:
-    database = url.database or ""
-    if database in ("", ":memory:") or "mode=memory" in database:
-        return None
-    if database.startswith("file:"):
-        database = database[len("file:") :].split("?", 1)[0]
-    return os.path.realpath(database)

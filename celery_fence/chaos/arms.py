@@ -40,6 +40,24 @@ from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.backends import Backends, backends
 from celery_fence.pipeline.execution import Execution
 from celery_fence.store import Store, sql
+from celery_fence.store.blocks import BlockOwner, Blocks
+
+
+class UnfencedBlocks(Blocks):
+    """Blocks without the fence (``--unfenced``): a plain transaction, every commit allowed."""
+
+    def begin(self, conn: sa.Connection, ttl: float) -> None:
+        if conn.dialect.name == "sqlite":
+            conn.exec_driver_sql(sql.begin("sqlite", immediate=False))
+
+    def bounds(self, ttl: float) -> str:
+        return "SELECT 1"
+
+    def owner(self, conn: sa.Connection, owner: BlockOwner) -> bool:
+        return True
+
+    def owner_cursor(self, cursor: Any, owner: BlockOwner) -> bool:
+        return True
 
 
 class UnfencedStore(Store):
@@ -51,19 +69,7 @@ class UnfencedStore(Store):
     _owned_where = "key = :key"
     _register_where = f"{sql.JOBS}.status NOT IN ('completed', 'dead')"
     _completion_sets = ", generation = :generation, attempt_id = :attempt_id"
-
-    def block_begin(self, conn: sa.Connection, ttl: float) -> None:
-        if conn.dialect.name == "sqlite":
-            conn.exec_driver_sql(sql.begin("sqlite", immediate=False))
-
-    def block_bounds(self, ttl: float) -> str:
-        return "SELECT 1"
-
-    def block_owner(self, conn: sa.Connection, fence: Fence) -> bool:
-        return True
-
-    def block_owner_cursor(self, cursor: Any, fence: Fence) -> bool:
-        return True
+    _blocks_class = UnfencedBlocks
 
 
 class UnfencedTask(FencedTask, fence_base=True):

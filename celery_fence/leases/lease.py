@@ -21,17 +21,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from celery_fence.errors import LeaseBusy, LeaseLost
-from celery_fence.leases.redis_client import make_client
+from celery_fence.leases.redis_client import RedisSettings, make_client
 from celery_fence.leases.scripts import LuaScript
-
-if TYPE_CHECKING:  # the settings are read above this layer; the lease takes them as a value
-    from celery_fence.config import FenceConfig
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +48,11 @@ RELEASE = LuaScript("release")
 RAISE_GENERATION = LuaScript("raise_generation")
 
 
-def make_redis_client(config: FenceConfig) -> Any:
+def make_redis_client(settings: RedisSettings) -> Any:
     """The redis-py client for leases: ``fence_redis_client()`` when set, else from the settings
     (one Redis, TLS, unix socket, Sentinel or Cluster: see
     :mod:`celery_fence.leases.redis_client`)."""
-    return make_client(config)
+    return make_client(settings)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import ssl as _ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
@@ -36,9 +36,6 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from celery_fence.errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from celery_fence.config import FenceConfig
 
 #: Port used for ``sentinel://host`` without one.
 DEFAULT_SENTINEL_PORT = 26379
@@ -372,35 +369,51 @@ def build_client(target: RedisTarget, *, lease_ttl: float) -> Any:
     return redis.Redis(**options)
 
 
-def target_for(config: FenceConfig) -> RedisTarget:
+@dataclass(frozen=True, kw_only=True)
+class RedisSettings:
+    """The settings the Redis side is built from, as a value of its own (``FenceConfig.redis``
+    reads them from ``fence_redis_*`` and ``fence_lease_ttl``, above this layer)."""
+
+    url: str
+    #: Seconds; the client's socket timeouts follow it (:func:`build_client`).
+    lease_ttl: float
+    #: ``fence_redis_client``: a callable returning a ready redis-py client (bypasses the rest).
+    client: Callable[[], Any] | None = None
+    cluster: bool = False
+    ssl: Mapping[str, Any] | None = field(default=None, hash=False)
+    transport_options: Mapping[str, Any] | None = field(default=None, hash=False)
+
+
+def target_for(settings: RedisSettings) -> RedisTarget:
     return parse_redis_settings(
-        config.redis_url,
-        cluster=config.redis_cluster,
-        ssl=config.redis_ssl,
-        transport_options=config.redis_transport_options,
+        settings.url,
+        cluster=settings.cluster,
+        ssl=settings.ssl,
+        transport_options=settings.transport_options,
     )
 
 
-def client_identity(config: FenceConfig) -> tuple[Any, ...]:
-    """What makes two configurations' Redis clients interchangeable: URL, client factory,
-    cluster mode, TLS and transport options (the lease store and the retry budget share by it)."""
+def client_identity(settings: RedisSettings) -> tuple[Any, ...]:
+    """What makes two settings' Redis clients interchangeable: URL, client factory, cluster mode,
+    TLS and transport options (the lease store and the retry budget share by it)."""
     return (
-        config.redis_url,
-        config.redis_client,
-        config.redis_cluster,
-        repr(sorted((config.redis_ssl or {}).items())),
-        repr(sorted((config.redis_transport_options or {}).items())),
+        settings.url,
+        settings.client,
+        settings.cluster,
+        repr(sorted((settings.ssl or {}).items())),
+        repr(sorted((settings.transport_options or {}).items())),
     )
 
 
-def make_client(config: FenceConfig) -> Any:
+def make_client(settings: RedisSettings) -> Any:
     """The lease store's client: ``fence_redis_client()`` when set, else from the settings."""
-    if config.redis_client is not None:
-        return config.redis_client()
-    return build_client(target_for(config), lease_ttl=config.lease_ttl)
+    if settings.client is not None:
+        return settings.client()
+    return build_client(target_for(settings), lease_ttl=settings.lease_ttl)
 
 
 __all__ = [
+    "RedisSettings",
     "RedisTarget",
     "build_client",
     "make_client",

@@ -23,8 +23,8 @@ from celery_fence.actions import LogAction
 from celery_fence.leases.lease import HeldLease
 from celery_fence.process.background import Background
 
-if TYPE_CHECKING:  # the renewer is typed against the pipeline's port; it imports nothing above it
-    from celery_fence.pipeline.ports import LeaseBackend
+if TYPE_CHECKING:
+    from celery_fence.leases.ports import LeaseBackend
 
 logger = logging.getLogger("celery_fence.renewer")
 

@@ -21,14 +21,11 @@ arguments, results or payloads.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery_fence.errors import ConfigurationError
 from celery_fence.metrics import families
 from celery_fence.metrics.families import INSTALL_HINT, Metrics
-
-if TYPE_CHECKING:
-    from celery_fence.config import FenceConfig
 
 #: The observer of this process: None while metrics are off (the hooks then do nothing).
 active: Metrics | None = None
@@ -42,18 +39,18 @@ def available() -> bool:
     return families.Counter is not None
 
 
-def wanted(config: FenceConfig) -> bool:
-    """Whether ``config`` turns metrics on: ``fence_metrics`` when set; else on when
-    ``prometheus_client`` is importable and ``fence_metrics_port`` or ``PROMETHEUS_MULTIPROC_DIR``
-    is set. Raises :class:`ConfigurationError` when metrics are asked for explicitly
-    (``fence_metrics=True`` or a port) and ``prometheus_client`` is missing."""
-    if config.metrics is False:
+def wanted(*, setting: bool | None, port: int | None) -> bool:
+    """Whether the settings turn metrics on: ``fence_metrics`` (``setting``) when set; else on
+    when ``prometheus_client`` is importable and ``fence_metrics_port`` (``port``) or
+    ``PROMETHEUS_MULTIPROC_DIR`` is set. Raises :class:`ConfigurationError` when metrics are asked
+    for explicitly (``fence_metrics=True`` or a port) and ``prometheus_client`` is missing."""
+    if setting is False:
         return False
-    asked = config.metrics is True or config.metrics_port is not None
+    asked = setting is True or port is not None
     if asked and not available():
-        setting = "fence_metrics=True" if config.metrics else "fence_metrics_port"
+        named = "fence_metrics=True" if setting else "fence_metrics_port"
         raise ConfigurationError(
-            f"{setting} needs prometheus_client, which is not installed: {INSTALL_HINT} "
+            f"{named} needs prometheus_client, which is not installed: {INSTALL_HINT} "
             "(or unset it)."
         )
     return asked or (bool(os.environ.get(MULTIPROC_ENV)) and available())

@@ -59,7 +59,7 @@ from celery import current_task
 from celery_fence import metrics
 from celery_fence.actions import LogAction
 from celery_fence.announce import tracing
-from celery_fence.app_state import app_state
+from celery_fence.app_state import AppSlot
 from celery_fence.body.effects import StagedEffects, idempotency_key, storage_key
 from celery_fence.config import FenceConfig
 from celery_fence.errors import FenceError
@@ -159,15 +159,14 @@ class Outbox:
             raise FenceError(f"Outbox(batch={batch}) must be at least 1")
         if max_attempts is not None and max_attempts < 1:
             raise FenceError(f"Outbox(max_attempts={max_attempts}) must be at least 1")
-        state = app_state(app)
-        existing = state.outbox
+        existing = registered_outbox(app)
         self.app = app
         self.claim_ttl = float(claim_ttl)
         self.batch = batch
         self.queue = queue
         self._max_attempts = max_attempts
         self.handlers: dict[str, Handler] = dict(existing.handlers) if existing else {}
-        state.outbox = self
+        _APP_OUTBOX.set(app, self)
         self._register_tasks()
 
     # -- handlers --------------------------------------------------------------------------------
@@ -374,9 +373,18 @@ class Outbox:
             outbox_for(app).sweep()
 
 
+#: The app's :class:`Outbox` (its handler registry), kept on the app once one is made.
+_APP_OUTBOX: AppSlot[Outbox] = AppSlot("outbox")
+
+
+def registered_outbox(app: Any) -> Outbox | None:
+    """The app's :class:`Outbox`, None when none was made."""
+    return _APP_OUTBOX.get(app)
+
+
 def outbox_for(app: Any) -> Outbox:
     """The app's :class:`Outbox` (created with default options when there is none yet)."""
-    return app_state(app).outbox or Outbox(app)
+    return registered_outbox(app) or Outbox(app)
 
 
 def register_handler(app: Any, name: str, fn: Handler) -> None:
@@ -391,7 +399,7 @@ def sweep(app: Any) -> DeliveryReport:
 
 def trigger_delivery(app: Any, key: str) -> None:
     """Called after a completion committed effects: send the deliver task. Never raises."""
-    outbox = app_state(app).outbox
+    outbox = registered_outbox(app)
     if outbox is None:
         logger.warning(
             "outbox rows committed for key=%s but the app has no Outbox: create "
@@ -446,6 +454,7 @@ __all__ = [
     "idempotency_key",
     "outbox_for",
     "register_handler",
+    "registered_outbox",
     "retry_ceiling",
     "retry_delay",
     "storage_key",

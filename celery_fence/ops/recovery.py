@@ -164,7 +164,7 @@ def _resends_due(
     """The stranded jobs due for a re-send: every one but a ``pending`` job whose n-th re-send in
     a row nobody claimed is younger than 2**n thresholds (n at most
     :data:`MAX_RESEND_DOUBLINGS`). One statement for the page's ``pending`` jobs."""
-    unclaimed = store.resends_unclaimed([r.key for r in records if r.status == PENDING])
+    unclaimed = store.admin.resends_unclaimed([r.key for r in records if r.status == PENDING])
 
     def due(record: JobRecord) -> bool:
         count = unclaimed.get(record.key, 0)

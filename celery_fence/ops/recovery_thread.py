@@ -61,7 +61,7 @@ class RecoveryThread(Background):
     def throttle(self) -> bool:
         """True when this worker may run the check now (no other did within the interval)."""
         if self._client is None:
-            self._client = make_redis_client(self.config)
+            self._client = make_redis_client(self.config.redis)
         key = f"{self.config.key_prefix}:{THROTTLE_KEY}"
         ms = max(1, int(self.interval * 1000 * 0.9))
         return bool(self._client.set(key, self.owner, nx=True, px=ms))

@@ -90,17 +90,17 @@ class Scope(contextlib.AbstractContextManager["Scope"]):
         """One configuration per distinct lease Redis (URL, client factory, TLS, cluster)."""
         seen: dict[tuple[Any, ...], FenceConfig] = {}
         for config in self.configs():
-            seen.setdefault(client_identity(config), config)
+            seen.setdefault(client_identity(config.redis), config)
         return list(seen.values())
 
     # -- leases ------------------------------------------------------------------------------
 
     def leases_for(self, config: FenceConfig) -> LeaseStore:
         """A lease store on ``config``'s Redis and prefix (one client per Redis, this scope's)."""
-        ident = client_identity(config)
+        ident = client_identity(config.redis)
         client = self._clients.get(ident)
         if client is None:
-            client = self._clients[ident] = make_redis_client(config)
+            client = self._clients[ident] = make_redis_client(config.redis)
         leases = self._leases.get((ident, config.key_prefix))
         if leases is None:
             leases = self._leases[(ident, config.key_prefix)] = LeaseStore(

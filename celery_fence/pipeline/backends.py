@@ -54,12 +54,12 @@ def get_store(app: Any) -> Store:
 
 def redis_client(config: FenceConfig) -> Any:
     """This process's client for ``config``'s lease Redis; leases and the retry budget share it."""
-    return runtime().get("redis", client_identity(config), lambda: make_client(config))
+    return runtime().get("redis", client_identity(config.redis), lambda: make_client(config.redis))
 
 
 def lease_store(config: FenceConfig) -> LeaseStore:
     """The lease store for ``config``'s Redis, key prefix and counter lifetime."""
-    ident = (client_identity(config), config.key_prefix, config.generation_ttl)
+    ident = (client_identity(config.redis), config.key_prefix, config.generation_ttl)
     return runtime().get(
         "leases",
         ident,
@@ -80,7 +80,7 @@ def limits_for(config: FenceConfig) -> Limits | None:
     sets neither a group limit nor a rate limit."""
     if config.group_limit is None and config.rate_limit is None:
         return None
-    ident = (client_identity(config), config.key_prefix)
+    ident = (client_identity(config.redis), config.key_prefix)
     return runtime().get(
         "limits", ident, lambda: Limits(redis_client(config), prefix=config.key_prefix)
     )
@@ -89,7 +89,7 @@ def limits_for(config: FenceConfig) -> Limits | None:
 def retry_budget(config: FenceConfig) -> RetryBudget:
     """The retry budgets (per task name) for ``config``'s Redis, prefix and budget settings."""
     ident = (
-        client_identity(config),
+        client_identity(config.redis),
         config.key_prefix,
         config.retry_budget_ratio,
         config.retry_budget_floor,

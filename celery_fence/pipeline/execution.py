@@ -27,7 +27,7 @@ from sqlalchemy import exc as sa_exc
 from celery_fence import metrics
 from celery_fence.actions import Action, LogAction
 from celery_fence.announce import tracing
-from celery_fence.announce.transitions import Announcer, lease_observers
+from celery_fence.announce.transitions import Announcer
 from celery_fence.body import sqla, watch
 from celery_fence.body.fence import Fence
 from celery_fence.body.transaction import watch_django
@@ -41,9 +41,11 @@ from celery_fence.errors import (
 )
 from celery_fence.leases.lease import HeldLease
 from celery_fence.leases.limits import Limits, Slot
+from celery_fence.leases.ports import LeaseBackend
 from celery_fence.leases.renewer import Renewer
 from celery_fence.pipeline import outcomes as o
-from celery_fence.pipeline.ports import JobStore, LeaseBackend
+from celery_fence.pipeline.observers import lease_observers
+from celery_fence.pipeline.ports import JobStore
 from celery_fence.pipeline.retry import RetryPolicy
 from celery_fence.pipeline.settle import settle
 from celery_fence.process.background import BackgroundWriter

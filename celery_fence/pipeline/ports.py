@@ -1,7 +1,7 @@
-"""What the task pipeline (claim -> register -> body -> settle) needs of its two backends, as
-:class:`typing.Protocol` classes: the SQL store's job verbs (:class:`JobStore`, implemented by
-:class:`celery_fence.store.Store`) and the Redis lease operations (:class:`LeaseBackend`,
-implemented by :class:`celery_fence.leases.lease.LeaseStore`).
+"""What the task pipeline (claim -> register -> body -> settle) needs of the SQL store, as a
+:class:`typing.Protocol`: the job verbs (:class:`JobStore`, implemented by
+:class:`celery_fence.store.Store`). Its need of the Redis lease is the leases layer's own port,
+:class:`celery_fence.leases.ports.LeaseBackend` (the renewer below the pipeline needs it too).
 
 The project's tests implement both in memory (``tests/support/memory.py``), with the same
 semantics, for fast unit tests of the orchestration;
@@ -9,19 +9,18 @@ semantics, for fast unit tests of the orchestration;
 the doubles.
 
 Only value types are imported here (no SQLAlchemy, no redis-py), so importing this module pulls
-in neither backend.
+in no backend.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from celery_fence.actions import Action
-from celery_fence.leases.lease import LeaseKeys
 from celery_fence.store.records import Ending, JobRecord, Registration
 
-__all__ = ["JobStore", "LeaseBackend"]
+__all__ = ["JobStore"]
 
 
 class JobStore(Protocol):
@@ -61,31 +60,3 @@ class JobStore(Protocol):
     def get(self, key: str) -> JobRecord | None: ...
 
     def last_exit(self, key: str) -> str | None: ...
-
-
-class LeaseBackend(Protocol):
-    """The lease operations of :class:`celery_fence.leases.lease.LeaseStore` the pipeline and the
-    :class:`~celery_fence.leases.renewer.Renewer` call (the renewer calls :meth:`batch` only and
-    reads no attribute). Lease values are ``"<token>:<generation>"``; TTLs are milliseconds."""
-
-    def keys_for(self, key: str) -> LeaseKeys: ...
-
-    def claim(
-        self, key: str, token: str, ttl_ms: int, *, releases: Sequence[tuple[str, str]] = ()
-    ) -> int: ...
-
-    def raise_generation(self, key: str, floor: int) -> int: ...
-
-    def take_generation(self, key: str) -> int: ...
-
-    def release(self, lease_key: str, value: str) -> bool: ...
-
-    def renew(self, lease_key: str, value: str, ttl_ms: int) -> bool: ...
-
-    def batch(
-        self,
-        renewals: Sequence[tuple[str, str, int]],
-        releases: Sequence[tuple[str, str]],
-    ) -> tuple[list[bool], list[bool]]: ...
-
-    def remaining(self, key: str) -> tuple[float | None, int | None]: ...

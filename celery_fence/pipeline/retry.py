@@ -290,7 +290,9 @@ class RetryBudget:
             client = self._client
             if client is None:  # the process's client for the lease Redis
                 client = runtime().get(
-                    "redis", client_identity(self.config), lambda: make_client(self.config)
+                    "redis",
+                    client_identity(self.config.redis),
+                    lambda: make_client(self.config.redis),
                 )
             granted, wait_ms = RETRY_BUDGET(
                 client,

@@ -7,6 +7,11 @@ block statements of :mod:`.sql` on the user's own connection).
 - :mod:`.fenced`: the one fenced write (statement + transition rows + outbox rows, atomically);
 - :mod:`.jobs`: :class:`Store`, the verbs of a task's path and the reads;
 - :mod:`.admin`: the operator's and the recovery's verbs (methods of :class:`Store` too);
+- :mod:`.blocks`: a fenced block's side of the store (its bounds, its commit check), composed as
+  ``store.blocks``;
+- :mod:`.pending`: what ``enqueue()`` writes in the caller's transaction, composed as
+  ``store.pending``;
+- :mod:`.urls`: whether a URL names the store's database;
 - :mod:`.outbox`: the outbox's rows, composed as ``store.outbox_rows``;
 - :mod:`.beat`: the beat scheduler's last tick per entry, composed as ``store.beat_ticks``.
 

@@ -145,6 +145,15 @@ class JobAdmin:
         with self.store.db.connect() as conn:
             return [job_record(r) for r in conn.execute(query).all()]
 
+    def resends_unclaimed(self, keys: Sequence[str]) -> dict[str, int]:
+        """How many times recovery re-sent each of ``keys`` since its newest claim, as far as the
+        history says (0 with ``fence_record_transitions`` off), in one statement."""
+        if not keys:
+            return {}
+        with self.store.db.connect() as conn:
+            counts: dict[str, int] = dict(conn.execute(sql.resends_unclaimed(keys)).tuples().all())
+        return {key: int(counts.get(key, 0)) for key in keys}
+
     def take_for_resend(self, before: JobRecord, *, reason: str) -> JobRecord | None:
         """Move an unfinished job that is about to be re-sent to ``pending`` — only if it is
         still exactly ``before`` (status, generation, attempt and ``updated_at``): of two

@@ -6,24 +6,24 @@ its one fenced write in :mod:`.fenced`, its outbox in :mod:`.outbox`."""
 from __future__ import annotations
 
 import copy
-import datetime as dt
 import json
-import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 
 from celery_fence import schema
 from celery_fence.actions import Action
 from celery_fence.errors import JobDead, StaleGeneration, StoreError
-from celery_fence.schema import COMPLETED, DEAD, utcnow
+from celery_fence.schema import COMPLETED, DEAD
 from celery_fence.settings import DEFAULT_DATABASE_TIMEOUT
 from celery_fence.store import admin, sql
 from celery_fence.store.beat import BeatTicks
+from celery_fence.store.blocks import Blocks
 from celery_fence.store.engine import Database
 from celery_fence.store.fenced import FencedWriter, Row
 from celery_fence.store.outbox import OutboxRows
+from celery_fence.store.pending import PendingRows
 from celery_fence.store.records import (
     ENCODED_REQUEST,
     CallerFailed,
@@ -39,20 +39,11 @@ from celery_fence.store.records import (
     Registration,
     RetryScheduled,
     Transition,
-    decode_request,
     dumps_strict,
     job_record,
     run_value,
 )
 from celery_fence.store.steps import StepRows
-
-if TYPE_CHECKING:
-    from celery_fence.body.fence import Fence
-
-#: A block's ``lock_timeout`` on PostgreSQL, in lease TTLs (at most ``fence_database_timeout``):
-#: long enough to outwait a paused holder, whose session the server ends after one TTL idle in
-#: its transaction.
-LOCK_TIMEOUT_TTLS = 2.0
 
 
 class Store:
@@ -75,6 +66,8 @@ class Store:
     #: Whether an ending's commit waits for its WAL flush. It must: the message is acked after
     #: it (the chaos harness's control arm turns it off).
     _durable_endings = True
+    #: The block verbs' class (the chaos harness's store without the fence replaces it).
+    _blocks_class = Blocks
 
     def __init__(
         self,
@@ -106,6 +99,10 @@ class Store:
         self.beat_ticks = BeatTicks(self)
         #: The operator's and the recovery's verbs: requeue, stranded, take_for_resend, purge.
         self.admin = admin.JobAdmin(self)
+        #: The store's side of a fenced block (:mod:`.blocks`): its bounds and its commit check.
+        self.blocks = self._blocks_class(self)
+        #: What ``enqueue()`` writes in the caller's transaction (:mod:`.pending`).
+        self.pending = PendingRows(self)
 
     @property
     def engine(self) -> sa.Engine:
@@ -120,6 +117,8 @@ class Store:
         view.steps = StepRows(view)
         view.beat_ticks = BeatTicks(view)
         view.admin = admin.JobAdmin(view)
+        view.blocks = self._blocks_class(view)
+        view.pending = PendingRows(view)
         return view
 
     def dispose(self) -> None:
@@ -169,99 +168,6 @@ class Store:
         if record.status == DEAD:
             return Registration("dead", record.attempts, record.generation, record)
         return Registration("stale", record.attempts, record.generation, record)
-
-    # -- the fenced blocks (fence.transaction(), session(), atomic()) ---------------------------
-
-    def block_begin(self, conn: sa.Connection, ttl: float) -> None:
-        """Begin a fenced block's transaction on ``conn``: on SQLite ``BEGIN IMMEDIATE`` (the
-        write lock from the first statement, so no registration commits while it is open); on
-        PostgreSQL the block's bounds (:meth:`block_bounds`)."""
-        if conn.dialect.name == "sqlite":
-            conn.exec_driver_sql(sql.begin("sqlite", immediate=True))
-        else:
-            conn.exec_driver_sql(self.block_bounds(ttl))
-
-    def block_bounds(self, ttl: float) -> str:
-        """A PostgreSQL block's bounds for its transaction: idle in it at most one lease TTL
-        (``ttl`` seconds), a lock wait and a statement at most ``fence_database_timeout`` (the
-        lock wait :data:`LOCK_TIMEOUT_TTLS` TTLs at most)."""
-        ttl_ms = math.ceil(ttl * 1000)
-        timeout_ms = math.ceil(self.database_timeout * 1000)
-        lock_ms = min(math.ceil(ttl_ms * LOCK_TIMEOUT_TTLS), timeout_ms)
-        return sql.pg_block_bounds(ttl_ms, lock_ms, timeout_ms)
-
-    def block_owner(self, conn: sa.Connection, fence: Fence) -> bool:
-        """Whether ``fence``'s block may commit, just before it does: its lease (``LeaseLost``
-        when it was paused past it inside the block), then :meth:`commit_check` on its
-        connection, in its transaction."""
-        fence.check()
-        return self.commit_check(
-            conn,
-            fence.key,
-            generation=fence.generation,
-            attempt_id=fence.attempt_id,
-            in_block=conn.dialect.name == "postgresql",
-        )
-
-    def block_owner_cursor(self, cursor: Any, fence: Fence) -> bool:
-        """:meth:`block_owner` for a Django block: bounded, on its DB-API cursor."""
-        fence.check()
-        if self.dialect == "postgresql":
-            cursor.execute(sql.pg_statement_timeout(math.ceil(self.database_timeout * 1000)))
-        return self.commit_check_cursor(
-            cursor, fence.key, generation=fence.generation, attempt_id=fence.attempt_id
-        )
-
-    def commit_check(
-        self,
-        conn: sa.Connection,
-        key: str,
-        *,
-        generation: int,
-        attempt_id: str,
-        in_block: bool = False,
-    ) -> bool:
-        """The ownership check of a fenced commit (:mod:`celery_fence.body.transaction`): run on
-        ``conn`` inside its open transaction, just before that transaction commits.
-
-        One fenced ``UPDATE ... RETURNING`` of the job row (it touches ``updated_at``); why it
-        is enough: docs/design.md, "Why the check is enough (Read Committed)". True when this
-        attempt still owns the key (``in_block``, PostgreSQL: and the transaction is still the
-        one the block began, :data:`~celery_fence.store.sql.PG_BLOCK_MARKER`).
-        """
-        stmt = sql.commit_check(key, generation, attempt_id, now=utcnow(), in_block=in_block)
-        return conn.execute(stmt).first() is not None
-
-    def commit_check_cursor(
-        self, cursor: Any, key: str, *, generation: int, attempt_id: str
-    ) -> bool:
-        """:meth:`commit_check` on a DB-API cursor that is not SQLAlchemy's (a Django cursor on
-        the store's database, inside its open transaction): the same statement, ``%s`` style."""
-        stmt = sql.commit_check(key, generation, attempt_id, now=utcnow())
-        text, params = sql.format_style(stmt, self.dialect)
-        cursor.execute(text, params)
-        return cursor.fetchone() is not None
-
-    def block_transaction_ended(self, conn: sa.Connection, *, ask: bool = True) -> bool:
-        """Whether a fenced block's transaction ended under it (a raw COMMIT or ROLLBACK on its
-        connection): SQLite, the driver is out of its transaction; PostgreSQL, libpq says the
-        session is idle, or the transaction-local marker the block set at its BEGIN is gone
-        (another transaction began since; read only when ``ask``: one round trip)."""
-        dbapi: Any = conn.connection.dbapi_connection
-        if conn.dialect.name == "sqlite":
-            return not dbapi.in_transaction
-        status = getattr(getattr(dbapi, "info", None), "transaction_status", None)
-        if status is not None and int(status) == 0:  # IDLE (psycopg2 and psycopg alike)
-            return True
-        if not ask:
-            return False
-        cursor = dbapi.cursor()
-        try:
-            cursor.execute(sql.PG_BLOCK_MARKER_READ)
-            row = cursor.fetchone()
-        finally:
-            cursor.close()
-        return not row or row[0] != "on"
 
     def _rejected(self, key: str, generation: int, attempt_id: str, what: str) -> StaleGeneration:
         record = self.get(key)
@@ -481,15 +387,6 @@ class Store:
         with self.db.connect() as conn:
             return conn.execute(sql.last_exit(key)).scalar()
 
-    def resends_unclaimed(self, keys: Sequence[str]) -> dict[str, int]:
-        """How many times recovery re-sent each of ``keys`` since its newest claim, as far as the
-        history says (0 with ``fence_record_transitions`` off), in one statement."""
-        if not keys:
-            return {}
-        with self.db.connect() as conn:
-            counts: dict[str, int] = dict(conn.execute(sql.resends_unclaimed(keys)).tuples().all())
-        return {key: int(counts.get(key, 0)) for key in keys}
-
     def record(
         self,
         key: str,
@@ -503,101 +400,6 @@ class Store:
         self.writer.record(key, generation, attempt_id, action, reason)
 
     # -- reads --------------------------------------------------------------------------------
-
-    def insert_pending(
-        self,
-        conn: sa.Connection,
-        key: str,
-        *,
-        task_name: str,
-        request: Mapping[str, Any],
-        due: dt.datetime | None = None,
-        unique_key: str | None = None,
-    ) -> tuple[bool, JobRecord | None]:
-        """Write an enqueued job as ``pending`` on the caller's ``conn``, in the caller's
-        transaction (``due``: when its countdown or eta ends; recovery waits for it):
-        ``(True, None)``; or, when the key already has a job, nothing and ``(False, that job)``
-        as this transaction sees it. With ``unique_key``, also nothing when an unfinished job
-        holds that uniqueness key: ``(False, that holder)``."""
-        statement = sql.insert_pending(
-            self.dialect,
-            key=key,
-            task_name=task_name,
-            request=dict(request),
-            now=utcnow(),
-            due=due,
-            unique_key=unique_key,
-        )
-        if conn.execute(statement).first() is not None:
-            return True, None
-        row = None
-        if unique_key is not None:
-            row = conn.execute(sql.unique_holder(unique_key)).first()
-        if row is None:
-            row = conn.execute(sql.get_job(key)).first()
-        return False, None if row is None else job_record(row)
-
-    def unique_holder(self, conn: sa.Connection, unique_key: str) -> JobRecord | None:
-        """The unfinished job holding ``unique_key``, if any (as ``conn`` sees it)."""
-        row = conn.execute(sql.unique_holder(unique_key)).first()
-        return None if row is None else job_record(row)
-
-    def release_unique(
-        self, conn: sa.Connection, key: str, *, unique_key: str, status: str
-    ) -> bool:
-        """Take ``unique_key`` off job ``key`` if it is still in ``status`` (on ``conn``, in
-        the caller's transaction); the job runs on, no longer unique. True when it was."""
-        return bool(conn.execute(sql.release_unique(key, unique_key, status)).rowcount)
-
-    def replace_pending(self, conn: sa.Connection, key: str, *, unique_key: str) -> bool:
-        """End job ``key`` as ``dead`` (reason ``replaced``) if nobody has claimed it yet (on
-        ``conn``, in the caller's transaction). True when it was pending and is now dead."""
-        now = utcnow()
-        if not conn.execute(sql.replace_pending(key, unique_key, now)).rowcount:
-            return False
-        if self.record_transitions:
-            conn.execute(sql.replaced_transition(key, now))
-        return True
-
-    def insert_pending_cursor(
-        self,
-        cursor: Any,
-        key: str,
-        *,
-        task_name: str,
-        request: Mapping[str, Any],
-        due: dt.datetime | None = None,
-    ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
-        """:meth:`insert_pending` on a DB-API cursor that is not SQLAlchemy's (a Django cursor on
-        the store's database, in the caller's transaction), the same statement in ``%s`` style:
-        ``(True, None, None)``, or ``(False, status, request)`` of the key's existing job."""
-        statement = self._pending(key, task_name, request, due)
-        cursor.execute(*sql.format_style(statement, self.dialect))
-        if cursor.fetchone() is not None:
-            return True, None, None
-        found = self.status_and_request_cursor(cursor, key)
-        if found is None:
-            return False, None, None
-        return False, found[0], found[1]
-
-    def status_and_request_cursor(
-        self, cursor: Any, key: str
-    ) -> tuple[str, Mapping[str, Any] | None] | None:
-        """The key's job's status and stored request, read on a DB-API cursor that is not
-        SQLAlchemy's (Django's); None when the key has no job."""
-        cursor.execute(*sql.format_style(sql.status_and_request(key), self.dialect))
-        row = cursor.fetchone()
-        if row is None:
-            return None
-        stored = json.loads(row[1]) if isinstance(row[1], (str, bytes)) else row[1]
-        return str(row[0]), decode_request(stored)
-
-    def _pending(
-        self, key: str, task_name: str, request: Mapping[str, Any], due: dt.datetime | None
-    ) -> Any:
-        return sql.insert_pending(
-            self.dialect, key=key, task_name=task_name, request=dict(request), now=utcnow(), due=due
-        )
 
     def get(self, key: str) -> JobRecord | None:
         with self.db.connect() as conn:

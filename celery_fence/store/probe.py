@@ -75,9 +75,13 @@ def _steps(store: Store, key: str) -> None:
     )
     _expect(second.attempts == 2, "second registration", f"{second.attempts} attempts, not 2")
     with store.db.connect() as conn:
-        owner = _step("commit check", store.commit_check, conn, key, generation=2, attempt_id="a2")
+        owner = _step(
+            "commit check", store.blocks.commit_check, conn, key, generation=2, attempt_id="a2"
+        )
         _expect(owner, "commit check", "the owner's check found no row")
-        stale = _step("commit check", store.commit_check, conn, key, generation=1, attempt_id="a1")
+        stale = _step(
+            "commit check", store.blocks.commit_check, conn, key, generation=1, attempt_id="a1"
+        )
         _expect(not stale, "commit check", "an older generation passed it")
     try:
         _step("stale completion", store.end, key, Completion(1, "a1", "stale"))

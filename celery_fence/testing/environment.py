@@ -20,7 +20,7 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_fence.app_state import app_state
+from celery_fence.config import FenceConfig
 from celery_fence.process.runtime import runtime
 from celery_fence.store import Store
 from celery_fence.testing import processes
@@ -288,7 +288,7 @@ class FenceEnv:
             self.app.close()
         with contextlib.suppress(AttributeError):
             del self.app._local.backend
-        app_state(self.app).config = None
+        FenceConfig.forget(self.app)
         for task in list(self.app.tasks.values()):
             task.__dict__.pop("_fence_cache", None)
 

@@ -48,7 +48,7 @@ from celery.app.utils import find_app
 from celery.signals import task_postrun, task_success, worker_init
 
 from celery_fence import signals as fence_signals
-from celery_fence.app_state import app_state
+from celery_fence.config import FenceConfig
 from celery_fence.testing import faults
 
 ENV = "CELERY_FENCE_TESTING"  # environment.WORKER_ENV
@@ -368,7 +368,7 @@ def load(spec: dict[str, Any]) -> Celery:
         for alias, name in spec["django_databases"].items():
             settings.DATABASES[alias]["NAME"] = name
     app.conf.update(spec["conf"])
-    app_state(app).config = None  # FenceConfig.from_app's cache: read the new settings
+    FenceConfig.forget(app)  # FenceConfig.from_app's cache: read the new settings
     hooks = Hooks(app, spec["ledger_url"], spec["ledger_base"])
     worker_init.connect(hooks.wrap_tasks, weak=False)
     fence_signals.job_completed.connect(hooks.after_commit, weak=False)

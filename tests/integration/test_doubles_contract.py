@@ -41,7 +41,8 @@ from tests.support.memory import MemoryLeaseStore, MemoryStore
 from tests.support.stores import store_url
 
 if TYPE_CHECKING:
-    from celery_fence.pipeline.ports import JobStore, LeaseBackend
+    from celery_fence.leases.ports import LeaseBackend
+    from celery_fence.pipeline.ports import JobStore
 
     def _the_real_ones_and_the_doubles_satisfy_the_ports(
         store: Store, leases: LeaseStore, memory: MemoryStore, memory_leases: MemoryLeaseStore
@@ -70,7 +71,7 @@ class Jobs:
             written, _ = self.store.insert_pending(key, task_name="t", request=request)
         else:
             with self.store.engine.begin() as conn:
-                written, _ = self.store.insert_pending(conn, key, task_name="t", request=request)
+                written, _ = self.store.pending.insert(conn, key, task_name="t", request=request)
         assert written
 
     def effects(self, key: str) -> list[tuple[str, str, Any]]:

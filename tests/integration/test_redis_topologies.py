@@ -96,20 +96,22 @@ def test_rediss_url_against_a_tls_server_with_a_self_signed_certificate(
         base = f"rediss://127.0.0.1:{server.port}/0"
         # Given the CA in the URL query, or in fence_redis_ssl, the lease cycle works over TLS.
         by_url = FenceConfig(redis_url=f"{base}?ssl_cert_reqs=required&ssl_ca_certs={tls.ca}")
-        _exercise(LeaseStore(make_redis_client(by_url), prefix=prefix), "tls:url")
+        _exercise(LeaseStore(make_redis_client(by_url.redis), prefix=prefix), "tls:url")
         by_setting = FenceConfig(
             redis_url=base, redis_ssl={"ssl_cert_reqs": "required", "ssl_ca_certs": str(tls.ca)}
         )
-        _exercise(LeaseStore(make_redis_client(by_setting), prefix=prefix), "tls:setting")
+        _exercise(LeaseStore(make_redis_client(by_setting.redis), prefix=prefix), "tls:setting")
         # The certificate is verified: without the CA the handshake fails (a transient
         # connection error at claim time, so the message would be retried, never run unfenced).
-        unverified = LeaseStore(make_redis_client(FenceConfig(redis_url=base)), prefix=prefix)
+        unverified = LeaseStore(make_redis_client(FenceConfig(redis_url=base).redis), prefix=prefix)
         with pytest.raises(redis.ConnectionError):
             unverified.claim("tls:no-ca", "c", TTL_MS)
         # ... and a plain-text client cannot talk to the TLS port at all.
         plain = FenceConfig(redis_url=f"redis://127.0.0.1:{server.port}/0")
         with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
-            LeaseStore(make_redis_client(plain), prefix=prefix).claim("tls:plain", "d", TTL_MS)
+            LeaseStore(make_redis_client(plain.redis), prefix=prefix).claim(
+                "tls:plain", "d", TTL_MS
+            )
         with contextlib.closing(server.client()) as direct:
             assert direct.get(f"{prefix}:{{{_tag('tls:no-ca')}}}:gen") is None  # nothing leaked
 
@@ -137,12 +139,14 @@ def test_unix_socket_and_acl_user_in_the_url(tmp_path: Path, prefix: str) -> Non
             )
             admin.acl_setuser("default", enabled=False)
         acl_tcp = FenceConfig(redis_url=f"redis://fence:s3cret@127.0.0.1:{server.port}/0")
-        _exercise(LeaseStore(make_redis_client(acl_tcp), prefix=prefix), "acl:tcp")
+        _exercise(LeaseStore(make_redis_client(acl_tcp.redis), prefix=prefix), "acl:tcp")
         acl_unix = FenceConfig(redis_url=f"unix://fence:s3cret@{sock}?db=0")
-        _exercise(LeaseStore(make_redis_client(acl_unix), prefix=prefix), "acl:unix")
+        _exercise(LeaseStore(make_redis_client(acl_unix.redis), prefix=prefix), "acl:unix")
         wrong = FenceConfig(redis_url=f"redis://fence:wrong@127.0.0.1:{server.port}/0")
         with pytest.raises(redis.AuthenticationError):
-            LeaseStore(make_redis_client(wrong), prefix=prefix).claim("acl:wrong", "x", TTL_MS)
+            LeaseStore(make_redis_client(wrong.redis), prefix=prefix).claim(
+                "acl:wrong", "x", TTL_MS
+            )
 
 
 # -- Redis Cluster --------------------------------------------------------------------------------
@@ -165,7 +169,7 @@ def cluster_config(cluster: list[RedisServer]) -> FenceConfig:
 
 @pytest.fixture
 def cluster_leases(cluster_config: FenceConfig, prefix: str) -> LeaseStore:
-    return LeaseStore(make_redis_client(cluster_config), prefix=prefix)
+    return LeaseStore(make_redis_client(cluster_config.redis), prefix=prefix)
 
 
 def _evalsha_calls(nodes: list[RedisServer]) -> list[int]:
@@ -334,7 +338,7 @@ def test_cluster_real_worker_completes_fenced_tasks_over_many_keys(
             assert len(ledger.effects(redis_client, prefix, k)) == 1
         # the leases were released on the cluster (compare-and-delete by the renewer thread)
         probe_config = FenceConfig(redis_url=url, redis_cluster=True)
-        probe = LeaseStore(make_redis_client(probe_config), prefix=prefix)
+        probe = LeaseStore(make_redis_client(probe_config.redis), prefix=prefix)
         wait_until(
             lambda: all(probe.remaining(k) == (None, None) for k in keys), 10, what="released"
         )
@@ -383,7 +387,7 @@ def test_sentinel_failover_never_reissues_a_registered_generation(
         lease_ttl=5.0,
         renew_interval=1.0,
     )
-    leases = LeaseStore(make_redis_client(config), prefix=prefix)
+    leases = LeaseStore(make_redis_client(config.redis), prefix=prefix)
     key = "report:failover"
     lease_key = leases.keys_for(key).lease
     # Given generations 1 and 2 claimed, registered, released and replicated,

@@ -352,8 +352,8 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     store.register(key, generation=2, attempt_id="A", task_name="t", request={"args": [1]})
     assert _state(store, key) == ("running", 2, "A", 1)
     with store.db.tx() as conn:
-        assert store.commit_check(conn, key, generation=2, attempt_id="A")
-        assert not store.commit_check(conn, key, generation=1, attempt_id="A")
+        assert store.blocks.commit_check(conn, key, generation=2, attempt_id="A")
+        assert not store.blocks.commit_check(conn, key, generation=1, attempt_id="A")
     store.end(
         key,
         RetryScheduled(
@@ -548,9 +548,9 @@ def test_re_sends_nobody_claimed_are_counted_per_key_in_one_statement(store: Sto
         store.record(key, action=Action.RECOVERED, reason="stranded running")
     store.register(reclaimed, generation=2, attempt_id="b", task_name="t")
     # Then one call counts each: only the re-sends after the key's newest claim
-    counts = store.resends_unclaimed([twice, once, reclaimed, never])
+    counts = store.admin.resends_unclaimed([twice, once, reclaimed, never])
     assert counts == {twice: 2, once: 1, reclaimed: 0, never: 0}
-    assert store.resends_unclaimed([]) == {}
+    assert store.admin.resends_unclaimed([]) == {}
 
 
 def test_on_sqlite_an_ending_is_synced_to_disk_and_a_registration_is_not(

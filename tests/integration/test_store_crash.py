@@ -87,7 +87,7 @@ def test_a_block_that_commits_makes_its_registration_durable(
     register(store, key)
     with app.begin() as conn:
         conn.execute(rows.insert().values(key=key))
-        assert store.commit_check(conn, key, generation=1, attempt_id="a1")
+        assert store.blocks.commit_check(conn, key, generation=1, attempt_id="a1")
     app.dispose()
     crash_and_restart(cluster, store)
     row = store.get(key)
@@ -106,7 +106,7 @@ def test_a_block_that_commits_makes_its_registration_durable(
     app = sa.create_engine(cluster.url(driver))
     with app.begin() as conn:
         conn.execute(rows.insert().values(key=lost))
-        assert not store.commit_check(conn, lost, generation=1, attempt_id="a1")
+        assert not store.blocks.commit_check(conn, lost, generation=1, attempt_id="a1")
         conn.rollback()  # what the block does when the check fails
     with app.connect() as conn:
         count = conn.execute(

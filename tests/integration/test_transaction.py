@@ -206,7 +206,7 @@ def test_postgresql_registration_behind_a_holder_paused_before_its_commit_gives_
     fence = _attempt(store)
     with fence.transaction() as conn:
         _write(conn, fence)
-        assert store.commit_check(
+        assert store.blocks.commit_check(
             conn, fence.key, generation=fence.generation, attempt_id=fence.attempt_id
         )
         # when a newer attempt registers, its statement fails after the lock timeout

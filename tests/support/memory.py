@@ -1,7 +1,7 @@
 """In-memory doubles of the two backends, for fast unit tests of the orchestration:
 :class:`MemoryStore` (a :class:`~celery_fence.pipeline.ports.JobStore`, like
 :class:`celery_fence.store.Store`) and :class:`MemoryLeaseStore` (a
-:class:`~celery_fence.pipeline.ports.LeaseBackend`, like
+:class:`~celery_fence.leases.ports.LeaseBackend`, like
 :class:`celery_fence.leases.lease.LeaseStore`).
 
 Pure Python, no I/O, thread-safe (one lock each). Each verb (each ending of
@@ -394,8 +394,8 @@ class MemoryStore:
     ) -> tuple[bool, JobRecord | None]:
         """An enqueued job, ``pending`` and never claimed (generation 0, attempt ``-``), unless
         the key has a job: ``(True, None)`` or ``(False, that job)``. The real store's
-        :meth:`~celery_fence.store.Store.insert_pending` without its ``conn`` (it writes in the
-        caller's transaction; here there is none)."""
+        :meth:`~celery_fence.store.pending.PendingRows.insert` without its ``conn`` (it writes
+        in the caller's transaction; here there is none)."""
         with self._lock:
             existing = self._jobs.get(key)
             if existing is not None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from celery_fence.body.transaction import different_database
+from celery_fence.store.urls import different_database
 
 
 def test_different_database_compares_backend_host_port_database_and_sqlite_files(

@@ -1,8 +1,11 @@
 """The package's import graph: layers that only import downwards, and no cycle hidden in a
 function.
 
-Read from the source (``ast``), so a test needs no import order to be right: an import inside a
-function, or under ``if TYPE_CHECKING:``, is not a module-level edge.
+Read from the source (``ast``), so a test needs no import order to be right. Every module-level
+import is an edge, the ones under ``if TYPE_CHECKING:`` (a reader follows a type up as surely as
+a call) and relative ones (``from ..pipeline import x``) included; the cycle check alone leaves
+the type-only ones out, since they never run. An import inside a function is not a module-level
+edge: its own test keeps those to the optional Django integration.
 """
 
 from __future__ import annotations
@@ -54,34 +57,51 @@ def layer_of(module: str) -> int:
     raise AssertionError(f"{module} is in no layer: add it to LAYERS")
 
 
-def _modules() -> dict[str, ast.Module]:
-    out = {}
+def _modules() -> tuple[dict[str, ast.Module], frozenset[str]]:
+    out, packages = {}, set()
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         name = ".".join(parts).removesuffix(".__init__")
         out[name] = ast.parse(path.read_text(encoding="utf-8"))
-    return out
+        if path.name == "__init__.py":
+            packages.add(name)
+    return out, frozenset(packages)
 
 
-MODULES = _modules()
+MODULES, PACKAGES = _modules()
 
 
-def _targets(node: ast.Import | ast.ImportFrom) -> Iterator[str]:
-    """The celery_fence modules an import statement loads (a name that is a module counts)."""
+def _absolute(node: ast.ImportFrom, importer: str) -> str:
+    """The module ``from <module> import ...`` names, a relative one resolved against
+    ``importer``'s package."""
+    if not node.level:
+        return node.module or ""
+    package = importer.split(".") if importer in PACKAGES else importer.split(".")[:-1]
+    base = package[: len(package) - node.level + 1]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _targets(node: ast.Import | ast.ImportFrom, importer: str) -> Iterator[str]:
+    """The celery_fence modules an import statement of ``importer`` loads (a name that is a
+    module counts; a relative import counts as the absolute one it is)."""
     if isinstance(node, ast.Import):
-        yield from (a.name for a in node.names if a.name.startswith("celery_fence"))
-    elif node.module and node.module.startswith("celery_fence") and not node.level:
-        loaded = (f"{node.module}.{a.name}" for a in node.names)
-        yield from dict.fromkeys(full if full in MODULES else node.module for full in loaded)
+        yield from (a.name for a in node.names if a.name.split(".")[0] == "celery_fence")
+        return
+    module = _absolute(node, importer)
+    if module.split(".")[0] == "celery_fence":
+        loaded = (f"{module}.{a.name}" for a in node.names)
+        yield from dict.fromkeys(full if full in MODULES else module for full in loaded)
 
 
-def _module_level(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+def _module_level(tree: ast.Module, *, type_only: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The module-level imports that run (``type_only=False``), or those under ``if
+    TYPE_CHECKING:`` (``True``)."""
     for stmt in tree.body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
-        if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test):
-            continue
-        yield from (n for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom)))
+        typing_only = isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test)
+        if typing_only == type_only:
+            yield from (n for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom)))
 
 
 def _in_functions(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
@@ -94,11 +114,32 @@ def _under(name: str, packages: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in packages)
 
 
-def graph() -> dict[str, set[str]]:
+def graph(
+    modules: dict[str, ast.Module] | None = None, *, type_only_too: bool = True
+) -> dict[str, set[str]]:
+    """Each module's module-level edges: the imports that run, and (``type_only_too``) those
+    under ``if TYPE_CHECKING:``."""
+    kinds = (False, True) if type_only_too else (False,)
     return {
-        name: {t for node in _module_level(tree) for t in _targets(node) if t != name}
-        for name, tree in MODULES.items()
+        name: {
+            t
+            for kind in kinds
+            for node in _module_level(tree, type_only=kind)
+            for t in _targets(node, name)
+            if t != name
+        }
+        for name, tree in (MODULES if modules is None else modules).items()
     }
+
+
+def upward(edges: dict[str, set[str]]) -> list[str]:
+    """The edges of ``edges`` that go up the layers."""
+    return sorted(
+        f"{name} -> {target}"
+        for name, targets in edges.items()
+        for target in targets
+        if layer_of(target) > layer_of(name)
+    )
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -134,7 +175,8 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_module_level_imports_have_no_cycle() -> None:
-    assert cycles(graph()) == []
+    # (the type-only ones never run: a module may name, for its types, one that imports it)
+    assert cycles(graph(type_only_too=False)) == []
 
 
 def test_the_cycle_finder_finds_one() -> None:
@@ -149,7 +191,7 @@ def test_no_import_in_a_function_stands_in_for_a_module_level_one() -> None:
         for name, tree in MODULES.items()
         if not _under(name, TOOLS)
         for node in _in_functions(tree)
-        for target in _targets(node)
+        for target in _targets(node, name)
         # ... the only ones are the core reaching the optional Django integration, and that
         # integration's own AppConfig.ready (Django's place to register system checks)
         if not (_under(target, (OPTIONAL,)) and not _under(name, (OPTIONAL,)))
@@ -159,13 +201,38 @@ def test_no_import_in_a_function_stands_in_for_a_module_level_one() -> None:
 
 
 def test_every_module_level_import_goes_down_the_layers_or_stays_in_its_own() -> None:
-    upward = sorted(
-        f"{name} -> {target}"
-        for name, targets in graph().items()
-        for target in targets
-        if layer_of(target) > layer_of(name)
-    )
-    assert upward == []
+    # (type-only and relative imports included)
+    assert upward(graph()) == []
+
+
+def test_the_layer_check_sees_type_only_relative_and_plain_upward_imports() -> None:
+    # (a check that cannot fire is no check) Given modules of the store layer that import the
+    # pipeline above it: under TYPE_CHECKING, relatively, and plainly, in a package and in a module
+    sources = {
+        "celery_fence.store.typed": (
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n"
+            "    from celery_fence.pipeline.execution import Execution\n"
+        ),
+        "celery_fence.store.relative": "from ..pipeline import settle\n",
+        "celery_fence.store.relative_name": "from ..pipeline.outcomes import Outcome\n",
+        "celery_fence.store.plain": "import celery_fence.pipeline.retry\n",
+        "celery_fence.store.down": "from . import sql\nfrom ..schema import utcnow\n",
+    }
+    modules = {name: ast.parse(source) for name, source in sources.items()}
+    # Then each upward one is found, and the downward ones are not
+    assert upward(graph(modules)) == [
+        "celery_fence.store.plain -> celery_fence.pipeline.retry",
+        "celery_fence.store.relative -> celery_fence.pipeline.settle",
+        "celery_fence.store.relative_name -> celery_fence.pipeline.outcomes",
+        "celery_fence.store.typed -> celery_fence.pipeline.execution",
+    ]
+    assert graph(modules)["celery_fence.store.down"] == {
+        "celery_fence.store.sql",
+        "celery_fence.schema",
+    }
+    # And the cycle check leaves the type-only edge out, the layer check does not
+    assert graph(modules, type_only_too=False)["celery_fence.store.typed"] == set()
 
 
 def test_two_packages_of_one_layer_import_neither_of_each_other() -> None:
@@ -206,3 +273,17 @@ def test_the_operator_side_does_not_import_the_celery_adapters() -> None:
         if _under(target, ("celery_fence.adapters",))
     )
     assert upward == []
+
+
+def test_enqueue_and_djangos_enqueue_import_one_way() -> None:
+    # (Django's enqueue builds on the core's, which never reaches back for it, not even in a
+    # function: the deprecated enqueue(None, ...) is the public names' to route)
+    durable = MODULES["celery_fence.durable"]
+    reached = {
+        target
+        for node in ast.walk(durable)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for target in _targets(node, "celery_fence.durable")
+    }
+    assert not any(_under(target, (OPTIONAL,)) for target in reached)
+    assert "celery_fence.durable" in graph()[f"{OPTIONAL}.durable"]

@@ -66,11 +66,13 @@ def test_retry_reasons_are_a_small_vocabulary(reason: str | None, expected: str)
 
 
 def test_settings_decide_and_a_bad_port_is_named() -> None:
-    assert not metrics.wanted(FenceConfig.from_mapping({}))
-    assert metrics.wanted(FenceConfig.from_mapping({"fence_metrics_port": 9808}))
-    assert not metrics.wanted(
-        FenceConfig.from_mapping({"fence_metrics_port": 9808, "fence_metrics": False})
-    )
+    def wanted(settings: dict[str, object]) -> bool:
+        config = FenceConfig.from_mapping(settings)
+        return metrics.wanted(setting=config.metrics, port=config.metrics_port)
+
+    assert not wanted({})
+    assert wanted({"fence_metrics_port": 9808})
+    assert not wanted({"fence_metrics_port": 9808, "fence_metrics": False})
     with pytest.raises(ConfigurationError, match="fence_metrics_port=0 is not a TCP port"):
         FenceConfig.from_mapping({"fence_metrics_port": 0})
 
@@ -84,9 +86,8 @@ def test_off_by_default_no_prometheus_import_and_a_clear_error_without_it() -> N
         "from celery_fence.actions import Action\n"
         "t.emit_transition(Action.CLAIMED, 'x', key='k')  # off: nothing observed\n"
         "assert metrics.active is None\n"
-        "from celery_fence.config import FenceConfig\n"
         "try:\n"
-        "    metrics.wanted(FenceConfig.from_mapping({'fence_metrics_port': 9808}))\n"
+        "    metrics.wanted(setting=None, port=9808)\n"
         "except Exception as exc:\n"
         "    print(exc)\n"
     )

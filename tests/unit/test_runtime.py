@@ -75,7 +75,7 @@ def test_different_tls_settings_get_different_clients(rt: Runtime) -> None:
     unverified = FenceConfig(redis_url=url, redis_ssl={"ssl_cert_reqs": "none"})
 
     # Then they share neither the client, nor the lease store, nor the retry budget
-    assert client_identity(verified) != client_identity(unverified)
+    assert client_identity(verified.redis) != client_identity(unverified.redis)
     assert b.redis_client(verified) is not b.redis_client(unverified)
     assert b.lease_store(verified) is not b.lease_store(unverified)
     assert b.retry_budget(verified) is not b.retry_budget(unverified)
@@ -197,9 +197,10 @@ def test_app_state_holds_the_settings_until_forgotten() -> None:
     app = Celery("runtime-test", set_as_current=False)
     app.conf.fence_lease_ttl = 12
     first = FenceConfig.from_app(app)
-    assert app_state(app).config is first and FenceConfig.from_app(app) is first
+    assert app_state(app).slots["config"] is first and FenceConfig.from_app(app) is first
     app.conf.fence_lease_ttl = 13
-    app_state(app).config = None
+    assert FenceConfig.from_app(app).lease_ttl == 12  # read once ...
+    FenceConfig.forget(app)
     assert FenceConfig.from_app(app).lease_ttl == 13
 
 

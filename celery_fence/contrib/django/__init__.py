@@ -6,8 +6,12 @@
   (:mod:`.database`); an explicit ``CELERY_FENCE_DATABASE_URL`` still wins.
 - ``with self.fence.atomic():``: Django's ``transaction.atomic`` whose commit is fenced
   (:mod:`.atomic`).
-- ``enqueue(None, task, args=...)`` inside ``transaction.atomic()``: the job's row in your
-  transaction, its message sent on commit (:mod:`.durable`).
+- ``celery_fence.contrib.django.enqueue(task, args=...)`` inside ``transaction.atomic()``: the
+  job's row in your transaction, its message sent on commit (:mod:`.durable`).
 
 Nothing here is imported unless Django is used: ``celery_fence`` itself never imports Django.
 """
+
+from celery_fence.contrib.django.durable import enqueue
+
+__all__ = ["enqueue"]

@@ -6,7 +6,7 @@ ORM makes inside it — ``save()``, ``select_for_update()``, ``bulk_create``, si
 same connection and in the same transaction, the fence checks that this attempt still owns its
 key: first the lease, locally (``fence.check()``), then the store's fenced ``UPDATE fence_jobs
 ... WHERE key, generation, attempt, status = 'running' RETURNING`` (the statement
-``fence.transaction()`` runs, :meth:`Store.commit_check_cursor`). No row: everything in the block
+``fence.transaction()`` runs, ``store.blocks.commit_check_cursor``). No row: everything in the block
 is rolled back and :class:`~celery_fence.StaleGeneration` is raised out of it (the attempt then
 settles as stale). Hence the store must live in the alias's database (``CELERY_FENCE_DATABASE``):
 any other alias is refused with a :class:`~celery_fence.ConfigurationError`.
@@ -44,7 +44,7 @@ On PostgreSQL the block is bounded as ``fence.transaction()`` is, for its transa
 ``idle_in_transaction_session_timeout`` is the lease TTL (the server ends the session of a worker
 paused inside the block, which frees its row locks), ``lock_timeout`` two TTLs at most
 ``fence_database_timeout`` (a newer attempt waits that long at most for rows a paused holder
-locked), and ``statement_timeout`` is ``fence_database_timeout`` (:meth:`Store.block_bounds`).
+locked), and ``statement_timeout`` is ``fence_database_timeout`` (``store.blocks.bounds``).
 A session ended that way is closed by Django when its
 rollback fails, and Celery's Django fix-up gives the next task a new connection.
 """
@@ -185,7 +185,7 @@ def _bound(fence: Fence, store: Store, connection: Any) -> None:
     if connection.vendor != "postgresql":
         return
     with connection.cursor() as cursor:
-        cursor.execute(store.block_bounds(fence.lease.ttl))  # as fence.transaction()'s
+        cursor.execute(store.blocks.bounds(fence.lease.ttl))  # as fence.transaction()'s
 
 
 def _check(fence: Fence, store: Store, connection: Any) -> None:
@@ -193,7 +193,7 @@ def _check(fence: Fence, store: Store, connection: Any) -> None:
         sender=None, key=fence.key, attempt_id=fence.attempt_id, generation=fence.generation
     )
     with connection.cursor() as cursor:
-        owner = store.block_owner_cursor(cursor, fence)  # LeaseLost: paused past the lease
+        owner = store.blocks.owner_cursor(cursor, fence)  # LeaseLost: paused past the lease
     if not owner:
         raise _Refused
 

@@ -13,8 +13,8 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
-from celery_fence.body.transaction import different_database
 from celery_fence.errors import ConfigurationError
+from celery_fence.store.urls import different_database
 
 POSTGRESQL_ENGINES = frozenset(
     {

@@ -1,5 +1,6 @@
-"""``enqueue(None, task, ...)``: the job's ``pending`` row on Django's own connection, in your
-``transaction.atomic()``, its message sent by ``transaction.on_commit``.
+"""``celery_fence.contrib.django.enqueue(task, ...)``: the job's ``pending`` row on Django's own
+connection, in your ``transaction.atomic()``, its message sent by ``transaction.on_commit``
+(``celery_fence.enqueue(None, task, ...)``, deprecated, does the same).
 
 The connection is Django's for the store's alias (``CELERY_FENCE_DATABASE``, else ``default``),
 which must be the store's database: the row is written through Django's cursor (the store's own
@@ -15,7 +16,7 @@ on the same connection: it publishes only when the row is there with this send's
 row rolled back with its savepoint sends nothing; a read that fails sends nothing either and
 leaves a committed row to ``fence recover``.
 
-Outside an atomic block (autocommit) :func:`~celery_fence.enqueue` refuses: each of your ORM
+Outside an atomic block (autocommit) :func:`enqueue` refuses: each of your ORM
 writes would already be committed on its own, so a crash between them and the enqueue would lose
 the job the promise is about (data committed, no row). Wrap the writes and the enqueue in
 ``transaction.atomic()`` (``ATOMIC_REQUESTS`` does it for a view).
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
@@ -54,18 +55,18 @@ class DjangoTarget:
         self, key: str, task_name: str, request: Mapping[str, Any], due: dt.datetime | None
     ) -> tuple[bool, str | None, Mapping[str, Any] | None]:
         with self.connection.cursor() as cursor:
-            return self.store.insert_pending_cursor(
+            return self.store.pending.insert_cursor(
                 cursor, key, task_name=task_name, request=request, due=due
             )
 
-    def after_commit(self, send: Any) -> None:
+    def after_commit(self, send: durable.Send) -> None:
         django_transaction.on_commit(lambda: self.publish_if_committed(send), using=self.alias)
 
-    def publish_if_committed(self, send: Any) -> None:
+    def publish_if_committed(self, send: durable.Send) -> None:
         """Publish ``send`` when its row committed (it is there, with this send's task id)."""
         try:
             with connections[self.alias].cursor() as cursor:
-                found = self.store.status_and_request_cursor(cursor, send.key)
+                found = self.store.pending.status_and_request_cursor(cursor, send.key)
         except Exception as exc:  # committed or not, the row (if any) is the record
             logger.warning(
                 "fence enqueue could not read key=%s after the commit (%s); not sent: a "
@@ -88,31 +89,47 @@ class DjangoTarget:
         durable.publish([send])
 
 
+def enqueue(
+    task: Any,
+    args: Iterable[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> durable.Enqueued:
+    """``enqueue(bill_invoice, args=(invoice.pk,))`` inside ``transaction.atomic()``: write
+    ``task(*args, **kwargs)`` as a ``pending`` job on Django's connection for the store's alias
+    (``CELERY_FENCE_DATABASE``, else ``default``), in your transaction, and send it when that
+    transaction commits. ``options`` are :func:`celery_fence.enqueue`'s (``apply_async``'s,
+    stored with the job); see the module docstring."""
+    return durable.enqueue_on(
+        lambda store: django_target(task, store), task, args, kwargs, **options
+    )
+
+
 def django_target(task: Any, store: Store) -> DjangoTarget:
     """Django's connection for the store's alias, checked: on the store's database, inside
     ``transaction.atomic()``."""
     alias = task.fence_config().database or DEFAULT_DB_ALIAS
     if alias not in connections.settings:
         raise ConfigurationError(
-            f"enqueue(None, ...) writes on Django's {alias!r} database, which is not in "
-            "DATABASES: set CELERY_FENCE_DATABASE to the alias of your app's database"
+            f"enqueue() writes on Django's {alias!r} database, which is not in DATABASES: set "
+            "CELERY_FENCE_DATABASE to the alias of your app's database"
         )
     connection = connections[alias]
     problem = same_database_problem(store.url, alias, connection.settings_dict)
     if problem is not None:
         raise ConfigurationError(
-            f"enqueue(None, ...): Django's {alias!r} database is not the fence store's "
-            f"({problem}). The job's row is written in your transaction, so both live in one "
-            f"database: set CELERY_FENCE_DATABASE = {alias!r} (and run manage.py migrate), or "
-            "drop CELERY_FENCE_DATABASE_URL."
+            f"enqueue(): Django's {alias!r} database is not the fence store's ({problem}). The "
+            "job's row is written in your transaction, so both live in one database: set "
+            f"CELERY_FENCE_DATABASE = {alias!r} (and run manage.py migrate), or drop "
+            "CELERY_FENCE_DATABASE_URL."
         )
     if not connection.in_atomic_block:
         raise ConfigurationError(
-            f"enqueue(None, ...) outside transaction.atomic() (Django's {alias!r} connection is "
-            "in autocommit): the job's row must commit with your data, so wrap both in "
+            f"enqueue() outside transaction.atomic() (Django's {alias!r} connection is in "
+            "autocommit): the job's row must commit with your data, so wrap both in "
             f"`with transaction.atomic(using={alias!r}):` (ATOMIC_REQUESTS does it for a view)"
         )
     return DjangoTarget(alias, store)
 
 
-__all__ = ["DjangoTarget", "django_target"]
+__all__ = ["DjangoTarget", "django_target", "enqueue"]

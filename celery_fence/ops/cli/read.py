@@ -55,7 +55,7 @@ def check(ctx: click.Context) -> None:
         ctx.obj.echo(f"settings: ok ({len(tasks)} fenced task{'s' * (len(tasks) != 1)})")
         redises = scope.redis_configs()
         for config in redises:
-            make_redis_client(config).ping()
+            make_redis_client(config.redis).ping()
         ctx.obj.echo("redis: ok" + (f" ({len(redises)} servers)" if len(redises) > 1 else ""))
         databases = list(scope.databases())
         for database in databases:

@@ -1,8 +1,9 @@
-"""Opening an invoice: the row and its billing job commit together (``enqueue(None, ...)``)."""
+"""Opening an invoice: the row and its billing job commit together
+(``celery_fence.contrib.django.enqueue``)."""
 
 from django.db import transaction
 
-from celery_fence import enqueue
+from celery_fence.contrib.django import enqueue
 
 from .models import Invoice
 from .tasks import bill_invoice
@@ -14,5 +15,5 @@ def open_invoice(customer: str) -> Invoice:
     dies first, ``celery fence recover`` sends it)."""
     with transaction.atomic():
         inv = Invoice.objects.create(customer=customer)
-        enqueue(None, bill_invoice, args=(inv.pk,))
+        enqueue(bill_invoice, args=(inv.pk,))
     return inv

@@ -1,6 +1,7 @@
-"""``enqueue(None, ...)`` in the billing example, with a real worker on pytest-django's test
-database: an invoice and its billing job commit together (billed once), roll back together
-(nothing stored, nothing sent), and a rolled-back savepoint takes its job with it."""
+"""``celery_fence.contrib.django.enqueue(task, ...)`` in the billing example, with a real worker
+on pytest-django's test database: an invoice and its billing job commit together (billed once),
+roll back together (nothing stored, nothing sent), and a rolled-back savepoint takes its job with
+it."""
 
 import time
 
@@ -11,7 +12,8 @@ from billing.models import Invoice
 from billing.tasks import bill_invoice
 from django.db import connection, transaction
 
-from celery_fence import ConfigurationError, FencedTask, enqueue
+from celery_fence import ConfigurationError, FencedTask
+from celery_fence.contrib.django import enqueue
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -34,7 +36,7 @@ def test_a_committed_invoice_is_billed_once_a_rolled_back_one_leaves_nothing(
     # Given a transaction that rolls back after its invoice and its job ...
     with pytest.raises(RuntimeError), transaction.atomic():
         dropped = Invoice.objects.create(customer="acme")
-        assert enqueue(None, bill_invoice, args=(dropped.pk,)).created
+        assert enqueue(bill_invoice, args=(dropped.pk,)).created
         raise RuntimeError("the request failed")
     # Then it left no invoice, no job row and no message (SQLite may reuse its primary key)
     assert not Invoice.objects.filter(pk=dropped.pk).exists()
@@ -43,9 +45,9 @@ def test_a_committed_invoice_is_billed_once_a_rolled_back_one_leaves_nothing(
     # Given a savepoint rolled back inside a committed one
     with transaction.atomic():
         kept = Invoice.objects.create(customer="acme")
-        job = enqueue(None, bill_invoice, args=(kept.pk,))
+        job = enqueue(bill_invoice, args=(kept.pk,))
         with pytest.raises(RuntimeError), transaction.atomic():
-            inner = enqueue(None, bill_invoice, args=(kept.pk + 1000,))
+            inner = enqueue(bill_invoice, args=(kept.pk + 1000,))
             assert inner.created
             raise RuntimeError("the nested part failed")
         assert queued(fence_env) == 0  # nothing is sent before the commit
@@ -66,7 +68,7 @@ def test_a_committed_invoice_is_billed_once_a_rolled_back_one_leaves_nothing(
 
     # And the same key enqueued again is the same job: nothing written, nothing sent
     with transaction.atomic():
-        again = enqueue(None, bill_invoice, args=(kept.pk,))
+        again = enqueue(bill_invoice, args=(kept.pk,))
     assert (again.created, again.status, again.task_id) == (False, "completed", job.task_id)
     assert queued(fence_env) == 0
 
@@ -82,7 +84,7 @@ def test_open_invoice_commits_the_invoice_with_its_job(fence_env, fenced_worker,
 def test_outside_atomic_or_on_another_database_is_refused(fence_env, fence_store, tmp_path):
     # autocommit: the ORM's writes are already committed, the job could not commit with them
     with pytest.raises(ConfigurationError, match=r"transaction\.atomic"):
-        enqueue(None, bill_invoice, args=(1,))
+        enqueue(bill_invoice, args=(1,))
     assert fence_store.get("invoice:1") is None
 
     # a task whose store is not Django's database: its row could not be in the transaction
@@ -95,7 +97,7 @@ def test_outside_atomic_or_on_another_database_is_refused(fence_env, fence_store
         pass
 
     with transaction.atomic(), pytest.raises(ConfigurationError, match="not the fence store's"):
-        enqueue(None, elsewhere)
+        enqueue(elsewhere)
 
 
 def test_the_admin_marks_and_filters_never_claimed_jobs(fence_env, fence_store, admin_client):
