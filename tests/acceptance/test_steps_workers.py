@@ -187,7 +187,8 @@ def _killed_export(
         if n == kills:
             break
         seen = len(_batches(redis_client, prefix, key))
-        point = seen + rng.randint(2, max(2, total // (kills + 1)))
+        # at least two batches committed before the kill: the control arm's repeat is >= 2
+        point = seen + rng.randint(3, max(3, total // (kills + 1)))
 
         def started(point: int = point) -> bool:
             return len(_batches(redis_client, prefix, key)) >= point
