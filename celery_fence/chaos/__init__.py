@@ -287,6 +287,9 @@ import sqlalchemy as sa
 
 #: The one fenced task of the workload.
 TASK_NAME = "celery_fence.chaos.op"
+#: The unique and beat scenarios' tasks (:mod:`celery_fence.chaos.workload_unique`).
+UNIQUE_TASK = "celery_fence.chaos.unique"
+TICK_TASK = "celery_fence.chaos.tick"
 #: The effect every completed job stages in the outbox (delivered to the provider).
 NOTIFY = "notify"
 #: The effect the ``remote`` body calls the provider for directly (with an idempotency key).

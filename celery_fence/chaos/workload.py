@@ -626,3 +626,6 @@ for _signal, _name in (
 fence_signals.job_completed.connect(_kill_after_commit, weak=False)  # after its outcome entry
 fence_signals.lease_lost.connect(_lost, weak=False)
 fence_signals.lease_busy.connect(_busy, weak=False)
+
+# the unique and beat scenarios' tasks, on this app (imported last: they use the names above)
+from celery_fence.chaos import workload_unique as _unique_tasks  # noqa: E402, F401
