@@ -115,6 +115,9 @@ def run_beat(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
         _count_copies(jobs, ran)
     else:
         _check_ticks(s, entry, jobs)
+    if not s.opts.quiet:
+        seconds = len({int(e["t"]) for e in ran})
+        print(f"  beat run {i + 1}: {len(ran)} tick bodies ran, {len(keys)} jobs, {seconds} s")
     return 2, elapsed
 
 

@@ -86,6 +86,9 @@ def run_unique(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
         problems.append(f"never ran again after its holder died ({bound:.0f}s)")
     elif rerun > bound:
         problems.append(f"ran again {rerun:.1f}s after its holder died (bound {bound:.0f}s)")
+    if not s.opts.quiet:
+        took = "never" if rerun is None else f"{rerun:.2f}s"
+        print(f"  unique run {i + 1}: {'SIGKILL' if kill else 'time limit'}, ran again: {took}")
     jobs = {holder: Job(holder, expect_starts=2)}
     if rerun is not None:
         elapsed = s.converge([jobs[holder]], died)
@@ -192,10 +195,10 @@ def _wave(
 
 def main(ukey: str, sends: int, time_limit: float) -> None:
     """``sends`` sends of ``ukey``; print the task id each was answered with (null: discarded)."""
-    from celery_fence.chaos import workload
+    from celery_fence.chaos import workload, workload_unique
 
     options = {"time_limit": time_limit} if time_limit else {}
-    task = workload._unique_tasks.unique_op
+    task = workload_unique.unique_op
     at = time.time()
     answered = []
     for _ in range(sends):
