@@ -7,7 +7,11 @@ each timed per job in the caller (no worker runs: only the caller's cost is meas
 - ``commit-then-delay``: insert the order, commit, then ``task.delay()`` — what most apps do,
   and the job is lost if the process dies between the two;
 - ``enqueue``: insert the order and :func:`celery_fence.enqueue` the job in the same transaction;
-  the message goes after the commit, and recovery sends it if it never left.
+  the message goes after the commit, and recovery sends it if it never left;
+- ``enqueue-unique``: the same with ``unique=`` a key of its own (the job's row carries the
+  uniqueness key, which the partial unique index checks): what a unique job costs per enqueue;
+- ``unique-duplicate``: the same with ``unique=`` a key an unfinished job already holds: the
+  enqueue returns that job (its row read back), nothing is published.
 
 The variants alternate within each round; the table gives per-job latency percentiles over all
 rounds and the ratio of medians to ``commit-then-delay``.
@@ -28,7 +32,7 @@ from bench.harness import Services
 from bench.report import table
 from celery_fence import FencedTask, enqueue
 
-VARIANTS = ("delay", "commit-then-delay", "enqueue")
+VARIANTS = ("delay", "commit-then-delay", "enqueue", "enqueue-unique", "unique-duplicate")
 
 
 def _app(svc: Services) -> tuple[Celery, Any]:
@@ -66,10 +70,26 @@ def run(svc: Services, *, jobs: int, rounds: int, out: Any) -> dict[str, Any]:
             conn.execute(orders.insert().values(id=order))
             enqueue(conn, ship, args=(order,))
 
+    def order_and_enqueue_unique(order: str) -> None:
+        with engine.begin() as conn:
+            conn.execute(orders.insert().values(id=order))
+            enqueue(conn, ship, args=(order,), unique=f"ship-once:{order}")
+
+    held = f"ship-held:{uuid.uuid4().hex}"  # one unfinished job holds it for the whole run
+    with engine.begin() as conn:
+        enqueue(conn, ship, args=(held,), unique=held)
+
+    def order_and_duplicate(order: str) -> None:
+        with engine.begin() as conn:
+            conn.execute(orders.insert().values(id=order))
+            enqueue(conn, ship, args=(order,), unique=held)
+
     calls: dict[str, Callable[[str], Any]] = {
         "delay": ship.delay,
         "commit-then-delay": order_then_delay,
         "enqueue": order_and_enqueue,
+        "enqueue-unique": order_and_enqueue_unique,
+        "unique-duplicate": order_and_duplicate,
     }
     for call in calls.values():  # warm the pools and caches
         for _ in range(20):

@@ -6,7 +6,7 @@ Run it against your own configuration (your Redis, broker, database and TTLs)::
         [--redis-url URL] [--broker-url URL] [--database-url URL] [--pg-admin-url URL]
         [--ttl SECONDS] [--max-attempts N] [--workers N] [--own-redis] [--unfenced] [--unsettled]
         [--rerun-finished] [--async-endings] [--unfenced-steps] [--rows N]
-        [--provider-not-idempotent]
+        [--provider-not-idempotent] [--ttl-lock] [--stock-beat]
         [--converge-timeout SECONDS] [--json PATH] [--workdir DIR] [-q]
 
 Defaults: Redis ``redis://127.0.0.1:6379/1`` (leases under a fresh key prefix, the ledger,
@@ -155,6 +155,20 @@ Scenarios (faults counted per run, from what happened: the ledger, the store, th
   ``--max-attempts``) and the message comes back. Expected: every row exported exactly once, and
   at most one batch (one checkpoint interval) of work repeated per kill (printed). Control arm:
   ``--unfenced-steps`` (no checkpoint: every attempt starts from zero). Faults: the kills.
+- ``unique``: one uniqueness key a run, three waves of sends of a unique task
+  (``fence_unique``) from the app's side; the first wave's job (its holder) hangs and dies — even
+  runs SIGKILL its whole worker (recovery is sent every TTL, as beat would), odd runs kill it by a
+  hard time limit — then the second wave is sent, and once the job completed, the third. Every
+  wave must be followed by a run of the key (a wave with none: a lost job), the job must run
+  again within ``2 x TTL + 10 s`` of the death and complete once, and two jobs of the key must
+  never be unfinished at once. Expected: the holder starts twice, the third wave's job once.
+  Control arm: ``--ttl-lock``. 1 fault a run. :mod:`.scenarios_unique`.
+- ``beat``: three ``celery beat -S celery_fence.beat:Scheduler`` replicas of a 1-second entry
+  (``fence_beat_missed="catch_up"``) and a worker, on a lease ``redis-server`` the scenario starts
+  itself; one replica is SIGKILLed as a tick's body starts, the lease Redis is SIGKILLed and
+  restarted empty 1-2 s later, the ticks go on 4 s. Every scheduled second between the first and
+  the last tick that ran must have its tick's job, completed once (a missing one: a lost job).
+  Control arm: ``--stock-beat``. 2 faults a run. :mod:`.scenarios_beat`.
 
 Columns (per scenario, summed over its runs). The transitions table is written in the same
 statement or transaction as the state change it records, so its ``id`` order for a key is the
@@ -255,6 +269,18 @@ again by the other).
 ``--scenario unknown-remote --provider-not-idempotent`` then shows duplicate external effects > 0
 (the retried charge is performed twice).
 
+``--ttl-lock`` is a demonstration too: the ``unique`` scenario's task is guarded by a
+celery-once-style Redis lock (:class:`~celery_fence.chaos.arms.TTLLockTask`: ``SET NX EX 60``
+before each send, deleted when the body returns) instead of the store's unique index, and the
+harness sends no recovery (celery-once has no job to re-send). ``--scenario unique --ttl-lock``
+then shows lost jobs > 0: the SIGKILLed holder never runs again and its stranded lock discards
+the second and third waves (the violation names the lock's remaining TTL).
+
+``--stock-beat`` is a demonstration too: the ``beat`` scenario's replicas run Celery's stock
+``PersistentScheduler``. Each sends every tick, each copy a job of its own; the ticks whose
+bodies started in the same second are counted as one tick's copies, and ``--scenario beat
+--stock-beat`` shows duplicate completions > 0 (about two a second with two replicas left).
+
 ``--unsettled`` is a demonstration too: the workload's task takes the base
 :class:`~celery_fence.chaos.arms.UnsettledTask`, which leaves Celery's own exits as plain Celery
 handles them — a hard time limit is acked, ``expires``
@@ -287,6 +313,9 @@ import sqlalchemy as sa
 
 #: The one fenced task of the workload.
 TASK_NAME = "celery_fence.chaos.op"
+#: The unique and beat scenarios' tasks (:mod:`celery_fence.chaos.workload_unique`).
+UNIQUE_TASK = "celery_fence.chaos.unique"
+TICK_TASK = "celery_fence.chaos.tick"
 #: The effect every completed job stages in the outbox (delivered to the provider).
 NOTIFY = "notify"
 #: The effect the ``remote`` body calls the provider for directly (with an idempotency key).

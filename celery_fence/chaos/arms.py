@@ -18,6 +18,10 @@ show that each safety column fires without it. Never for production; nothing out
   are not a fenced block's (:mod:`celery_fence.body.sqla`'s listeners are never added in the
   worker): a write beside an open block commits unchecked, whatever its text, and a write
   outside every block is not flagged. The store's fence and the blocks' own commits stay on.
+- :class:`TTLLockTask` (``--ttl-lock``): no uniqueness key in the store; celery-once's Redis
+  lock instead (``SET NX EX`` before the send, deleted when the body returns). A send that finds
+  the lock taken is discarded (``apply_async`` returns None); a holder killed mid-run strands the
+  lock for its whole timeout.
 """
 
 from __future__ import annotations
@@ -202,10 +206,39 @@ class UnsettledTask(FencedTask, fence_base=True):
         return {}  # the re-send keeps expires: it may expire unsettled
 
 
+class TTLLockTask(FencedTask, fence_base=True):
+    """celery-once's ``QueueOnce`` on a fenced task (``--ttl-lock``): before each send a Redis
+    lock ``<lock_prefix>:<task>:<first argument>`` is taken with ``SET NX EX lock_timeout``; a
+    send that finds it taken is discarded (None, celery-once's ``graceful``); the body's return
+    (``after_return``) deletes it. Subclasses set ``lock_redis``, ``lock_prefix`` and
+    ``lock_timeout`` (seconds)."""
+
+    lock_redis: Any = None
+    lock_prefix = "qo"
+    lock_timeout = 3600
+
+    def lock_key(self, args: Any) -> str:
+        return f"{self.lock_prefix}:{self.name}:{(args or ['-'])[0]}"
+
+    def apply_async(
+        self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
+    ) -> Any:
+        if not self._fence_send(task_id, options) and not self.lock_redis.set(
+            self.lock_key(args), 1, nx=True, ex=self.lock_timeout
+        ):  # a new send (not the fence's own re-send) meets the lock: discarded
+            return None
+        return super().apply_async(args, kwargs, task_id, **options)
+
+    def after_return(self, *args: Any, **kwargs: Any) -> None:
+        task_args = args[3] if len(args) > 3 else kwargs.get("args")
+        self.lock_redis.delete(self.lock_key(task_args))
+
+
 __all__ = [
     "AsyncEndingsStore",
     "AsyncEndingsTask",
     "PlainStepsFence",
+    "TTLLockTask",
     "UnfencedStepsExecution",
     "UnfencedStepsTask",
     "UnfencedStore",

@@ -64,6 +64,9 @@ class Job:
     claims: int | None = None  # generations claimed, as the harness read them after the run
     #: What the harness itself saw go wrong around the job (e.g. a misconfigured worker started).
     observed: list[str] = field(default_factory=list)
+    #: Completions of this logical job stored under other keys (e.g. plain beat replicas' copies
+    #: of one tick, each a job of its own), as the harness counted them.
+    extra_completions: int = 0
     task_ids: list[str] = field(default_factory=list)
     finished: bool = False  # every message of the job finished (SUCCESS or FAILURE)
     states: list[str] = field(default_factory=list)  # the final Celery state of each message
@@ -149,6 +152,12 @@ def check(
         result.duplicate_completions += _duplicate_completions(
             job.key, history, events, result.violations
         )
+        if job.extra_completions:
+            result.duplicate_completions += job.extra_completions
+            result.violations.append(
+                f"duplicate completion: {job.key} completed {1 + job.extra_completions} times "
+                "under keys of their own"
+            )
         result.reruns_after_completion += _reruns(job.key, history, events, result.violations)
         result.duplicate_external_effects += _duplicate_effects(
             job.key, events, store, by_idem, result.violations

@@ -117,6 +117,19 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "request; expect duplicate external effects",
     )
     p.add_argument(
+        "--ttl-lock",
+        action="store_true",
+        help="DEMONSTRATION ONLY: unique jobs guarded by a celery-once-style Redis lock with a "
+        "timeout instead of the store's unique index (celery_fence.chaos.arms.TTLLockTask); "
+        "expect lost jobs in unique (a killed holder's lock discards the later sends)",
+    )
+    p.add_argument(
+        "--stock-beat",
+        action="store_true",
+        help="DEMONSTRATION ONLY: the beat scenario's replicas run Celery's stock "
+        "PersistentScheduler; expect duplicate completions (every replica sends every tick)",
+    )
+    p.add_argument(
         "--own-redis",
         action="store_true",
         help="start a redis-server for the lease store; redis-loss restarts it",
@@ -173,6 +186,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         rows=a.rows,
         async_endings=a.async_endings,
         provider_idempotent=a.provider_idempotent,
+        ttl_lock=a.ttl_lock,
+        stock_beat=a.stock_beat,
         own_redis=a.own_redis,
         converge_timeout=a.converge_timeout,
         json_path=a.json_path,

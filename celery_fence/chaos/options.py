@@ -30,6 +30,8 @@ SCENARIOS = (
     "store-crash",
     "steps",
     "export",
+    "unique",
+    "beat",
 )
 #: Scenarios that run against PostgreSQL whatever the store (a throwaway database if need be).
 POSTGRESQL_ONLY = ("db-outage", "refused-arg", "beside-block", "atomic-threads")
@@ -41,6 +43,7 @@ OWN_WORKERS = (
     "enqueue-crash",
     "broker-loss",
     "store-crash",
+    "beat",
 )
 #: Scenarios that run against a PostgreSQL cluster the harness starts (and crashes) itself.
 OWN_CLUSTER = ("store-crash",)
@@ -68,6 +71,8 @@ class Options:
     rows: int = 10_000  # rows the export scenario exports
     async_endings: bool = False  # a job's endings commit without their WAL flush (control arm)
     provider_idempotent: bool = True  # False: the provider performs every repeat (control arm)
+    ttl_lock: bool = False  # unique jobs guarded by a celery-once-style TTL lock (control arm)
+    stock_beat: bool = False  # beat replicas run Celery's PersistentScheduler (control arm)
     own_redis: bool = False
     converge_timeout: float = 60.0
     remote_timeout: float = 0.5

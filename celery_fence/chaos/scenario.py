@@ -88,6 +88,7 @@ class Scenario:
             "CHAOS_UNWATCHED": "1" if self.opts.unwatched else "0",
             "CHAOS_UNFENCED_STEPS": "1" if self.opts.unfenced_steps else "0",
             "CHAOS_ASYNC_ENDINGS": "1" if self.opts.async_endings else "0",
+            "CHAOS_TTL_LOCK": "1" if self.opts.ttl_lock else "0",
             "CHAOS_PROVIDER_URL": self.provider.url,
             "CHAOS_REMOTE_TIMEOUT": str(self.opts.remote_timeout),
         }

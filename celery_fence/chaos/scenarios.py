@@ -16,9 +16,11 @@ from celery import signature
 from celery_fence.chaos import BESIDE_FORMS, BESIDE_ROWS, CHARGE, TASK_NAME
 from celery_fence.chaos.checker import Job
 from celery_fence.chaos.scenario import Scenario, superseded
+from celery_fence.chaos.scenarios_beat import RUNS as BEAT_RUNS
 from celery_fence.chaos.scenarios_crash import RUNS as CRASH_RUNS
 from celery_fence.chaos.scenarios_enqueue import RUNS as ENQUEUE_RUNS
 from celery_fence.chaos.scenarios_steps import RUNS as STEPS_RUNS
+from celery_fence.chaos.scenarios_unique import RUNS as UNIQUE_RUNS
 from celery_fence.chaos.workload_sql import BESIDE_ROUTINES
 from celery_fence.ops.outbox import idempotency_key
 from celery_fence.ops.recovery import KEY_HEADER, RECOVER_TASK
@@ -509,4 +511,6 @@ RUNS: dict[str, Run] = {
     **ENQUEUE_RUNS,
     **CRASH_RUNS,
     **STEPS_RUNS,
+    **UNIQUE_RUNS,
+    **BEAT_RUNS,
 }

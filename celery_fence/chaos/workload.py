@@ -141,6 +141,8 @@ def make_app(s: Mapping[str, str]) -> Celery:
         # --async-endings arms lose, hiding what those arms show. tests/acceptance/
         # test_takeover.py measures the workers' checks.
         fence_recover_interval=0.0,
+        # the unique and beat scenarios' tasks, on this app (a worker and beat import them)
+        imports=("celery_fence.chaos.workload_unique",),
     )
     return app
 

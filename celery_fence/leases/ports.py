@@ -1,7 +1,7 @@
 """What the layers above need of the Redis lease, as a :class:`typing.Protocol`
 (:class:`LeaseBackend`, implemented by :class:`celery_fence.leases.lease.LeaseStore`): the
 pipeline's claim, renewal and release, and the :class:`~celery_fence.leases.renewer.Renewer`'s
-batch. :mod:`celery_fence.testing.memory` implements it in memory;
+batch. ``tests/support/memory.py`` implements it in memory;
 ``tests/integration/test_doubles_contract.py`` runs the same tests against both.
 """
 

@@ -1,7 +1,10 @@
 """Test support that behaves like the real thing.
 
 - :mod:`celery_fence.testing.plugin` — the pytest plugin (fixtures ``fence_store``,
-  ``fence_redis``, ``fence_env``, ``fenced_worker``, ``fence_chaos``), loaded by its entry point.
+  ``fence_redis``, ``fence_env``, ``fenced_worker``, ``fence_chaos``, ``fence_unique_holder``,
+  ``fence_group_full``, ``fence_rate_limited``), loaded by its entry point.
+- :mod:`celery_fence.testing.unique` — the holder of a unique job killed mid-run, for a user's
+  test of what the next send does.
 - :mod:`celery_fence.testing.processes` — the one worker harness the plugin, the chaos suite
   (:mod:`celery_fence.chaos`) and the project's own tests share: Celery workers
   (:class:`~celery_fence.testing.workers.Worker`) and ``redis-server`` processes, stopped by

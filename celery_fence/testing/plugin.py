@@ -24,6 +24,10 @@ Fixtures (each test gets its own store, Redis key prefix and queue; nothing is l
   (``free()`` gives them back; done after the test), so your task meets ``group_full``.
 - ``fence_rate_limited`` — ``drain(rate_limit, seconds=..., task=name | group=...)``: a rate
   limit's bucket empty for ``seconds``, so your task meets ``rate_limited``.
+- ``fence_unique_holder`` — ``kill(my_task.s(...))``: the holder of a unique job (a task with
+  ``fence_unique``) SIGKILLed with its worker mid-body, its row left ``running`` with the
+  uniqueness key; your test asserts that the next send returns that job and that it runs again
+  (see ``celery_fence.testing.unique``).
 - ``fence_chaos`` — the failure windows against your own task and ``assert_converged(key)``
   (``check=`` checks your own rows too).
 
@@ -292,3 +296,11 @@ def fence_rate_limited(fence_env: Any) -> Any:
     from celery_fence.testing.limits import RateLimited
 
     return RateLimited(fence_env.redis.client, fence_env.prefix)
+
+
+@pytest.fixture
+def fence_unique_holder(fence_env: Any) -> Any:
+    """Kill the holder of a unique job mid-run (see ``celery_fence.testing.unique``)."""
+    from celery_fence.testing.unique import UniqueHolder
+
+    return UniqueHolder(fence_env)

@@ -59,6 +59,8 @@ MIN_FAULTS = {
     "store-crash": 2 * RUNS,
     "steps": RUNS,
     "export": RUNS,
+    "unique": RUNS,
+    "beat": 2 * RUNS,
 }
 #: The converge timeout of both runs of the unsettled comparison: well above what the settled
 #: run needs (time-limit and misconfig up to about 10 s of waiting on a loaded machine); a lost
@@ -123,7 +125,7 @@ def _by_name(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 #: Scenarios with a test of their own (and its control arm) below, not in the halves.
-SEPARATE = ("store-crash",)
+SEPARATE = ("store-crash", "unique", "beat")
 #: Every other scenario, in two halves run side by side (each half is one harness run).
 _HALVED = [name for name in SCENARIOS if name not in SEPARATE]
 HALVES = {
@@ -384,6 +386,53 @@ def test_store_crash_with_asynchronous_endings_loses_a_job(tmp_path: Path) -> No
         output,
     )
     assert row["unexpected_outcomes"] >= 1
+    assert code == 1 and report["ok"] is False, output
+
+
+#: Issue 36's scenarios: (runs of the fenced run, its control arm, the columns the arm fires).
+#: unique's two runs are its two deaths (SIGKILL, hard time limit); its arm's one run the SIGKILL.
+ISSUE_36 = {
+    "unique": (2, "--ttl-lock", ("lost_jobs", "unexpected_outcomes")),
+    "beat": (1, "--stock-beat", ("duplicate_completions",)),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arm", ["fenced", "control"])
+@pytest.mark.parametrize("scenario", sorted(ISSUE_36))
+def test_unique_jobs_and_beat_replicas_hold_and_their_control_arms_fail(
+    tmp_path: Path, scenario: str, arm: str
+) -> None:
+    runs, control, fires = ISSUE_36[scenario]
+    if arm == "fenced":
+        # Given a unique job's holder killed (SIGKILL of its worker; a hard time limit), or
+        # three beat replicas with one SIGKILLed as a tick starts and the lease Redis restarted,
+        args = ["--scenario", scenario, "--runs", str(runs), "--seed", "7"]
+        code, report, output = _chaos(tmp_path, *args, timeout=280)
+        row = _by_name(report)[scenario]
+        # then every later send ran within the bound and every tick ran once: all zeros.
+        assert row["runs"] == runs and row["skipped"] is None, (row, output)
+        assert row["faults"] >= MIN_FAULTS[scenario] // RUNS * runs, (row, output)
+        assert {c: row[c] for c in SAFETY_COLUMNS} == dict.fromkeys(SAFETY_COLUMNS, 0), (
+            row["violations"],
+            output,
+        )
+        assert code == 0, output
+        return
+    # Given the same faults under what users migrate from (a celery-once-style TTL lock; three
+    # stock Celery beats),
+    args = ["--scenario", scenario, "--runs", "1", "--seed", "7", control]
+    code, report, output = _chaos(tmp_path, *args, timeout=280)
+    row = _by_name(report)[scenario]
+    assert row["runs"] == 1 and row["skipped"] is None, (row, output)
+    # then the checker reports it: the later sends discarded by the stranded lock (lost), or
+    # each tick completed about once per replica (duplicates).
+    for column in fires:
+        assert row[column] > 0, (column, row["violations"])
+    if scenario == "unique":
+        assert any("the lock still held" in v for v in row["violations"]), row["violations"]
+    else:
+        assert row["duplicate_completions"] >= 4, row["violations"]  # about 2 a second
     assert code == 1 and report["ok"] is False, output
 
 

@@ -46,6 +46,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_fence import FencedTask, Outbox
+from celery_fence.chaos.arms import TTLLockTask
 from celery_fence.schema import jobs, transitions
 
 app = Celery("proj", broker="{BROKER_URL}")
@@ -237,6 +238,31 @@ def result_not_stored(self, n):
                 key=key, generation=1, attempt_id=self.request.id, action="completed", at=now))
     engine.dispose()
     return {{"n": n, "pid": os.getpid()}}
+
+
+@app.task(base=FencedTask, bind=True, fence_unique=lambda n: f"feed:{{n}}")
+def refresh_feed(self, n):
+    """A unique job: one unfinished job per feed."""
+    return {{"n": n, "generation": self.fence.generation}}
+
+
+class _OnceLock(TTLLockTask, fence_base=True):
+    """The control arm, for one test: celery-once's Redis lock (60 s) on the send path."""
+
+    lock_prefix = os.environ.get("PROJ_LOCK_PREFIX", "proj-once")
+    lock_timeout = 60
+
+    @property
+    def lock_redis(self):
+        import redis
+
+        return redis.Redis.from_url("{REDIS_URL}")
+
+
+@app.task(base=_OnceLock, bind=True, fence_unique=lambda n: f"feed-once:{{n}}")
+def refresh_feed_once(self, n):
+    """The same unique job behind celery-once's lock, which every send meets first."""
+    return {{"n": n, "generation": self.fence.generation}}
 
 
 @app.task(bind=True)
@@ -643,6 +669,60 @@ def test_outbox(fence_env, fenced_worker, fence_store):
         json.dump({"status": row.status, "idem": row.idempotency_key,
                    "recorded": fence_env.outbox_deliveries()}, f)
 """
+
+
+TEST_UNIQUE = """
+import pytest
+
+from proj import refresh_feed, refresh_feed_once
+
+
+@pytest.mark.parametrize("task", [refresh_feed, refresh_feed_once], ids=["fenced", "ttl-lock"])
+def test_next_send_runs(fence_unique_holder, fenced_worker, fence_store, task):
+    held = fence_unique_holder.kill(task.s(7))
+    again = task.delay(7)
+    assert again is not None, "the send was discarded"
+    assert again.id == held.task_id
+    fenced_worker.start()
+    assert again.get(timeout=60)["generation"] == 2
+    record = fence_store.get(held.key)
+    assert record.status == "completed" and record.generation == 2
+    later = task.delay(7)
+    assert later.id != held.task_id and later.get(timeout=60)["generation"] == 1
+
+
+def test_a_task_that_is_not_unique_is_refused(fence_unique_holder):
+    from proj import fenced
+
+    with pytest.raises(Exception, match="is not unique; declare it with fence_unique"):
+        fence_unique_holder.kill(fenced.s(1))
+"""
+
+
+def test_a_killed_unique_holder_is_taken_over_in_a_users_test_and_a_ttl_lock_fails_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a user project with a unique task (fence_unique) and the same task guarded by a
+    # celery-once-style TTL lock instead (the control arm),
+    lock_prefix = f"proj-once-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("PROJ_LOCK_PREFIX", lock_prefix)
+    root = _project(tmp_path / "user", test_unique=TEST_UNIQUE)
+    try:
+        # when its test kills the holder of the key with fence_unique_holder, sends the key
+        # again and starts a worker,
+        outcomes = _run(root)
+    finally:
+        client = redis.Redis.from_url(REDIS_URL)
+        for key in client.scan_iter(f"{lock_prefix}:*"):
+            client.delete(key)
+    # then the fenced task's later send returns the dead holder's job, which runs again and
+    # completes, and the key is free once it ended ...
+    assert outcomes["test_next_send_runs[fenced]"] == ("passed", ""), outcomes
+    assert outcomes["test_a_task_that_is_not_unique_is_refused"] == ("passed", ""), outcomes
+    # ... while under the TTL lock the stranded lock discards the later send: the test fails.
+    outcome, text = outcomes["test_next_send_runs[ttl-lock]"]
+    assert outcome == "failed" and "the send was discarded" in text, text[-3000:]
+    _assert_nothing_left(_records(root))
 
 
 @pytest.mark.parametrize("real", [False, True], ids=["recorded", "real"])

@@ -310,3 +310,20 @@ def test_takeover_mode_measures_a_fault_on_a_broker(tmp_path: Path) -> None:
     seconds = result["seconds"]["kill-worker"]["redis"]
     assert seconds is not None and 0 < seconds <= 5.0
     assert "| kill-worker |" in stdout and "TTLs" in stdout
+
+
+@pytest.mark.timeout(300)
+def test_enqueue_mode_times_every_variant_with_unique_jobs_beside_plain_enqueue(
+    tmp_path: Path,
+) -> None:
+    # Given a tiny enqueue run: one round of 20 jobs a variant, alternating in the round
+    stdout, result = _bench(tmp_path, "--enqueue", "--rounds", "1", "--enqueue-jobs", "20")
+    # Then every variant (unique jobs, new key and held key, beside plain enqueue) has its
+    # percentiles and its row, against commit-then-delay
+    variants = ("delay", "commit-then-delay", "enqueue", "enqueue-unique", "unique-duplicate")
+    assert set(result["variants"]) == set(variants)
+    for name in variants:
+        entry = result["variants"][name]
+        assert 0 < entry["p50_us"] <= entry["p99_us"], (name, entry)
+        assert f"| {name} " in stdout, f"{name} missing from the table:\n{stdout}"
+        assert entry["ratio"] > 0, (name, entry)

@@ -161,3 +161,18 @@ def test_a_write_beside_a_block_committed_after_a_newer_attempt_started_is_a_sta
     assert _check(store, events).stale_app_writes == 0
     events[2] = _ev("beside_committed", 1, "a1", t0=start["t"] - 1.0, form="do")
     assert _check(store, events).stale_app_writes == 0
+
+
+def test_copies_of_one_job_stored_under_keys_of_their_own_are_duplicate_completions(
+    tmp_path: Path,
+) -> None:
+    # Given a clean history whose job the harness counted twice more under keys of their own (a
+    # plain beat's copies of one tick), then the copies are duplicate completions, named.
+    store = _store(tmp_path)
+    store.register("k", generation=1, attempt_id="a1", task_name="t")
+    store.end("k", Completion(generation=1, attempt_id="a1", result={"generation": 1}))
+    events = [_ev("start", 1, "a1"), _ev("outcome", 1, "a1", outcome="completed")]
+    result = _check(store, events, extra_completions=2)
+    assert result.duplicate_completions == 2 and not result.safe
+    assert any("completed 3 times under keys of their own" in v for v in result.violations)
+    assert _check(store, events).duplicate_completions == 0
