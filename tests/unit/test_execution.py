@@ -25,6 +25,7 @@ from celery_fence.errors import (
 from celery_fence.leases.renewer import Renewer
 from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.execution import CLAIM_ROUNDS, Execution
+from celery_fence.pipeline.exits import settle_exit
 from celery_fence.pipeline.retry import RetryPolicy
 from celery_fence.store.records import Completion, DeadUnrun, Ending, RetryScheduled
 from celery_fence.testing.memory import MemoryLeaseStore, MemoryStore
@@ -67,7 +68,13 @@ class Run:
         self.leases = leases or MemoryLeaseStore(generation_ttl=self.config.generation_ttl)
         self.renewer = renewer or Renewer(self.leases)  # one per process, as a worker's
         self.heard = Heard()
-        self.execution = Execution(
+        self.execution = self.of(KEY)
+        self.bodies: list[Fence] = []
+
+    def of(self, key: str) -> Execution:
+        """An execution of the job ``key`` on these doubles."""
+        return Execution(
+            key,
             task_name="t",
             config=self.config,
             store=self.store,
@@ -76,7 +83,6 @@ class Run:
             policy=RetryPolicy(self.config, budget=NoBudget()),  # type: ignore[arg-type]
             announcer=self.heard,  # type: ignore[arg-type]
         )
-        self.bodies: list[Fence] = []
 
     def __call__(
         self,
@@ -87,7 +93,6 @@ class Run:
             return body(fence)
 
         return self.execution.run(
-            KEY,
             recorded,
             request_json=lambda: '{"task": "t", "args": [1], "kwargs": {}}',
             max_runtime=None,
@@ -319,7 +324,8 @@ def test_an_exit_that_is_not_an_exception_is_settled(run: Any) -> None:
 
 def test_an_unkeyed_message_is_recorded_dead_under_its_message_id(run: Any) -> None:
     r = run()
-    action = r.execution.run_unkeyed(ConfigurationError("fence_key raised"), "msg-1", None)
+    unkeyed = o.Unkeyed(ConfigurationError("fence_key raised"), "msg-1", None)
+    action = r.of("unkeyed:t:msg-1").settle(unkeyed)
     assert isinstance(action, o.Fail)
     record = r.store.get("unkeyed:t:msg-1")
     assert record is not None and record.status == "dead"
@@ -327,16 +333,14 @@ def test_an_unkeyed_message_is_recorded_dead_under_its_message_id(run: Any) -> N
 
 def test_a_hard_time_limit_gives_the_message_back_and_records_it(run: Any) -> None:
     r = run()
-    action = r.execution.settle_time_limit(KEY, 3.0)
+    action = settle_exit(r.execution, o.TimeLimited(3.0))
     assert action == o.Requeue("hard time limit 3.0s")
     assert [t.action for t in r.store.history(KEY)] == ["time_limit"]
 
 
 def test_an_expired_message_of_a_new_job_is_recorded_dead(run: Any) -> None:
     r = run()
-    action = r.execution.settle_unrun(
-        KEY, why="expired", message_id="m1", request=None, terminated=False
-    )
+    action = settle_exit(r.execution, o.Unrun("expired", "m1", None, False, shared_key=True))
     assert action == o.Acknowledge() and r.status() == "dead"
 
 
@@ -348,7 +352,5 @@ def test_an_expired_message_goes_back_when_the_store_cannot_say(run: Any) -> Non
             return super().end(key, ending)
 
     r = run(store=Down())
-    action = r.execution.settle_unrun(
-        KEY, why="revoked", message_id="m1", request=None, terminated=False
-    )
+    action = settle_exit(r.execution, o.Unrun("revoked", "m1", None, False, shared_key=True))
     assert isinstance(action, o.Requeue) and r.status() is None
