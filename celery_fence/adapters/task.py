@@ -350,7 +350,7 @@ class FencedTask(Task, Fenced):
         }
         try:
             key = self._key_of(args, kwargs)
-            group = self.fence_group_of(args, kwargs, self.fence_config())
+            group = self.fence_group_of(args, kwargs, self.fence_backends().config)
         except ConfigurationError as exc:
             if request.called_directly:
                 raise

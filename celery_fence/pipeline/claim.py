@@ -137,13 +137,11 @@ def count_takeover(
 
 
 def announce_takeover(
-    announce: Callable[..., None], takeover: tuple[int, float] | None, generation: int
+    announce: Callable[..., None], takeover: tuple[int, float], generation: int
 ) -> int | None:
     """``job_taken_over``, when the registration of ``generation`` took over the one a
     recovery found stranded (``takeover``: the message's ``fence_takeover`` header): with the
     seconds from that attempt's last move to now. The generation taken over, or None."""
-    if takeover is None:
-        return None
     previous, moved = takeover
     if not previous < generation:
         return None

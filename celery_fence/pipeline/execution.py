@@ -365,15 +365,13 @@ class Execution:
         )
         self.claim = claim = replace(claim, attempts=registration.attempts)
         if registration.outcome == "registered":
-            # The row's stored request says which re-run this is, also when the message does
-            # not (the key's first message redelivered late, after a requeue --completed).
-            took_over = announce_takeover(self.announce, self.takeover, generation)
-            self.claim = replace(
-                claim,
-                registered=True,
-                run_number=max(claim.run_number, registration.run),
-                took_over=took_over,
-            )
+            took_over = None
+            if self.takeover is not None:  # a recovery's re-send
+                took_over = announce_takeover(self.announce, self.takeover, generation)
+            # the row's stored request says which re-run this is, also when the message does not
+            # (the key's first message redelivered late, after a requeue --completed)
+            run = max(claim.run_number, registration.run)
+            self.claim = replace(claim, registered=True, run_number=run, took_over=took_over)
             return None
         if registration.outcome == "completed":
             assert registration.record is not None
