@@ -5,6 +5,7 @@ The failure windows with real workers and signals are in ``tests/acceptance``.""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,6 +18,7 @@ from celery_fence.body.fence import Fence
 from celery_fence.config import FenceConfig
 from celery_fence.errors import (
     ConfigurationError,
+    FenceError,
     JobDead,
     LeaseLost,
     ResultNotSerializable,
@@ -24,6 +26,7 @@ from celery_fence.errors import (
 )
 from celery_fence.leases.renewer import Renewer
 from celery_fence.pipeline import outcomes as o
+from celery_fence.pipeline.claim import Claim
 from celery_fence.pipeline.execution import CLAIM_ROUNDS, Execution
 from celery_fence.pipeline.exits import settle_exit
 from celery_fence.pipeline.retry import RetryPolicy
@@ -354,3 +357,44 @@ def test_an_expired_message_goes_back_when_the_store_cannot_say(run: Any) -> Non
     r = run(store=Down())
     action = settle_exit(r.execution, o.Unrun("revoked", "m1", None, False, shared_key=True))
     assert isinstance(action, o.Requeue) and r.status() is None
+
+
+def test_the_claim_is_a_frozen_value_each_step_replaces(run: Any) -> None:
+    # Given an execution built with its key: before the claim, only its token is known
+    r = run()
+    before = r.execution.claim
+    assert (before.token, before.generation, before.registered) == (
+        r.execution.attempt_id,
+        None,
+        False,
+    )
+    seen: list[Claim] = []
+    # When it claims, registers and runs its body
+    r(lambda fence: seen.append(r.execution.claim))
+    # Then the body saw a registered claim of generation 1, a new value, and the value it
+    # started with is unchanged (and cannot be changed)
+    [during] = seen
+    assert (during.generation, during.registered, during.attempts) == (1, True, 1)
+    assert during.lease is not None and during.lease.token == r.execution.attempt_id
+    assert before.generation is None and not before.registered
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        during.generation = 2  # type: ignore[misc]
+
+
+def test_an_execution_without_a_key_is_refused_with_a_clear_error(run: Any) -> None:
+    with pytest.raises(FenceError, match="needs the key of its job"):
+        run().of("")
+
+
+def test_a_main_process_exit_settles_with_no_claim_and_writes_no_attempt(run: Any) -> None:
+    # Given a key whose job is running under generation 1 of another attempt
+    r = run()
+    r.store.register(KEY, generation=1, attempt_id="other", task_name="t")
+    # When the worker's main process settles a hard time limit and a revoke of another message
+    assert settle_exit(r.of(KEY), o.TimeLimited(2.0)) == o.Requeue("hard time limit 2.0s")
+    revoked = o.Unrun("revoked", "m2", None, False, shared_key=True)
+    assert settle_exit(r.of(KEY), revoked) == o.Acknowledge()
+    # Then the running attempt's row is untouched: history only, no generation written
+    record = r.store.get(KEY)
+    assert record is not None and (record.status, record.generation) == ("running", 1)
+    assert [t.action for t in r.store.history(KEY)][-2:] == ["time_limit", "revoked"]
