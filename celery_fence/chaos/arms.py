@@ -121,7 +121,7 @@ class UnsettledExecution(Execution):
             self.claim = replace(self.claim, lease=None)  # never discarded: the renewer keeps it
             raise
 
-    def refused_registration(self, error: sa_exc.DataError) -> o.Outcome:
+    def refused_registration(self, error: sa_exc.DataError, request: str | None) -> o.Outcome:
         return o.Unavailable(error, "store refused registration")
 
 

@@ -49,8 +49,6 @@ class Claim:
     slot: HeldLease | None = None
     #: ``time.monotonic()`` of the claim that got the lease (the metrics' attempt duration).
     claimed_at: float | None = None
-    #: The request stored with the registration (None: none could be encoded).
-    request_json: str | None = None
     #: The store registered this generation: the body may run (and its endings are fenced).
     registered: bool = False
     #: Executions counted by the store, this one included (0: not registered).

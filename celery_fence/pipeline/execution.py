@@ -286,7 +286,6 @@ class Execution:
                 observer.waited(self.task_name, time.time() - self.published_at)
             if request is None:
                 request = request_json() or ""
-            self.claim = replace(self.claim, request_json=request or None)
             # With metrics on, a repeat claim reads the row first: a takeover is a registration
             # over a row a previous generation left running.
             previous: JobRecord | None = None
@@ -294,9 +293,9 @@ class Execution:
                 with contextlib.suppress(Exception):  # the registration says what is wrong
                     previous = self.store.get(self.key)
             try:
-                outcome = self._register(self.claim)
+                outcome = self._register(self.claim, request or None)
             except sa_exc.DataError as exc:  # the database refuses the request: every time
-                return self.refused_registration(exc)
+                return self.refused_registration(exc, request or None)
             except sa_exc.ProgrammingError as exc:  # e.g. the tables do not exist
                 reason = refusal_reason(exc, "registration")
                 return outcomes.Unavailable(exc, reason, max(5.0, config.retry_backoff_max / 10))
@@ -346,14 +345,14 @@ class Execution:
         if lease is not None:
             lease.mark_lost(f"group slot lost: {reason}")
 
-    def refused_registration(self, error: sa_exc.DataError) -> Outcome:
+    def refused_registration(self, error: sa_exc.DataError, request: str | None) -> Outcome:
         """The database refused the registration's request: it would every time."""
-        return outcomes.Refused(error, self.claim.request_json)
+        return outcomes.Refused(error, request)
 
-    def _register(self, claim: Claim) -> Outcome | None:
-        """Register ``claim``: None when it registered (``self.claim`` then says so), else the
-        outcome the store's state calls for (replayed, already dead, or stale: a newer
-        generation got there first)."""
+    def _register(self, claim: Claim, request: str | None) -> Outcome | None:
+        """Register ``claim`` with the message's ``request`` (JSON): None when it registered
+        (``self.claim`` then says so), else the outcome the store's state calls for (replayed,
+        already dead, or stale: a newer generation got there first)."""
         generation = claim.generation
         assert generation is not None
         registration = self.store.register(
@@ -361,9 +360,9 @@ class Execution:
             generation=generation,
             attempt_id=self.attempt_id,
             task_name=self.task_name,
-            request_json=claim.request_json,
+            request_json=request,
         )
-        self.claim = claim = replace(claim, attempts=registration.attempts)
+        attempts = registration.attempts
         if registration.outcome == "registered":
             took_over = None
             if self.takeover is not None:  # a recovery's re-send
@@ -371,8 +370,11 @@ class Execution:
             # the row's stored request says which re-run this is, also when the message does not
             # (the key's first message redelivered late, after a requeue --completed)
             run = max(claim.run_number, registration.run)
-            self.claim = replace(claim, registered=True, run_number=run, took_over=took_over)
+            self.claim = replace(
+                claim, attempts=attempts, registered=True, run_number=run, took_over=took_over
+            )
             return None
+        self.claim = replace(claim, attempts=attempts)
         if registration.outcome == "completed":
             assert registration.record is not None
             return outcomes.Replayed(registration.record)
