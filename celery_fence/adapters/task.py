@@ -316,7 +316,7 @@ class FencedTask(Task, Fenced):
 
     def _run_in_caller(
         self,
-        store: Any,
+        store: object,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         call: Callable[..., Any] | None,
