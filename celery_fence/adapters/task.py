@@ -199,12 +199,20 @@ class FencedTask(Task, Fenced):
         return backends(config)
 
     def fence_execution(
-        self, *, message_id: str | None = None, hostname: str | None = None, retries: int = 0
+        self,
+        key: str,
+        *,
+        message_id: str | None = None,
+        hostname: str | None = None,
+        retries: int = 0,
+        **message: Any,
     ) -> Execution:
-        """A new execution of this task for a message (its id and worker, for the events)."""
+        """A new execution of this task for the job ``key`` and a message (its id and worker,
+        for the events; ``message``: what else it says, as :class:`Execution` takes it)."""
         config, store, leases, policy, renewer, _ = self.fence_backends()
         trace = tracing.attempt_trace()  # None without opentelemetry-api
         return self._execution_class(
+            key,
             task_name=self.name,
             config=config,
             store=store,
@@ -218,6 +226,7 @@ class FencedTask(Task, Fenced):
             celery_command=celery_command(self.app),
             trace=trace,
             limits=limits_for(config),
+            **message,
         )
 
     def logical_key(self, args: Any, kwargs: Any, task_id: str | None) -> str:
@@ -302,21 +311,17 @@ class FencedTask(Task, Fenced):
                 stacklevel=3,
             )
         try:
-            execution = self.fence_execution(
-                message_id=request.id,
-                hostname=request.hostname,
-                retries=(request.retries or 0) + self._resends(),
-            )
+            store = self.fence_backends().store  # the settings, read (and checked) once
         except ConfigurationError as exc:  # checked at worker start; still, lose nothing
             logger.critical("fence settings invalid for task %s: %s", self.name, exc)
             return self._carry_out(self._invalid_settings(exc))
         if request.called_directly or request.is_eager:  # in the caller's thread
-            return self._run_in_caller(execution, args, kwargs, call)
-        return self._run_keyed(execution, args, kwargs, call)
+            return self._run_in_caller(store, args, kwargs, call)
+        return self._run_keyed(args, kwargs, call)
 
     def _run_in_caller(
         self,
-        execution: Execution,
+        store: object,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         call: Callable[..., Any] | None,
@@ -325,57 +330,68 @@ class FencedTask(Task, Fenced):
         open transaction on the store's database (:mod:`celery_fence.adapters.direct`); the
         store's idle connections closed afterwards. Its failure is the caller's: the job is left
         ``failed``, never ``retrying`` for recovery to run later (``Execution.in_caller``)."""
-        execution.eager = bool(self.request.is_eager)
-        execution.in_caller = "eager run" if execution.eager else "direct call"
-        store = execution.store
         if not isinstance(store, Store):  # a store double: no database
-            return self._run_keyed(execution, args, kwargs, call)
+            return self._run_keyed(args, kwargs, call)
         problem = direct.refusal(store, self.name)
         if problem is not None:
             raise FenceError(problem)
         try:
-            return self._run_keyed(execution, args, kwargs, call)
+            return self._run_keyed(args, kwargs, call)
         finally:
             direct.release_connections(store)
 
     def _run_keyed(
         self,
-        execution: Execution,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         call: Callable[..., Any] | None,
     ) -> Any:
+        """This message's key and what it says, then its one execution."""
         request = self.request
+        message = {
+            "message_id": request.id,
+            "hostname": request.hostname,
+            "retries": (request.retries or 0) + self._resends(),
+        }
         try:
             key = self._key_of(args, kwargs)
-            execution.group = self.fence_group_of(args, kwargs, execution.config)
+            group = self.fence_group_of(args, kwargs, self.fence_backends().config)
         except ConfigurationError as exc:
             if request.called_directly:
                 raise
             stored = request_text(self.name, args, kwargs, request)
             decoded = None if stored is None else json.loads(stored)
-            return self._carry_out(execution.run_unkeyed(exc, request.id, decoded))
-        execution.run_number = self._run_number()
-        execution.takeover = self._takeover()
-        execution.published_at = published_at(request)
+            unkeyed = self.fence_execution(f"unkeyed:{self.name}:{request.id}", **message)
+            return self._carry_out(unkeyed.settle(o.Unkeyed(exc, request.id, decoded)))
+        in_caller = ""
+        if request.called_directly or request.is_eager:
+            in_caller = "eager run" if request.is_eager else "direct call"
+        execution = self.fence_execution(
+            key,
+            **message,
+            group=group,
+            run_number=self._run_number(),
+            takeover=self._takeover(),
+            published_at=published_at(request),
+            in_caller=in_caller,
+            eager=bool(request.is_eager),
+        )
         if execution.trace is None:
-            return self._run_attempt(execution, key, args, kwargs, call)
+            return self._run_attempt(execution, args, kwargs, call)
         # the attempt's span is current from the claim until its disposition is carried out
         # (the outbox's deliver task is sent in it)
         with execution.trace.running(self.name, key, execution.attempt_id, request):
-            return self._run_attempt(execution, key, args, kwargs, call)
+            return self._run_attempt(execution, args, kwargs, call)
 
     def _run_attempt(
         self,
         execution: Execution,
-        key: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         call: Callable[..., Any] | None,
     ) -> Any:
         request = self.request
         disposition = execution.run(
-            key,
             functools.partial(self._body, args, kwargs, call),
             request_json=functools.partial(request_text, self.name, args, kwargs, request),
             max_runtime=self._max_runtime(execution.config),

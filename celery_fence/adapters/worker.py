@@ -53,6 +53,7 @@ from celery_fence.body import watch
 from celery_fence.errors import ConfigurationError
 from celery_fence.ops.recovery_thread import start_recovery_thread
 from celery_fence.pipeline import outcomes as o
+from celery_fence.pipeline.exits import settle_exit
 from celery_fence.process.runtime import runtime
 from celery_fence.store.engine import missing_database
 from celery_fence.store.records import encode_request
@@ -65,8 +66,9 @@ logger = logging.getLogger("celery_fence")
 
 class FencedRequest(Request):
     """The worker-side request of a :class:`~celery_fence.FencedTask` message: the exits Celery
-    drives here are settled by an :class:`~celery_fence.pipeline.execution.Execution` of the
-    task."""
+    drives here, in the worker's main process, are settled by
+    :func:`~celery_fence.pipeline.exits.settle_exit` (an
+    :class:`~celery_fence.pipeline.execution.Execution` of the task names the job)."""
 
     _fence_time_limit_settled = False
 
@@ -107,12 +109,11 @@ class FencedRequest(Request):
             return
         self._fence_time_limit_settled = True
         try:
-            execution = self._execution()
             try:
                 key = self._key()
             except ConfigurationError:
                 key = str(self.id)
-            disposition = execution.settle_time_limit(key, timeout)
+            disposition = settle_exit(self._execution(key), o.TimeLimited(timeout))
         except Exception as exc:  # no execution (settings): the message goes back all the same
             logger.warning(
                 "fence could not record the hard time limit of task=%s id=%s: %s",
@@ -128,11 +129,13 @@ class FencedRequest(Request):
         """Settle the job of a message Celery will not run (or, ``terminated``, whose running
         attempt ``revoke(terminate=True)`` killed)."""
         try:
-            execution = self._execution()
+            task: Any = self.task
+            task.fence_backends()  # invalid settings: the message goes back (below)
             try:
                 key = self._key()
             except ConfigurationError:
                 return o.Acknowledge()  # an unkeyed message that never ran: nothing to record
+            execution = self._execution(key)
             request = encode_request(self.task_name, self.args, self.kwargs, self._context)
         except Exception as exc:
             logger.error(
@@ -144,9 +147,8 @@ class FencedRequest(Request):
                 extra={"action": LogAction.STORE_ERROR, "reason": why},
             )
             return o.Requeue(f"{why}: settings or store unavailable")
-        return execution.settle_unrun(
-            key, why=why, message_id=self.id, request=request, terminated=terminated
-        )
+        unrun = o.Unrun(why, self.id, request, terminated, shared_key=key != self.id)
+        return settle_exit(execution, unrun)
 
     def _key(self) -> str:
         """This message's key as its body would read it: the ``fence_key`` header of a
@@ -157,9 +159,10 @@ class FencedRequest(Request):
         key: str = task.message_key(self.args, self.kwargs, self.id, header)
         return key
 
-    def _execution(self) -> Execution:
+    def _execution(self, key: str) -> Execution:
+        """The execution that names the job ``key`` in this process: it claims nothing."""
         task: Any = self.task
-        execution: Execution = task.fence_execution(message_id=self.id, hostname=self.hostname)
+        execution: Execution = task.fence_execution(key, message_id=self.id, hostname=self.hostname)
         return execution
 
     def _apply(self, disposition: o.Disposition) -> None:

@@ -27,6 +27,7 @@ show that each safety column fires without it. Never for production; nothing out
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any
 
 import sqlalchemy as sa
@@ -123,10 +124,10 @@ class UnsettledExecution(Execution):
         except Exception:
             raise
         except BaseException:
-            self.lease = None  # never discarded: the renewer keeps it alive
+            self.claim = replace(self.claim, lease=None)  # never discarded: the renewer keeps it
             raise
 
-    def refused_registration(self, error: sa_exc.DataError) -> o.Outcome:
+    def refused_registration(self, error: sa_exc.DataError, request: str | None) -> o.Outcome:
         return o.Unavailable(error, "store refused registration")
 
 

@@ -3,15 +3,17 @@ one action for Celery.
 
 An execution ends in an :data:`~celery_fence.pipeline.outcomes.Outcome` (a value, not an exit):
 completed, replayed, failed, lease lost, stale, busy, store unavailable, refused by the database,
-the body's own Celery control flow, anything unexpected, or an exit Celery drives itself (the
-hard time limit, a message expired or revoked). :func:`settle` makes the one fenced
-store write that outcome needs (an :data:`~celery_fence.store.records.Ending`, applied by the
-store's one method ``end``) and returns one :data:`~celery_fence.pipeline.outcomes.Disposition`:
+the body's own Celery control flow, anything unexpected. ``settle(execution, claim, outcome)``
+(who ran it; what its :class:`~celery_fence.pipeline.claim.Claim` decided; how it ended) makes
+the one fenced store write that outcome needs (an :data:`~celery_fence.store.records.Ending`,
+applied by the store's ``end``) and returns one :data:`~celery_fence.pipeline.outcomes.Disposition`:
 return the result, fail (after the ``dead`` state is durable), re-raise the body's control flow
 (after the store says what happened), re-send the message with a countdown, give it back to the
 broker, or let Celery ack it. The Celery adapters (:mod:`celery_fence.adapters.task`,
 :mod:`celery_fence.adapters.worker`) turn that action into Celery's terms; the message is acked only
-after this step, so the ack rule reads in one place:
+after this step, so the ack rule reads in one place (the exits Celery drives in the worker's
+main process, where nothing was claimed, have their own table in
+:mod:`celery_fence.pipeline.exits`):
 
 ===================  =======================================  =============================
 outcome              store write (fenced on the attempt)      action
@@ -45,9 +47,6 @@ Interrupted          ``retrying`` if registered               Reraise if Celery 
                                                               (process exit, gevent time
                                                               limit or kill), else Resend
 Unexpected           ``retrying`` if registered               Resend with backoff
-TimeLimited          transition ``time_limit``                Requeue (the message goes back)
-Unrun                ``dead`` if the job waits for this       Acknowledge; Requeue when the
-                     message, else transition only            store cannot say
 ===================  =======================================  =============================
 
 An attempt run in the caller's thread (a direct call ``task(...)``, ``.apply()``, an eager run:
@@ -88,8 +87,10 @@ from celery_fence.errors import (
     RetryNotSent,
     StaleGeneration,
 )
+from celery_fence.pipeline import endings
+from celery_fence.pipeline.claim import Claim
+from celery_fence.pipeline.endings import refused
 from celery_fence.pipeline.outcomes import (
-    Acknowledge,
     AlreadyDead,
     Busy,
     Completed,
@@ -104,29 +105,17 @@ from celery_fence.pipeline.outcomes import (
     Outcome,
     Refused,
     Replayed,
-    Requeue,
     Reraise,
     Resend,
     Return,
     Stale,
-    TimeLimited,
     Unavailable,
     Unexpected,
     Unkeyed,
-    Unrun,
 )
 from celery_fence.pipeline.retry import Decision, backoff, expected_outage, outage_backoff
 from celery_fence.schema import COMPLETED, DEAD
-from celery_fence.store.records import (
-    CallerFailed,
-    Completion,
-    Dead,
-    DeadRefused,
-    DeadUnregistered,
-    DeadUnrun,
-    RetryScheduled,
-    dumps_strict,
-)
+from celery_fence.store.records import Completion, DeadRefused, DeadUnregistered, dumps_strict
 
 if TYPE_CHECKING:
     from celery_fence.pipeline.execution import Execution
@@ -137,239 +126,231 @@ logger = logging.getLogger("celery_fence")
 # -- the step ------------------------------------------------------------------------------------
 
 
-def settle(attempt: Execution, outcome: Outcome) -> Disposition:
+def settle(execution: Execution, claim: Claim, outcome: Outcome) -> Disposition:
     """Make the store write ``outcome`` needs and return the one action for Celery; never raises.
 
     A write the store could not make (unreachable, refusing, anything but a fenced rejection)
     becomes a re-send with backoff: the next delivery decides again.
     """
     try:
-        action = _HANDLERS[type(outcome)](attempt, outcome)
+        action = _HANDLERS[type(outcome)](execution, claim, outcome)
     except Exception as exc:
-        action = _unrecorded(attempt, exc, what=type(outcome).__name__.lower())
+        action = endings.unrecorded(execution, claim, exc, what=type(outcome).__name__.lower())
     if isinstance(outcome, Interrupted) and propagates(outcome.error):
         return Reraise(outcome.error)  # Celery gives the message back; the store said what it could
     return action
 
 
-def _completed(a: Execution, o: Completed) -> Disposition:
-    assert a.generation is not None
+def _completed(execution: Execution, claim: Claim, outcome: Completed) -> Disposition:
+    assert claim.generation is not None
+    key, store = execution.key, execution.store
     try:
         ending = Completion(
-            a.generation, a.attempt_id, o.result, o.effects, clear_steps=a.steps_used
+            claim.generation,
+            execution.attempt_id,
+            outcome.result,
+            outcome.effects,
+            clear_steps=execution.steps_used,
         )
         observer = metrics.active
         started = time.perf_counter() if observer is not None else 0.0
-        if a.trace is None:
-            a.store.end(a.key, ending)
+        if execution.trace is None:
+            store.end(key, ending)
         else:
-            with tracing.child("fence complete", _attempt_attributes(a)):
-                a.store.end(a.key, ending)
+            attributes = {
+                "fence.key": key,
+                "fence.generation": claim.generation,
+                "fence.attempt": execution.attempt_id,
+            }
+            with tracing.child("fence complete", attributes):
+                store.end(key, ending)
         if observer is not None:
-            observer.committed(a.task_name, "completion", time.perf_counter() - started)
+            observer.committed(execution.task_name, "completion", time.perf_counter() - started)
     except StaleGeneration as exc:
-        return _stale(a, Stale(exc))
+        return endings.stale(execution, claim, Stale(exc))
     except ResultNotSerializable as exc:
-        return _dead(a, exc, "result is not JSON")
+        return endings.dead(execution, claim, exc, "result is not JSON")
     except sa_exc.DataError as exc:  # e.g. jsonb refuses "\u0000": every retry would too
-        return _dead(a, refused(exc, "the task's return value"), "result refused by the database")
-    a.announce(Action.COMPLETED)
-    if o.effects:  # names and payloads never: they may carry what the body sent
+        error = refused(exc, "the task's return value")
+        return endings.dead(execution, claim, error, "result refused by the database")
+    execution.announce(Action.COMPLETED)
+    if outcome.effects:  # names and payloads never: they may carry what the body sent
         logger.info(
             "fence outbox recorded key=%s effects=%d run=%d",
-            a.key,
-            len(o.effects),
-            a.run_number,
+            key,
+            len(outcome.effects),
+            claim.run_number,
             extra={
                 "action": LogAction.OUTBOX_RECORDED,
-                "fence_key": a.key,
-                "attempt_id": a.attempt_id,
-                "generation": a.generation,
-                "reason": f"run {a.run_number}",
+                "fence_key": key,
+                "attempt_id": execution.attempt_id,
+                "generation": claim.generation,
+                "reason": f"run {claim.run_number}",
             },
         )
     # Every caller sees the stored value: the first one too gets its JSON round trip (a tuple
     # becomes a list, an int key a str), as a replay or a converging duplicate returns it.
-    stored = json.loads(dumps_strict(o.result, "task's return value"))
-    return Return(stored, deliver=a.key if o.effects else None)
+    stored = json.loads(dumps_strict(outcome.result, "task's return value"))
+    return Return(stored, deliver=key if outcome.effects else None)
 
 
-def _attempt_attributes(a: Execution) -> dict[str, Any]:
-    return {"fence.key": a.key, "fence.generation": a.generation, "fence.attempt": a.attempt_id}
+def _replayed(execution: Execution, claim: Claim, outcome: Replayed) -> Disposition:
+    execution.announce(Action.REPLAYED, reason="already completed")
+    return Return(outcome.record.result, deliver=execution.key, replay=True)
 
 
-def _replayed(a: Execution, o: Replayed) -> Disposition:
-    a.announce(Action.REPLAYED, reason="already completed")
-    return Return(o.record.result, deliver=a.key, replay=True)
-
-
-def _already_dead(a: Execution, o: AlreadyDead) -> Disposition:
-    error = o.record.error_type if o.record else "unknown error"
+def _already_dead(execution: Execution, claim: Claim, outcome: AlreadyDead) -> Disposition:
+    error = outcome.record.error_type if outcome.record else "unknown error"
     return Fail(
         JobDead(
-            f"job {a.key!r} is dead ({error}); requeue it with: {a.celery_command} fence "
-            f"requeue {a.key}"
+            f"job {execution.key!r} is dead ({error}); requeue it with: "
+            f"{execution.celery_command} fence requeue {execution.key}"
         )
     )
 
 
-def _exhausted(a: Execution, o: Exhausted) -> Disposition:
-    executions = a.attempts - 1  # this delivery only found the budget spent: not an execution
-    last = a.store.last_exit(a.key)
+def _exhausted(execution: Execution, claim: Claim, outcome: Exhausted) -> Disposition:
+    executions = claim.attempts - 1  # this delivery only found the budget spent: not an execution
+    last = execution.store.last_exit(execution.key)
     why = "time limit" if last == Action.TIME_LIMIT else "attempts exhausted"
     cause = "a hard time limit killed it" if last == Action.TIME_LIMIT else "worker lost?"
     error = JobDead(
         f"{executions} attempts ended without a result ({cause}); "
-        f"max_attempts={a.config.max_attempts}"
+        f"max_attempts={execution.config.max_attempts}"
     )
-    return _dead(a, error, why, attempts=executions)
+    return endings.dead(execution, claim, error, why, attempts=executions)
 
 
-def _failed(a: Execution, o: Failed) -> Disposition:
-    if a.in_caller:  # the caller handles it, as in plain Celery: no retry, no dead-letter
-        return _caller_failed(a, o.error, f"raised in the caller's thread ({a.in_caller})")
-    if o.final is not None:  # Celery's own retry limit: dead now, as plain Celery fails it
-        return _dead(a, o.error, o.final)
+def _failed(execution: Execution, claim: Claim, outcome: Failed) -> Disposition:
+    error = outcome.error
+    if execution.in_caller:  # the caller handles it, as in plain Celery: no retry, no dead-letter
+        reason = f"raised in the caller's thread ({execution.in_caller})"
+        return endings.caller_failed(execution, claim, error, reason)
+    if outcome.final is not None:  # Celery's own retry limit: dead now, as plain Celery fails it
+        return endings.dead(execution, claim, error, outcome.final)
     try:
-        decision = a.policy.decide(o.error, attempts=a.attempts, task_name=a.task_name)
+        decision = execution.policy.decide(
+            error, attempts=claim.attempts, task_name=execution.task_name
+        )
     except Exception as exc:  # the retry budget's Redis is down: retry, never drop
-        countdown = backoff(a.attempts, a.config)
-        name = type(o.error).__name__
-        decision = Decision(
-            "retry", countdown, f"error {name}; retry budget unavailable ({type(exc).__name__})"
-        )
+        countdown = backoff(claim.attempts, execution.config)
+        why = f"error {type(error).__name__}; retry budget unavailable ({type(exc).__name__})"
+        decision = Decision("retry", countdown, why)
     if decision.verdict == "dead":
-        return _dead(a, o.error, decision.reason)
-    return _retry(a, o.error, decision.countdown, decision.reason)
+        return endings.dead(execution, claim, error, decision.reason)
+    return endings.retry(execution, claim, error, decision.countdown, decision.reason)
 
 
-def _lost(a: Execution, o: Lost) -> Disposition:
-    return _retry(a, o.error, backoff(a.attempts, a.config), "lease lost")
+def _lost(execution: Execution, claim: Claim, outcome: Lost) -> Disposition:
+    countdown = backoff(claim.attempts, execution.config)
+    return endings.retry(execution, claim, outcome.error, countdown, "lease lost")
 
 
-def _stale(a: Execution, o: Stale) -> Disposition:
-    """A newer generation owns the job: record it, then converge on its result."""
-    stored = o.error.context.get("stored_generation")
-    where = o.error.context.get("where") or "completion"
-    a.announce(Action.STALE, reason=f"stored generation {stored}", where=where)
-    try:
-        a.store.record(
-            a.key,
-            action=Action.STALE,
-            generation=a.generation,
-            attempt_id=a.attempt_id,
-            reason=f"stored generation {stored}",
-        )
-    except Exception:
-        logger.warning("could not record the stale rejection for key=%s", a.key)
-    try:
-        record = a.store.get(a.key)
-    except Exception:  # cannot tell whether it completed: come back later and look again
-        record = None
-    if record is not None and record.status == "completed":
-        return Return(record.result)  # every caller of this task id converges on the one result
-    # The newer generation is still working: come back and converge on its result (or take over
-    # if it dies). Never drop the message.
-    countdown = a.config.lease_ttl + random.uniform(0, a.config.renew_interval)
-    reason = f"newer generation {stored} still running"
-    a.announce(Action.RETRY_SCHEDULED, reason=reason, countdown=countdown, attempts=None)
-    return Resend(countdown, reason, o.error)
-
-
-def _busy(a: Execution, o: Busy) -> Disposition:
-    a.announce(Action.BUSY, reason=f"held for {o.remaining:.3f}s more", remaining=o.remaining)
-    jitter = random.uniform(0, max(0.05, a.config.renew_interval / 4))
+def _busy(execution: Execution, claim: Claim, outcome: Busy) -> Disposition:
+    remaining = outcome.remaining
+    execution.announce(Action.BUSY, reason=f"held for {remaining:.3f}s more", remaining=remaining)
+    jitter = random.uniform(0, max(0.05, execution.config.renew_interval / 4))
     error = Rescheduled("lease busy")
-    if a.in_caller:  # not re-sent: the caller gets this error
+    if execution.in_caller:  # not re-sent: the caller gets this error
         error = Rescheduled(
-            f"lease busy: job {a.key!r} is being run by another attempt (its lease is held "
-            f"{o.remaining:.1f}s more); a {a.in_caller} is not re-sent: call it again later, or "
-            "send it with .delay()"
+            f"lease busy: job {execution.key!r} is being run by another attempt (its lease is "
+            f"held {remaining:.1f}s more); a {execution.in_caller} is not re-sent: call it again "
+            "later, or send it with .delay()"
         )
-    return Resend(o.remaining + jitter, "lease busy", error)
+    return Resend(remaining + jitter, "lease busy", error)
 
 
-def _limited(a: Execution, o: Limited) -> Disposition:
+def _limited(execution: Execution, claim: Claim, outcome: Limited) -> Disposition:
     """Over a group's slots or a rate limit: the message comes back when a slot or a token is
     due, with jitter; never an attempt, never a retry of the job's. The transitions table says
     so before the ack (a failed write is logged: the re-send itself loses nothing)."""
-    countdown = o.wait + random.uniform(0, min(0.25, o.wait / 4))
-    reason = o.reason  # the row and the signal say exactly group_full / rate_limited
-    if a.in_caller:  # not re-sent: the caller gets this error
+    countdown = outcome.wait + random.uniform(0, min(0.25, outcome.wait / 4))
+    reason = outcome.reason  # the row and the signal say exactly group_full / rate_limited
+    if execution.in_caller:  # not re-sent: the caller gets this error
         error = Rescheduled(
-            f"{reason}: {o.detail}; a {a.in_caller} is not re-sent: call it again in "
-            f"{countdown:.1f}s, or send it with .delay()"
+            f"{reason}: {outcome.detail}; a {execution.in_caller} is not re-sent: call it again "
+            f"in {countdown:.1f}s, or send it with .delay()"
         )
-        a.announce(Action.RETRY_SCHEDULED, reason=reason, countdown=countdown, attempts=None)
-        return Resend(countdown, o.reason, error)
+        execution.announce(
+            Action.RETRY_SCHEDULED, reason=reason, countdown=countdown, attempts=None
+        )
+        return Resend(countdown, reason, error)
+    key = execution.key
     try:
-        a.store.record(a.key, action=Action.RETRY_SCHEDULED, attempt_id=a.attempt_id, reason=reason)
+        execution.store.record(
+            key, action=Action.RETRY_SCHEDULED, attempt_id=execution.attempt_id, reason=reason
+        )
     except Exception as exc:
         logger.warning(
             "fence could not record %s key=%s: %s; the message is re-sent",
-            o.reason,
-            a.key,
+            reason,
+            key,
             type(exc).__name__,
-            extra={"action": LogAction.STORE_ERROR, "fence_key": a.key, "reason": o.reason},
+            extra={"action": LogAction.STORE_ERROR, "fence_key": key, "reason": reason},
         )
-    a.announce(Action.RETRY_SCHEDULED, reason=reason, countdown=countdown, attempts=None)
-    return Resend(countdown, reason, Rescheduled(f"{reason}: {o.detail}"))
+    execution.announce(Action.RETRY_SCHEDULED, reason=reason, countdown=countdown, attempts=None)
+    return Resend(countdown, reason, Rescheduled(f"{reason}: {outcome.detail}"))
 
 
-def _unavailable(a: Execution, o: Unavailable) -> Disposition:
-    if not expected_outage(o.error):
+def _unavailable(execution: Execution, claim: Claim, outcome: Unavailable) -> Disposition:
+    reason = outcome.reason
+    if not expected_outage(outcome.error):
         logger.error(
             "fence %s key=%s: %s; the message is re-sent with backoff",
-            o.reason,
-            a.key,
-            type(o.error).__name__,
-            extra={"action": LogAction.STORE_ERROR, "fence_key": a.key, "reason": o.reason},
+            reason,
+            execution.key,
+            type(outcome.error).__name__,
+            extra={"action": LogAction.STORE_ERROR, "fence_key": execution.key, "reason": reason},
         )
-    countdown = o.countdown if o.countdown is not None else outage_backoff(1 + a.retries, a.config)
-    a.announce(Action.RETRY_SCHEDULED, reason=o.reason, countdown=countdown, attempts=None)
-    return Resend(countdown, o.reason, o.error)
+    countdown = outcome.countdown
+    if countdown is None:
+        countdown = outage_backoff(1 + execution.retries, execution.config)
+    execution.announce(Action.RETRY_SCHEDULED, reason=reason, countdown=countdown, attempts=None)
+    return Resend(countdown, reason, outcome.error)
 
 
-def _refused(a: Execution, o: Refused) -> Disposition:
-    assert a.generation is not None
-    error = refused(o.error, "the task's arguments")
+def _refused(execution: Execution, claim: Claim, outcome: Refused) -> Disposition:
+    assert claim.generation is not None
+    error = refused(outcome.error, "the task's arguments")
+    reason = "arguments refused by the database"
+    ending = DeadRefused(
+        claim.generation,
+        execution.attempt_id,
+        execution.task_name,
+        outcome.request_json,
+        error,
+        reason=reason,
+    )
     try:
-        a.store.end(
-            a.key,
-            DeadRefused(
-                a.generation,
-                a.attempt_id,
-                a.task_name,
-                o.request_json,
-                error,
-                reason="arguments refused by the database",
-            ),
-        )
-    except StaleGeneration as stale:  # the job ended already, or a newer generation runs it
-        record = a.store.get(a.key)
+        execution.store.end(execution.key, ending)
+    except StaleGeneration as fenced_out:  # the job ended already, or a newer generation runs it
+        record = execution.store.get(execution.key)
         if record is not None and record.status == COMPLETED:
-            return _replayed(a, Replayed(record))
+            return _replayed(execution, claim, Replayed(record))
         if record is not None and record.status == DEAD:
-            return _already_dead(a, AlreadyDead(record))
-        return _stale(a, Stale(stale))
-    a.announce(Action.DEAD, reason="arguments refused by the database", attempts=1)
+            return _already_dead(execution, claim, AlreadyDead(record))
+        return endings.stale(execution, claim, Stale(fenced_out))
+    execution.announce(Action.DEAD, reason=reason, attempts=1)
     return Fail(error)
 
 
-def _unkeyed(a: Execution, o: Unkeyed) -> Disposition:
-    a.store.end(a.key, DeadUnregistered(a.task_name, o.request, o.error, "fence_key failed"))
-    a.announce(Action.DEAD, reason="fence_key failed", attempts=0)
-    return Fail(o.error)
+def _unkeyed(execution: Execution, claim: Claim, outcome: Unkeyed) -> Disposition:
+    ending = DeadUnregistered(
+        execution.task_name, outcome.request, outcome.error, "fence_key failed"
+    )
+    execution.store.end(execution.key, ending)
+    execution.announce(Action.DEAD, reason="fence_key failed", attempts=0)
+    return Fail(outcome.error)
 
 
-def _control(a: Execution, o: Control) -> Disposition:
+def _control(execution: Execution, claim: Claim, outcome: Control) -> Disposition:
     """The body's own ``Retry``/``Ignore``/``Reject``: Celery keeps its meaning, the row says it."""
-    exc = o.error
-    if a.in_caller and not (isinstance(exc, Retry) and a.eager):
+    exc = outcome.error
+    if execution.in_caller and not (isinstance(exc, Retry) and execution.eager):
         # No message to retry, requeue or ack: the caller sees it (an eager self.retry() is run
         # again inline by Celery's apply(), which registers over the retrying row)
-        reason = f"{type(exc).__name__} raised in the caller's thread ({a.in_caller})"
-        failed = _caller_failed(a, exc, reason)
+        reason = f"{type(exc).__name__} raised in the caller's thread ({execution.in_caller})"
+        failed = endings.caller_failed(execution, claim, exc, reason)
         return failed if isinstance(failed, Return) else Reraise(exc)
     try:
         if isinstance(exc, Retry):
@@ -378,108 +359,57 @@ def _control(a: Execution, o: Control) -> Disposition:
                 countdown = max(0.0, (when - dt.datetime.now(when.tzinfo)).total_seconds())
             else:
                 countdown = float(when or 0.0)
-            _write_retry(a, exc, countdown, "the task called self.retry()")
+            endings.write_retry(execution, claim, exc, countdown, "the task called self.retry()")
         elif isinstance(exc, RetryNotSent):  # the broker refused it: the message goes back
-            _write_retry(a, exc, 0.0, "the task's retry could not be sent; the message goes back")
+            reason = "the task's retry could not be sent; the message goes back"
+            endings.write_retry(execution, claim, exc, 0.0, reason)
         elif isinstance(exc, Reject) and exc.requeue:
-            _write_retry(a, exc, 0.0, "the task rejected its message with requeue")
+            reason = "the task rejected its message with requeue"
+            endings.write_retry(execution, claim, exc, 0.0, reason)
         else:
             reason = "ignored by the task" if isinstance(exc, Ignore) else "rejected by the task"
-            _write_dead(a, exc, reason)
+            endings.write_dead(execution, claim, exc, reason)
     except StaleGeneration:
         pass  # a newer generation owns the job; Celery's own rule still applies to this message
     return Reraise(exc)
 
 
-def _unexpected(a: Execution, o: Unexpected) -> Disposition:
+def _unexpected(execution: Execution, claim: Claim, outcome: Unexpected) -> Disposition:
+    name, key, generation = type(outcome.error).__name__, execution.key, claim.generation
     logger.error(
         "fence unexpected %s in the %s key=%s generation=%s attempt=%s; the message is re-sent",
-        type(o.error).__name__,
-        o.where,
-        a.key,
-        a.generation,
-        a.attempt_id,
-        extra={"action": LogAction.UNEXPECTED, "fence_key": a.key, "generation": a.generation},
+        name,
+        outcome.where,
+        key,
+        generation,
+        execution.attempt_id,
+        extra={"action": LogAction.UNEXPECTED, "fence_key": key, "generation": generation},
     )
-    return _again(a, o.error, f"unexpected {type(o.error).__name__} in the {o.where}")
+    return _again(execution, claim, outcome.error, f"unexpected {name} in the {outcome.where}")
 
 
-def _interrupted(a: Execution, o: Interrupted) -> Disposition:
+def _interrupted(execution: Execution, claim: Claim, outcome: Interrupted) -> Disposition:
     """Not a failure of the job: the attempt was cut short. Retried with backoff (the store
     still counts it against ``fence_max_attempts``); never left ``running``."""
-    name = type(o.error).__name__
+    name, key, generation = type(outcome.error).__name__, execution.key, claim.generation
     logger.warning(
         "fence attempt interrupted by %s key=%s generation=%s attempt=%s",
         name,
-        a.key,
-        a.generation,
-        a.attempt_id,
-        extra={"action": LogAction.INTERRUPTED, "fence_key": a.key, "generation": a.generation},
+        key,
+        generation,
+        execution.attempt_id,
+        extra={"action": LogAction.INTERRUPTED, "fence_key": key, "generation": generation},
     )
-    return _again(a, o.error, f"{INTERRUPTED_BY} {name}")
+    return _again(execution, claim, outcome.error, f"{INTERRUPTED_BY} {name}")
 
 
-def _again(a: Execution, error: BaseException, reason: str) -> Disposition:
+def _again(execution: Execution, claim: Claim, error: BaseException, reason: str) -> Disposition:
     """An attempt cut short, not failed: retried with backoff once registered (counted against
     ``fence_max_attempts``), else re-sent as when the store was unavailable."""
-    if not a.registered:
-        return _unavailable(a, Unavailable(error, reason))
-    return _retry(a, error, backoff(max(1, a.attempts), a.config), reason)
-
-
-def _time_limited(a: Execution, o: TimeLimited) -> Disposition:
-    """The pool killed the attempt at its hard time limit: record it (history only) and give the
-    message back; the next delivery claims once the killed attempt's lease runs out."""
-    reason = f"hard time limit {o.timeout}s"
-    try:
-        a.store.record(a.key, action=Action.TIME_LIMIT, reason=reason)
-    except Exception as exc:  # history only: the message goes back all the same
-        logger.warning(
-            "fence could not record the hard time limit key=%s: %s",
-            a.key,
-            type(exc).__name__,
-            extra={"action": LogAction.STORE_ERROR, "fence_key": a.key, "reason": "time limit"},
-        )
-    a.announcer(
-        Action.TIME_LIMIT,
-        key=a.key,
-        reason=f"{reason}, task={a.task_name}: the message goes back to the broker",
-    )
-    return Requeue(reason)
-
-
-def _unrun(a: Execution, o: Unrun) -> Disposition:
-    """A message Celery acks without running it, or whose running attempt was terminated: the
-    job is settled first (:class:`~celery_fence.store.records.DeadUnrun`); a store that cannot say
-    gives the message back."""
-    try:
-        unrun = DeadUnrun(
-            a.task_name,
-            o.request,
-            o.why,
-            only_insert=o.shared_key,
-            terminated_id=o.message_id if o.terminated else None,
-            message_id=o.message_id,
-        )
-        a.store.end(a.key, unrun)
-    except Exception as exc:
-        logger.error(
-            "fence could not settle the %s task=%s id=%s: %s; the message goes back",
-            o.why,
-            a.task_name,
-            o.message_id,
-            type(exc).__name__,
-            extra={"action": LogAction.STORE_ERROR, "fence_key": a.key, "reason": o.why},
-        )
-        return Requeue(f"{o.why}: store unavailable")
-    a.announcer(
-        Action(o.why),
-        key=a.key,
-        reason=f"task={a.task_name} id={o.message_id} "
-        + ("terminated" if o.terminated else "not run")
-        + "; the job is recorded",
-    )
-    return Acknowledge()
+    if not claim.registered:
+        return _unavailable(execution, claim, Unavailable(error, reason))
+    countdown = backoff(max(1, claim.attempts), execution.config)
+    return endings.retry(execution, claim, error, countdown, reason)
 
 
 def propagates(error: BaseException) -> bool:
@@ -498,14 +428,14 @@ def propagates(error: BaseException) -> bool:
     return timeout is not None and isinstance(error, timeout.Timeout)
 
 
-_HANDLERS: dict[type, Callable[[Execution, Any], Disposition]] = {
+_HANDLERS: dict[type, Callable[[Execution, Claim, Any], Disposition]] = {
     Completed: _completed,
     Replayed: _replayed,
     AlreadyDead: _already_dead,
     Exhausted: _exhausted,
     Failed: _failed,
     Lost: _lost,
-    Stale: _stale,
+    Stale: endings.stale,
     Busy: _busy,
     Limited: _limited,
     Unavailable: _unavailable,
@@ -514,100 +444,7 @@ _HANDLERS: dict[type, Callable[[Execution, Any], Disposition]] = {
     Control: _control,
     Interrupted: _interrupted,
     Unexpected: _unexpected,
-    TimeLimited: _time_limited,
-    Unrun: _unrun,
 }
-
-
-# -- the fenced writes -----------------------------------------------------------------------------
-
-
-def _write_retry(a: Execution, error: BaseException, countdown: float, reason: str) -> None:
-    assert a.generation is not None
-    retry_at = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=countdown)
-    a.store.end(a.key, RetryScheduled(a.generation, a.attempt_id, error, retry_at, reason))
-    a.announce(
-        Action.RETRY_SCHEDULED,
-        reason=reason,
-        countdown=countdown,
-        attempts=a.attempts,
-        error=error,
-    )
-
-
-def _write_dead(
-    a: Execution, error: BaseException, reason: str, *, attempts: int | None = None
-) -> None:
-    assert a.generation is not None
-    a.store.end(a.key, Dead(a.generation, a.attempt_id, error, reason, attempts=attempts))
-    a.announce(
-        Action.DEAD,
-        reason=reason,
-        attempts=a.attempts if attempts is None else attempts,
-        error=error,
-    )
-
-
-def _retry(a: Execution, error: BaseException, countdown: float, reason: str) -> Disposition:
-    if a.in_caller:  # no message to re-send: the caller sees it
-        return _caller_failed(a, error, f"{reason}, in the caller's thread ({a.in_caller})")
-    try:
-        _write_retry(a, error, countdown, reason)
-    except StaleGeneration as stale:
-        return _stale(a, Stale(stale))
-    return Resend(countdown, reason, error)
-
-
-def _caller_failed(a: Execution, error: BaseException, reason: str) -> Disposition:
-    """An attempt in the caller's thread raised to its caller: ``failed`` (recovery leaves it;
-    the next call or message runs it), then the caller gets the error."""
-    assert a.generation is not None
-    try:
-        a.store.end(a.key, CallerFailed(a.generation, a.attempt_id, error, reason))
-    except StaleGeneration as stale:  # a newer generation owns the job: converge on it
-        settled = _stale(a, Stale(stale))
-        return settled if isinstance(settled, Return) else Fail(error)
-    a.announce(Action.FAILED, reason=reason, error=error)
-    return Fail(error)
-
-
-def _dead(
-    a: Execution, error: BaseException, reason: str, *, attempts: int | None = None
-) -> Disposition:
-    try:
-        _write_dead(a, error, reason, attempts=attempts)
-    except StaleGeneration as stale:
-        return _stale(a, Stale(stale))
-    return Fail(error)
-
-
-def _unrecorded(a: Execution, exc: Exception, *, what: str) -> Disposition:
-    """The store could not record what happened: re-send; the next delivery decides again."""
-    if not expected_outage(exc):
-        logger.error(
-            "fence could not record %s key=%s generation=%s: %s; the message is re-sent",
-            what,
-            a.key,
-            a.generation,
-            type(exc).__name__,
-            extra={"action": LogAction.STORE_ERROR, "fence_key": a.key, "generation": a.generation},
-        )
-    reason = f"{what} not recorded: store unavailable ({type(exc).__name__})"
-    countdown = outage_backoff(max(a.attempts, 1 + a.retries), a.config)
-    a.announce(Action.RETRY_SCHEDULED, reason=reason, countdown=countdown, attempts=None)
-    return Resend(countdown, reason, exc)
-
-
-def refused(exc: BaseException, what: str) -> ResultNotSerializable:
-    """The database refused a value: an error that names the cause and the fix, and only the
-    driver's first line (its context lines can quote the value itself)."""
-    first_line = (str(getattr(exc, "orig", exc)).splitlines() or [""])[0]
-    error = ResultNotSerializable(
-        f"the database refused {what} ({first_line}); PostgreSQL's jsonb cannot store the NUL "
-        "character (\\u0000): strip it, or pass such data base64-encoded"
-    )
-    error.__suppress_context__ = True
-    return error
 
 
 __all__ = ["propagates", "refused", "settle"]

@@ -737,10 +737,12 @@ def _body_fence(store: Store, mode: str) -> Fence:
     """A registered attempt with its execution (task name of its own), as FencedTask builds it."""
     from celery_fence.announce.transitions import Announcer
     from celery_fence.config import FenceConfig
+    from celery_fence.pipeline.claim import Claim
     from celery_fence.pipeline.execution import Execution
 
     fence = _attempt(store)
     execution = Execution(
+        fence.key,
         task_name=f"tasks.dj_{uuid.uuid4().hex[:8]}",
         config=FenceConfig(database_url=store.url, unfenced_writes=mode),
         store=store,
@@ -750,7 +752,7 @@ def _body_fence(store: Store, mode: str) -> Fence:
         announcer=Announcer("dj-test"),
         attempt_id=fence.attempt_id,
     )
-    execution.key, execution.generation = fence.key, fence.generation
+    execution.claim = Claim(fence.attempt_id, generation=fence.generation, registered=True)
     fence.execution = execution
     return fence
 
@@ -1167,6 +1169,7 @@ def _traced_attempt(store: Store) -> tuple[Fence, Any]:
     from celery_fence.announce.transitions import Announcer
     from celery_fence.config import FenceConfig
     from celery_fence.leases.renewer import Renewer
+    from celery_fence.pipeline.claim import Claim
     from celery_fence.pipeline.execution import Execution
     from celery_fence.pipeline.retry import RetryPolicy
     from tests.support.memory import MemoryLeaseStore
@@ -1177,6 +1180,7 @@ def _traced_attempt(store: Store) -> tuple[Fence, Any]:
     config = FenceConfig()
     leases = MemoryLeaseStore()
     execution = Execution(
+        fence.key,
         task_name="t",
         config=config,
         store=store,
@@ -1187,7 +1191,7 @@ def _traced_attempt(store: Store) -> tuple[Fence, Any]:
         trace=trace_,
         attempt_id=fence.attempt_id,
     )
-    execution.key, execution.generation = fence.key, fence.generation
+    execution.claim = Claim(fence.attempt_id, generation=fence.generation, registered=True)
     fence.execution = execution
     return fence, trace_
 

@@ -30,6 +30,7 @@ from celery_fence.body.fence import Fence
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError, StaleGeneration
 from celery_fence.leases.lease import HeldLease
+from celery_fence.pipeline.claim import Claim
 from celery_fence.pipeline.execution import Execution
 from celery_fence.store import Store
 from tests.support.stores import EVERY_DRIVER, store_url
@@ -85,6 +86,7 @@ def _fence(store: Store, *, mode: str = "warn", task_name: str | None = None) ->
     assert registration.outcome == "registered"
     config = FenceConfig(database_url=store.url, unfenced_writes=mode)
     execution = Execution(
+        key,
         task_name=task_name or f"tasks.t_{uuid.uuid4().hex[:8]}",
         config=config,
         store=store,
@@ -94,7 +96,7 @@ def _fence(store: Store, *, mode: str = "warn", task_name: str | None = None) ->
         announcer=Announcer("seen-test"),
         attempt_id=attempt_id,
     )
-    execution.key, execution.generation = key, 1
+    execution.claim = Claim(attempt_id, generation=1, attempts=1, registered=True)
     lease = HeldLease(
         key=key,
         lease_key=f"lease:{key}",

@@ -5,6 +5,7 @@ The failure windows with real workers and signals are in ``tests/acceptance``.""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,6 +18,7 @@ from celery_fence.body.fence import Fence
 from celery_fence.config import FenceConfig
 from celery_fence.errors import (
     ConfigurationError,
+    FenceError,
     JobDead,
     LeaseLost,
     ResultNotSerializable,
@@ -24,7 +26,9 @@ from celery_fence.errors import (
 )
 from celery_fence.leases.renewer import Renewer
 from celery_fence.pipeline import outcomes as o
+from celery_fence.pipeline.claim import Claim
 from celery_fence.pipeline.execution import CLAIM_ROUNDS, Execution
+from celery_fence.pipeline.exits import settle_exit
 from celery_fence.pipeline.retry import RetryPolicy
 from celery_fence.store.records import Completion, DeadUnrun, Ending, RetryScheduled
 from tests.support.memory import MemoryLeaseStore, MemoryStore
@@ -67,7 +71,13 @@ class Run:
         self.leases = leases or MemoryLeaseStore(generation_ttl=self.config.generation_ttl)
         self.renewer = renewer or Renewer(self.leases)  # one per process, as a worker's
         self.heard = Heard()
-        self.execution = Execution(
+        self.execution = self.of(KEY)
+        self.bodies: list[Fence] = []
+
+    def of(self, key: str) -> Execution:
+        """An execution of the job ``key`` on these doubles."""
+        return Execution(
+            key,
             task_name="t",
             config=self.config,
             store=self.store,
@@ -76,7 +86,6 @@ class Run:
             policy=RetryPolicy(self.config, budget=NoBudget()),  # type: ignore[arg-type]
             announcer=self.heard,  # type: ignore[arg-type]
         )
-        self.bodies: list[Fence] = []
 
     def __call__(
         self,
@@ -87,7 +96,6 @@ class Run:
             return body(fence)
 
         return self.execution.run(
-            KEY,
             recorded,
             request_json=lambda: '{"task": "t", "args": [1], "kwargs": {}}',
             max_runtime=None,
@@ -319,7 +327,8 @@ def test_an_exit_that_is_not_an_exception_is_settled(run: Any) -> None:
 
 def test_an_unkeyed_message_is_recorded_dead_under_its_message_id(run: Any) -> None:
     r = run()
-    action = r.execution.run_unkeyed(ConfigurationError("fence_key raised"), "msg-1", None)
+    unkeyed = o.Unkeyed(ConfigurationError("fence_key raised"), "msg-1", None)
+    action = r.of("unkeyed:t:msg-1").settle(unkeyed)
     assert isinstance(action, o.Fail)
     record = r.store.get("unkeyed:t:msg-1")
     assert record is not None and record.status == "dead"
@@ -327,16 +336,14 @@ def test_an_unkeyed_message_is_recorded_dead_under_its_message_id(run: Any) -> N
 
 def test_a_hard_time_limit_gives_the_message_back_and_records_it(run: Any) -> None:
     r = run()
-    action = r.execution.settle_time_limit(KEY, 3.0)
+    action = settle_exit(r.execution, o.TimeLimited(3.0))
     assert action == o.Requeue("hard time limit 3.0s")
     assert [t.action for t in r.store.history(KEY)] == ["time_limit"]
 
 
 def test_an_expired_message_of_a_new_job_is_recorded_dead(run: Any) -> None:
     r = run()
-    action = r.execution.settle_unrun(
-        KEY, why="expired", message_id="m1", request=None, terminated=False
-    )
+    action = settle_exit(r.execution, o.Unrun("expired", "m1", None, False, shared_key=True))
     assert action == o.Acknowledge() and r.status() == "dead"
 
 
@@ -348,7 +355,46 @@ def test_an_expired_message_goes_back_when_the_store_cannot_say(run: Any) -> Non
             return super().end(key, ending)
 
     r = run(store=Down())
-    action = r.execution.settle_unrun(
-        KEY, why="revoked", message_id="m1", request=None, terminated=False
-    )
+    action = settle_exit(r.execution, o.Unrun("revoked", "m1", None, False, shared_key=True))
     assert isinstance(action, o.Requeue) and r.status() is None
+
+
+def test_the_claim_is_a_frozen_value_each_step_replaces(run: Any) -> None:
+    # Given an execution built with its key: before the claim, only its token is known
+    r = run()
+    before = r.execution.claim
+    assert (before.token, before.generation, before.registered) == (
+        r.execution.attempt_id,
+        None,
+        False,
+    )
+    seen: list[Claim] = []
+    # When it claims, registers and runs its body
+    r(lambda fence: seen.append(r.execution.claim))
+    # Then the body saw a registered claim of generation 1, a new value, and the value it
+    # started with is unchanged (and cannot be changed)
+    [during] = seen
+    assert (during.generation, during.registered, during.attempts) == (1, True, 1)
+    assert during.lease is not None and during.lease.token == r.execution.attempt_id
+    assert before.generation is None and not before.registered
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        during.generation = 2  # type: ignore[misc]
+
+
+def test_an_execution_without_a_key_is_refused_with_a_clear_error(run: Any) -> None:
+    with pytest.raises(FenceError, match="needs the key of its job"):
+        run().of("")
+
+
+def test_a_main_process_exit_settles_with_no_claim_and_writes_no_attempt(run: Any) -> None:
+    # Given a key whose job is running under generation 1 of another attempt
+    r = run()
+    r.store.register(KEY, generation=1, attempt_id="other", task_name="t")
+    # When the worker's main process settles a hard time limit and a revoke of another message
+    assert settle_exit(r.of(KEY), o.TimeLimited(2.0)) == o.Requeue("hard time limit 2.0s")
+    revoked = o.Unrun("revoked", "m2", None, False, shared_key=True)
+    assert settle_exit(r.of(KEY), revoked) == o.Acknowledge()
+    # Then the running attempt's row is untouched: history only, no generation written
+    record = r.store.get(KEY)
+    assert record is not None and (record.status, record.generation) == ("running", 1)
+    assert [t.action for t in r.store.history(KEY)][-2:] == ["time_limit", "revoked"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import gevent
@@ -27,6 +27,7 @@ from celery_fence.errors import (
 )
 from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline import settle as s
+from celery_fence.pipeline.claim import Claim
 from celery_fence.pipeline.execution import Execution
 from celery_fence.pipeline.retry import RetryPolicy
 from celery_fence.store import JobRecord
@@ -105,6 +106,7 @@ def _attempt(store: FakeStore, **config: Any) -> Execution:
     cfg = FenceConfig(lease_ttl=2.0, renew_interval=0.5, max_attempts=3, **config)
     emitted: list[str] = []
     attempt = Execution(
+        "k",
         task_name="t",
         config=cfg,
         store=store,
@@ -114,9 +116,15 @@ def _attempt(store: FakeStore, **config: Any) -> Execution:
         announcer=lambda action, **_: emitted.append(str(action)),  # type: ignore[arg-type]
         attempt_id="mine",
     )
-    attempt.key, attempt.generation, attempt.attempts, attempt.registered = "k", 7, 1, True
+    # what its claim and registration decided: generation 7, registered, its first execution
+    attempt.claim = Claim("mine", generation=7, attempts=1, registered=True)
     attempt.emitted = emitted  # type: ignore[attr-defined]
     return attempt
+
+
+def _settle(execution: Execution, outcome: Any) -> o.Disposition:
+    """The settle step with the execution's claim as far as it got."""
+    return s.settle(execution, execution.claim, outcome)
 
 
 STALE = StaleGeneration("newer generation", stored_generation=9)
@@ -356,7 +364,7 @@ def test_outcome_to_store_write_and_action(
     write: str | None,
 ) -> None:
     store = FakeStore(fail=dict(fail), current=current)
-    result = s.settle(_attempt(store), outcome)
+    result = _settle(_attempt(store), outcome)
     assert type(result) is action
     assert [name for name, _ in store.writes] == ([write] if write else [])
 
@@ -364,22 +372,22 @@ def test_outcome_to_store_write_and_action(
 def test_exhausted_keeps_the_executions_and_names_the_time_limit() -> None:
     store = FakeStore(last="time_limit")
     attempt = _attempt(store)
-    attempt.attempts = 4  # the fourth delivery found three executions spent
-    action = s.settle(attempt, o.Exhausted())
+    attempt.claim = replace(attempt.claim, attempts=4)  # the fourth delivery: three were spent
+    action = _settle(attempt, o.Exhausted())
     assert isinstance(action, o.Fail) and isinstance(action.error, JobDead)
     [(name, kw)] = store.writes
     assert (name, kw["attempts"], kw["reason"]) == ("Dead", 3, "time limit")
 
 
 def test_a_replay_returns_the_stored_result_and_a_stale_completion_converges_on_it() -> None:
-    replay = s.settle(_attempt(FakeStore()), o.Replayed(_record("completed", [1])))
+    replay = _settle(_attempt(FakeStore()), o.Replayed(_record("completed", [1])))
     assert replay == o.Return([1], deliver="k", replay=True)  # undelivered outbox rows go again
     store = FakeStore(fail={"Completion": STALE}, current=_record("completed", {"by": "newer"}))
-    assert s.settle(_attempt(store), o.Completed({"by": "me"})) == o.Return({"by": "newer"})
+    assert _settle(_attempt(store), o.Completed({"by": "me"})) == o.Return({"by": "newer"})
 
 
 def test_a_completion_with_effects_asks_for_their_delivery() -> None:
-    action = s.settle(_attempt(FakeStore()), o.Completed(1, effects=("e",)))  # type: ignore[arg-type]
+    action = _settle(_attempt(FakeStore()), o.Completed(1, effects=("e",)))  # type: ignore[arg-type]
     assert action == o.Return(1, deliver="k")
 
 
@@ -391,13 +399,13 @@ def test_a_retry_budget_that_cannot_be_reached_still_retries() -> None:
     store = FakeStore()
     attempt = _attempt(store)
     attempt.policy = RetryPolicy(attempt.config, budget=Broken())  # type: ignore[arg-type]
-    action = s.settle(attempt, o.Failed(ConnectionError("x")))
+    action = _settle(attempt, o.Failed(ConnectionError("x")))
     assert isinstance(action, o.Resend) and "retry budget unavailable" in action.reason
     assert [name for name, _ in store.writes] == ["RetryScheduled"]
 
 
 def test_a_refused_value_error_names_the_cause_and_the_fix_without_the_value() -> None:
-    action = s.settle(_attempt(FakeStore()), o.Refused(_data_error(), None))
+    action = _settle(_attempt(FakeStore()), o.Refused(_data_error(), None))
     assert isinstance(action, o.Fail)
     message = str(action.error)
     assert "unsupported Unicode escape sequence" in message and "\\u0000" in message
@@ -407,8 +415,8 @@ def test_a_refused_value_error_names_the_cause_and_the_fix_without_the_value() -
 def test_unregistered_unexpected_errors_resend_without_a_write() -> None:
     store = FakeStore()
     attempt = _attempt(store)
-    attempt.registered, attempt.attempts, attempt.generation = False, 0, None
-    action = s.settle(attempt, o.Unexpected(RuntimeError("boom"), where="claim"))
+    attempt.claim = Claim("mine")  # nothing claimed
+    action = _settle(attempt, o.Unexpected(RuntimeError("boom"), where="claim"))
     assert isinstance(action, o.Resend) and "claim" in action.reason
     assert store.writes == []
 
@@ -421,8 +429,8 @@ def test_an_interruption_before_registration_writes_nothing_and_keeps_its_exit(
 ) -> None:
     store = FakeStore()
     attempt = _attempt(store)
-    attempt.registered, attempt.attempts = False, 0
-    action = s.settle(attempt, o.Interrupted(error))
+    attempt.claim = replace(attempt.claim, registered=False, attempts=0)
+    action = _settle(attempt, o.Interrupted(error))
     assert store.writes == []
     if isinstance(error, SystemExit):
         assert action == o.Reraise(error)  # the process is exiting: Celery gives the message back
@@ -435,7 +443,7 @@ def test_an_exit_in_a_pool_thread_is_re_sent_not_raised() -> None:
     store = FakeStore()
     actions: list[o.Disposition] = []
     thread = threading.Thread(
-        target=lambda: actions.append(s.settle(_attempt(store), o.Interrupted(SystemExit(3))))
+        target=lambda: actions.append(_settle(_attempt(store), o.Interrupted(SystemExit(3))))
     )
     thread.start()
     thread.join(5)
@@ -448,17 +456,17 @@ def test_an_exit_in_a_pool_thread_is_re_sent_not_raised() -> None:
 def test_a_refused_message_of_an_ended_job_answers_from_the_stored_state() -> None:
     # completed: the stored result, as a replay; dead: the job's own dead error, acked once
     store = FakeStore(fail={"DeadRefused": STALE}, current=_record("completed", {"by": "newer"}))
-    action = s.settle(_attempt(store), o.Refused(_data_error(), None))
+    action = _settle(_attempt(store), o.Refused(_data_error(), None))
     assert action == o.Return({"by": "newer"}, deliver="k", replay=True)
     store = FakeStore(fail={"DeadRefused": STALE}, current=_record("dead"))
-    action = s.settle(_attempt(store), o.Refused(_data_error(), None))
+    action = _settle(_attempt(store), o.Refused(_data_error(), None))
     assert isinstance(action, o.Fail) and isinstance(action.error, JobDead)
 
 
 def test_a_retry_the_broker_refused_is_recorded_retrying_and_given_back() -> None:
     store = FakeStore()
     refused = RetryNotSent(ConnectionError("broker down"))
-    action = s.settle(_attempt(store), o.Control(refused))
+    action = _settle(_attempt(store), o.Control(refused))
     assert action == o.Reraise(refused) and refused.requeue
     [(name, kw)] = store.writes
     assert name == "RetryScheduled"
@@ -467,14 +475,14 @@ def test_a_retry_the_broker_refused_is_recorded_retrying_and_given_back() -> Non
 
 def test_a_completion_returns_the_stored_json_value_not_the_raw_one() -> None:
     store = FakeStore()
-    action = s.settle(_attempt(store), o.Completed({1: "a", "t": (1, 2)}))
+    action = _settle(_attempt(store), o.Completed({1: "a", "t": (1, 2)}))
     assert action == o.Return({"1": "a", "t": [1, 2]})  # what a replay returns
 
 
 def test_a_final_failure_is_dead_at_once_whatever_the_retry_policy() -> None:
     store = FakeStore()
     error = ValueError("the body's own error")
-    action = s.settle(_attempt(store), o.Failed(error, final="max_retries exceeded"))
+    action = _settle(_attempt(store), o.Failed(error, final="max_retries exceeded"))
     assert action == o.Fail(error)
     assert [name for name, _ in store.writes] == ["Dead"]
     assert store.writes[0][1]["reason"] == "max_retries exceeded"
@@ -507,7 +515,7 @@ def test_an_attempt_in_the_caller_s_thread_is_never_left_for_a_re_send(
     store = FakeStore()
     attempt = _attempt(store)
     attempt.in_caller, attempt.eager = how, how == "eager run"
-    result = s.settle(attempt, outcome)
+    result = _settle(attempt, outcome)
     error = getattr(result, "error", None)
     assert type(result) is action
     assert [name for name, _ in store.writes] == ([write] if write else [])
@@ -522,7 +530,7 @@ def test_an_attempt_in_the_caller_s_thread_is_never_left_for_a_re_send(
 def test_a_message_over_a_limit_is_re_sent_when_due_and_the_row_says_why(reason: str) -> None:
     store = FakeStore()
     attempt = _attempt(store)
-    result = s.settle(attempt, o.Limited(reason, 0.8, "detail"))
+    result = _settle(attempt, o.Limited(reason, 0.8, "detail"))
     assert isinstance(result, o.Resend) and result.reason == reason
     assert 0.8 <= result.countdown <= 1.0  # when due, with a little jitter
     assert store.writes == [
@@ -536,12 +544,12 @@ def test_a_failed_ending_a_newer_generation_fenced_out_converges_or_fails() -> N
     store = FakeStore(fail={"CallerFailed": STALE}, current=_record("completed", result=5))
     attempt = _attempt(store)
     attempt.in_caller = "direct call"
-    result = s.settle(attempt, o.Failed(ValueError("x")))
+    result = _settle(attempt, o.Failed(ValueError("x")))
     assert isinstance(result, o.Return) and result.result == 5
     # still running elsewhere: the caller gets its own error, not a re-send
     store = FakeStore(fail={"CallerFailed": STALE}, current=_record("running"))
     attempt = _attempt(store)
     attempt.in_caller = "direct call"
     error = ValueError("x")
-    result = s.settle(attempt, o.Failed(error))
+    result = _settle(attempt, o.Failed(error))
     assert isinstance(result, o.Fail) and result.error is error

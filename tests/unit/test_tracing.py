@@ -57,6 +57,7 @@ def attempt() -> Iterator[Callable[..., tuple[o.Disposition, list[Any]]]]:
         trace_ = tracing.attempt_trace()
         assert trace_ is not None
         execution = Execution(
+            KEY,
             task_name="orders.charge",
             config=config,
             store=store or MemoryStore(),
@@ -71,7 +72,6 @@ def attempt() -> Iterator[Callable[..., tuple[o.Disposition, list[Any]]]]:
             trace_.running("orders.charge", KEY, execution.attempt_id, None),
         ):
             disposition = execution.run(
-                KEY,
                 body,
                 request_json=lambda: f'{{"task": "t", "args": ["{SECRET}"], "kwargs": {{}}}}',
                 max_runtime=None,
@@ -204,7 +204,7 @@ def test_without_the_api_nothing_is_imported_and_no_span_is_made() -> None:
         def job(self, n):
             return n
 
-        execution = job.fence_execution(message_id="m", hostname="h")
+        execution = job.fence_execution("k", message_id="m", hostname="h")
         headers = {}
         tracing.inject(headers)
         with tracing.delivery("e", "k", 1, None) as delivery, tracing.child("c", {}) as child:

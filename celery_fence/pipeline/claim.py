@@ -1,0 +1,164 @@
+"""What an attempt's claim and registration decided (a :class:`Claim`, a frozen value), and the
+steps around the claim that need no execution: the cluster-wide limits taken before it, the
+takeover counted after it.
+
+:meth:`~celery_fence.pipeline.execution.Execution.run` claims a generation and registers it; each
+step gives a new :class:`Claim` (never changes one), and the settle step reads the last one:
+``settle(execution, claim, outcome)``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from celery_fence import metrics
+from celery_fence.actions import Action
+from celery_fence.config import FenceConfig
+from celery_fence.leases.lease import HeldLease
+from celery_fence.leases.limits import Limits, Slot
+from celery_fence.leases.renewer import Renewer
+from celery_fence.pipeline.outcomes import Limited, Outcome, Unavailable
+from celery_fence.schema import RUNNING
+from celery_fence.store.records import JobRecord
+
+#: Seconds a message over its group's limit waits at most before it looks again (less when the
+#: soonest slot expires sooner); a slot usually frees long before its lease would expire.
+GROUP_POLL = 1.0
+
+#: The re-send reasons of a message over a limit (the ``retry_scheduled`` row's reason).
+GROUP_FULL, RATE_LIMITED = "group_full", "rate_limited"
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """An attempt's claim as far as it got. Before the claim only ``token`` (the attempt id, the
+    lease's token) and ``run_number`` (the message's re-run) are set; the claim adds the
+    generation and its lease, the registration ``registered``, ``attempts`` and the run the
+    stored request says."""
+
+    #: The attempt id: the token of its lease, its slot and its rows.
+    token: str
+    #: The generation Redis handed out (None: not claimed).
+    generation: int | None = None
+    #: The lease of that generation, renewed by the renewer until the attempt ends.
+    lease: HeldLease | None = None
+    #: The group slot this attempt holds (``fence_group_limit``), renewed with its lease.
+    slot: HeldLease | None = None
+    #: ``time.monotonic()`` of the claim that got the lease (the metrics' attempt duration).
+    claimed_at: float | None = None
+    #: The store registered this generation: the body may run (and its endings are fenced).
+    registered: bool = False
+    #: Executions counted by the store, this one included (0: not registered).
+    attempts: int = 0
+    #: The operator's re-run this attempt belongs to (its outbox effects' idempotency keys).
+    run_number: int = 0
+    #: The generation this registration took over from a recovery's re-send (None: none).
+    took_over: int | None = None
+
+
+def take_limits(
+    limits: Limits,
+    config: FenceConfig,
+    renewer: Renewer,
+    *,
+    key: str,
+    token: str,
+    task_name: str,
+    group: str | None,
+    max_runtime: float | None,
+    hold: Callable[[HeldLease], None],
+    on_slot_lost: Callable[[HeldLease, str], None],
+) -> Outcome | None:
+    """Before the claim: a slot of the group (``fence_group_limit``), then a token of the
+    rate limit (``fence_rate_limit``; the group's bucket when a group is set). None when the
+    attempt may claim, else the outcome (over a limit, or Redis unavailable). The slot is a
+    lease renewed with the key's (given to ``hold`` as soon as it is taken); losing it loses the
+    key's lease too (``on_slot_lost``)."""
+    limit, rate = config.group_limit, config.rate
+    try:
+        if group is not None and limit is not None:
+            claimed_at = time.monotonic()
+            # the process's queued releases ride in this round trip, as in the key's claim
+            releases = renewer.take_releases() if limits.carries_releases else []
+            try:
+                taken = limits.claim_slot(
+                    group, limit, f"{token}/slot", config.lease_ttl_ms, releases=releases
+                )
+            except BaseException:
+                renewer.return_releases(releases)
+                raise
+            if not isinstance(taken, Slot):
+                detail = f"all {limit} slots of group {group!r} are taken"
+                return Limited(GROUP_FULL, min(taken, GROUP_POLL), detail)
+            slot = HeldLease(
+                key=key,
+                lease_key=taken.lease_key,
+                token=taken.token,
+                generation=taken.index,
+                ttl=config.lease_ttl,
+                interval=config.renew_interval,
+                margin=config.lease_margin,
+                claimed_at=claimed_at,
+                max_runtime=max_runtime,
+                on_lost=on_slot_lost,
+            )
+            hold(slot)
+            renewer.add(slot)
+        if rate is not None:
+            bucket = f"group:{group}" if group is not None else f"task:{task_name}"
+            wait = limits.take_token(bucket, rate)
+            if wait > 0:
+                return Limited(RATE_LIMITED, wait, f"{rate.text} reached for {bucket!r}")
+    except Exception as exc:  # Redis unreachable or refusing: re-send, never drop
+        return Unavailable(exc, f"lease store unavailable ({type(exc).__name__})")
+    return None
+
+
+def count_takeover(
+    previous: JobRecord, claim: Claim, task_name: str, observer: metrics.Metrics
+) -> None:
+    """Count a takeover when ``previous`` (the row ``claim`` registered over) was left
+    ``running`` by an older generation of another attempt: with the seconds since that
+    row last moved (its registration, or its last fenced commit)."""
+    if previous.status != RUNNING or previous.attempt_id == claim.token:
+        return
+    if not 0 < previous.generation < (claim.generation or 0):
+        return
+    moved = previous.updated_at
+    if moved.tzinfo is None:
+        moved = moved.replace(tzinfo=dt.timezone.utc)
+    seconds = (dt.datetime.now(dt.timezone.utc) - moved).total_seconds()
+    observer.took_over(task_name, seconds)
+
+
+def announce_takeover(
+    announce: Callable[..., None], takeover: tuple[int, float], generation: int
+) -> int | None:
+    """``job_taken_over``, when the registration of ``generation`` took over the one a
+    recovery found stranded (``takeover``: the message's ``fence_takeover`` header): with the
+    seconds from that attempt's last move to now. The generation taken over, or None."""
+    previous, moved = takeover
+    if not previous < generation:
+        return None
+    seconds = max(0.0, time.time() - moved)
+    announce(
+        Action.TAKEN_OVER,
+        f"generation {previous} taken over after {seconds:.1f}s",
+        previous_generation=previous,
+        seconds=seconds,
+    )
+    return previous
+
+
+__all__ = [
+    "GROUP_FULL",
+    "GROUP_POLL",
+    "RATE_LIMITED",
+    "Claim",
+    "announce_takeover",
+    "count_takeover",
+    "take_limits",
+]
