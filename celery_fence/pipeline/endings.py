@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import random
+import time
 from typing import TYPE_CHECKING
 
 from celery_fence.actions import Action, LogAction
@@ -159,6 +160,54 @@ def unrecorded(execution: Execution, claim: Claim, exc: Exception, *, what: str)
     countdown = outage_backoff(max(claim.attempts, 1 + execution.retries), execution.config)
     execution.announce(Action.RETRY_SCHEDULED, reason=reason, countdown=countdown, attempts=None)
     return Resend(countdown, reason, exc)
+
+
+#: Seconds between the reads of :func:`completion_landed` while the store does not answer.
+IN_DOUBT_POLL = 0.25
+
+
+def completion_landed(execution: Execution, claim: Claim, exc: Exception) -> bool:
+    """Whether a completion whose statement failed with a connection error (``exc``) committed
+    anyway: a database that crashes or fails over between the COMMIT and its answer leaves the
+    attempt in doubt. The job row says: read again (every :data:`IN_DOUBT_POLL` s, up to one
+    lease TTL, while the renewal thread keeps the lease) until the store answers. True when the
+    row is completed by this attempt's generation and attempt id: the completion counted, and is
+    announced (signal, metrics, trace) as any other. False otherwise, or when the store stays
+    silent: the caller re-sends, and the next delivery replays the stored result or runs again.
+    """
+    if not expected_outage(exc):
+        return False
+    key, store = execution.key, execution.store
+    deadline = time.monotonic() + execution.config.lease_ttl
+    while True:
+        try:
+            record = store.get(key)
+            break
+        except Exception as read_error:
+            if not expected_outage(read_error) or time.monotonic() >= deadline:
+                return False
+            time.sleep(IN_DOUBT_POLL)
+    landed = (
+        record is not None
+        and record.status == "completed"
+        and record.generation == claim.generation
+        and record.attempt_id == execution.attempt_id
+    )
+    logger.warning(
+        "fence completion in doubt key=%s generation=%s: %s at its commit; the store says it %s",
+        key,
+        claim.generation,
+        type(exc).__name__,
+        "counted" if landed else "did not land (re-sent)",
+        extra={
+            "action": LogAction.STORE_ERROR,
+            "fence_key": key,
+            "attempt_id": execution.attempt_id,
+            "generation": claim.generation,
+            "reason": "completion in doubt",
+        },
+    )
+    return landed
 
 
 def refused(exc: BaseException, what: str) -> ResultNotSerializable:

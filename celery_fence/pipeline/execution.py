@@ -1,11 +1,10 @@
 """One :class:`Execution` per attempt of a fenced task: claim -> register -> body -> settle.
 
-The execution owns the attempt from its first step to the disposition Celery is given, in one
-direction: built with the message's key and what the message says, it claims a generation
-(Redis, one script call) and registers it (SQL, one statement), each step giving a new frozen
+Built with the message's key and what the message says, it claims a generation (Redis, one
+script call) and registers it (SQL, one statement), each step giving a new frozen
 :class:`~celery_fence.pipeline.claim.Claim`; runs the body with ``self.fence`` bound to it; and
-settles whatever happened with :func:`celery_fence.pipeline.settle.settle` (``settle(execution,
-claim, outcome)``): the one fenced store state the outcome needs, and one
+settles what happened with ``settle(execution, claim, outcome)``
+(:mod:`celery_fence.pipeline.settle`): one fenced store state, one
 :data:`~celery_fence.pipeline.outcomes.Disposition`. It never calls Celery:
 :class:`~celery_fence.adapters.task.FencedTask` carries out the disposition. The exits Celery
 drives in the worker's main process (hard time limit, expiry, revoke) have no claim:
@@ -59,9 +58,8 @@ CLAIM_ROUNDS = 3
 
 
 class Execution:
-    """One execution of one logical job (``key``): what the message says is given when it is
-    built; what the claim and the registration decided is ``claim``, a frozen value each step
-    replaces (it starts with the attempt's token only)."""
+    """One execution of one logical job (``key``), built with what the message says; ``claim``:
+    what the claim and the registration decided, a frozen value each step replaces."""
 
     #: The class of ``self.fence`` (the chaos harness's ``--unfenced-steps`` arm replaces it).
     fence_class: type[Fence] = Fence

@@ -19,6 +19,8 @@ main process, where nothing was claimed, have their own table in
 outcome              store write (fenced on the attempt)      action
 ===================  =======================================  =============================
 Completed            result + ``completed``                   Return (ack)
+Completed, its       read the row again (up to a TTL)         Return if the row is this
+answer lost                                                   attempt's, else Resend
 Replayed             none (already completed)                 Return the stored result (ack)
 AlreadyDead          none                                     Fail (ack)
 Exhausted            ``dead``, attempts = executions          Fail (ack)
@@ -89,7 +91,6 @@ from celery_fence.errors import (
 )
 from celery_fence.pipeline import endings
 from celery_fence.pipeline.claim import Claim
-from celery_fence.pipeline.endings import refused
 from celery_fence.pipeline.outcomes import (
     AlreadyDead,
     Busy,
@@ -157,12 +158,8 @@ def _completed(execution: Execution, claim: Claim, outcome: Completed) -> Dispos
         if execution.trace is None:
             store.end(key, ending)
         else:
-            attributes = {
-                "fence.key": key,
-                "fence.generation": claim.generation,
-                "fence.attempt": execution.attempt_id,
-            }
-            with tracing.child("fence complete", attributes):
+            ids = {"fence.key": key, "fence.generation": claim.generation}
+            with tracing.child("fence complete", {**ids, "fence.attempt": execution.attempt_id}):
                 store.end(key, ending)
         if observer is not None:
             observer.committed(execution.task_name, "completion", time.perf_counter() - started)
@@ -171,8 +168,11 @@ def _completed(execution: Execution, claim: Claim, outcome: Completed) -> Dispos
     except ResultNotSerializable as exc:
         return endings.dead(execution, claim, exc, "result is not JSON")
     except sa_exc.DataError as exc:  # e.g. jsonb refuses "\u0000": every retry would too
-        error = refused(exc, "the task's return value")
+        error = endings.refused(exc, "the task's return value")
         return endings.dead(execution, claim, error, "result refused by the database")
+    except Exception as exc:  # the COMMIT's answer lost (a crash): did it land?
+        if not endings.completion_landed(execution, claim, exc):
+            raise
     execution.announce(Action.COMPLETED)
     if outcome.effects:  # names and payloads never: they may carry what the body sent
         logger.info(
@@ -311,7 +311,7 @@ def _unavailable(execution: Execution, claim: Claim, outcome: Unavailable) -> Di
 
 def _refused(execution: Execution, claim: Claim, outcome: Refused) -> Disposition:
     assert claim.generation is not None
-    error = refused(outcome.error, "the task's arguments")
+    error = endings.refused(outcome.error, "the task's arguments")
     reason = "arguments refused by the database"
     ending = DeadRefused(
         claim.generation,
@@ -447,4 +447,4 @@ _HANDLERS: dict[type, Callable[[Execution, Claim, Any], Disposition]] = {
 }
 
 
-__all__ = ["propagates", "refused", "settle"]
+__all__ = ["propagates", "settle"]

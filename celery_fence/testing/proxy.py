@@ -1,7 +1,9 @@
 """A loopback TCP proxy in front of a database, for outages as the client sees them: connections
-refused and cut (:meth:`TcpProxy.down`, :meth:`TcpProxy.refuse`) or left open and silent
-(:meth:`TcpProxy.stall`). Used by the chaos harness's ``db-outage`` scenario and by the tests of
-bounded database waits; it stops with every process the harness started
+refused and cut (:meth:`TcpProxy.down`, :meth:`TcpProxy.refuse`), left open and silent
+(:meth:`TcpProxy.stall`), or one statement's answer lost after the server ran it
+(:meth:`TcpProxy.lose_answer_to`: a crash between a COMMIT and its reply). Used by the chaos
+harness's ``db-outage`` scenario and by the tests of bounded database waits and of a completion
+in doubt; it stops with every process the harness started
 (:func:`~celery_fence.testing.groups.cleanup`).
 """
 
@@ -35,6 +37,9 @@ class TcpProxy:
         self._stalled = threading.Event()
         self._refusing = False
         self.refused = 0  # connections reset while refusing
+        self._lose_marker: bytes | None = None
+        self._muted: set[socket.socket] = set()  # servers whose answers are dropped
+        self.answers_lost = 0  # statements run by the server whose answer never reached the client
         register_closer(self.down)
 
     def refuse(self) -> None:
@@ -47,6 +52,13 @@ class TcpProxy:
     def accept_again(self) -> None:
         with self._lock:
             self._refusing = False
+
+    def lose_answer_to(self, marker: bytes) -> None:
+        """The next request that contains ``marker`` reaches the server, which runs it; its
+        answer never comes back: the connection is reset (after 0.5 s, the statement committed)
+        with nothing of the reply forwarded."""
+        with self._lock:
+            self._lose_marker = marker
 
     def stall(self) -> None:
         self._stalled.set()
@@ -100,10 +112,13 @@ class TcpProxy:
                     server.close()
                     return
                 self._conns.update((client, server))
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server, server), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(
+        self, src: socket.socket, dst: socket.socket, server: socket.socket | None = None
+    ) -> None:
+        """Forward ``src`` to ``dst``; ``server``: given for the client's direction."""
         try:
             while True:
                 while self._stalled.is_set():  # stop reading: nothing is forwarded or closed
@@ -113,6 +128,16 @@ class TcpProxy:
                     break
                 while self._stalled.is_set():  # read during the stall: held back, not sent
                     time.sleep(0.02)
+                if src in self._muted:  # the answer to a statement whose reply is lost
+                    continue
+                if server is not None and self._lose(data, server):
+                    dst.sendall(data)
+                    time.sleep(0.5)  # the server runs (and commits) it; its reply is dropped
+                    with self._lock:
+                        self.answers_lost += 1
+                    _reset(src)
+                    _reset(server)
+                    break
                 dst.sendall(data)
         except OSError:
             pass
@@ -126,6 +151,14 @@ class TcpProxy:
             for s in (src, dst):
                 with contextlib.suppress(OSError):
                     s.close()
+
+    def _lose(self, data: bytes, server: socket.socket) -> bool:
+        with self._lock:
+            if self._lose_marker is None or self._lose_marker not in data:
+                return False
+            self._lose_marker = None
+            self._muted.add(server)
+            return True
 
 
 def _reset(conn: socket.socket) -> None:
