@@ -30,6 +30,8 @@ SCENARIOS = (
     "store-crash",
     "steps",
     "export",
+    "group",
+    "rate",
 )
 #: Scenarios that run against PostgreSQL whatever the store (a throwaway database if need be).
 POSTGRESQL_ONLY = ("db-outage", "refused-arg", "beside-block", "atomic-threads")
@@ -41,6 +43,8 @@ OWN_WORKERS = (
     "enqueue-crash",
     "broker-loss",
     "store-crash",
+    "group",
+    "rate",
 )
 #: Scenarios that run against a PostgreSQL cluster the harness starts (and crashes) itself.
 OWN_CLUSTER = ("store-crash",)
@@ -68,6 +72,9 @@ class Options:
     rows: int = 10_000  # rows the export scenario exports
     async_endings: bool = False  # a job's endings commit without their WAL flush (control arm)
     provider_idempotent: bool = True  # False: the provider performs every repeat (control arm)
+    duration: float = 60.0  # seconds the rate scenario measures its rate over
+    no_group_limit: bool = False  # the group's task has no fence_group_limit (control arm)
+    celery_rate_limit: bool = False  # Celery's per-worker rate_limit, not the fence's (control arm)
     own_redis: bool = False
     converge_timeout: float = 60.0
     remote_timeout: float = 0.5

@@ -18,6 +18,7 @@ from celery_fence.chaos.checker import Job
 from celery_fence.chaos.scenario import Scenario, superseded
 from celery_fence.chaos.scenarios_crash import RUNS as CRASH_RUNS
 from celery_fence.chaos.scenarios_enqueue import RUNS as ENQUEUE_RUNS
+from celery_fence.chaos.scenarios_limits import RUNS as LIMITS_RUNS
 from celery_fence.chaos.scenarios_steps import RUNS as STEPS_RUNS
 from celery_fence.chaos.workload_sql import BESIDE_ROUTINES
 from celery_fence.ops.outbox import idempotency_key
@@ -509,4 +510,5 @@ RUNS: dict[str, Run] = {
     **ENQUEUE_RUNS,
     **CRASH_RUNS,
     **STEPS_RUNS,
+    **LIMITS_RUNS,
 }

@@ -626,3 +626,6 @@ for _signal, _name in (
 fence_signals.job_completed.connect(_kill_after_commit, weak=False)  # after its outcome entry
 fence_signals.lease_lost.connect(_lost, weak=False)
 fence_signals.lease_busy.connect(_busy, weak=False)
+
+# The limited tasks of the group and rate scenarios, on this app (after everything they use).
+from celery_fence.chaos import workload_limits as _limits  # noqa: E402,F401
