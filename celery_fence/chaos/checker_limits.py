@@ -8,7 +8,7 @@ open at one instant is the ledger's count; the harness also sampled the running 
 exceeds the group limit breaks it once; so does each kill whose slot was not free again within
 one TTL (plus :data:`SLOT_BACK_SLACK` for the harness's polling) after the SIGKILL.
 
-``rate`` (``measures["rate"]``): the body starts of the run's jobs in ``[t0, t0 + duration]``
+``rate`` (``measures["rate"]``): the body starts of the run's jobs in ``[t0, t0 + duration)``
 (``t0``: the run's first start; the harness keeps more jobs queued than the window can take), as
 tasks a second against the target. A run outside +/- :data:`RATE_TOLERANCE` of it breaks it.
 """
@@ -112,7 +112,7 @@ def _check_rate(
             result.violations.append(f"rate: run {run['run'] + 1} started no body")
             continue
         t0 = starts[0]
-        inside = sum(1 for t in starts if t <= t0 + duration)
+        inside = sum(1 for t in starts if t < t0 + duration)
         measured = inside / duration
         rates.append(measured)
         error = measured / target - 1
