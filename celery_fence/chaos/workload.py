@@ -140,6 +140,8 @@ def make_app(s: Mapping[str, str]) -> Celery:
         # --async-endings arms lose, hiding what those arms show. tests/acceptance/
         # test_takeover.py measures the workers' checks.
         fence_recover_interval=0.0,
+        # the limited tasks of the group and rate scenarios, on this app (the worker imports them)
+        imports=("celery_fence.chaos.workload_limits",),
     )
     return app
 
@@ -626,6 +628,3 @@ for _signal, _name in (
 fence_signals.job_completed.connect(_kill_after_commit, weak=False)  # after its outcome entry
 fence_signals.lease_lost.connect(_lost, weak=False)
 fence_signals.lease_busy.connect(_busy, weak=False)
-
-# The limited tasks of the group and rate scenarios, on this app (after everything they use).
-from celery_fence.chaos import workload_limits as _limits  # noqa: E402,F401

@@ -27,6 +27,7 @@ from celery_fence.errors import ConfigurationError
 from celery_fence.leases.scripts import LuaScript
 
 GROUP_CLAIM = LuaScript("group_claim")
+CLAIM_IN_GROUP = LuaScript("claim_in_group")
 RATE_TAKE = LuaScript("rate_take")
 
 #: The largest ``fence_group_limit``: the claim script tries every slot in turn.
@@ -93,6 +94,19 @@ class Slot:
         return f"{self.token}:{self.index}"
 
 
+@dataclass(frozen=True)
+class GroupClaim:
+    """What :meth:`Limits.claim_in_group` answered: ``status`` ``"claimed"`` (with the key's new
+    ``generation`` and the group's ``slot``), ``"busy"`` (the key's lease is live for ``wait``
+    more seconds) or ``"full"`` (every slot is held; the soonest frees in ``wait`` seconds).
+    Only a claimed answer took anything."""
+
+    status: str
+    generation: int = 0
+    slot: Slot | None = None
+    wait: float = 0.0
+
+
 class Limits:
     """The limit scripts against one Redis client (the leases' own: Sentinel, Cluster alike).
     Safe to share between threads. Times returned are seconds."""
@@ -131,6 +145,37 @@ class Limits:
         soonest = int(value)
         return ttl_ms / 1000 if soonest < 0 else soonest / 1000
 
+    def claim_in_group(
+        self,
+        lease_key: str,
+        generation_key: str,
+        group: str,
+        limit: int,
+        token: str,
+        ttl_ms: int,
+        generation_ttl_ms: int,
+        *,
+        releases: Sequence[tuple[str, str]] = (),
+    ) -> GroupClaim:
+        """Claim a key (its ``lease_key`` and ``generation_key``, as ``claim.lua`` does) and a
+        free slot of ``group`` in one round trip, only where :attr:`carries_releases` (the key
+        and the slots carry different hash tags). The key is checked first: a busy key takes no
+        slot. The slot's owner token is ``"<token>/slot"`` (as :meth:`claim_slot`'s callers
+        name it), its TTL the lease's. ``releases`` ride in the same trip."""
+        keys = slot_keys(self.prefix, group, limit)
+        status, value, index = CLAIM_IN_GROUP.call_once(
+            self.client,
+            [lease_key, generation_key, *keys, *(key for key, _ in releases)],
+            [token, ttl_ms, generation_ttl_ms, limit, f"{token}/slot"]
+            + [value for _, value in releases],
+        )
+        code, number = int(status), int(value)
+        if code == 1:
+            slot = Slot(keys[int(index) - 1], f"{token}/slot", int(index))
+            return GroupClaim("claimed", generation=number, slot=slot)
+        wait = ttl_ms / 1000 if number < 0 else number / 1000
+        return GroupClaim("busy" if code == 0 else "full", wait=wait)
+
     def take_token(self, bucket: str, rate: Rate) -> float:
         """Take one token from ``bucket``: 0.0 when taken, else the seconds until this caller
         should come back (the refused are spaced one token apart)."""
@@ -149,6 +194,7 @@ class Limits:
 
 __all__ = [
     "MAX_GROUP_LIMIT",
+    "GroupClaim",
     "Limits",
     "Rate",
     "Slot",

@@ -39,7 +39,7 @@ from celery_fence.errors import (
     LeaseLost,
     StaleGeneration,
 )
-from celery_fence.leases.lease import HeldLease
+from celery_fence.leases.lease import HeldLease, LeaseStore
 from celery_fence.leases.limits import Limits, Slot
 from celery_fence.leases.renewer import Renewer
 from celery_fence.pipeline import outcomes as o
@@ -277,13 +277,21 @@ class Execution:
         if limited is not None:
             return limited
         request: str | None = None
+        with_slot = self._slot_rides_claim()  # the group's slot taken in the first claim's trip
         for _ in range(CLAIM_ROUNDS):
             claimed_at = time.monotonic()
             releases = renewer.take_releases()
             try:
-                self.generation = leases.claim(
-                    self.key, self.attempt_id, config.lease_ttl_ms, releases=releases
-                )
+                if with_slot:
+                    with_slot = False
+                    claimed = self._claim_in_group(releases, claimed_at, max_runtime)
+                    if isinstance(claimed, o.Limited):
+                        return claimed
+                    self.generation = claimed
+                else:
+                    self.generation = leases.claim(
+                        self.key, self.attempt_id, config.lease_ttl_ms, releases=releases
+                    )
             except LeaseBusy as busy:
                 return o.Busy(busy.remaining)
             except BaseException as exc:  # Redis unreachable or refusing: re-send, never drop
@@ -373,7 +381,7 @@ class Execution:
             return None
         group, limit, rate = self.group, config.group_limit, config.rate
         try:
-            if group is not None and limit is not None:
+            if group is not None and limit is not None and not self._slot_rides_claim():
                 claimed_at = time.monotonic()
                 # the process's queued releases ride in this round trip, as in the key's claim
                 releases = self.renewer.take_releases() if limits.carries_releases else []
@@ -391,19 +399,7 @@ class Execution:
                 if not isinstance(taken, Slot):
                     detail = f"all {limit} slots of group {group!r} are taken"
                     return o.Limited(GROUP_FULL, min(taken, GROUP_POLL), detail)
-                self.slot = HeldLease(
-                    key=self.key,
-                    lease_key=taken.lease_key,
-                    token=taken.token,
-                    generation=taken.index,
-                    ttl=config.lease_ttl,
-                    interval=config.renew_interval,
-                    margin=config.lease_margin,
-                    claimed_at=claimed_at,
-                    max_runtime=max_runtime,
-                    on_lost=self._slot_lost,
-                )
-                self.renewer.add(self.slot)
+                self._hold_slot(taken, claimed_at, max_runtime)
             if rate is not None:
                 bucket = f"group:{group}" if group is not None else f"task:{self.task_name}"
                 wait = limits.take_token(bucket, rate)
@@ -413,6 +409,73 @@ class Execution:
         except Exception as exc:  # Redis unreachable or refusing: re-send, never drop
             return o.Unavailable(exc, f"lease store unavailable ({type(exc).__name__})")
         return None
+
+    def _slot_rides_claim(self) -> bool:
+        """Whether the group's slot is taken in the key's claim, one round trip
+        (:meth:`Limits.claim_in_group`): a group limit and no rate limit (whose token is taken
+        between the two), on one Redis (not a Cluster), the leases' own client."""
+        limits, leases, config = self.limits, self.leases, self.config
+        return (
+            limits is not None
+            and self.group is not None
+            and config.group_limit is not None
+            and config.rate is None
+            and limits.carries_releases
+            and isinstance(leases, LeaseStore)
+            and leases.client is limits.client
+        )
+
+    def _claim_in_group(
+        self,
+        releases: list[tuple[str, str]],
+        claimed_at: float,
+        max_runtime: float | None,
+    ) -> int | o.Limited:
+        """Claim the key and a slot of its group in one round trip: the new generation (the
+        slot held and renewed), or group_full; raises :class:`LeaseBusy` when the key's lease
+        is live (no slot was taken)."""
+        limits, config = self.limits, self.config
+        assert limits is not None and self.group is not None and config.group_limit is not None
+        assert isinstance(self.leases, LeaseStore)
+        keys = self.leases.keys_for(self.key)
+        limit = config.group_limit
+        answer = limits.claim_in_group(
+            keys.lease,
+            keys.generation,
+            self.group,
+            limit,
+            self.attempt_id,
+            config.lease_ttl_ms,
+            self.leases.generation_ttl_ms,
+            releases=releases,
+        )
+        if answer.status == "busy":
+            raise LeaseBusy(
+                f"lease for {self.key!r} is held by another attempt", remaining=answer.wait
+            )
+        if answer.status == "full" or answer.slot is None:
+            detail = f"all {limit} slots of group {self.group!r} are taken"
+            return o.Limited(GROUP_FULL, min(answer.wait, GROUP_POLL), detail)
+        self._hold_slot(answer.slot, claimed_at, max_runtime)
+        return answer.generation
+
+    def _hold_slot(self, taken: Slot, claimed_at: float, max_runtime: float | None) -> None:
+        """Keep the group slot ``taken``: renewed with the lease, released when the attempt
+        ends (its release rides in a later claim or renewal)."""
+        config = self.config
+        self.slot = HeldLease(
+            key=self.key,
+            lease_key=taken.lease_key,
+            token=taken.token,
+            generation=taken.index,
+            ttl=config.lease_ttl,
+            interval=config.renew_interval,
+            margin=config.lease_margin,
+            claimed_at=claimed_at,
+            max_runtime=max_runtime,
+            on_lost=self._slot_lost,
+        )
+        self.renewer.add(self.slot)
 
     def _slot_lost(self, slot: HeldLease, reason: str) -> None:
         """The group slot expired or was taken over: the attempt may no longer count as one of
