@@ -70,9 +70,14 @@ def _tag(kind: str, name: str) -> str:
     return kind + hashlib.blake2b(name.encode("utf-8"), digest_size=12).hexdigest()
 
 
+def slot_base(prefix: str, group: str) -> str:
+    """The base name of ``group``'s slot keys: slot ``i`` is ``<base>:<i>`` (one hash tag)."""
+    return f"{prefix}:{{{_tag('g', group)}}}:slot"
+
+
 def slot_keys(prefix: str, group: str, limit: int) -> list[str]:
     """The Redis keys of ``group``'s ``limit`` slots (one hash tag)."""
-    base = f"{prefix}:{{{_tag('g', group)}}}:slot"
+    base = slot_base(prefix, group)
     return [f"{base}:{i}" for i in range(1, limit + 1)]
 
 
@@ -159,19 +164,20 @@ class Limits:
     ) -> GroupClaim:
         """Claim a key (its ``lease_key`` and ``generation_key``, as ``claim.lua`` does) and a
         free slot of ``group`` in one round trip, only where :attr:`carries_releases` (the key
-        and the slots carry different hash tags). The key is checked first: a busy key takes no
-        slot. The slot's owner token is ``"<token>/slot"`` (as :meth:`claim_slot`'s callers
-        name it), its TTL the lease's. ``releases`` ride in the same trip."""
-        keys = slot_keys(self.prefix, group, limit)
+        and the slots carry different hash tags, and the script builds the slot keys from their
+        base name rather than receive ``limit`` of them). The key is checked first: a busy key
+        takes no slot. The slot's owner token is ``"<token>/slot"`` (as :meth:`claim_slot`'s
+        callers name it), its TTL the lease's. ``releases`` ride in the same trip."""
+        base = slot_base(self.prefix, group)
         status, value, index = CLAIM_IN_GROUP.call_once(
             self.client,
-            [lease_key, generation_key, *keys, *(key for key, _ in releases)],
-            [token, ttl_ms, generation_ttl_ms, limit, f"{token}/slot"]
+            [lease_key, generation_key, *(key for key, _ in releases)],
+            [token, ttl_ms, generation_ttl_ms, limit, f"{token}/slot", base]
             + [value for _, value in releases],
         )
         code, number = int(status), int(value)
         if code == 1:
-            slot = Slot(keys[int(index) - 1], f"{token}/slot", int(index))
+            slot = Slot(f"{base}:{int(index)}", f"{token}/slot", int(index))
             return GroupClaim("claimed", generation=number, slot=slot)
         wait = ttl_ms / 1000 if number < 0 else number / 1000
         return GroupClaim("busy" if code == 0 else "full", wait=wait)
@@ -200,5 +206,6 @@ __all__ = [
     "Slot",
     "bucket_key",
     "parse_rate",
+    "slot_base",
     "slot_keys",
 ]

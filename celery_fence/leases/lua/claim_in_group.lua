@@ -1,26 +1,28 @@
--- claim_in_group.lua: claim.lua and group_claim.lua in one round trip (single Redis only: the
--- key's lease and the group's slots carry different hash tags). The key's lease is checked
--- first, so a busy key takes no slot; then a free slot of the group; then the generation.
--- KEYS[1]      lease key       "<prefix>:{<tag>}:lease"   value "<token>:<generation>"
--- KEYS[2]      generation key  "<prefix>:{<tag>}:gen"
--- KEYS[3..N+2] the group's N slot keys "<prefix>:{g<digest(group)>}:slot:<i>", each a lease
---              like a key's: value "<slot token>:<i>" with a PX expiry
--- ARGV[1]      owner token (unique per attempt)
--- ARGV[2]      lease and slot TTL in milliseconds
--- ARGV[3]      generation counter lifetime in milliseconds after this claim (0: forever)
--- ARGV[4]      N
--- ARGV[5]      the slot's owner token ("<token>/slot")
--- KEYS[N+3..], ARGV[6..] (optional): leases of this process's finished attempts (slots or
---              keys) and their expected values, released first (compare-and-delete each, an
---              expected "<token>:" matching that attempt's lease whatever its suffix).
+-- claim_in_group.lua: claim.lua and group_claim.lua in one round trip. Single Redis only: the
+-- key's lease and the group's slots carry different hash tags, and the slot keys are built
+-- here from their base name (keys a script does not declare, which a Cluster refuses) so a
+-- group of 1000 slots does not send 1000 key names a claim. The key's lease is checked first,
+-- so a busy key takes no slot; then a free slot of the group; then the generation.
+-- KEYS[1]   lease key       "<prefix>:{<tag>}:lease"   value "<token>:<generation>"
+-- KEYS[2]   generation key  "<prefix>:{<tag>}:gen"
+-- KEYS[3..], ARGV[6..] (optional): leases of this process's finished attempts (slots or keys)
+--           and their expected values, released first (compare-and-delete each, an expected
+--           "<token>:" matching that attempt's lease whatever its suffix).
+-- ARGV[1]   owner token (unique per attempt)
+-- ARGV[2]   lease and slot TTL in milliseconds
+-- ARGV[3]   generation counter lifetime in milliseconds after this claim (0: forever)
+-- ARGV[4]   N, the group's limit
+-- ARGV[5]   the slot's owner token ("<token>/slot")
+-- ARGV[6]   the slots' base name "<prefix>:{g<digest(group)>}:slot": slot i is "<base>:<i>",
+--           each a lease like a key's, value "<slot token>:<i>" with a PX expiry
 -- Returns {1, generation, i}   the key claimed with slot i (1-based),
 --         {0, remaining_ms, 0} the key's lease is live (busy; -1: it has no expiry),
 --         {2, soonest_ms, 0}   every slot is held (soonest_ms: the soonest expiry among
 --                              them; -1 when one has no expiry); nothing was taken.
 local n = tonumber(ARGV[4])
-for i = n + 3, #KEYS do
+for i = 3, #KEYS do
   local value = redis.call('GET', KEYS[i])
-  local expected = ARGV[i - n + 3]
+  local expected = ARGV[i + 4]
   if value and (value == expected
       or (string.sub(expected, -1) == ':' and string.sub(value, 1, #expected) == expected)) then
     redis.call('DEL', KEYS[i])
@@ -33,11 +35,12 @@ end
 local slot = nil
 local soonest = nil
 for i = 1, n do
-  if redis.call('SET', KEYS[i + 2], ARGV[5] .. ':' .. i, 'NX', 'PX', ARGV[2]) then
+  local key = ARGV[6] .. ':' .. i
+  if redis.call('SET', key, ARGV[5] .. ':' .. i, 'NX', 'PX', ARGV[2]) then
     slot = i
     break
   end
-  local pttl = redis.call('PTTL', KEYS[i + 2])
+  local pttl = redis.call('PTTL', key)
   if soonest == nil or (pttl >= 0 and (soonest < 0 or pttl < soonest)) then
     soonest = pttl
   end
