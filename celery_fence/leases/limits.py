@@ -16,6 +16,7 @@ worker: the message is re-sent with a countdown (the settle step's ``group_full`
 from __future__ import annotations
 
 import hashlib
+import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -169,10 +170,11 @@ class Limits:
         takes no slot. The slot's owner token is ``"<token>/slot"`` (as :meth:`claim_slot`'s
         callers name it), its TTL the lease's. ``releases`` ride in the same trip."""
         base = slot_base(self.prefix, group)
+        start = random.randrange(limit)  # not a secret: where the scan for a free slot begins
         status, value, index = CLAIM_IN_GROUP.call_once(
             self.client,
             [lease_key, generation_key, *(key for key, _ in releases)],
-            [token, ttl_ms, generation_ttl_ms, limit, f"{token}/slot", base]
+            [token, ttl_ms, generation_ttl_ms, limit, f"{token}/slot", base, start]
             + [value for _, value in releases],
         )
         code, number = int(status), int(value)
