@@ -75,6 +75,16 @@ app.conf.update(
     # --latency runs its worker with -E (the caller times Celery's task-succeeded events); the
     # fence's own events stay off there, as on a worker without -E
     fence_send_events=E.get("BENCH_FENCE_EVENTS", "1") == "1",
+    # The workers' periodic recovery check is a cost per interval, not per task (a SET NX per
+    # worker about every half TTL, one stranded scan per interval across the cluster); every
+    # variant's workers stay up for the whole run, so it would land in whichever variant is being
+    # timed, plain Celery's included. The bench's workers run without it (bench/takeover.py
+    # measures it); BENCH_RECOVER_INTERVAL=default keeps the default.
+    **(
+        {}
+        if E.get("BENCH_RECOVER_INTERVAL") == "default"
+        else {"fence_recover_interval": float(E.get("BENCH_RECOVER_INTERVAL", "0"))}
+    ),
 )
 
 
