@@ -27,6 +27,7 @@ worker runs every variant, and no other task's path changes.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
@@ -119,9 +120,17 @@ def fenced_pg(self: Any, key: str, sleep: float = 0.0) -> None:
     _body(sleep, "bench.fenced_pg")
 
 
-# The variants of settings a previous revision may not have: on the new worker only (an @old
-# worker, BENCH_FENCE_PATH, refuses a task whose settings it does not know and would not start).
-if not E.get("BENCH_FENCE_PATH"):
+# The variants of settings a previous revision may not have: on the new worker, and on an @old
+# worker (BENCH_FENCE_PATH) whose revision has the limits (else it would refuse a task whose
+# settings it does not know and not start), so --rev compares them too.
+def _has_limits() -> bool:
+    try:
+        return importlib.util.find_spec("celery_fence.leases.limits") is not None
+    except ModuleNotFoundError:  # a revision without the leases package
+        return False
+
+
+if not E.get("BENCH_FENCE_PATH") or _has_limits():
 
     @app.task(
         name="bench.fenced_pg_group",

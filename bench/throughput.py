@@ -84,7 +84,13 @@ EXPERIMENTS = {
 
 #: Before/after (``--rev``, on by default): these run on a second worker importing
 #: ``celery_fence`` as of the revision, each named ``<name>@old``, in the same rounds.
-BEFORE_AFTER = ("fenced-pg", "fenced-sqlite", "fenced-pg-50ms")
+BEFORE_AFTER = (
+    "fenced-pg",
+    "fenced-sqlite",
+    "fenced-pg-50ms",
+    "fenced-pg-group",
+    "fenced-pg-ratelimit",
+)
 
 
 def old_copy(v: Variant) -> Variant:

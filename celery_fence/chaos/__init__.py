@@ -6,7 +6,8 @@ Run it against your own configuration (your Redis, broker, database and TTLs)::
         [--redis-url URL] [--broker-url URL] [--database-url URL] [--pg-admin-url URL]
         [--ttl SECONDS] [--max-attempts N] [--workers N] [--own-redis] [--unfenced] [--unsettled]
         [--rerun-finished] [--async-endings] [--unfenced-steps] [--rows N]
-        [--provider-not-idempotent] [--ttl-lock] [--stock-beat]
+        [--provider-not-idempotent] [--ttl-lock] [--stock-beat] [--no-group-limit]
+        [--celery-rate-limit] [--duration SECONDS]
         [--converge-timeout SECONDS] [--json PATH] [--workdir DIR] [-q]
 
 Defaults: Redis ``redis://127.0.0.1:6379/1`` (leases under a fresh key prefix, the ledger,
@@ -169,6 +170,15 @@ Scenarios (faults counted per run, from what happened: the ledger, the store, th
   restarted empty 1-2 s later, the ticks go on 4 s. Every scheduled second between the first and
   the last tick that ran must have its tick's job, completed once (a missing one: a lost job).
   Control arm: ``--stock-beat``. 2 faults a run. :mod:`.scenarios_beat`.
+- ``group``: 8 worker processes (two workers ``-c 4``), 24 jobs of one group with
+  ``fence_group_limit=3``, two SIGKILLs of processes holding a slot; sampled (the running set
+  every 20 ms) and from the ledger's body spans: never more than 3 at once, each killed holder's
+  slot free within one TTL of its kill, every job completed once. Control arm
+  ``--no-group-limit``. Faults: the kills. :mod:`.scenarios_limits`.
+- ``rate``: three workers sharing ``fence_rate_limit="2/s"``, more jobs queued than the window
+  takes, a running process SIGKILLed mid-window: the body starts over ``--duration`` seconds
+  (default 60) within 10 % of the target. Control arm ``--celery-rate-limit`` (Celery's own
+  per-worker ``rate_limit``: 3 workers, about 3 times the rate). Faults: the kill.
 
 Columns (per scenario, summed over its runs). The transitions table is written in the same
 statement or transaction as the state change it records, so its ``id`` order for a key is the
@@ -232,6 +242,12 @@ aborted run's jobs are checked as they are (unfinished ones are lost), the scena
   performed exactly once or never retried through its key; what the harness saw go wrong around
   a job (``misconfig``: the misconfigured worker started or took a message; ``refused-arg``: the
   stored request does not decode to the arguments sent).
+- **limits broken** (safety; :mod:`.checker_limits`): ``group``: runs in which more attempts of
+  the group ran at once than its limit (the ledger's spans, a killed attempt's ending at its
+  kill, or the samples), plus kills whose slot was free later than one TTL (+0.25 s of polling)
+  after the SIGKILL; ``rate``: runs whose rate over ``--duration`` is off its target by more than
+  10 %. What was measured (the most at once, each slot's way back, the rate) is printed and in
+  the JSON's ``measured``.
 - **max time to converge**: the longest time, over the runs, from the fault (the SIGSTOP, the
   flush, the outage; for the others the send) until every job of the run was terminal, every
   message finished and every effect delivered.
@@ -263,6 +279,13 @@ stored and nothing checked at a step's start. ``--scenario steps --unfenced-step
 stale writes accepted > 0 (the resumed attempt starts its next step, and its external call, after
 the newer attempt registered) and unexpected outcomes > 0 (a step committed by one attempt run
 again by the other).
+
+``--no-group-limit`` and ``--celery-rate-limit`` are demonstrations too, made of settings (no
+fence code is changed): the group's task keeps ``fence_group`` but has no ``fence_group_limit``
+(only Celery's per-worker concurrency: 8 processes run 8 at once), and the rate's task has
+Celery's own ``rate_limit="2/s"`` instead of ``fence_rate_limit`` (each worker applies it on
+its own). ``--scenario group --no-group-limit`` and ``--scenario rate --celery-rate-limit``
+then show limits broken > 0, and the measured figures say by how much.
 
 ``--provider-not-idempotent`` is a demonstration too: the provider stub ignores
 ``Idempotency-Key`` and performs every request, as a provider without idempotency support would.

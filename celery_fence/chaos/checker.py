@@ -31,6 +31,7 @@ SAFETY_COLUMNS = (
     "duplicate_external_effects",
     "reruns_after_completion",
     "unexpected_outcomes",
+    "limits_broken",
 )
 #: (field, header) in table order.
 COLUMNS = (
@@ -46,6 +47,7 @@ COLUMNS = (
     ("duplicate_external_effects", "duplicate external effects"),
     ("reruns_after_completion", "body re-runs after completion"),
     ("unexpected_outcomes", "unexpected outcomes"),
+    ("limits_broken", "limits broken"),
     ("max_converge_s", "max time to converge (s)"),
 )
 
@@ -87,10 +89,15 @@ class ScenarioResult:
     duplicate_external_effects: int = 0
     reruns_after_completion: int = 0
     unexpected_outcomes: int = 0
+    #: A cluster-wide limit not kept (:mod:`.checker_limits`: group and rate scenarios).
+    limits_broken: int = 0
     max_converge_s: float = 0.0
     skipped: str | None = None
     error: str | None = None  # the harness itself failed (a step timed out): exit status 2
     violations: list[str] = field(default_factory=list)
+    #: What the limit scenarios measured (:mod:`.checker_limits`), e.g. the most attempts of a
+    #: group running at once, seconds until a killed holder's slot was free, the rate.
+    measured: dict[str, Any] = field(default_factory=dict)
 
     @property
     def safe(self) -> bool:

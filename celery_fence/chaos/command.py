@@ -130,6 +130,26 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "PersistentScheduler; expect duplicate completions (every replica sends every tick)",
     )
     p.add_argument(
+        "--no-group-limit",
+        action="store_true",
+        help="DEMONSTRATION ONLY: the group scenario's task has its fence_group but no "
+        "fence_group_limit (only Celery's per-worker concurrency bounds it); expect limits "
+        "broken in group",
+    )
+    p.add_argument(
+        "--celery-rate-limit",
+        action="store_true",
+        help="DEMONSTRATION ONLY: the rate scenario's task has Celery's own rate_limit (per "
+        "worker) instead of fence_rate_limit; expect limits broken in rate (N workers: N times "
+        "the rate)",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=Options.duration,
+        help="seconds the rate scenario measures its rate over (default %(default)s)",
+    )
+    p.add_argument(
         "--own-redis",
         action="store_true",
         help="start a redis-server for the lease store; redis-loss restarts it",
@@ -167,6 +187,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         p.error("--workers must be at least 2 (pause needs a second worker to take over)")
     if a.ttl <= 0:
         p.error("--ttl must be positive")
+    if a.duration < 5:
+        p.error("--duration must be at least 5 seconds (the rate is measured over it)")
     return Options(
         scenarios=scenarios,
         runs=a.runs,
@@ -188,6 +210,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         provider_idempotent=a.provider_idempotent,
         ttl_lock=a.ttl_lock,
         stock_beat=a.stock_beat,
+        duration=a.duration,
+        no_group_limit=a.no_group_limit,
+        celery_rate_limit=a.celery_rate_limit,
         own_redis=a.own_redis,
         converge_timeout=a.converge_timeout,
         json_path=a.json_path,
@@ -216,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{r.scenario}: HARNESS ERROR: {r.error}")
         for v in r.violations[:20]:
             print(f"{r.scenario}: {v}")
+        if r.measured:
+            print(f"{r.scenario}: measured: {json.dumps(r.measured)}")
     total = sum(r.faults for r in results)
     arms = "".join(
         f", {arm}"
@@ -227,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("UNFENCED STEPS", opts.unfenced_steps),
             ("ASYNC ENDINGS", opts.async_endings),
             ("PROVIDER NOT IDEMPOTENT", not opts.provider_idempotent),
+            ("NO GROUP LIMIT", opts.no_group_limit),
+            ("CELERY RATE LIMIT", opts.celery_rate_limit),
         )
         if on
     )
@@ -261,6 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "unfenced_steps": opts.unfenced_steps,
                     "async_endings": opts.async_endings,
                     "provider_idempotent": opts.provider_idempotent,
+                    "no_group_limit": opts.no_group_limit,
+                    "celery_rate_limit": opts.celery_rate_limit,
+                    "duration": opts.duration,
                     "faults": total,
                     "safety_columns": list(checker.SAFETY_COLUMNS),
                     "scenarios": [r.as_dict() for r in results],

@@ -32,6 +32,8 @@ SCENARIOS = (
     "export",
     "unique",
     "beat",
+    "group",
+    "rate",
 )
 #: Scenarios that run against PostgreSQL whatever the store (a throwaway database if need be).
 POSTGRESQL_ONLY = ("db-outage", "refused-arg", "beside-block", "atomic-threads")
@@ -44,6 +46,8 @@ OWN_WORKERS = (
     "broker-loss",
     "store-crash",
     "beat",
+    "group",
+    "rate",
 )
 #: Scenarios that run against a PostgreSQL cluster the harness starts (and crashes) itself.
 OWN_CLUSTER = ("store-crash",)
@@ -73,6 +77,9 @@ class Options:
     provider_idempotent: bool = True  # False: the provider performs every repeat (control arm)
     ttl_lock: bool = False  # unique jobs guarded by a celery-once-style TTL lock (control arm)
     stock_beat: bool = False  # beat replicas run Celery's PersistentScheduler (control arm)
+    duration: float = 60.0  # seconds the rate scenario measures its rate over
+    no_group_limit: bool = False  # the group's task has no fence_group_limit (control arm)
+    celery_rate_limit: bool = False  # Celery's per-worker rate_limit, not the fence's (control arm)
     own_redis: bool = False
     converge_timeout: float = 60.0
     remote_timeout: float = 0.5

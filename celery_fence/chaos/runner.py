@@ -13,7 +13,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from celery_fence.chaos import checker
+from celery_fence.chaos import checker, checker_limits
 from celery_fence.chaos.checker import ScenarioResult
 from celery_fence.chaos.options import OWN_CLUSTER, POSTGRESQL_ONLY, Options
 from celery_fence.chaos.scenario import Scenario
@@ -122,6 +122,7 @@ def run_scenario(
         time.sleep(0.5)  # let the last writes and ledger entries land
         ledger = checker.parse_ledger(s.ledger.lrange(f"{s.ledger_prefix}:events", 0, -1))
         checker.check(result, s.jobs, s.store, ledger, s.provider.stats())
+        checker_limits.check(result, s.measures, ledger)
     finally:
         s.stop()
         if cluster is not None:

@@ -54,6 +54,8 @@ class Scenario:
     jobs: list[Job] = field(default_factory=list)
     #: Every job a run sent, converged or not (an aborted run's jobs are still checked).
     sent: list[Job] = field(default_factory=list)
+    #: What the limit scenarios' runs measured, for :mod:`.checker_limits` (one entry a run).
+    measures: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.prefix = f"chaos-{self.run_id}"

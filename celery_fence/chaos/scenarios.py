@@ -19,6 +19,7 @@ from celery_fence.chaos.scenario import Scenario, superseded
 from celery_fence.chaos.scenarios_beat import RUNS as BEAT_RUNS
 from celery_fence.chaos.scenarios_crash import RUNS as CRASH_RUNS
 from celery_fence.chaos.scenarios_enqueue import RUNS as ENQUEUE_RUNS
+from celery_fence.chaos.scenarios_limits import RUNS as LIMITS_RUNS
 from celery_fence.chaos.scenarios_steps import RUNS as STEPS_RUNS
 from celery_fence.chaos.scenarios_unique import RUNS as UNIQUE_RUNS
 from celery_fence.chaos.workload_sql import BESIDE_ROUTINES
@@ -513,4 +514,5 @@ RUNS: dict[str, Run] = {
     **STEPS_RUNS,
     **UNIQUE_RUNS,
     **BEAT_RUNS,
+    **LIMITS_RUNS,
 }

@@ -141,8 +141,9 @@ def make_app(s: Mapping[str, str]) -> Celery:
         # --async-endings arms lose, hiding what those arms show. tests/acceptance/
         # test_takeover.py measures the workers' checks.
         fence_recover_interval=0.0,
-        # the unique and beat scenarios' tasks, on this app (a worker and beat import them)
-        imports=("celery_fence.chaos.workload_unique",),
+        # the scenarios' own tasks, on this app (a worker and beat import them): unique and beat,
+        # the limited tasks of the group and rate scenarios
+        imports=("celery_fence.chaos.workload_unique", "celery_fence.chaos.workload_limits"),
     )
     return app
 

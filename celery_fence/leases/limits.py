@@ -16,6 +16,7 @@ worker: the message is re-sent with a countdown (the settle step's ``group_full`
 from __future__ import annotations
 
 import hashlib
+import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from celery_fence.errors import ConfigurationError
 from celery_fence.leases.scripts import LuaScript
 
 GROUP_CLAIM = LuaScript("group_claim")
+CLAIM_IN_GROUP = LuaScript("claim_in_group")
 RATE_TAKE = LuaScript("rate_take")
 
 #: The largest ``fence_group_limit``: the claim script tries every slot in turn.
@@ -69,9 +71,14 @@ def _tag(kind: str, name: str) -> str:
     return kind + hashlib.blake2b(name.encode("utf-8"), digest_size=12).hexdigest()
 
 
+def slot_base(prefix: str, group: str) -> str:
+    """The base name of ``group``'s slot keys: slot ``i`` is ``<base>:<i>`` (one hash tag)."""
+    return f"{prefix}:{{{_tag('g', group)}}}:slot"
+
+
 def slot_keys(prefix: str, group: str, limit: int) -> list[str]:
     """The Redis keys of ``group``'s ``limit`` slots (one hash tag)."""
-    base = f"{prefix}:{{{_tag('g', group)}}}:slot"
+    base = slot_base(prefix, group)
     return [f"{base}:{i}" for i in range(1, limit + 1)]
 
 
@@ -91,6 +98,19 @@ class Slot:
     @property
     def value(self) -> str:
         return f"{self.token}:{self.index}"
+
+
+@dataclass(frozen=True)
+class GroupClaim:
+    """What :meth:`Limits.claim_in_group` answered: ``status`` ``"claimed"`` (with the key's new
+    ``generation`` and the group's ``slot``), ``"busy"`` (the key's lease is live for ``wait``
+    more seconds) or ``"full"`` (every slot is held; the soonest frees in ``wait`` seconds).
+    Only a claimed answer took anything."""
+
+    status: str
+    generation: int = 0
+    slot: Slot | None = None
+    wait: float = 0.0
 
 
 class Limits:
@@ -131,6 +151,39 @@ class Limits:
         soonest = int(value)
         return ttl_ms / 1000 if soonest < 0 else soonest / 1000
 
+    def claim_in_group(
+        self,
+        lease_key: str,
+        generation_key: str,
+        group: str,
+        limit: int,
+        token: str,
+        ttl_ms: int,
+        generation_ttl_ms: int,
+        *,
+        releases: Sequence[tuple[str, str]] = (),
+    ) -> GroupClaim:
+        """Claim a key (its ``lease_key`` and ``generation_key``, as ``claim.lua`` does) and a
+        free slot of ``group`` in one round trip, only where :attr:`carries_releases` (the key
+        and the slots carry different hash tags, and the script builds the slot keys from their
+        base name rather than receive ``limit`` of them). The key is checked first: a busy key
+        takes no slot. The slot's owner token is ``"<token>/slot"`` (as :meth:`claim_slot`'s
+        callers name it), its TTL the lease's. ``releases`` ride in the same trip."""
+        base = slot_base(self.prefix, group)
+        start = random.randrange(limit)  # not a secret: where the scan for a free slot begins
+        status, value, index = CLAIM_IN_GROUP.call_once(
+            self.client,
+            [lease_key, generation_key, *(key for key, _ in releases)],
+            [token, ttl_ms, generation_ttl_ms, limit, f"{token}/slot", base, start]
+            + [value for _, value in releases],
+        )
+        code, number = int(status), int(value)
+        if code == 1:
+            slot = Slot(f"{base}:{int(index)}", f"{token}/slot", int(index))
+            return GroupClaim("claimed", generation=number, slot=slot)
+        wait = ttl_ms / 1000 if number < 0 else number / 1000
+        return GroupClaim("busy" if code == 0 else "full", wait=wait)
+
     def take_token(self, bucket: str, rate: Rate) -> float:
         """Take one token from ``bucket``: 0.0 when taken, else the seconds until this caller
         should come back (the refused are spaced one token apart)."""
@@ -149,10 +202,12 @@ class Limits:
 
 __all__ = [
     "MAX_GROUP_LIMIT",
+    "GroupClaim",
     "Limits",
     "Rate",
     "Slot",
     "bucket_key",
     "parse_rate",
+    "slot_base",
     "slot_keys",
 ]

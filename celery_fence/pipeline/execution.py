@@ -26,7 +26,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy import exc as sa_exc
 
 from celery_fence import metrics
-from celery_fence.actions import Action, LogAction
+from celery_fence.actions import Action
 from celery_fence.announce import tracing
 from celery_fence.announce.transitions import Announcer
 from celery_fence.body import sqla, watch
@@ -39,7 +39,16 @@ from celery_fence.leases.limits import Limits
 from celery_fence.leases.ports import LeaseBackend
 from celery_fence.leases.renewer import Renewer
 from celery_fence.pipeline import outcomes
-from celery_fence.pipeline.claim import Claim, announce_takeover, count_takeover, take_limits
+from celery_fence.pipeline.claim import (
+    Claim,
+    SlotClaim,
+    announce_takeover,
+    claim_in_group,
+    count_takeover,
+    regressed,
+    slot_rides_claim,
+    take_limits,
+)
 from celery_fence.pipeline.observers import lease_observers
 from celery_fence.pipeline.outcomes import Disposition, Outcome
 from celery_fence.pipeline.ports import JobStore
@@ -228,18 +237,13 @@ class Execution:
         from it whatever happens)."""
         config, leases, renewer = self.config, self.leases, self.renewer
         on_lost, on_renewed = lease_observers(self.announcer, self.store)
+        with_slot = slot_rides_claim(self.limits, leases, config, self.group)
+        slot = SlotClaim(
+            self.key, self.attempt_id, self.group, max_runtime, self._hold_slot, self._slot_lost
+        )
         if self.limits is not None:
             limited = take_limits(
-                self.limits,
-                config,
-                renewer,
-                key=self.key,
-                token=self.attempt_id,
-                task_name=self.task_name,
-                group=self.group,
-                max_runtime=max_runtime,
-                hold=self._hold_slot,
-                on_slot_lost=self._slot_lost,
+                self.limits, config, renewer, slot, task_name=self.task_name, in_claim=with_slot
             )
             if limited is not None:
                 return limited
@@ -248,9 +252,17 @@ class Execution:
             claimed_at = time.monotonic()
             releases = renewer.take_releases()
             try:
-                generation = leases.claim(
-                    self.key, self.attempt_id, config.lease_ttl_ms, releases=releases
-                )
+                if with_slot and self.limits is not None:
+                    with_slot = False
+                    generation = claim_in_group(
+                        self.limits, leases, config, renewer, slot, releases, claimed_at
+                    )
+                    if isinstance(generation, outcomes.Limited):
+                        return generation
+                else:
+                    generation = leases.claim(
+                        self.key, self.attempt_id, config.lease_ttl_ms, releases=releases
+                    )
             except LeaseBusy as busy:
                 return outcomes.Busy(busy.remaining)
             except BaseException as exc:  # Redis unreachable or refusing: re-send, never drop
@@ -315,19 +327,7 @@ class Execution:
             renewer.discard(lease, release=False)
             self.claim = replace(self.claim, lease=None)
             leases.release(lease.lease_key, lease.value)  # now, so the re-claim does not meet it
-            logger.warning(
-                "fence generation regressed key=%s generation=%s stored=%s; raising the counter",
-                self.key,
-                generation,
-                stored,
-                extra={
-                    "action": LogAction.REGRESSED,
-                    "fence_key": self.key,
-                    "attempt_id": self.attempt_id,
-                    "generation": generation,
-                    "reason": "redis counter behind the store",
-                },
-            )
+            regressed(self.key, self.attempt_id, generation, stored)
             leases.raise_generation(self.key, stored)
         return outcomes.Unavailable(
             FenceError(f"could not claim a generation above the store's for {self.key!r}"),

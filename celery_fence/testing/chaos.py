@@ -21,6 +21,11 @@ deliver task), and the windows, each given a Celery signature of the user's task
 - ``redis-loss``: A's body is held while every lease and generation counter of the test is deleted
   from Redis; a duplicate runs on B (Redis hands out a generation the store already saw), then A's
   body goes on.
+- ``kill-slot-holder`` (:data:`GROUP_WINDOWS`: for a task with ``fence_group`` and
+  ``fence_group_limit``): A's body starts holding one of its group's slots and A's pool process
+  is SIGKILLed there; the slot must be free again within one TTL of the kill (else
+  :class:`ConvergenceError` at once; the seconds it took are the injection's ``slot_back_s``),
+  and the message comes back and completes.
 
 Then :meth:`FenceChaos.assert_converged` waits (bounded) for every delivery to finish and checks
 the store and the callers: one completion, no stale write accepted, every caller got the stored
@@ -32,6 +37,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import time
 import uuid
 from collections import Counter
@@ -50,6 +57,10 @@ WINDOWS = ("pause", "pause-at-write", "kill", "duplicate", "redis-loss")
 BLOCK_WINDOWS = ("pause-inside-block", "kill-after-block")
 #: Windows for a task with fenced steps (``self.fence.run_step()``, ``fence.step()``).
 STEP_WINDOWS = ("pause-inside-step",)
+#: Windows for a task of a concurrency group with a limit (``fence_group_limit``).
+GROUP_WINDOWS = ("kill-slot-holder",)
+#: Seconds beyond one TTL a killed holder's slot may take to be seen free (the polling).
+SLOT_BACK_SLACK = 0.25
 FINAL_STATES = ("SUCCESS", "FAILURE")
 #: Seconds assert_converged waits for an ``unfenced_write`` row still being written.
 UNFENCED_GRACE = 0.5
@@ -67,6 +78,8 @@ class Injection:
     task: str
     started: float = field(default_factory=time.time)
     deliveries: dict[str, int] = field(default_factory=dict)
+    #: ``kill-slot-holder``: seconds from the SIGKILL until the killed attempt's slot was free.
+    slot_back_s: float | None = None
 
 
 class FenceChaos:
@@ -78,6 +91,7 @@ class FenceChaos:
     windows = WINDOWS
     block_windows = BLOCK_WINDOWS
     step_windows = STEP_WINDOWS
+    group_windows = GROUP_WINDOWS
 
     def __init__(self, env: FenceEnv, *, timeout: float = 60.0) -> None:
         self.env = env
@@ -113,9 +127,10 @@ class FenceChaos:
             "kill": self.kill,
             "duplicate": self.duplicate,
             "redis-loss": self.redis_loss,
+            "kill-slot-holder": self.kill_slot_holder,
         }
         if window not in runs:
-            known = ", ".join(WINDOWS + BLOCK_WINDOWS + STEP_WINDOWS)
+            known = ", ".join(WINDOWS + BLOCK_WINDOWS + STEP_WINDOWS + GROUP_WINDOWS)
             raise ValueError(f"unknown window {window!r}: choose from {known}")
         return runs[window](signature)
 
@@ -269,6 +284,45 @@ class FenceChaos:
         finally:
             self._release(first)
         return inj
+
+    def kill_slot_holder(self, signature: Signature) -> Injection:
+        """SIGKILL A's pool process while its body runs holding a slot of the task's group
+        (``fence_group_limit``): the slot must be free again within one TTL of the kill (its
+        lease is no longer renewed), and the message comes back and completes."""
+        a, _ = self.workers
+        inj = self._begin("kill-slot-holder", signature)
+        tid = self._send(inj, signature, a, fault=("start", "hold"))
+        self._wait_event(inj, "start", tid, "the body to start on worker A")
+        start = next(e for e in self._all_events() if e["ev"] == "start" and e.get("tid") == tid)
+        slot = self._slot_of(str(start.get("attempt")))
+        if slot is None:
+            self._release(tid)
+            raise ConvergenceError(
+                f"fence_chaos: task {inj.task} ran holding no group slot: the kill-slot-holder "
+                "window needs a task with fence_group and fence_group_limit"
+            )
+        slot_key, value = slot
+        client, ttl = self.env.redis.client, self.env.lease_ttl
+        os.kill(int(start["pid"]), signal.SIGKILL)
+        killed = time.monotonic()
+        processes.poll_until(lambda: client.get(slot_key) != value, ttl * 4, interval=0.01)
+        inj.slot_back_s = time.monotonic() - killed
+        if inj.slot_back_s > ttl + SLOT_BACK_SLACK:
+            raise ConvergenceError(
+                f"fence_chaos: window 'kill-slot-holder': the killed attempt's slot of task "
+                f"{inj.task} was still held {inj.slot_back_s:.2f}s after the SIGKILL (one TTL is "
+                f"{ttl:g}s): a slot must die with its worker"
+            )
+        return inj
+
+    def _slot_of(self, attempt: str) -> tuple[Any, Any] | None:
+        """The group slot (its key and value) the attempt ``attempt`` holds, if any."""
+        client = self.env.redis.client
+        for key in client.scan_iter(f"{self.env.prefix}:*:slot:*", count=1000):
+            value: Any = client.get(key)
+            if value is not None and bytes(value).decode().startswith(f"{attempt}/slot:"):
+                return key, value
+        return None
 
     # -- the check -------------------------------------------------------------------------------
 

@@ -61,6 +61,8 @@ MIN_FAULTS = {
     "export": RUNS,
     "unique": RUNS,
     "beat": 2 * RUNS,
+    "group": 2 * RUNS,
+    "rate": RUNS,
 }
 #: The converge timeout of both runs of the unsettled comparison: well above what the settled
 #: run needs (time-limit and misconfig up to about 10 s of waiting on a loaded machine); a lost
@@ -125,7 +127,7 @@ def _by_name(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 #: Scenarios with a test of their own (and its control arm) below, not in the halves.
-SEPARATE = ("store-crash", "unique", "beat")
+SEPARATE = ("store-crash", "unique", "beat", "group", "rate")
 #: Every other scenario, in two halves run side by side (each half is one harness run).
 _HALVED = [name for name in SCENARIOS if name not in SEPARATE]
 HALVES = {
@@ -297,7 +299,8 @@ def test_two_threads_in_atomic_each_commit_fenced(tmp_path: Path, arm: str) -> N
 
 def test_the_arms_together_fire_every_safety_column() -> None:
     fired = {c for _, fires in ARMS.values() for columns in fires.values() for c in columns}
-    assert fired | {"lost_jobs"} == set(SAFETY_COLUMNS)  # lost_jobs: the unsettled test below
+    # lost_jobs: the unsettled test below; limits_broken: the group and rate tests below
+    assert fired | {"lost_jobs", "limits_broken"} == set(SAFETY_COLUMNS)
 
 
 #: The unsettled comparison in two groups run side by side: Celery's own exits, and the
@@ -433,6 +436,81 @@ def test_unique_jobs_and_beat_replicas_hold_and_their_control_arms_fail(
     else:
         assert row["duplicate_completions"] >= 4, row["violations"]  # about 2 a second
     assert code == 1 and report["ok"] is False, output
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arm", ["fenced", "--no-group-limit"])
+def test_a_group_of_limit_3_never_runs_more_than_3_and_killed_slots_come_back(
+    tmp_path: Path, arm: str
+) -> None:
+    # Given 8 worker processes (2 workers -c 4), 24 jobs of one group with fence_group_limit=3,
+    # and two SIGKILLs of processes holding a slot, or (the control arm) the same group with no
+    # fence_group_limit: only Celery's per-worker concurrency,
+    args = ["--scenario", "group", "--runs", "1", "--seed", "7"]
+    code, report, output = _chaos(tmp_path, *args, *([] if arm == "fenced" else [arm]))
+    row = _by_name(report)["group"]
+    measured = row["measured"]
+    assert row["runs"] == 1 and row["faults"] == 2 and measured["kills"] == 2, (row, output)
+    assert measured["samples"] > 50, measured  # the running set was sampled all along
+    columns = {c: row[c] for c in SAFETY_COLUMNS}
+    if arm == "fenced":
+        # then never more than 3 ran at once (the ledger's spans and the samples), each killed
+        # holder's slot was free again within one TTL of its SIGKILL, and every job completed
+        # once (the killed ones on a later attempt): nothing lost, nothing run twice.
+        assert measured["max_running_ledger"] <= 3 and measured["max_running_sampled"] <= 3
+        assert measured["max_running_ledger"] == 3, measured  # the limit was reached
+        assert len(measured["slot_back_s"]) == 2, measured
+        assert max(measured["slot_back_s"]) <= measured["ttl"] + 0.25, measured
+        assert columns == dict.fromkeys(SAFETY_COLUMNS, 0), (row["violations"], output)
+        assert code == 0, output
+        return
+    # and without the fence's limit, more than 3 ran at once: the checker reports it.
+    assert measured["max_running_ledger"] > 3, measured
+    assert row["limits_broken"] >= 1, row["violations"]
+    assert any("group limit broken" in v for v in row["violations"]), row["violations"]
+    assert {c: v for c, v in columns.items() if c != "limits_broken"} == dict.fromkeys(
+        set(SAFETY_COLUMNS) - {"limits_broken"}, 0
+    ), row["violations"]
+    assert code == 1, output
+
+
+#: Seconds the rate scenario measures over: a minute for the fence (the issue's measure), less
+#: for the control arm (3 workers x Celery's per-worker limit shows in 20 s).
+RATE_DURATIONS = {"fenced": 60, "--celery-rate-limit": 20}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arm", list(RATE_DURATIONS))
+def test_a_rate_limit_holds_across_workers_over_a_minute_with_a_kill(
+    tmp_path: Path, arm: str
+) -> None:
+    # Given three workers, fence_rate_limit="2/s" shared by them, more jobs queued than the
+    # window takes, and the process running one of them SIGKILLed mid-window, or (the control
+    # arm) Celery's own rate_limit="2/s", which each worker applies on its own,
+    duration = RATE_DURATIONS[arm]
+    args = ["--scenario", "rate", "--runs", "1", "--seed", "7", "--duration", str(duration)]
+    code, report, output = _chaos(tmp_path, *args, *([] if arm == "fenced" else [arm]))
+    row = _by_name(report)["rate"]
+    measured = row["measured"]
+    assert row["runs"] == 1 and row["faults"] == 1, (row, output)
+    assert measured["duration_s"] == duration and measured["workers"] == 3, measured
+    (error,) = measured["relative_error"]
+    assert not measured["notes"], measured  # the queue never ran dry inside the window
+    columns = {c: row[c] for c in SAFETY_COLUMNS}
+    if arm == "fenced":
+        # then the bodies started within 10 % of 2/s over the whole minute, and every job
+        # completed once (the killed one on a later attempt).
+        assert abs(error) <= 0.10, measured
+        assert columns == dict.fromkeys(SAFETY_COLUMNS, 0), (row["violations"], output)
+        assert code == 0, output
+        return
+    # and with Celery's per-worker limit, the three workers together ran well above it.
+    assert error > 1.0, measured  # about 3x the target: 2/s a worker
+    assert row["limits_broken"] == 1, row["violations"]
+    assert {c: v for c, v in columns.items() if c != "limits_broken"} == dict.fromkeys(
+        set(SAFETY_COLUMNS) - {"limits_broken"}, 0
+    ), row["violations"]
+    assert code == 1, output
 
 
 @pytest.mark.timeout(300)

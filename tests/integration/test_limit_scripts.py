@@ -12,7 +12,7 @@ import redis
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError
 from celery_fence.leases.lease import LeaseStore
-from celery_fence.leases.limits import Limits, Rate, Slot, parse_rate
+from celery_fence.leases.limits import Limits, Rate, Slot, parse_rate, slot_keys
 
 
 @pytest.fixture
@@ -104,3 +104,38 @@ def test_a_slot_claim_carries_finished_attempts_releases_compared_on_their_value
     second = limits.claim_slot("g", 1, "tok-b", 5_000, releases=[(first.lease_key, first.value)])
     assert isinstance(second, Slot) and second.index == 1
     assert redis_client.get(second.lease_key) == b"tok-b:1"
+
+
+def test_a_claim_in_group_takes_the_key_and_a_slot_in_one_trip_and_a_busy_key_no_slot(
+    limits: Limits, redis_client: redis.Redis, prefix: str
+) -> None:
+    leases = LeaseStore(redis_client, prefix=prefix)
+    k1, k2, k3 = leases.keys_for("k1"), leases.keys_for("k2"), leases.keys_for("k3")
+    # Given a group of 2 slots: the first claim takes key k1 (generation 1) and a slot,
+    first = limits.claim_in_group(k1.lease, k1.generation, "g", 2, "a1", 5_000, 0)
+    assert first.status == "claimed" and first.generation == 1 and first.slot is not None
+    assert first.slot.value == f"a1/slot:{first.slot.index}"
+    assert first.slot.lease_key in slot_keys(limits.prefix, "g", 2)
+    assert redis_client.get(k1.lease) == b"a1:1"
+    assert redis_client.get(first.slot.lease_key) == first.slot.value.encode()
+    assert 4_000 < redis_client.pttl(first.slot.lease_key) <= 5_000
+    # a second attempt of k1 finds the key busy and takes no slot,
+    busy = limits.claim_in_group(k1.lease, k1.generation, "g", 2, "a2", 5_000, 0)
+    assert busy.status == "busy" and 4.0 < busy.wait <= 5.0 and busy.slot is None
+    assert limits.held_slots("g", 2) == 1
+    # k2 takes the other slot; k3 finds the group full: nothing taken, no generation counted,
+    second = limits.claim_in_group(k2.lease, k2.generation, "g", 2, "b1", 5_000, 0)
+    assert second.status == "claimed" and second.slot is not None
+    assert {first.slot.index, second.slot.index} == {1, 2}
+    full = limits.claim_in_group(k3.lease, k3.generation, "g", 2, "c1", 5_000, 0)
+    assert full.status == "full" and 4.0 < full.wait <= 5.0
+    assert redis_client.get(k3.lease) is None and redis_client.get(k3.generation) is None
+    # and a finished attempt's releases (its lease and its slot) ride in the next claim's trip.
+    releases = [(k1.lease, "a1:1"), (first.slot.lease_key, first.slot.value)]
+    again = limits.claim_in_group(
+        k3.lease, k3.generation, "g", 2, "c2", 5_000, 60_000, releases=releases
+    )
+    assert again.status == "claimed" and again.slot is not None
+    assert again.slot.index == first.slot.index
+    assert redis_client.get(k1.lease) is None
+    assert 0 < redis_client.pttl(k3.generation) <= 60_000
