@@ -33,7 +33,8 @@ UNFINISHED = (RUNNING, RETRYING, PENDING)
 
 
 def as_read(store: Store, before: JobRecord, **values: Any) -> dict[str, Any]:
-    """Parameters of a compare-and-set on ``before`` (``sql.SAME`` / ``sql.UNCHANGED``)."""
+    """Parameters of a compare-and-set on ``before``, the row as read (``requeue``,
+    ``take_for_resend``, ...)."""
     return {
         "key": before.key,
         "generation": before.generation,
@@ -83,18 +84,18 @@ class JobAdmin:
         if before.status != wanted:
             raise StoreError(f"job {key!r} is {before.status}, not {wanted}: not requeued")
         params = as_read(self.store, before)
-        sets = sql.REQUEUE
+        name = "requeue"
         if completed and before.request:
             request = with_run(before.request, run_of(before.request) + 1)
             text = json.dumps(request, separators=(",", ":"))
             if NUL_ESCAPE in text:  # as a registration stores what jsonb refuses: encoded
                 text = json.dumps({ENCODED_REQUEST: text}, separators=(",", ":"))
             params["request"] = text
-            sets = sql.REQUEUE_RERUN
+            name = "requeue_rerun"
             before = dataclasses.replace(before, request=request)
         if completed:  # a run from scratch: the completed run's steps and checkpoint go first
             self.store.steps.clear_completed(key)
-        statement = sql.cas_sql(self.store.dialect, sets, sql.SAME)
+        statement = self.store.queries[name]
         if reason is None:
             reason = "completed job re-run by operator" if completed else "by operator"
         self.store.fenced_write("requeue", statement, params, Action.REQUEUED, reason=reason)
@@ -115,7 +116,7 @@ class JobAdmin:
             attempts=before.attempts,
             finished_at=self.store.db.stamp(before.finished_at),
         )
-        statement = sql.cas_sql(self.store.dialect, sql.RESTORE_FINISHED, sql.SAME)
+        statement = self.store.queries["restore_finished"]
         self.store.fenced_write(
             "restore", statement, params, Action.REQUEUE_REVERTED, reason=reason
         )
@@ -166,7 +167,7 @@ class JobAdmin:
         """
         if before.status not in UNFINISHED:
             raise StoreError(f"job {before.key!r} is {before.status}: only unfinished jobs")
-        statement = sql.cas_sql(self.store.dialect, sql.TAKE_FOR_RESEND, sql.UNCHANGED)
+        statement = self.store.queries["take_for_resend"]
         actions = (Action.RECOVERED,)
         now = utcnow()
         params = as_read(self.store, before)
