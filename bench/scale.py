@@ -237,7 +237,7 @@ def _scans(store: Store, engine: sa.Engine) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, call, query in (
         ("stranded", lambda: store.admin.stranded(older_than=90, limit=1000), stranded_q),
-        ("ls_dead", lambda: store.list_jobs(status="dead", limit=50), dead_q),
+        ("ls_dead", lambda: store.admin.list_jobs(status="dead", limit=50), dead_q),
     ):
         first, warm = _timed(call)
         sql, params = _compiled(engine, query)

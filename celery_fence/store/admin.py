@@ -1,6 +1,7 @@
 """The operator's and the recovery's verbs on jobs: requeue a dead job (and undo it when its
 message cannot be sent), find stranded jobs and take them for a re-send (one that cannot be
-re-sent ends as :class:`~celery_fence.store.records.DeadStranded`), purge finished jobs. Each write
+re-sent ends as :class:`~celery_fence.store.records.DeadStranded`), purge finished jobs; and the
+operator's reads (:meth:`JobAdmin.list_jobs`, :meth:`JobAdmin.status_counts`). Each write
 is a compare-and-set on the row as it was read (:func:`as_read`), through the one fenced write
 (:mod:`.fenced`). A store's are ``store.admin`` (:class:`JobAdmin`)."""
 
@@ -177,6 +178,27 @@ class JobAdmin:
         ):
             return None
         return dataclasses.replace(before, status=PENDING, updated_at=now, retry_at=None)
+
+    def list_jobs(
+        self,
+        *,
+        status: str | None = None,
+        task_name: str | None = None,
+        limit: int = 50,
+        never_claimed: bool = False,
+    ) -> list[JobRecord]:
+        """Jobs, most recently updated first (``never_claimed``: only ``pending`` ones at
+        generation 0, enqueued and not yet claimed)."""
+        query = sql.list_jobs(
+            status=status, task_name=task_name, limit=limit, never_claimed=never_claimed
+        )
+        with self.store.db.connect() as conn:
+            return [job_record(r) for r in conn.execute(query).all()]
+
+    def status_counts(self) -> dict[tuple[str, str], int]:
+        """``{(task_name, status): jobs}``, one grouped read (the metrics' store gauges)."""
+        with self.store.db.connect() as conn:
+            return {(r[0], r[1]): int(r[2]) for r in conn.execute(sql.job_status_counts()).all()}
 
     def delete_all_rows(self) -> None:
         """Delete every job, transition and outbox row (on PostgreSQL, every one no open

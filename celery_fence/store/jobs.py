@@ -1,7 +1,8 @@
 """The fenced result store: the job verbs of the task's path (register, and :meth:`Store.end`,
-which applies every ending of a job), the reads; the operator's verbs are ``store.admin``
-(:class:`.admin.JobAdmin`). Its SQL is in :mod:`.sql`, its connection in :mod:`.engine`,
-its one fenced write in :mod:`.fenced`, its outbox in :mod:`.outbox`."""
+which applies every ending of a job), the reads of one job; the operator's verbs and reads
+(list, counts, stranded) are ``store.admin`` (:class:`.admin.JobAdmin`). Its fenced statements
+are in :file:`queries.sql` (by name), the rest of its SQL in :mod:`.sql`, its connection in
+:mod:`.engine`, its one fenced write in :mod:`.fenced`, its outbox in :mod:`.outbox`."""
 
 from __future__ import annotations
 
@@ -397,27 +398,6 @@ class Store:
         return [
             Transition(r.key, r.generation, r.attempt_id, r.action, r.reason, r.at) for r in rows
         ]
-
-    def list_jobs(
-        self,
-        *,
-        status: str | None = None,
-        task_name: str | None = None,
-        limit: int = 50,
-        never_claimed: bool = False,
-    ) -> list[JobRecord]:
-        """Jobs, most recently updated first (``never_claimed``: only ``pending`` ones at
-        generation 0, enqueued and not yet claimed)."""
-        query = sql.list_jobs(
-            status=status, task_name=task_name, limit=limit, never_claimed=never_claimed
-        )
-        with self.db.connect() as conn:
-            return [job_record(r) for r in conn.execute(query).all()]
-
-    def status_counts(self) -> dict[tuple[str, str], int]:
-        """``{(task_name, status): jobs}``, one grouped read (the metrics' store gauges)."""
-        with self.db.connect() as conn:
-            return {(r[0], r[1]): int(r[2]) for r in conn.execute(sql.job_status_counts()).all()}
 
 
 def _json(value: Mapping[str, Any] | None) -> str | None:
