@@ -31,7 +31,6 @@ import sqlalchemy as sa
 
 from bench.harness import Services
 from bench.report import table
-from celery_fence.actions import Action
 from celery_fence.store import Store
 from celery_fence.store import sql as statements
 from celery_fence.store.records import Completion
@@ -238,7 +237,7 @@ def _scans(store: Store, engine: sa.Engine) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, call, query in (
         ("stranded", lambda: store.admin.stranded(older_than=90, limit=1000), stranded_q),
-        ("ls_dead", lambda: store.list_jobs(status="dead", limit=50), dead_q),
+        ("ls_dead", lambda: store.admin.list_jobs(status="dead", limit=50), dead_q),
     ):
         first, warm = _timed(call)
         sql, params = _compiled(engine, query)
@@ -267,20 +266,13 @@ def run(svc: Services, *, sizes: list[int], samples: int, out: Any) -> dict[str,
         "generation": 1,
         "request": None,
         "result": "null",
+        "action": "claimed",
+        "reason": None,
     }
+    pg = statements.STATEMENTS.rendered("postgresql")
     plans = {
-        "register": statements.pg_with_records(
-            statements.register_sql("postgresql"),
-            actions=(Action.CLAIMED,),
-            transitions=True,
-            effects=False,
-        ),
-        "complete": statements.pg_with_records(
-            statements.complete_sql("postgresql"),
-            actions=(Action.COMPLETED,),
-            transitions=True,
-            effects=False,
-        ),
+        "register": pg.with_records(pg["register"], transition=True, effects=False),
+        "complete": pg.with_records(pg["complete"], transition=True, effects=False),
     }
     result: dict[str, Any] = {"sizes": [], "samples": samples, "load_before": os.getloadavg()}
     print(

@@ -84,37 +84,48 @@ class Breakage:
     #: The safety column that must fire: another column firing is not this breakage caught.
     column: str
     postgresql: bool = False  # run against a throwaway PostgreSQL database
+    #: How many times ``old`` is in the file (each replaced): a statement written once per
+    #: dialect (queries.sql's ``register``) is broken in both.
+    occurrences: int = 1
 
 
 BREAKAGES = (
     Breakage(
         "completion-predicate",
         "completion predicate loosened to key AND status = 'running'",
-        "store/sql.py",
-        "        where,\n    )\n\n\n@cache\ndef retry_sql",
-        "        f\"key = :key AND status = '{Status.RUNNING}'\",\n    )\n\n\n@cache\n"
-        "def retry_sql",
+        "store/queries.sql",
+        "error_message = NULL\nWHERE key = :key AND generation = :generation AND "
+        "attempt_id = :attempt_id AND status = 'running'\n",
+        "error_message = NULL\nWHERE key = :key AND status = 'running'\n",
         ("--scenario", "pause", "--runs", "2"),
         column="stale_writes",
     ),
     Breakage(
         "registration-generation",
         "generation term dropped from the registration",
-        "store/sql.py",
-        "NEWER_LIVE = (\n    f\"{JOBS}.status NOT IN ('{Status.COMPLETED}', '{Status.DEAD}') \"\n"
-        '    f"AND {JOBS}.generation < excluded.generation"\n)',
-        "NEWER_LIVE = (\n    f\"{JOBS}.status NOT IN ('{Status.COMPLETED}', '{Status.DEAD}')\"\n)",
+        "store/queries.sql",
+        "WHERE fence_jobs.status NOT IN ('completed', 'dead')\n"
+        "    AND fence_jobs.generation < excluded.generation\n"
+        "RETURNING key, generation, attempt_id, attempts,\n",
+        "WHERE fence_jobs.status NOT IN ('completed', 'dead')\n"
+        "RETURNING key, generation, attempt_id, attempts,\n",
         ("--scenario", "redis-loss", "--runs", "2"),
         column="generations_claimed_twice",
+        occurrences=2,
     ),
     Breakage(
         "registration-terminal",
         "registration takes a completed job's row (the terminal-state term dropped)",
-        "store/sql.py",
-        "NEWER_LIVE = (\n    f\"{JOBS}.status NOT IN ('{Status.COMPLETED}', '{Status.DEAD}') \"\n",
-        'NEWER_LIVE = (\n    "1 = 1 "\n',
+        "store/queries.sql",
+        "WHERE fence_jobs.status NOT IN ('completed', 'dead')\n"
+        "    AND fence_jobs.generation < excluded.generation\n"
+        "RETURNING key, generation, attempt_id, attempts,\n",
+        "WHERE 1 = 1\n"
+        "    AND fence_jobs.generation < excluded.generation\n"
+        "RETURNING key, generation, attempt_id, attempts,\n",
         ("--scenario", "kill", "--runs", "1"),
         column="reruns_after_completion",
+        occurrences=2,
     ),
     Breakage(
         "commit-check",
@@ -157,7 +168,7 @@ BREAKAGES = (
         "            cursor.execute(statement, params)\n",
         "        for e in effects:  # broken: outside the completion's transaction\n"
         "            cursor.execute(\n"
-        "                sql.SQLITE_OUTBOX_SQL,\n"
+        '                self.statements["outbox_insert"],\n'
         '                {"key": params["key"], "name": e.name,\n'
         '                 "idempotency_key": e.idempotency_key,\n'
         '                 "payload": json.dumps(e.payload), "now": stamp},\n'
@@ -246,14 +257,14 @@ class MutationRun:
 
 def mutant(root: Path, breakage: Breakage | None) -> bool:
     """Copy the package under ``root`` and apply ``breakage``; False when its text is not found
-    exactly once (the code changed: the breakage must be updated)."""
+    exactly ``breakage.occurrences`` times (the code changed: the breakage must be updated)."""
     target = root / "celery_fence"
     shutil.copytree(PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__"))
     if breakage is None:
         return True
     path = target / breakage.path
     text = path.read_text()
-    if text.count(breakage.old) != 1:
+    if text.count(breakage.old) != breakage.occurrences:
         return False
     path.write_text(text.replace(breakage.old, breakage.new))
     return True

@@ -65,15 +65,54 @@ class UnfencedBlocks(Blocks):
         return True
 
 
-class UnfencedStore(Store):
-    """A store without the generation fence (the ``--unfenced`` control arm): its predicates
-    without the generation and the attempt. A completion writes over whatever the row holds (the
-    last writer wins) and stamps the row with its own generation and attempt, so the history
-    shows whose write it was."""
+def loosened(
+    statements: sql.Statements, names: tuple[str, ...], old: str, new: str
+) -> sql.Statements:
+    """``statements`` with ``old`` replaced by ``new`` in each of ``names`` (every dialect's
+    text). A text without ``old`` is kept as it is (a mutation check's broken copy of
+    queries.sql must still import): tests/unit/test_queries.py checks that every arm's
+    statement differs from the product's."""
+    texts = {
+        (name, dialect): text.replace(old, new)
+        for (name, dialect), text in statements.texts.items()
+        if name in names
+    }
+    return statements.replaced(texts)
 
-    _owned_where = "key = :key"
-    _register_where = f"{sql.JOBS}.status NOT IN ('completed', 'dead')"
-    _completion_sets = ", generation = :generation, attempt_id = :attempt_id"
+
+#: The endings of a running attempt, fenced on the owner in the product (queries.sql).
+OWNER_ENDINGS = (
+    "complete",
+    "retry",
+    "retry_with_error",
+    "dead",
+    "dead_with_error",
+    "dead_counted",
+    "dead_counted_with_error",
+    "caller_failed",
+    "caller_failed_with_error",
+)
+#: The ``--unfenced`` arm's statements: the endings match the key alone (last writer wins), a
+#: completion stamps the row with its own generation and attempt (so the history shows whose
+#: write it was), a registration takes any live job (no generation term).
+UNFENCED_STATEMENTS = loosened(
+    loosened(
+        loosened(sql.STATEMENTS, OWNER_ENDINGS, sql.OWNED, "key = :key"),
+        ("complete",),
+        "error_message = NULL\n",
+        "error_message = NULL, generation = :generation, attempt_id = :attempt_id\n",
+    ),
+    ("register",),
+    sql.NEWER_LIVE,
+    "fence_jobs.status NOT IN ('completed', 'dead')",
+)
+
+
+class UnfencedStore(Store):
+    """A store without the generation fence (the ``--unfenced`` control arm): its statements are
+    :data:`UNFENCED_STATEMENTS`, its blocks :class:`UnfencedBlocks`."""
+
+    statements = UNFENCED_STATEMENTS
     _blocks_class = UnfencedBlocks
 
 
@@ -84,12 +123,22 @@ class UnfencedTask(FencedTask, fence_base=True):
         return backends(config, store_class=UnfencedStore)
 
 
+#: The ``--async-endings`` arm's statements: an ending's commit condition is the registration's
+#: (PostgreSQL: no wait for its WAL flush); on SQLite it is not synced to disk at its commit.
+ASYNC_ENDINGS_STATEMENTS = sql.STATEMENTS.replaced(
+    {
+        ("durable_commit", "postgresql"): sql.STATEMENTS.template("async_commit", "postgresql"),
+        ("sync_ending", "sqlite"): sql.STATEMENTS.template("sync_default", "sqlite"),
+    }
+)
+
+
 class AsyncEndingsStore(Store):
     """A store whose endings of a job (completion, retry, dead) commit without waiting for their
     WAL flush, as the registration does (the ``--async-endings`` control arm): the message is
     acked after a completion a database crash can still lose."""
 
-    _durable_endings = False
+    statements = ASYNC_ENDINGS_STATEMENTS
 
 
 class AsyncEndingsTask(FencedTask, fence_base=True):
@@ -236,6 +285,8 @@ class TTLLockTask(FencedTask, fence_base=True):
 
 
 __all__ = [
+    "ASYNC_ENDINGS_STATEMENTS",
+    "UNFENCED_STATEMENTS",
     "AsyncEndingsStore",
     "AsyncEndingsTask",
     "PlainStepsFence",

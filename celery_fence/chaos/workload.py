@@ -66,7 +66,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from celery_fence import FencedTask, PermanentError
 from celery_fence import signals as fence_signals
-from celery_fence.actions import Action
 from celery_fence.chaos import APP_ROWS, BESIDE_FORMS, CHARGE, EXPORT_ROWS, NOTIFY, TASK_NAME
 from celery_fence.chaos.arms import (
     AsyncEndingsTask,
@@ -78,8 +77,7 @@ from celery_fence.chaos.arms import (
 from celery_fence.chaos.workload_sql import beside_statement
 from celery_fence.errors import ConfigurationError
 from celery_fence.ops.outbox import Outbox, idempotency_key
-from celery_fence.store import Store
-from celery_fence.store.fenced import FencedWriter
+from celery_fence.store import Store, sql
 from celery_fence.testing import faults
 
 #: Environment variables the harness sets (all strings) and their defaults.
@@ -214,35 +212,25 @@ def call_provider(path: str, idem: str, payload: Any, *, timeout: float) -> dict
     return dict(json.loads(data or b"{}"))
 
 
-#: The registration's terminal-state term, as the store's registration statement renders it.
-TERMINAL_TERM = "fence_jobs.status NOT IN ('completed', 'dead') AND "
-
-
-class _RegistersFinished(FencedWriter):
-    """A writer whose registrations drop the terminal-state term: a completed or dead job's row
-    is taken again by any newer generation (the generation term stays)."""
-
-    def write(self, statement: str, params: dict[str, Any], **kw: Any) -> Any:
-        if kw.get("actions") == (Action.CLAIMED,):
-            if TERMINAL_TERM not in statement:  # never run the arm unbroken without saying so
-                raise RuntimeError("--rerun-finished: the registration's terminal term not found")
-            statement = statement.replace(TERMINAL_TERM, "", 1)
-        return super().write(statement, params, **kw)
+#: The registration's terminal-state term, as queries.sql's ``register`` writes it.
+TERMINAL_TERM = "fence_jobs.status NOT IN ('completed', 'dead')\n    AND "
 
 
 class RerunsFinished(FencedTask, fence_base=True):
     """The control arm of ``body re-runs after completion`` (``--rerun-finished``): this task's
     store registers a newer generation over a completed or dead job, as a registration without
-    its ``status NOT IN (completed, dead)`` term would. A redelivered message of a completed job
-    then runs its body again."""
+    its ``status NOT IN (completed, dead)`` term would (the generation term stays). A
+    redelivered message of a completed job then runs its body again."""
 
     def fence_backends(self) -> Any:
         backends = super().fence_backends()
         store: Store = backends.store
-        if not isinstance(store.writer, _RegistersFinished):
-            store.writer = _RegistersFinished(
-                store.writer.db, record_transitions=store.writer.record_transitions
-            )
+        register = store.queries["register"]
+        if TERMINAL_TERM in register:  # this store's own statements, the term taken out
+            loose = register.replace(TERMINAL_TERM, "", 1)
+            store.queries = sql.Rendered({**store.queries, "register": loose})
+        elif "NOT IN ('completed', 'dead')" in register:  # never run the arm unbroken silently
+            raise RuntimeError("--rerun-finished: the registration's terminal term not found")
         return backends
 
 

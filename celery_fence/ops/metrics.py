@@ -79,7 +79,7 @@ class StoreCollector:
         stranded: Counter[str] = Counter()
         with Scope(self.app) as scope:
             for db in scope.databases():
-                counts.update(db.store.status_counts())
+                counts.update(db.store.admin.status_counts())
                 for status, (n, first) in db.store.outbox_rows.summary().items():
                     outbox[status] += n
                     if status == OutboxStatus.PENDING.value and first is not None:

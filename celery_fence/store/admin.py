@@ -1,6 +1,7 @@
 """The operator's and the recovery's verbs on jobs: requeue a dead job (and undo it when its
 message cannot be sent), find stranded jobs and take them for a re-send (one that cannot be
-re-sent ends as :class:`~celery_fence.store.records.DeadStranded`), purge finished jobs. Each write
+re-sent ends as :class:`~celery_fence.store.records.DeadStranded`), purge finished jobs; and the
+operator's reads (:meth:`JobAdmin.list_jobs`, :meth:`JobAdmin.status_counts`). Each write
 is a compare-and-set on the row as it was read (:func:`as_read`), through the one fenced write
 (:mod:`.fenced`). A store's are ``store.admin`` (:class:`JobAdmin`)."""
 
@@ -33,7 +34,8 @@ UNFINISHED = (RUNNING, RETRYING, PENDING)
 
 
 def as_read(store: Store, before: JobRecord, **values: Any) -> dict[str, Any]:
-    """Parameters of a compare-and-set on ``before`` (``sql.SAME`` / ``sql.UNCHANGED``)."""
+    """Parameters of a compare-and-set on ``before``, the row as read (``requeue``,
+    ``take_for_resend``, ...)."""
     return {
         "key": before.key,
         "generation": before.generation,
@@ -83,18 +85,18 @@ class JobAdmin:
         if before.status != wanted:
             raise StoreError(f"job {key!r} is {before.status}, not {wanted}: not requeued")
         params = as_read(self.store, before)
-        sets = sql.REQUEUE
+        name = "requeue"
         if completed and before.request:
             request = with_run(before.request, run_of(before.request) + 1)
             text = json.dumps(request, separators=(",", ":"))
             if NUL_ESCAPE in text:  # as a registration stores what jsonb refuses: encoded
                 text = json.dumps({ENCODED_REQUEST: text}, separators=(",", ":"))
             params["request"] = text
-            sets = sql.REQUEUE_RERUN
+            name = "requeue_rerun"
             before = dataclasses.replace(before, request=request)
         if completed:  # a run from scratch: the completed run's steps and checkpoint go first
             self.store.steps.clear_completed(key)
-        statement = sql.cas_sql(self.store.dialect, sets, sql.SAME)
+        statement = self.store.queries[name]
         if reason is None:
             reason = "completed job re-run by operator" if completed else "by operator"
         self.store.fenced_write("requeue", statement, params, Action.REQUEUED, reason=reason)
@@ -115,7 +117,7 @@ class JobAdmin:
             attempts=before.attempts,
             finished_at=self.store.db.stamp(before.finished_at),
         )
-        statement = sql.cas_sql(self.store.dialect, sql.RESTORE_FINISHED, sql.SAME)
+        statement = self.store.queries["restore_finished"]
         self.store.fenced_write(
             "restore", statement, params, Action.REQUEUE_REVERTED, reason=reason
         )
@@ -166,7 +168,7 @@ class JobAdmin:
         """
         if before.status not in UNFINISHED:
             raise StoreError(f"job {before.key!r} is {before.status}: only unfinished jobs")
-        statement = sql.cas_sql(self.store.dialect, sql.TAKE_FOR_RESEND, sql.UNCHANGED)
+        statement = self.store.queries["take_for_resend"]
         actions = (Action.RECOVERED,)
         now = utcnow()
         params = as_read(self.store, before)
@@ -176,6 +178,27 @@ class JobAdmin:
         ):
             return None
         return dataclasses.replace(before, status=PENDING, updated_at=now, retry_at=None)
+
+    def list_jobs(
+        self,
+        *,
+        status: str | None = None,
+        task_name: str | None = None,
+        limit: int = 50,
+        never_claimed: bool = False,
+    ) -> list[JobRecord]:
+        """Jobs, most recently updated first (``never_claimed``: only ``pending`` ones at
+        generation 0, enqueued and not yet claimed)."""
+        query = sql.list_jobs(
+            status=status, task_name=task_name, limit=limit, never_claimed=never_claimed
+        )
+        with self.store.db.connect() as conn:
+            return [job_record(r) for r in conn.execute(query).all()]
+
+    def status_counts(self) -> dict[tuple[str, str], int]:
+        """``{(task_name, status): jobs}``, one grouped read (the metrics' store gauges)."""
+        with self.store.db.connect() as conn:
+            return {(r[0], r[1]): int(r[2]) for r in conn.execute(sql.job_status_counts()).all()}
 
     def delete_all_rows(self) -> None:
         """Delete every job, transition and outbox row (on PostgreSQL, every one no open

@@ -1,10 +1,11 @@
 """The one fenced write: a conditional statement, its transition row(s) and its staged outbox
 rows, atomically.
 
-Every write on a fenced path (register, an ending of a job, requeue, recover, ...) is one
-statement from :mod:`.sql` whose condition names the key, the generation and the attempt (or the
-state just read). On PostgreSQL the transition rows and outbox rows ride in the same statement as
-data-modifying CTEs: one round trip, one prepared statement, on an AUTOCOMMIT connection. On
+Every write on a fenced path (register, an ending of a job, requeue, recover, ...) is one named
+statement of :file:`queries.sql` whose condition names the key, the generation and the attempt
+(or the state just read). On PostgreSQL the transition rows and outbox rows ride in the same
+statement as data-modifying CTEs: one round trip, one prepared statement, on an AUTOCOMMIT
+connection. On
 SQLite they share one ``BEGIN IMMEDIATE`` transaction. "No row returned" comes back as None, for
 the caller to turn into a domain error; it is never followed by an unconditional write.
 """
@@ -22,8 +23,6 @@ from celery_fence.store import sql
 from celery_fence.store.engine import SQLITE_TIMESTAMP, Database
 from celery_fence.store.records import Effect
 
-SQLITE_TRANSITION_SQL = sql.transition_sql("sqlite")
-
 
 class Row(NamedTuple):
     """What a fenced write returns."""
@@ -32,16 +31,18 @@ class Row(NamedTuple):
     generation: int
     attempt_id: str
     attempts: int
-    #: A registration's: the re-run number its stored request carries (``sql.register_sql``).
+    #: A registration's: the re-run number its stored request carries (``register``).
     run: Any = None
 
 
 class FencedWriter:
-    """Runs fenced writes and transition records on ``db``; ``record_transitions`` off writes
-    no transition rows (the state changes stay fenced)."""
+    """Runs fenced writes and transition records on ``db``, with ``statements`` (its dialect's
+    named statements: the transition, outbox and commit parts); ``record_transitions`` off
+    writes no transition rows (the state changes stay fenced)."""
 
-    def __init__(self, db: Database, *, record_transitions: bool) -> None:
+    def __init__(self, db: Database, statements: sql.Rendered, *, record_transitions: bool) -> None:
         self.db = db
+        self.statements = statements
         self.record_transitions = record_transitions
 
     def write(
@@ -74,15 +75,15 @@ class FencedWriter:
         if self.db.dialect == "postgresql":
             params["now"] = now
             # every fenced write says how durable its commit is (a one-time filter)
-            statement = sql.pg_with_records(
+            statement = self.statements.with_records(
                 statement,
-                actions=actions,
-                transitions=record,
+                transition=record,
                 effects=bool(effects),
-                reason=reason is not None,
                 durable=durable,
                 clear_steps=clear_steps,
             )
+            (action,) = actions  # one transition row per fenced write on PostgreSQL
+            params["action"] = action.value
             params["reason"] = reason
             if effects:
                 params["effects"] = json.dumps(
@@ -100,14 +101,14 @@ class FencedWriter:
         synced = durable and not self.db.pinned
         with self.db.raw() as cursor:
             if synced:
-                cursor.execute(sql.SQLITE_SYNC_FULL)
+                cursor.execute(self.statements["sync_ending"])
             try:
                 return self._sqlite_write(
                     cursor, statement, params, actions, reason, effects, clear_steps
                 )
             finally:
                 if synced:
-                    cursor.execute(sql.SQLITE_SYNC_NORMAL)
+                    cursor.execute(self.statements["sync_default"])
 
     def _sqlite_write(
         self,
@@ -132,7 +133,7 @@ class FencedWriter:
             if row is not None:
                 for action in actions if record else ():
                     cursor.execute(
-                        SQLITE_TRANSITION_SQL,
+                        self.statements["transition"],
                         {
                             "key": row[0],
                             "generation": row[1],
@@ -144,7 +145,7 @@ class FencedWriter:
                     )
                 for e in effects:
                     cursor.execute(
-                        sql.SQLITE_OUTBOX_SQL,
+                        self.statements["outbox_insert"],
                         {
                             "key": row[0],
                             "name": e.name,
@@ -154,7 +155,7 @@ class FencedWriter:
                         },
                     )
                 if clear_steps:
-                    cursor.execute(sql.SQLITE_CLEAR_STEPS, {"key": row[0]})
+                    cursor.execute(self.statements["clear_steps"], {"key": row[0]})
         except BaseException:
             if own_tx:
                 cursor.execute(sql.ROLLBACK)
@@ -177,11 +178,11 @@ class FencedWriter:
         params = _transition(key, generation, attempt_id, action, _reason(reason), None)
         if self.db.dialect == "postgresql":
             params["now"] = utcnow()
-            self.db.pg_execute(sql.transition_sql("postgresql"), params)
+            self.db.pg_execute(self.statements["transition"], params)
             return
         params["now"] = self.db.stamp(utcnow())
         with self.db.raw() as cursor:
-            cursor.execute(sql.transition_sql("sqlite"), params)
+            cursor.execute(self.statements["transition"], params)
 
 
 def _reason(reason: str | None) -> str | None:

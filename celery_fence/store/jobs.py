@@ -1,7 +1,8 @@
 """The fenced result store: the job verbs of the task's path (register, and :meth:`Store.end`,
-which applies every ending of a job), the reads; the operator's verbs are ``store.admin``
-(:class:`.admin.JobAdmin`). Its SQL is in :mod:`.sql`, its connection in :mod:`.engine`,
-its one fenced write in :mod:`.fenced`, its outbox in :mod:`.outbox`."""
+which applies every ending of a job), the reads of one job; the operator's verbs and reads
+(list, counts, stranded) are ``store.admin`` (:class:`.admin.JobAdmin`). Its fenced statements
+are in :file:`queries.sql` (by name), the rest of its SQL in :mod:`.sql`, its connection in
+:mod:`.engine`, its one fenced write in :mod:`.fenced`, its outbox in :mod:`.outbox`."""
 
 from __future__ import annotations
 
@@ -50,22 +51,14 @@ class Store:
     """The SQL repository of jobs, their transitions and their outbox rows. Safe to share between
     threads; re-creates its pool after fork."""
 
-    #: The fence on the endings of a running attempt (completion, retry, dead):
-    #: :data:`.sql.OWNED`.
-    _owned_where = sql.OWNED
-    #: What a completion sets besides its result and state: nothing, the fence already names
-    #: the writer (the chaos harness's store without the fence names it here).
-    _completion_sets = ""
-    #: A registration's condition: a strictly newer generation of a live job.
-    _register_where = sql.NEWER_LIVE
+    #: Its named statements (:file:`queries.sql`); the chaos harness's control arms give their
+    #: own (:mod:`celery_fence.chaos.arms`).
+    statements: sql.Statements = sql.STATEMENTS
     #: Whether a registration's commit waits for its WAL flush (PostgreSQL). It does not: losing
     #: a registration in a database crash only costs a re-run, and any later commit of the
     #: attempt (a block, the completion) flushes it first. docs/design.md, "One durable commit
     #: per task".
     durable_registration = False
-    #: Whether an ending's commit waits for its WAL flush. It must: the message is acked after
-    #: it (the chaos harness's control arm turns it off).
-    _durable_endings = True
     #: The block verbs' class (the chaos harness's store without the fence replaces it).
     _blocks_class = Blocks
 
@@ -91,7 +84,9 @@ class Store:
         self.lock_timeout = lock_timeout
         self.record_transitions = record_transitions
         self.error_message_length = error_message_length
-        self.writer = FencedWriter(self.db, record_transitions=record_transitions)
+        #: The statements by name, in this database's dialect, as sent.
+        self.queries = self.statements.rendered(self.dialect)
+        self.writer = FencedWriter(self.db, self.queries, record_transitions=record_transitions)
         self.outbox_rows = OutboxRows(self)
         #: The completed steps and the checkpoint of each job (``fence_steps``).
         self.steps = StepRows(self)
@@ -112,7 +107,7 @@ class Store:
         """This store's verbs on ``db``, a view of its database (:meth:`Database.rolled_back`)."""
         view = copy.copy(self)
         view.db = db
-        view.writer = FencedWriter(db, record_transitions=self.record_transitions)
+        view.writer = FencedWriter(db, self.queries, record_transitions=self.record_transitions)
         view.outbox_rows = OutboxRows(view)
         view.steps = StepRows(view)
         view.beat_ticks = BeatTicks(view)
@@ -154,7 +149,7 @@ class Store:
             if request is None
             else json.dumps(request, separators=(",", ":")),
         }
-        statement = sql.register_sql(self.dialect, where=self._register_where)
+        statement = self.queries["register"]
         row = self.writer.write(
             statement, params, actions=_CLAIMED, durable=self.durable_registration
         )
@@ -200,16 +195,14 @@ class Store:
         changed the row.
         """
         match ending:
-            case Completion():  # where this attempt owns the running row (_owned_where)
+            case Completion():  # where this attempt owns the running row
                 params = self._owner(
                     key,
                     ending.generation,
                     ending.attempt_id,
                     result=dumps_strict(ending.result, "task's return value"),
                 )
-                statement = sql.complete_sql(
-                    self.dialect, where=self._owned_where, sets=self._completion_sets
-                )
+                statement = self.queries["complete"]
                 effects = ending.effects
                 self.fenced_write(
                     "completion",
@@ -219,7 +212,7 @@ class Store:
                     effects=effects,
                     clear_steps=ending.clear_steps,
                 )
-            case RetryScheduled():  # where this attempt owns the running row (_owned_where)
+            case RetryScheduled():  # where this attempt owns the running row
                 errors = self._error_fields(ending.error)
                 params = self._owner(
                     key,
@@ -228,31 +221,23 @@ class Store:
                     retry_at=self.db.stamp(ending.retry_at),
                     **errors,
                 )
-                statement = sql.retry_sql(
-                    self.dialect, errors=bool(errors), where=self._owned_where
-                )
+                statement = self.queries["retry_with_error" if errors else "retry"]
                 reason = ending.reason
                 self.fenced_write("retry", statement, params, Action.RETRY_SCHEDULED, reason=reason)
-            case Dead():  # where this attempt owns the running row (_owned_where)
+            case Dead():  # where this attempt owns the running row
                 errors = self._error_fields(ending.error)
                 attempts = ending.attempts
                 params = self._owner(
                     key, ending.generation, ending.attempt_id, attempts=attempts, **errors
                 )
-                statement = sql.dead_sql(
-                    self.dialect,
-                    where=self._owned_where,
-                    errors=bool(errors),
-                    attempts=attempts is not None,
-                )
+                name = "dead" if attempts is None else "dead_counted"
+                statement = self.queries[f"{name}_with_error" if errors else name]
                 reason = ending.reason
                 self.fenced_write("dead-letter", statement, params, Action.DEAD, reason=reason)
-            case CallerFailed():  # where this attempt owns the running row (_owned_where)
+            case CallerFailed():  # where this attempt owns the running row
                 errors = self._error_fields(ending.error)
                 params = self._owner(key, ending.generation, ending.attempt_id, **errors)
-                statement = sql.caller_failed_sql(
-                    self.dialect, errors=bool(errors), where=self._owned_where
-                )
+                statement = self.queries["caller_failed_with_error" if errors else "caller_failed"]
                 reason = ending.reason
                 self.fenced_write("failure", statement, params, Action.FAILED, reason=reason)
             case DeadRefused():  # like a registration: over an older generation of a live job
@@ -267,19 +252,19 @@ class Store:
                     request=_json(request),
                     **self._error_fields(ending.error),
                 )
-                statement = sql.dead_refused_sql(self.dialect)
+                statement = self.queries["dead_refused"]
                 reason = ending.reason
                 self.fenced_write("dead-letter", statement, params, Action.DEAD, reason=reason)
             case DeadUnregistered():  # a new row, or over a pending one
                 return self._dead_unregistered(key, ending)
             case DeadUnrun():  # a new row, or compare-and-set on the row waiting for it
                 return self._dead_unrun(key, ending)
-            case DeadStranded():  # compare-and-set on the row as recovery read it (UNCHANGED)
+            case DeadStranded():  # compare-and-set on the row as recovery read it, unmoved
                 before = ending.record
                 if before.key != key:
                     raise ValueError(f"a stranded job's record of {before.key!r}, not {key!r}")
                 params = admin.as_read(self, before, **self._error_fields(ending.error))
-                statement = sql.dead_sql(self.dialect, where=sql.UNCHANGED, errors=True)
+                statement = self.queries["dead_stranded"]
                 row = self.writer.write(statement, params, actions=_DEAD, reason=ending.reason)
                 return row is not None
             case _:
@@ -291,14 +276,15 @@ class Store:
     ) -> bool:
         """:class:`DeadUnregistered`: a request the database refuses as is (e.g. ``\\u0000`` in
         PostgreSQL's jsonb) is kept encoded, as :class:`DeadRefused` keeps it.
-        ``over_pending=False``: only a new row (a ``pending`` one is left to the caller)."""
+        ``over_pending=False``: only a new row (``dead_unregistered_new``: a ``pending`` one is
+        left to the caller)."""
         params = {
             "key": key,
             "task_name": ending.task_name,
             "request": _json(ending.request),
             **self._error_fields(ending.error),
         }
-        statement = sql.dead_unregistered_sql(self.dialect, over_pending=over_pending)
+        statement = self.queries["dead_unregistered" if over_pending else "dead_unregistered_new"]
         reason = ending.reason
         try:
             return self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None
@@ -310,7 +296,7 @@ class Store:
 
     def _dead_unrun(self, key: str, ending: DeadUnrun) -> bool:
         """:class:`DeadUnrun`: a new row (:class:`DeadUnregistered`'s statement, where no row
-        exists), else a compare-and-set (:data:`.sql.SAME`) on the row just read, while it waits
+        exists), else a compare-and-set (``dead_unrun``) on the row just read, while it waits
         for this message (:meth:`DeadUnrun.waits_for`: a ``pending`` row of another message that
         shares the key is not this message's); True when the job went ``dead``, False when only
         the transition is recorded."""
@@ -332,7 +318,7 @@ class Store:
                 was_status=before.status,
                 **self._error_fields(error),
             )
-            statement = sql.dead_sql(self.dialect, where=sql.SAME, errors=True)
+            statement = self.queries["dead_unrun"]
             if self.writer.write(statement, params, actions=_DEAD, reason=reason) is not None:
                 return True
             if terminated_id is None:
@@ -359,7 +345,7 @@ class Store:
             actions=actions,
             reason=reason,
             effects=effects,
-            durable=self._durable_endings,
+            durable=True,
             clear_steps=clear_steps,
         )
         if row is None:
@@ -412,27 +398,6 @@ class Store:
         return [
             Transition(r.key, r.generation, r.attempt_id, r.action, r.reason, r.at) for r in rows
         ]
-
-    def list_jobs(
-        self,
-        *,
-        status: str | None = None,
-        task_name: str | None = None,
-        limit: int = 50,
-        never_claimed: bool = False,
-    ) -> list[JobRecord]:
-        """Jobs, most recently updated first (``never_claimed``: only ``pending`` ones at
-        generation 0, enqueued and not yet claimed)."""
-        query = sql.list_jobs(
-            status=status, task_name=task_name, limit=limit, never_claimed=never_claimed
-        )
-        with self.db.connect() as conn:
-            return [job_record(r) for r in conn.execute(query).all()]
-
-    def status_counts(self) -> dict[tuple[str, str], int]:
-        """``{(task_name, status): jobs}``, one grouped read (the metrics' store gauges)."""
-        with self.db.connect() as conn:
-            return {(r[0], r[1]): int(r[2]) for r in conn.execute(sql.job_status_counts()).all()}
 
 
 def _json(value: Mapping[str, Any] | None) -> str | None:

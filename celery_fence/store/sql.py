@@ -4,15 +4,15 @@ block statements, on the user's connection); nothing else builds SQL on these ta
 
 Two kinds, by how often they run:
 
-- The fenced writes (register, the endings of a job, requeue, recover, ...) are text,
-  written once here as templates with ``:name`` parameters and rendered per dialect
-  (``%(name)s`` on PostgreSQL, which psycopg 3 and psycopg2 both take; each runs them as
-  prepared statements its own way, :meth:`.engine.Database.run_prepared`), cached per
-  (dialect, options): they skip SQLAlchemy's
-  statement building and compilation, which costs more CPU than the round trip on the two that
-  every task runs. Each returns ``(key, generation, attempt_id, attempts)`` of the row it
-  changed, or no row when its condition did not match. :func:`pg_with_records` wraps one in
-  data-modifying CTEs so its transition rows and staged outbox rows share its statement.
+- The fenced writes (register, the endings of a job, requeue, recover, steps, ...) are written
+  out and named in :file:`queries.sql` (``-- name: complete``), read once at import
+  (:data:`STATEMENTS`) and rendered once per dialect (:func:`render`; each driver runs them as
+  prepared statements its own way, :meth:`.engine.Database.run_prepared`): they skip
+  SQLAlchemy's statement building and compilation, which costs more CPU than the round trip on
+  the two that every task runs. Each returns ``(key, generation, attempt_id, attempts)`` of the
+  row it changed, or no row when its condition did not match.
+  :meth:`Rendered.with_records` wraps one in data-modifying CTEs (named there too) so its
+  transition row and staged outbox rows share its statement.
 - Reads, operator statements and the outbox's are SQLAlchemy Core, built here per call.
 
 Statuses come from :class:`~celery_fence.schema.Status` and
@@ -20,9 +20,9 @@ Statuses come from :class:`~celery_fence.schema.Status` and
 :class:`~celery_fence.actions.Action`.
 
 The outbox inserts ignore an existing idempotency key: with the fence on, a job completes once, so
-this never fires; under the chaos harness's store without the fence (its control arm), a second
-(stale) completion then overwrites the result, as a plain write would, without failing on the
-outbox.
+this never fires; under the chaos harness's store without the fence (its control arm, whose
+statements are its own: :mod:`celery_fence.chaos.arms`), a second (stale) completion then
+overwrites the result, as a plain write would, without failing on the outbox.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import datetime as dt
 import re
 from collections.abc import Callable, Sequence
 from functools import cache
+from importlib import resources
 from typing import Any
 
 import sqlalchemy as sa
@@ -39,7 +40,6 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from celery_fence.actions import INTERRUPTED_BY, Action
 from celery_fence.schema import (
-    CHECKPOINT,
     COMPLETED,
     OutboxStatus,
     Status,
@@ -51,41 +51,15 @@ from celery_fence.schema import (
 )
 
 JOBS, TRANSITIONS, OUTBOX, STEPS = jobs.name, transitions.name, outbox.name, steps.name
-RETURNING = "RETURNING key, generation, attempt_id, attempts"
-#: The re-run number (``fence_run``) the job row's stored request carries, as a registration
-#: returns it (an integer, else NULL): a late message without the header still runs as the
-#: operator's re-run the row was requeued for.
-_RUN_PATH = "execution,headers,fence_run"
-_STORED_RUN = {
-    "postgresql": (
-        f"CASE WHEN jsonb_typeof({JOBS}.request #> '{{{_RUN_PATH}}}') = 'number' "
-        f"THEN {JOBS}.request #>> '{{{_RUN_PATH}}}' END AS run"
-    ),
-    # json_type() raises on text that is not JSON: check it first (CASE evaluates lazily)
-    "sqlite": (
-        f"CASE WHEN json_valid({JOBS}.request) THEN CASE WHEN "
-        f"json_type({JOBS}.request, '$.execution.headers.fence_run') = 'integer' "
-        f"THEN json_extract({JOBS}.request, '$.execution.headers.fence_run') END END AS run"
-    ),
-}
-TRANSITION_COLUMNS = "key, generation, attempt_id, action, reason, at"
-OUTBOX_COLUMNS = "key, name, idempotency_key, payload, status, attempts, available_at, created_at"
-_JOB_COLUMNS = (
-    "key, task_name, status, generation, attempt_id, attempts, request, created_at, updated_at"
-)
-_ERRORS = ", error_type = :error_type, error_message = :error_message"
-_DEAD = f"status = '{Status.DEAD}', updated_at = :now, finished_at = :now, retry_at = NULL"
 
 
 def render(dialect: str, template: str) -> str:
-    """A ``:name`` template in the dialect's parameter style (``::type`` casts are kept)."""
+    """A ``:name`` template in the dialect's parameter style: ``%(name)s`` on PostgreSQL
+    (``::type`` casts kept), which psycopg 3 and psycopg2 both take; as is on SQLite, its
+    ``::jsonb`` casts dropped (SQLite keeps JSON as text)."""
     if dialect == "sqlite":
-        return template
+        return template.replace("::jsonb", "")
     return re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", template)
-
-
-def _json(dialect: str) -> str:
-    return "::jsonb" if dialect == "postgresql" else ""
 
 
 # -- session and transaction statements -----------------------------------------------------------
@@ -95,11 +69,7 @@ SQLITE_PRAGMAS = (
     "PRAGMA synchronous=NORMAL",
     "PRAGMA busy_timeout=30000",
 )
-#: SQLite: a job's ending (completion, retry, dead) is synced to disk before its COMMIT returns
-#: (the WAL fsynced at the commit: an OS crash or power loss after the ack cannot take it back);
-#: the connection's default, NORMAL, is for everything else (a registration, like PostgreSQL's,
-#: may be lost to an OS crash: it costs a re-run, never a stale write or a lost job).
-SQLITE_SYNC_FULL, SQLITE_SYNC_NORMAL = "PRAGMA synchronous=FULL", "PRAGMA synchronous=NORMAL"
+#: SQLite: a job's ending is synced to disk at its COMMIT: ``sync_ending`` in queries.sql.
 BEGIN_IMMEDIATE, COMMIT, ROLLBACK = "BEGIN IMMEDIATE", "COMMIT", "ROLLBACK"
 NO_STATEMENT_TIMEOUT = "SET LOCAL statement_timeout = 0"
 
@@ -170,182 +140,130 @@ def sqlite_busy_timeout(ms: int | None = None) -> str:
     return "PRAGMA busy_timeout" if ms is None else f"PRAGMA busy_timeout = {int(ms)}"
 
 
-# -- the fenced writes ----------------------------------------------------------------------------
+# -- the fenced writes: written out and named in queries.sql --------------------------------------
 
 
-#: The fence: a write of the task's path changes the job row only where this attempt still owns
-#: it, running. Every fenced write below says ``WHERE {OWNED}``.
+def parse_statements(text: str) -> dict[tuple[str, str | None], str]:
+    """The blocks of a ``queries.sql`` text: ``{(name, dialect or None): statement}``. A block
+    starts at ``-- name: <name>`` or ``-- name: <name> (<dialect>)`` and runs to the next; its
+    ``--`` lines are comments (dropped); a name given twice for one dialect is an error."""
+    blocks: dict[tuple[str, str | None], str] = {}
+    current: tuple[str, str | None] | None = None
+    lines: list[str] = []
+
+    def close() -> None:
+        if current is not None:
+            body = "\n".join(lines).strip()
+            if not body:
+                raise ValueError(f"queries.sql: statement {current[0]!r} has no text")
+            blocks[current] = body
+
+    for line in text.splitlines():
+        header = _NAME_LINE.match(line)
+        if header is not None:
+            close()
+            current, lines = (header["name"], header["dialect"]), []
+            if current in blocks:
+                raise ValueError(f"queries.sql: statement {current[0]!r} given twice")
+        elif current is not None and not line.lstrip().startswith("--"):
+            lines.append(line.rstrip())
+    close()
+    return blocks
+
+
+_NAME_LINE = re.compile(r"^-- name: (?P<name>\w+)(?: \((?P<dialect>postgresql|sqlite)\))?\s*$")
+
+
+class Statements:
+    """The named fenced statements (:file:`queries.sql`), per dialect. ``rendered(dialect)``
+    gives each name's text in that dialect's parameter style, rendered once (the store's
+    statement cache); :meth:`replaced` gives a set with some texts replaced (the chaos
+    harness's control arms: their statements are theirs, never flags of the product's)."""
+
+    def __init__(self, texts: dict[tuple[str, str | None], str]) -> None:
+        self.texts = dict(texts)
+        self._rendered: dict[str, Rendered] = {}
+
+    def template(self, name: str, dialect: str) -> str:
+        """``name``'s text for ``dialect`` as written (``:name`` parameters)."""
+        text = self.texts.get((name, dialect)) or self.texts.get((name, None))
+        if text is None:
+            raise KeyError(f"no statement {name!r} for {dialect} in queries.sql")
+        return text
+
+    def names(self, dialect: str) -> list[str]:
+        return sorted({n for n, d in self.texts if d in (None, dialect)})
+
+    def replaced(self, texts: dict[tuple[str, str | None], str]) -> Statements:
+        """This set with ``texts`` (``{(name, dialect or None): text}``) in place of its own."""
+        return Statements({**self.texts, **texts})
+
+    def rendered(self, dialect: str) -> Rendered:
+        found = self._rendered.get(dialect)
+        if found is None:
+            texts = {n: render(dialect, self.template(n, dialect)) for n in self.names(dialect)}
+            found = self._rendered[dialect] = Rendered(texts)
+        return found
+
+
+class Rendered(dict[str, str]):
+    """One dialect's statements by name, as sent; on PostgreSQL, :meth:`with_records` composes
+    (once per shape) a fenced write with the parts that ride along in its statement."""
+
+    def __init__(self, texts: dict[str, str]) -> None:
+        super().__init__(texts)
+        self._composed: dict[tuple[str, bool, bool, bool, bool], str] = {}
+
+    def with_records(
+        self,
+        write: str,
+        *,
+        transition: bool,
+        effects: bool,
+        durable: bool = True,
+        clear_steps: bool = False,
+    ) -> str:
+        """PostgreSQL: ``write`` (a fenced write's text) in ``WITH fenced AS (...)``, then its
+        transition row (``with_transition``: ``%(action)s``, ``%(reason)s``), its outbox rows
+        (``with_effects``: ``%(effects)s``) and its steps cleared (``with_cleared_steps``), as
+        asked: one statement, one round trip, one commit. Its commit condition:
+        ``durable_commit`` (waits for its WAL flush whatever the server's default) or
+        ``async_commit`` (it does not), for the statement's own (AUTOCOMMIT) transaction."""
+        shape = (write, transition, effects, durable, clear_steps)
+        found = self._composed.get(shape)
+        if found is None:
+            parts = [f"WITH fenced AS ({write})"]
+            if transition:
+                parts.append(self["with_transition"])
+            if effects:
+                parts.append(self["with_effects"])
+            if clear_steps:
+                parts.append(self["with_cleared_steps"])
+            parts.append("SELECT * FROM fenced")  # a registration's also its stored run
+            parts.append("WHERE " + self["durable_commit" if durable else "async_commit"])
+            found = self._composed[shape] = "\n".join(parts)
+        return found
+
+
+def _read_statements() -> Statements:
+    text = (resources.files("celery_fence.store") / "queries.sql").read_text(encoding="utf-8")
+    return Statements(parse_statements(text))
+
+
+#: The fenced statements of :file:`queries.sql`, read once at import.
+STATEMENTS = _read_statements()
+#: The fence, as every fenced write of the task's path says it (:file:`queries.sql`).
 OWNED = (
-    "key = :key AND generation = :generation AND attempt_id = :attempt_id "
-    f"AND status = '{Status.RUNNING}'"
+    "key = :key AND generation = :generation AND attempt_id = :attempt_id AND status = 'running'"
 )
-
-#: A registration takes the row only for a strictly greater generation of a live job.
+#: A registration's condition: a strictly greater generation of a live job.
 NEWER_LIVE = (
-    f"{JOBS}.status NOT IN ('{Status.COMPLETED}', '{Status.DEAD}') "
-    f"AND {JOBS}.generation < excluded.generation"
+    "fence_jobs.status NOT IN ('completed', 'dead')\n"
+    "    AND fence_jobs.generation < excluded.generation"
 )
-
-
-#: The row is still what was read (status, generation, attempt): operators' compare-and-set.
-SAME = (
-    "key = :key AND status = :was_status AND generation = :generation AND attempt_id = :attempt_id"
-)
-#: ... and has not moved since (recovery's compare-and-set).
-UNCHANGED = f"{SAME} AND updated_at = :was_updated_at"
-
-
-def _update(dialect: str, sets: str, where: str) -> str:
-    return render(dialect, f"UPDATE {JOBS} SET {sets} WHERE {where} {RETURNING}")
-
-
-@cache
-def register_sql(dialect: str, *, where: str = NEWER_LIVE) -> str:
-    """Upsert that takes the row only for a strictly greater generation of a live job
-    (:data:`NEWER_LIVE`). Over a ``failed`` row (a call in the caller's thread raised to its
-    caller) the attempt count starts again: that call's failure was its caller's."""
-    return render(
-        dialect,
-        f"INSERT INTO {JOBS} ({_JOB_COLUMNS}) "
-        f"VALUES (:key, :task_name, '{Status.RUNNING}', :generation, :attempt_id, "
-        f"1, :request{_json(dialect)}, :now, :now) "
-        "ON CONFLICT (key) DO UPDATE SET generation = excluded.generation, "
-        f"attempt_id = excluded.attempt_id, status = '{Status.RUNNING}', "
-        f"attempts = CASE WHEN {JOBS}.status = '{Status.FAILED}' THEN 1 "
-        f"ELSE {JOBS}.attempts + 1 END, updated_at = excluded.updated_at, retry_at = NULL "
-        f"WHERE {where} {RETURNING}, {_STORED_RUN[dialect]}",
-    )
-
-
-@cache
-def complete_sql(dialect: str, *, where: str = OWNED, sets: str = "") -> str:
-    """Result + completed, only where this attempt still owns a running row."""
-    return _update(
-        dialect,
-        f"status = '{Status.COMPLETED}', result = :result{_json(dialect)}, updated_at = :now, "
-        f"finished_at = :now, error_type = NULL, error_message = NULL{sets}",
-        where,
-    )
-
-
-@cache
-def retry_sql(dialect: str, *, errors: bool, where: str = OWNED) -> str:
-    """``retrying`` until ``:retry_at``, where this attempt owns the row."""
-    sets = f"status = '{Status.RETRYING}', updated_at = :now, retry_at = :retry_at"
-    return _update(dialect, sets + (_ERRORS if errors else ""), where)
-
-
-@cache
-def dead_sql(dialect: str, *, where: str, errors: bool, attempts: bool = False) -> str:
-    """``dead`` where ``where`` (:data:`OWNED`, :data:`SAME` or :data:`UNCHANGED`) holds;
-    ``attempts``: the count set to ``:attempts``."""
-    sets = _DEAD + (", attempts = :attempts" if attempts else "") + (_ERRORS if errors else "")
-    return _update(dialect, sets, where)
-
-
-@cache
-def caller_failed_sql(dialect: str, *, errors: bool, where: str = OWNED) -> str:
-    """``failed`` (an attempt in the caller's thread raised to its caller), where this attempt
-    owns the running row."""
-    sets = f"status = '{Status.FAILED}', updated_at = :now, finished_at = :now, retry_at = NULL"
-    return _update(dialect, sets + (_ERRORS if errors else ""), where)
-
-
-#: The operator's and the recovery's writes (:func:`cas_sql`): a dead (or, on purpose, a
-#: completed) job back to ``pending`` with a fresh attempt budget, its stored result kept until a
-#: new completion replaces it; a requeued job back to ``dead``/``completed`` as it was (its message
-#: could not be sent); a stranded job to ``pending`` for a re-send.
-REQUEUE = (
-    f"status = '{Status.PENDING}', attempts = 0, updated_at = :now, finished_at = NULL, "
-    "retry_at = NULL"
-)
-#: ... and, for a completed job's re-run, its stored request with the run's number.
-REQUEUE_RERUN = f"{REQUEUE}, request = :request"
-RESTORE_FINISHED = (
-    "status = :status, attempts = :attempts, finished_at = :finished_at, updated_at = :now"
-)
-TAKE_FOR_RESEND = f"status = '{Status.PENDING}', updated_at = :now, retry_at = NULL"
-
-
-@cache
-def cas_sql(dialect: str, sets: str, where: str) -> str:
-    """A compare-and-set of ``sets`` on the row as it was read (:data:`SAME`, :data:`UNCHANGED`)."""
-    return _update(dialect, sets.replace(":request", f":request{_json(dialect)}"), where)
-
-
-@cache
-def dead_unregistered_sql(dialect: str, *, over_pending: bool = True) -> str:
-    """A message that cannot be registered kept as a ``dead`` job; an existing row only when it
-    is ``pending`` (its re-sent message failed again), and never with ``over_pending=False``."""
-    conflict = (
-        f"DO UPDATE SET status = '{Status.DEAD}', "
-        "updated_at = excluded.updated_at, finished_at = excluded.finished_at, "
-        "error_type = excluded.error_type, error_message = excluded.error_message "
-        f"WHERE {JOBS}.status = '{Status.PENDING}'"
-        if over_pending
-        else "DO NOTHING"
-    )
-    return render(
-        dialect,
-        f"INSERT INTO {JOBS} ({_JOB_COLUMNS}, finished_at, error_type, error_message) "
-        f"VALUES (:key, :task_name, '{Status.DEAD}', 0, '-', 0, :request{_json(dialect)}, "
-        ":now, :now, :now, :error_type, :error_message) "
-        f"ON CONFLICT (key) {conflict} {RETURNING}",
-    )
-
-
-@cache
-def dead_refused_sql(dialect: str) -> str:
-    """A registration the database refused, ``dead`` at once, fenced like a registration."""
-    taken = "task_name status generation attempt_id request updated_at finished_at error_type"
-    updates = ", ".join(f"{c} = excluded.{c}" for c in taken.split())
-    return render(
-        dialect,
-        f"INSERT INTO {JOBS} ({_JOB_COLUMNS}, finished_at, error_type, error_message) "
-        f"VALUES (:key, :task_name, '{Status.DEAD}', :generation, :attempt_id, 1, "
-        f":request{_json(dialect)}, :now, :now, :now, :error_type, :error_message) "
-        f"ON CONFLICT (key) DO UPDATE SET {updates}, "
-        "error_message = excluded.error_message, "
-        f"attempts = {JOBS}.attempts + 1 "
-        f"WHERE {JOBS}.status NOT IN ('{Status.COMPLETED}', '{Status.DEAD}') "
-        f"AND {JOBS}.generation < excluded.generation {RETURNING}",
-    )
 
 
 # -- steps and checkpoints (fence.step(), fence.checkpoint()) -------------------------------------
-
-_STEP_INSERT = (
-    f"INSERT INTO {STEPS} (key, name, generation, attempt_id, value, size, created_at, updated_at) "
-    "SELECT key, :name, generation, attempt_id, :value{json}, :size, :now, :now "
-    f"FROM {JOBS} WHERE {OWNED} "
-)
-
-
-@cache
-def step_done_sql(dialect: str) -> str:
-    """A completed step's row, fenced: inserted only where this attempt owns the running job row
-    (:data:`OWNED`), never over an existing one (a completed step is never overwritten). Returns
-    its name, or no row."""
-    return render(
-        dialect,
-        _STEP_INSERT.format(json=_json(dialect))
-        + "ON CONFLICT (key, name) DO NOTHING RETURNING name",
-    )
-
-
-@cache
-def checkpoint_sql(dialect: str) -> str:
-    """The job's checkpoint (step :data:`~celery_fence.schema.CHECKPOINT`), fenced: written only
-    where this attempt owns the running job row, and over a stored one only from the same or a
-    newer generation. Returns its name, or no row."""
-    return render(
-        dialect,
-        _STEP_INSERT.replace(":name", f"'{CHECKPOINT}'").format(json=_json(dialect))
-        + "ON CONFLICT (key, name) DO UPDATE SET value = excluded.value, size = excluded.size, "
-        "generation = excluded.generation, attempt_id = excluded.attempt_id, "
-        f"updated_at = excluded.updated_at WHERE {STEPS}.generation <= excluded.generation "
-        "RETURNING name",
-    )
 
 
 def step_boundary(key: str, name: str) -> sa.Select[Any]:
@@ -376,94 +294,6 @@ def clear_completed_steps(key: str) -> Any:
         sa.select(jobs.c.key).where((jobs.c.key == key) & (jobs.c.status == COMPLETED)).exists()
     )
     return steps.delete().where((steps.c.key == key) & still_completed)
-
-
-# -- transition rows and staged outbox rows -------------------------------------------------------
-
-
-@cache
-def transition_sql(dialect: str) -> str:
-    """One transition row (``:action``, ``:reason``); on PostgreSQL it returns its id (the raw
-    path fetches a row)."""
-    returning = " RETURNING id" if dialect == "postgresql" else ""
-    return render(
-        dialect,
-        f"INSERT INTO {TRANSITIONS} ({TRANSITION_COLUMNS}) "
-        f"VALUES (:key, :generation, :attempt_id, :action, :reason, :now){returning}",
-    )
-
-
-#: A completed job's steps and checkpoint, deleted in its completion's transaction (SQLite).
-SQLITE_CLEAR_STEPS = f"DELETE FROM {STEPS} WHERE key = :key"
-
-SQLITE_OUTBOX_SQL = (
-    f"INSERT INTO {OUTBOX} ({OUTBOX_COLUMNS}) "
-    f"VALUES (:key, :name, :idempotency_key, :payload, '{OutboxStatus.PENDING}', 0, :now, :now) "
-    "ON CONFLICT (idempotency_key) DO NOTHING"
-)
-
-
-#: The condition that makes a statement's own transaction (an AUTOCOMMIT statement) commit
-#: without waiting for its WAL flush: ``synchronous_commit`` off for that transaction only
-#: (``set_config(..., true)`` is ``SET LOCAL``). An uncorrelated subquery, so PostgreSQL runs it
-#: once, first (a one-time filter), whether or not the write matched a row. Only the
-#: registration's statement carries it: docs/design.md, "One durable commit per task".
-PG_ASYNC_COMMIT = "(SELECT set_config('synchronous_commit', 'off', true)) = 'off'"
-#: The condition that makes every other fenced write's commit wait for its local WAL flush even
-#: where the server, the database or the role turned ``synchronous_commit`` off: ``local`` for
-#: that transaction only; any other setting (``local``, ``on``, ``remote_*``) is kept. A job's
-#: ending is what the ack waits for: it must survive a crash of the database.
-PG_DURABLE_COMMIT = (
-    "(SELECT CASE WHEN current_setting('synchronous_commit') = 'off' "
-    "THEN set_config('synchronous_commit', 'local', true) ELSE 'kept' END) IS NOT NULL"
-)
-
-
-@cache
-def pg_with_records(
-    write_sql: str,
-    *,
-    actions: tuple[Action, ...],
-    transitions: bool,
-    effects: bool,
-    reason: bool = False,
-    durable: bool = True,
-    clear_steps: bool = False,
-) -> str:
-    """Wrap a fenced write in data-modifying CTEs so its transition rows (one per action, in
-    order; ``reason``: with ``%(reason)s``) and outbox rows (``%(effects)s``, a JSON array of
-    ``{"name", "idempotency_key", "payload"}``) share its statement: one round trip, one commit.
-    ``durable`` False: the statement's commit does not wait for its WAL flush
-    (:data:`PG_ASYNC_COMMIT`); True: it does, whatever the server's default
-    (:data:`PG_DURABLE_COMMIT`). Either is for the statement's own transaction (an AUTOCOMMIT
-    connection's statement)."""
-    parts = [f"WITH fenced AS ({write_sql})"]
-    why = "CAST(%(reason)s AS VARCHAR)" if reason else "NULL"
-    if transitions and len(actions) == 1:
-        parts.append(
-            f", transition AS (INSERT INTO {TRANSITIONS} ({TRANSITION_COLUMNS}) "
-            f"SELECT key, generation, attempt_id, '{actions[0]}', {why}, %(now)s FROM fenced)"
-        )
-    elif transitions:  # one INSERT, rows in the actions' order (their ids keep it)
-        rows = ", ".join(f"({i}, '{name}')" for i, name in enumerate(actions))
-        parts.append(
-            f", transition AS (INSERT INTO {TRANSITIONS} ({TRANSITION_COLUMNS}) "
-            f"SELECT f.key, f.generation, f.attempt_id, a.action, {why}, %(now)s FROM fenced f "
-            f"CROSS JOIN (VALUES {rows}) AS a(n, action) ORDER BY a.n)"
-        )
-    if effects:
-        parts.append(
-            f", effects AS (INSERT INTO {OUTBOX} ({OUTBOX_COLUMNS}) "
-            f"SELECT f.key, e.name, e.idempotency_key, e.payload, '{OutboxStatus.PENDING}', 0, "
-            "%(now)s, %(now)s FROM fenced f CROSS JOIN jsonb_to_recordset(%(effects)s::jsonb) "
-            "AS e(name text, idempotency_key text, payload jsonb) "
-            "ON CONFLICT (idempotency_key) DO NOTHING)"
-        )
-    if clear_steps:
-        parts.append(f", cleared AS (DELETE FROM {STEPS} WHERE key IN (SELECT key FROM fenced))")
-    parts.append(" SELECT * FROM fenced")  # a registration's also its stored run
-    parts.append(f" WHERE {PG_DURABLE_COMMIT if durable else PG_ASYNC_COMMIT}")
-    return "".join(parts)
 
 
 # -- reads and operator statements (SQLAlchemy Core) ----------------------------------------------

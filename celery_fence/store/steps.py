@@ -2,7 +2,7 @@
 
 The writes run on a fenced block's connection, in its transaction (:mod:`celery_fence.body.steps`):
 each is one statement conditional on the attempt still owning the running job row
-(:data:`.sql.OWNED`), and the block's commit is fenced again. Values are payloads: never logged;
+(queries.sql's fence), and the block's commit is fenced again. Values are payloads: never logged;
 the operator's view (:meth:`StepRows.rows`) gives their sizes.
 """
 
@@ -78,18 +78,18 @@ class StepRows:
         generation: int,
         attempt_id: str,
     ) -> bool:
-        """Store the completed step's JSON ``value``, fenced (see :func:`.sql.step_done_sql`):
+        """Store the completed step's JSON ``value``, fenced (``step_done``):
         whether it was written."""
-        statement = sql.step_done_sql(self.store.dialect)
+        statement = self.store.queries["step_done"]
         params = self._params(key, generation, attempt_id, value, name=name)
         return conn.exec_driver_sql(statement, params).first() is not None
 
     def write_checkpoint(
         self, conn: sa.Connection, key: str, value: str, *, generation: int, attempt_id: str
     ) -> bool:
-        """Store the job's checkpoint, fenced (see :func:`.sql.checkpoint_sql`): whether it was
+        """Store the job's checkpoint, fenced (``checkpoint``): whether it was
         written."""
-        statement = sql.checkpoint_sql(self.store.dialect)
+        statement = self.store.queries["checkpoint"]
         params = self._params(key, generation, attempt_id, value)
         return conn.exec_driver_sql(statement, params).first() is not None
 

@@ -167,14 +167,19 @@ def fenced(self, n):
     return {{"n": n, "pid": os.getpid()}}
 
 
-from celery_fence.chaos.arms import UnfencedStore, UnfencedTask  # control arms: no fence
+from celery_fence.chaos.arms import UnfencedStore, UnfencedTask, loosened  # control arms
 from celery_fence.pipeline.backends import backends
 
 
 class RerunStore(UnfencedStore):
     """Broken: a registration takes a completed job's row (its body runs again)."""
 
-    _register_where = "1 = 1"
+    statements = loosened(
+        UnfencedStore.statements,
+        ("register",),
+        "WHERE fence_jobs.status NOT IN ('completed', 'dead')",
+        "WHERE 1 = 1",
+    )
 
 
 class RerunTask(FencedTask, fence_base=True):

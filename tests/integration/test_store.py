@@ -465,19 +465,19 @@ def test_the_write_probe_runs_a_tasks_writes_and_leaves_nothing(
     db_url: str, settings: dict[str, Any]
 ) -> None:
     store = Store(db_url, **settings)
-    before = store.list_jobs(limit=10_000)
+    before = store.admin.list_jobs(limit=10_000)
     assert "rolled back" in probe.write_probe(store)
-    assert store.list_jobs(limit=10_000) == before
+    assert store.admin.list_jobs(limit=10_000) == before
     assert [r for r in store.outbox_rows.rows() if r.key.startswith(PROBE_KEY_PREFIX)] == []
     store.dispose()
 
 
 def test_the_write_probe_fails_on_a_store_without_the_fence_and_leaves_nothing(db_url: str) -> None:
     store = UnfencedStore(db_url)
-    before = store.list_jobs(limit=10_000)
+    before = store.admin.list_jobs(limit=10_000)
     with pytest.raises(StoreError, match="stale completion was accepted: the fence is off"):
         probe.write_probe(store)
-    assert store.list_jobs(limit=10_000) == before
+    assert store.admin.list_jobs(limit=10_000) == before
     store.dispose()
 
 

@@ -240,7 +240,7 @@ def ls(
             listed = [
                 r
                 for db in scope.databases()
-                for r in db.store.list_jobs(
+                for r in db.store.admin.list_jobs(
                     status=status, task_name=task, limit=limit, never_claimed=never_claimed
                 )
             ]
