@@ -1,7 +1,7 @@
 """Drop-in bases for code written against celery-once and celery-singleton, as fenced unique
 jobs (:mod:`celery_fence.adapters.unique`): the "lock" is the job's own row, released by the
 job's end (completed, dead) — never by a TTL, so a worker killed mid-run (SIGKILL, OOM, a hard
-time limit) leaves no stranded lock: recovery runs its job again within one lease TTL.
+time limit) leaves no stranded lock: recovery runs its job again a few lease TTLs later.
 
 celery-once::
 

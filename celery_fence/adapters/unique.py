@@ -5,8 +5,8 @@ task declared with ``fence_unique``) carries it in ``fence_jobs.unique_key``; a 
 index admits one ``pending``, ``running`` or ``retrying`` job per key, so the store itself
 refuses a second one, in the transaction that writes it. The key is released by the job's own
 end (completed, dead): a worker killed mid-run leaves its job ``running``, recovery re-sends it
-within one lease TTL, and the key stays held by that one job until it ends — nothing waits for a
-lock to expire, and no later send is silently dropped.
+a few lease TTLs later (``fence_recover_after``), and the key stays held by that one job until it
+ends — nothing waits for a lock to expire, and no later send is silently dropped.
 
 Policy, per task (``fence_unique_*`` options) or per call (``enqueue(..., unique=...,
 on_conflict=...)``):

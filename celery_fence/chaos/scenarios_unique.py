@@ -1,5 +1,5 @@
 """The ``unique`` scenario: the holder of a unique job dies, and the uniqueness key's later
-sends must still run, within one lease TTL — never wait for a lock's timeout.
+sends must still run, within a lease TTL and a recovery pass — never wait for a lock's timeout.
 
 Each run has one uniqueness key and three waves of :data:`WAVE` sends of
 :data:`~celery_fence.chaos.workload_unique.UNIQUE_TASK`, each wave one child process (the app's
