@@ -20,6 +20,7 @@ from celery_fence.leases.lease import LeaseStore
 from celery_fence.process.runtime import runtime
 from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues
+from celery_fence.testing.proxy import TcpProxy
 from tests.support.env import BROKER_URL, PG_ADMIN_URL, REDIS_URL
 from tests.support.stores import DEFAULT, store_url, with_driver
 from tests.support.worker import SpawnWorker, Worker, app_worker
@@ -57,6 +58,17 @@ def pg_url() -> Iterator[str]:
     with admin.connect() as conn:
         conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     admin.dispose()
+
+
+@pytest.fixture
+def proxy(pg_url: str) -> Iterator[TcpProxy]:
+    """A TCP proxy in front of the session's PostgreSQL (outages as a client sees them)."""
+    url = sa.engine.make_url(pg_url)
+    p = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
+    p.up()
+    yield p
+    p.unstall()
+    p.down()
 
 
 @pytest.fixture

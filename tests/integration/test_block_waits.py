@@ -10,10 +10,9 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 import sqlalchemy as sa
 
 from celery_fence.store import Store
@@ -23,16 +22,6 @@ from tests.integration.test_transaction import _attempt, _write, _writers, metad
 TIMEOUT = 1.0
 #: What a bounded call may take past the timeout: the watchdog's tick, scheduling on a busy box.
 SLACK = 1.5
-
-
-@pytest.fixture
-def proxy(pg_url: str) -> Iterator[TcpProxy]:
-    url = sa.engine.make_url(pg_url)
-    p = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
-    p.up()
-    yield p
-    p.unstall()
-    p.down()
 
 
 def _ends_within_the_bound(block: Callable[[], None]) -> BaseException | None:

@@ -26,16 +26,6 @@ SLACK = 1.5
 
 
 @pytest.fixture
-def proxy(pg_url: str) -> Iterator[TcpProxy]:
-    url = sa.engine.make_url(pg_url)
-    p = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
-    p.up()
-    yield p
-    p.unstall()
-    p.down()
-
-
-@pytest.fixture
 def proxied_store(pg_url: str, proxy: TcpProxy) -> Iterator[Store]:
     url = sa.engine.make_url(pg_url).set(host="127.0.0.1", port=proxy.port)
     store = Store(url.render_as_string(hide_password=False), database_timeout=TIMEOUT)

@@ -9,7 +9,6 @@ counted never said so, and the next delivery only replayed it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,15 +21,6 @@ from celery_fence.store import Store
 from celery_fence.testing.proxy import TcpProxy
 from tests.support.env import REDIS_URL
 from tests.support.stores import with_driver
-
-
-@pytest.fixture
-def proxy(pg_url: str) -> Iterator[TcpProxy]:
-    url = sa.engine.make_url(pg_url)
-    p = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
-    p.up()
-    yield p
-    p.down()
 
 
 @pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])

@@ -10,7 +10,6 @@ import sqlite3
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -86,16 +85,6 @@ def _result(child: subprocess.Popen[str], bound: float) -> dict[str, object]:
         pytest.fail(f"the store call under gevent was still blocked after {bound}s")
     result: dict[str, object] = json.loads(out.strip().splitlines()[-1])
     return result
-
-
-@pytest.fixture
-def proxy(pg_url: str) -> Iterator[TcpProxy]:
-    url = sa.engine.make_url(pg_url)
-    p = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
-    p.up()
-    yield p
-    p.unstall()
-    p.down()
 
 
 @pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
