@@ -289,7 +289,7 @@ class Demo:
                 "result": record.result,
                 "stale": [
                     {"generation": t.generation, "attempt_id": t.attempt_id}
-                    for t in store.history(key)
+                    for t in store.transitions.history(key)
                     if t.action == "stale"
                 ],
                 "refused": _refusals(store, key, 1),
@@ -367,14 +367,14 @@ def _delivered(store: Any, key: str) -> bool:
 
 
 def _stale(store: Any, key: str) -> Any:
-    return next((t for t in store.history(key) if t.action == "stale"), None)
+    return next((t for t in store.transitions.history(key) if t.action == "stale"), None)
 
 
 def _refusals(store: Any, key: str, generation: int) -> list[dict[str, Any]]:
     """What the store recorded for ``generation`` of ``key`` after its claim (as read back)."""
     return [
         {"action": str(t.action), "reason": t.reason, "attempt_id": t.attempt_id}
-        for t in store.history(key)
+        for t in store.transitions.history(key)
         if t.generation == generation and t.action != "claimed"
     ]
 

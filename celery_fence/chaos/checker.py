@@ -143,7 +143,7 @@ def check(
     """Fill the safety columns of ``result`` from the history of ``jobs``."""
     by_idem: Mapping[str, Any] = provider_stats.get("by_key", {})
     for job in jobs:
-        history = store.history(job.key)
+        history = store.transitions.history(job.key)
         events = ledger.get(job.key, [])
         record = store.get(job.key)
         result.stale_refused += sum(

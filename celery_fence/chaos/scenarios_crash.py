@@ -92,7 +92,7 @@ def _row(s: Scenario, key: str) -> str:
 
 def _history(s: Scenario, key: str) -> str:
     """The key's transition actions, oldest first (``recovered``, ``claimed``, ...)."""
-    actions = [t.action for t in s.store.history(key)]
+    actions = [t.action for t in s.store.transitions.history(key)]
     return ", ".join(actions) or "no transitions"
 
 
@@ -143,7 +143,9 @@ def _crash_during_recovery(s: Scenario, i: int, rng: random.Random) -> float:
     time.sleep(max(ttl * 1.2, 1.0))  # quiet for one TTL: recovery takes them
 
     def taken() -> bool:
-        return any(t.action == "recovered" for j in jobs for t in s.store.history(j.key))
+        return any(
+            t.action == "recovered" for j in jobs for t in s.store.transitions.history(j.key)
+        )
 
     s.client.send_task(RECOVER_TASK, kwargs={"older_than": ttl}, queue=s.queue)
     if not poll_until(taken, 30, interval=0.01):

@@ -20,7 +20,16 @@ from typing import Any, Protocol
 from celery_fence.actions import Action
 from celery_fence.store.records import Ending, JobRecord, Registration
 
-__all__ = ["JobStore"]
+__all__ = ["JobStore", "TransitionReader"]
+
+
+class TransitionReader(Protocol):
+    """The transition read the pipeline needs (``store.transitions``)."""
+
+    def last_exit(self, key: str) -> str | None:
+        """The action of the key's newest transition that is not a claim, a lease loss or the
+        retry of an interrupted attempt (None without one)."""
+        ...
 
 
 class JobStore(Protocol):
@@ -59,4 +68,7 @@ class JobStore(Protocol):
 
     def get(self, key: str) -> JobRecord | None: ...
 
-    def last_exit(self, key: str) -> str | None: ...
+    @property
+    def transitions(self) -> TransitionReader:
+        """The reads of the key's transition rows (``last_exit``)."""
+        ...

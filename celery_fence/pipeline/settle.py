@@ -211,7 +211,7 @@ def _already_dead(execution: Execution, claim: Claim, outcome: AlreadyDead) -> D
 
 def _exhausted(execution: Execution, claim: Claim, outcome: Exhausted) -> Disposition:
     executions = claim.attempts - 1  # this delivery only found the budget spent: not an execution
-    last = execution.store.last_exit(execution.key)
+    last = execution.store.transitions.last_exit(execution.key)
     why = "time limit" if last == Action.TIME_LIMIT else "attempts exhausted"
     cause = "a hard time limit killed it" if last == Action.TIME_LIMIT else "worker lost?"
     error = JobDead(

@@ -39,12 +39,12 @@ from celery_fence.store.records import (
     JobRecord,
     Registration,
     RetryScheduled,
-    Transition,
     dumps_strict,
     job_record,
     run_value,
 )
 from celery_fence.store.steps import StepRows
+from celery_fence.store.transitions import TransitionReads
 
 
 class Store:
@@ -98,6 +98,8 @@ class Store:
         self.blocks = self._blocks_class(self)
         #: What ``enqueue()`` writes in the caller's transaction (:mod:`.pending`).
         self.pending = PendingRows(self)
+        #: The reads of the transition rows: ``history(key)``, ``last_exit(key)``.
+        self.transitions = TransitionReads(self)
 
     @property
     def engine(self) -> sa.Engine:
@@ -114,6 +116,7 @@ class Store:
         view.admin = admin.JobAdmin(view)
         view.blocks = self._blocks_class(view)
         view.pending = PendingRows(view)
+        view.transitions = TransitionReads(view)
         return view
 
     def dispose(self) -> None:
@@ -366,13 +369,6 @@ class Store:
     def _owner(self, key: str, generation: int, attempt_id: str, **values: Any) -> dict[str, Any]:
         return {"key": key, "generation": generation, "attempt_id": attempt_id, **values}
 
-    def last_exit(self, key: str) -> str | None:
-        """How the key's latest attempt before this one ended, as far as the history says: the
-        action of its newest transition row that is not a claim or a lease loss (None without
-        one)."""
-        with self.db.connect() as conn:
-            return conn.execute(sql.last_exit(key)).scalar()
-
     def record(
         self,
         key: str,
@@ -391,13 +387,6 @@ class Store:
         with self.db.connect() as conn:
             row = conn.execute(sql.get_job(key)).first()
         return None if row is None else job_record(row)
-
-    def history(self, key: str) -> list[Transition]:
-        with self.db.connect() as conn:
-            rows = conn.execute(sql.history(key)).all()
-        return [
-            Transition(r.key, r.generation, r.attempt_id, r.action, r.reason, r.at) for r in rows
-        ]
 
 
 def _json(value: Mapping[str, Any] | None) -> str | None:

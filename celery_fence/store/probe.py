@@ -98,7 +98,7 @@ def _steps(store: Store, key: str) -> None:
     rows = _step("outbox read", store.outbox_rows.rows, key=key)
     _expect([r.payload for r in rows] == [{"probe": True}], "outbox read", f"{len(rows)} rows")
     if store.record_transitions:
-        actions = [t.action for t in _step("history read", store.history, key)]
+        actions = [t.action for t in _step("history read", store.transitions.history, key)]
         want = ["claimed", "retry_scheduled", "claimed", "completed"]
         _expect(actions == want, "history read", f"transitions {actions}")
 

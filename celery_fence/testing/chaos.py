@@ -386,7 +386,7 @@ class FenceChaos:
             problems.append(
                 f"the job ended {record.status} ({record.error_type or 'no error'}), not completed"
             )
-        history = store.history(key)
+        history = store.transitions.history(key)
         completions = [t for t in history if t.action == "completed"]
         if len(completions) != 1:
             gens = ", ".join(f"generation {t.generation}" for t in completions) or "none"
@@ -414,7 +414,7 @@ class FenceChaos:
         unfenced = _unfenced_writes(history)
         if not unfenced:  # the row is written off the body's thread: give it a moment
             time.sleep(UNFENCED_GRACE)
-            history = store.history(key)
+            history = store.transitions.history(key)
             unfenced = _unfenced_writes(history)
         problems += unfenced
         problems += self._caller_problems(inj, record.result)
@@ -486,7 +486,7 @@ class FenceChaos:
         lines = [f"fence_chaos: window {inj.window!r} broke for key {key!r} (task {inj.task}):"]
         lines += [f"  - {p}" for p in problems]
         lines.append(f"transition history of {key!r}:")
-        history = self.env.store.history(key)
+        history = self.env.store.transitions.history(key)
         for t in history:
             lines.append(
                 f"  {t.at:%H:%M:%S.%f}"[:-3]

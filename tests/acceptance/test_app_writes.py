@@ -134,7 +134,7 @@ def test_a_newer_registration_refuses_the_commit_while_the_lease_still_looks_val
     faults.arm(redis_client, prefix, "gate", key)
     # then A's commit is refused: none of its rows landed, and it settled as stale,
     wait_until(
-        lambda: ("stale", 1) in [(t.action, t.generation) for t in store.history(key)],
+        lambda: ("stale", 1) in [(t.action, t.generation) for t in store.transitions.history(key)],
         20,
         what="A's stale record",
     )
@@ -211,7 +211,7 @@ def test_a_write_beside_the_block_ends_the_job_dead_naming_the_fix_and_lands_not
     assert record is not None and record.error_type == "celery_fence.errors.ConfigurationError"
     assert "not the fenced block's" in (record.error_message or "")
     assert "self.fence.session(db.session)" in (record.error_message or "")
-    dead = [t.reason for t in store.history(key) if t.action == "dead"]
+    dead = [t.reason for t in store.transitions.history(key) if t.action == "dead"]
     assert dead == ["permanent error ConfigurationError"]
     assert app_db.lines(key) == [] and app_db.report(key) is None
     assert ledger.run_count(redis_client, prefix, key) == 1
@@ -235,7 +235,7 @@ def test_a_write_outside_any_block_is_flagged_or_refused(
     wait_until(lambda: (r := store.get(key)) is not None and r.status == wanted, 30, what=wanted)
     record = store.get(key)
     assert record is not None
-    flagged = [t for t in store.history(key) if t.action == "unfenced_write"]
+    flagged = [t for t in store.transitions.history(key) if t.action == "unfenced_write"]
     assert len(flagged) == 1 and "app_lines" in (flagged[0].reason or "")
     if mode == "warn":
         # then under "warn" the write landed, and it was said out loud: the transition row, and
@@ -270,7 +270,7 @@ def test_an_exception_inside_the_block_rolls_it_back_and_the_retry_writes(
     at = _at(redis_client, prefix, key)
     assert "inside:1" in at and "committed:1" not in at  # it wrote, raised, and was rolled back
     _assert_only_the_newer_attempts_rows(app_db, store, key, result)
-    actions = [(t.action, t.generation) for t in store.history(key)]
+    actions = [(t.action, t.generation) for t in store.transitions.history(key)]
     assert ("retry_scheduled", 1) in actions  # the normal error path
     store.dispose()
 
@@ -375,7 +375,8 @@ def test_postgresql_a_block_whose_database_stops_answering_ends_and_its_attempt_
         # (the lease renews all along, so nothing else would take the job over),
         wait_until(
             lambda: (
-                ("retry_scheduled", 1) in [(t.action, t.generation) for t in store.history(key)]
+                ("retry_scheduled", 1)
+                in [(t.action, t.generation) for t in store.transitions.history(key)]
             ),
             8,
             what="A's commit to end and its attempt to be retried",

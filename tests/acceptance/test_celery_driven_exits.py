@@ -79,7 +79,7 @@ def test_hard_time_limit_gives_the_message_back_and_a_later_attempt_completes(
     assert record.status == "completed", record
     assert ledger.run_count(redis_client, prefix, key) == 2
     assert record.attempts == 2 and record.result["generation"] == record.generation
-    assert "time_limit" in [t.action for t in fence_store.history(key)]
+    assert "time_limit" in [t.action for t in fence_store.transitions.history(key)]
     _broker_drained(client_app)
 
 
@@ -99,7 +99,7 @@ def test_hard_time_limit_on_every_attempt_ends_dead_with_reason_time_limit(
     assert record.status == "dead", record
     assert ledger.run_count(redis_client, prefix, key) == 2
     assert record.attempts == 2
-    assert fence_store.history(key)[-1].reason == "time limit"
+    assert fence_store.transitions.history(key)[-1].reason == "time limit"
     _broker_drained(client_app)
 
 
@@ -118,7 +118,7 @@ def test_soft_time_limit_goes_through_the_retry_policy(
     record = _ended(fence_store, key)
     assert record.status == "completed", record
     assert ledger.run_count(redis_client, prefix, key) == 2
-    assert "retry_scheduled" in [t.action for t in fence_store.history(key)]
+    assert "retry_scheduled" in [t.action for t in fence_store.transitions.history(key)]
     _broker_drained(client_app)
 
 
@@ -189,7 +189,7 @@ def test_a_message_that_expired_before_it_ran_ends_its_job_dead(
     # Then the job is recorded dead, reason "expired", with its request to requeue it by
     record = _ended(fence_store, result.id, timeout=30)
     assert record.status == "dead" and record.attempts == 0
-    assert fence_store.history(result.id)[-1].reason == "expired"
+    assert fence_store.transitions.history(result.id)[-1].reason == "expired"
     request = decode_request(record.request)
     assert request is not None and request["args"] == [label]
     assert ledger.run_count(redis_client, prefix, label) == 0
@@ -286,7 +286,7 @@ def test_celery_control_flow_from_a_body_leaves_no_running_row(
     assert ledger.run_count(redis_client, prefix, key) == runs
     if status == "dead":
         reason = "ignored by the task" if kind == "ignore" else "rejected by the task"
-        assert fence_store.history(key)[-1].reason == reason
+        assert fence_store.transitions.history(key)[-1].reason == reason
     _broker_drained(client_app)
 
 
@@ -338,4 +338,4 @@ def test_a_body_hung_past_max_runtime_frees_its_key_and_its_late_completion_is_r
     assert first.get(timeout=30) == result
     record = fence_store.get(key)
     assert record is not None and (record.status, record.generation) == ("completed", 2)
-    assert ("stale", 1) in [(t.action, t.generation) for t in fence_store.history(key)]
+    assert ("stale", 1) in [(t.action, t.generation) for t in fence_store.transitions.history(key)]

@@ -80,7 +80,7 @@ def _ended(store: Store, key: str, timeout: float = 30.0) -> Any:
 
 
 def _actions(store: Store, key: str) -> list[tuple[str, int | None]]:
-    return [(t.action, t.generation) for t in store.history(key)]
+    return [(t.action, t.generation) for t in store.transitions.history(key)]
 
 
 def _signals(redis_client: redis.Redis, prefix: str, name: str, key: str) -> list[dict[str, Any]]:
@@ -262,7 +262,7 @@ def test_a_hard_time_limit_settles_the_job_the_header_names(
     record = _ended(fence_store, header_key, timeout=40)
     assert record.status == "completed"
     assert "time_limit" in [action for action, _ in _actions(fence_store, header_key)]
-    assert fence_store.get(args_key) is None and fence_store.history(args_key) == []
+    assert fence_store.get(args_key) is None and fence_store.transitions.history(args_key) == []
 
 
 def test_an_expired_re_send_settles_the_job_the_header_names(

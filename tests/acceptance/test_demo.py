@@ -73,11 +73,13 @@ def test_the_demo_tells_the_story_and_its_summary_matches_the_store(tmp_path: Pa
         assert job["generation"] == 2
         stale = [
             {"generation": t.generation, "attempt_id": t.attempt_id}
-            for t in store.history(job["key"])
+            for t in store.transitions.history(job["key"])
             if t.action == "stale"
         ]
         assert stale == job["stale"] and [s["generation"] for s in stale] == [1]
-        assert ("completed", 1) not in [(t.action, t.generation) for t in store.history(job["key"])]
+        assert ("completed", 1) not in [
+            (t.action, t.generation) for t in store.transitions.history(job["key"])
+        ]
 
     # The report's row in the app's own table (written inside self.fence.transaction()) is the
     # completing attempt's; the paused attempt never committed one.
@@ -96,7 +98,7 @@ def test_the_demo_tells_the_story_and_its_summary_matches_the_store(tmp_path: Pa
     # (never completed), by the attempt that claimed generation 1.
     refused = [
         {"action": str(t.action), "reason": t.reason, "attempt_id": t.attempt_id}
-        for t in store.history(report["key"])
+        for t in store.transitions.history(report["key"])
         if t.generation == 1 and t.action != "claimed"
     ]
     assert report["refused"] == refused

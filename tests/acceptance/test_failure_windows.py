@@ -57,7 +57,7 @@ def test_pause_timeline_stale_attempt_loses(
         assert effects == [runs[1]]  # the stale attempt started no side effect
     else:
         assert runs[0] in effects  # it did (it never checked) ...
-    actions = [(t.action, t.generation) for t in store.history(key)]
+    actions = [(t.action, t.generation) for t in store.transitions.history(key)]
     assert ("stale", 1) in actions or ("lost", 1) in actions
     assert ("completed", 2) in actions and ("completed", 1) not in actions
     b.stop()
@@ -108,7 +108,7 @@ def test_two_workers_given_the_same_key_at_once_one_body_run_no_message_lost(
     assert all(v == record.result for v in values)
     assert len(ledger.runs(redis_client, prefix, key)) == 1
     assert len(ledger.effects(redis_client, prefix, key)) == 1
-    actions = [t.action for t in store.history(key)]
+    actions = [t.action for t in store.transitions.history(key)]
     assert actions.count("completed") == 1
 
 

@@ -145,7 +145,11 @@ def test_flower_shows_which_attempt_of_a_task_id_counted(
     finally:
         one.resume()
     # and worker one resumes, finishes its body and is rejected as stale,
-    wait_until(lambda: "stale" in [t.action for t in fence_store.history(key)], 30, what="stale")
+    wait_until(
+        lambda: "stale" in [t.action for t in fence_store.transitions.history(key)],
+        30,
+        what="stale",
+    )
     assert first.get(timeout=30) == fence_store.get(key).result  # type: ignore[union-attr]
     attempts = ledger.run_attempts(redis_client, prefix, key)
     (gen_a, attempt_a), (gen_b, attempt_b) = sorted(attempts)[:2]

@@ -66,7 +66,7 @@ def test_an_interrupted_body_settles_releases_its_lease_and_runs_again(
     wait_until(completed, 20, interval=0.1, what=f"job {key} to complete")
     # Then the interruption was recorded, two body runs, no busy redelivery, and the message
     # acked with nothing left behind: no lease, nothing in the broker
-    history = [(t.action, t.reason) for t in fence_store.history(key)]
+    history = [(t.action, t.reason) for t in fence_store.transitions.history(key)]
     assert ("retry_scheduled", f"interrupted by {error}") in history, history
     assert "busy" not in [action for action, _ in history]
     assert ledger.run_count(redis_client, prefix, key) == 2

@@ -84,7 +84,10 @@ def test_a_group_of_limit_3_never_runs_more_than_3_across_8_processes_even_with_
     assert _max_overlap([s for s in spans if s[0] >= after - 0.1]) == 3
     # the re-sends over the limit said so in the store, and none counted as an attempt.
     reasons = {
-        t.reason for k in keys for t in fence_store.history(k) if t.action == "retry_scheduled"
+        t.reason
+        for k in keys
+        for t in fence_store.transitions.history(k)
+        if t.action == "retry_scheduled"
     }
     assert "group_full" in reasons
     assert all(fence_store.get(k).attempts == 1 for k in keys[2:])  # type: ignore[union-attr]
@@ -174,7 +177,9 @@ def test_the_plugins_faults_make_a_task_meet_group_full_and_rate_limited(
     client_app.rated.delay(rated)
 
     def reasons(key: str) -> list[str | None]:
-        return [t.reason for t in fence_store.history(key) if t.action == "retry_scheduled"]
+        return [
+            t.reason for t in fence_store.transitions.history(key) if t.action == "retry_scheduled"
+        ]
 
     # ... the grouped task is re-sent as group_full, and runs only once the slots are free,
     wait_until(lambda: "group_full" in reasons(grouped), 30, interval=0.1, what="group_full")

@@ -116,7 +116,7 @@ def test_a_stale_attempts_staged_effect_is_never_written_or_sent(
     assert client.outbox.deliver(key=key).delivered == 0
     assert _at(provider, idem) == (1, 1)
     assert provider.stats()["by_key"][idem]["response"]["request"]["generation"] == 2
-    actions = [(t.action, t.generation) for t in store.history(key)]
+    actions = [(t.action, t.generation) for t in store.transitions.history(key)]
     assert ("completed", 2) in actions and ("completed", 1) not in actions
     assert ("stale", 1) in actions
 

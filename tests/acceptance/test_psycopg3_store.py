@@ -53,12 +53,12 @@ def test_on_psycopg_3_tasks_complete_retry_and_a_paused_attempt_is_refused(
     record = store.get(key)
     assert record is not None
     assert (record.status, record.generation, record.result["generation"]) == ("completed", 2, 2)
-    history = [(t.action, t.generation) for t in store.history(key)]
+    history = [(t.action, t.generation) for t in store.transitions.history(key)]
     assert ("stale", 1) in history and ("completed", 2) in history
     assert ("completed", 1) not in history
     retried = store.get(flaky)
     assert retried is not None and (retried.status, retried.attempts) == ("completed", 2)
-    assert [t.action for t in store.history(flaky)] == [
+    assert [t.action for t in store.transitions.history(flaky)] == [
         "claimed",
         "retry_scheduled",
         "claimed",

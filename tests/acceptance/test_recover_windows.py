@@ -49,7 +49,7 @@ def _status(store: Store, key: str) -> str | None:
 
 
 def _completions(store: Store, key: str) -> int:
-    return sum(1 for t in store.history(key) if t.action == "completed")
+    return sum(1 for t in store.transitions.history(key) if t.action == "completed")
 
 
 def _lease_gone(leases: LeaseStore, key: str) -> bool:
@@ -156,7 +156,7 @@ def test_a_claimed_job_whose_worker_died_and_message_was_lost_is_recovered_once(
     record = _one_completion(fence_store, redis_client, prefix, key)
     assert record.generation == 2 and record.attempts == 2
     assert ledger.run_count(redis_client, prefix, key) == 2
-    assert "recovered" in [t.action for t in fence_store.history(key)]
+    assert "recovered" in [t.action for t in fence_store.transitions.history(key)]
     assert key not in ok(fence_cli(worker_env, "ls", "--stuck", "--older-than", "0"))
 
 
@@ -221,7 +221,11 @@ def test_a_paused_original_attempt_loses_to_the_recovery(
     faults.arm(redis_client, prefix, "unhang", key)
     paused.resume()
     wait_until(lambda: len(ledger.effects(redis_client, prefix, key)) == 2, 30, what="late effect")
-    wait_until(lambda: "stale" in [t.action for t in store.history(key)], 30, what="stale rejected")
+    wait_until(
+        lambda: "stale" in [t.action for t in store.transitions.history(key)],
+        30,
+        what="stale rejected",
+    )
     after = store.get(key)
     assert after is not None and (after.attempt_id, after.result) == (done.attempt_id, done.result)
     assert _completions(store, key) == 1
@@ -421,7 +425,7 @@ def test_a_job_revoked_with_terminate_ends_dead_and_recover_leaves_it(
     client_app.app.control.revoke(result.id, terminate=True)
     # then its job is recorded dead, reason "revoked", and its message is gone (acked),
     wait_until(lambda: _status(fence_store, key) == "dead", 30, what="recorded dead")
-    dead = [t for t in fence_store.history(key) if t.action == "dead"]
+    dead = [t for t in fence_store.transitions.history(key) if t.action == "dead"]
     assert [t.reason for t in dead] == ["revoked"]
     wait_until(lambda: _lease_gone(leases, key), 10, what="lease expired")
     wait_until(lambda: not _unacked(broker, key), 10, what="message acked")
@@ -466,7 +470,7 @@ def test_a_job_revoked_with_terminate_on_a_gevent_worker_ends_dead_and_releases_
     wait_until(lambda: _status(fence_store, key) == "dead", 30, what="recorded dead")
     # its lease released (long before its 30 s TTL), its message acked and not re-sent,
     wait_until(lambda: _lease_gone(leases, key), 10, what="lease released")
-    history = [(t.action, t.reason) for t in fence_store.history(key)]
+    history = [(t.action, t.reason) for t in fence_store.transitions.history(key)]
     assert [reason for action, reason in history if action == "dead"] == ["revoked"]
     if first == "body settled first":
         assert history[:3] == [
@@ -533,7 +537,7 @@ def test_a_revoked_retry_of_a_fenced_job_ends_it_dead_and_recover_leaves_it(
     # when the worker sees the revoke (at the retry's ETA), the job is recorded dead, reason
     # "revoked", and its message acked,
     wait_until(lambda: _status(fence_store, key) == "dead", 30, what="recorded dead")
-    dead = [t for t in fence_store.history(key) if t.action == "dead"]
+    dead = [t for t in fence_store.transitions.history(key) if t.action == "dead"]
     assert [t.reason for t in dead] == ["revoked"]
     wait_until(lambda: not _unacked(broker, key), 10, what="message acked")
     # and once the worker restarted (its revoked set is gone), a recovery past the threshold
@@ -576,7 +580,7 @@ def test_a_retry_revoked_then_restarted_before_the_worker_saw_it_needs_the_state
         # then with --statedb (Celery keeps its revoked ids there) the job ends dead, reason
         # "revoked", and recovery leaves it;
         wait_until(lambda: _status(fence_store, key) == "dead", 30, what="recorded dead")
-        dead = [t for t in fence_store.history(key) if t.action == "dead"]
+        dead = [t for t in fence_store.transitions.history(key) if t.action == "dead"]
         assert [t.reason for t in dead] == ["revoked"]
         report = json.loads(ok(fence_cli(worker_env, "recover", "--older-than", "0", "--json")))
         assert key not in report["keys"]["stranded"]

@@ -66,7 +66,7 @@ def test_a_chain_whose_first_step_message_was_lost_goes_on_after_recover(
     first, second = fence_store.get(a), fence_store.get(b)
     assert first is not None and second is not None and first.status == "completed"
     assert second.result["after"] == first.attempt_id
-    assert [t.action for t in fence_store.history(a)].count("completed") == 1
+    assert [t.action for t in fence_store.transitions.history(a)].count("completed") == 1
     assert ledger.run_count(redis_client, prefix, b) == 1
 
 
@@ -104,5 +104,5 @@ def test_requeue_of_a_dead_job_keeps_its_link_and_time_limits(
     first, second = fence_store.get(a), fence_store.get(b)
     assert first is not None and second is not None and first.status == "completed"
     assert second.result["after"] == first.attempt_id
-    history = json.dumps([t.action for t in fence_store.history(a)])
+    history = json.dumps([t.action for t in fence_store.transitions.history(a)])
     assert "requeued" in history

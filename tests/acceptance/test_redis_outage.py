@@ -76,7 +76,7 @@ def test_redis_killed_mid_task_lease_lost_at_deadline_then_retried(
         30,
         what="the lost attempt records its retry",
     )
-    actions = [(t.action, t.generation) for t in store.history(key)]
+    actions = [(t.action, t.generation) for t in store.transitions.history(key)]
     assert ("lost", 1) in actions
     assert ledger.effects(redis_client, prefix, key) == []
     # while Redis is unreachable the message is rescheduled (not acked as a failure), and no
@@ -97,7 +97,9 @@ def test_redis_killed_mid_task_lease_lost_at_deadline_then_retried(
     assert ledger.effects(redis_client, prefix, key) == [
         f"{value['generation']}:{value['attempt_id']}"
     ]
-    assert ("completed", 1) not in [(t.action, t.generation) for t in store.history(key)]
+    assert ("completed", 1) not in [
+        (t.action, t.generation) for t in store.transitions.history(key)
+    ]
 
 
 def test_redis_killed_an_unchecking_task_still_owning_the_row_completes(
@@ -122,7 +124,7 @@ def test_redis_killed_an_unchecking_task_still_owning_the_row_completes(
     assert record is not None
     assert (record.status, record.generation, record.result) == ("completed", 1, value)
     wait_until(
-        lambda: ("lost", 1) in [(t.action, t.generation) for t in store.history(key)],
+        lambda: ("lost", 1) in [(t.action, t.generation) for t in store.transitions.history(key)],
         10,
         what="the renewer records the lease loss",
     )
@@ -158,7 +160,7 @@ def test_redis_killed_and_restarted_a_newer_generation_wins_the_row(
     record = store.get(key)
     assert record is not None
     assert (record.status, record.generation, record.result) == ("completed", b["generation"], b)
-    actions = [(t.action, t.generation) for t in store.history(key)]
+    actions = [(t.action, t.generation) for t in store.transitions.history(key)]
     assert ("completed", 1) not in actions
     assert ("stale", 1) in actions
     assert ledger.runs(redis_client, prefix, key)[0].startswith("1:")  # A did run (and its effect)

@@ -152,7 +152,7 @@ def test_a_retry_the_broker_refuses_to_publish_gives_the_message_back(
     assert not faults.armed(redis_client, prefix, "fail_publish")  # the publish was refused
     assert ledger.run_count(redis_client, prefix, key) == 2
     assert record.attempts == 2
-    reasons = [t.reason for t in fence_store.history(key)]
+    reasons = [t.reason for t in fence_store.transitions.history(key)]
     assert "the task's retry could not be sent; the message goes back" in reasons
     _broker_drained(client_app)
 

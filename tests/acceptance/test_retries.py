@@ -68,7 +68,7 @@ def test_transient_errors_back_off_with_growing_jittered_delays_then_die(
         assert record.finished_at is not None and record.retry_at is None
         runs = ledger.runs(redis_client, prefix, key)
         assert [int(r.split(":")[0]) for r in runs] == [1, 2, 3, 4, 5, 6]
-        history = fence_store.history(key)
+        history = fence_store.transitions.history(key)
         claims = _actions(history, "claimed")
         retries = _actions(history, "retry_scheduled")
         assert len(claims) == 6 and len(retries) == 5
@@ -107,7 +107,7 @@ def test_a_permanent_error_is_dead_after_one_attempt(
     assert record.attempts == 1
     assert record.error_type == "celery_fence.errors.PermanentError"
     assert record.error_message == "simulated permanent failure"
-    history = fence_store.history(key)
+    history = fence_store.transitions.history(key)
     assert [t.action for t in history] == ["claimed", "dead"]
     assert history[-1].reason == "permanent error PermanentError"
     assert result.get(timeout=30, propagate=False) is not None and result.state == "FAILURE"
@@ -155,7 +155,7 @@ def test_success_after_two_transient_failures_completes_on_the_third_attempt(
     assert (record.error_type, record.error_message) == (None, None)
     assert record.result == value and value["generation"] == 3
     assert len(ledger.runs(redis_client, prefix, key)) == 3
-    actions = [t.action for t in fence_store.history(key)]
+    actions = [t.action for t in fence_store.transitions.history(key)]
     assert actions.count("retry_scheduled") == 2 and actions[-1] == "completed"
 
 
@@ -177,14 +177,14 @@ def test_a_task_that_kills_its_worker_every_time_ends_dead(
     assert [int(r.split(":")[0]) for r in runs] == [1, 2]
     assert record.attempts == 2  # attempts means executions: the claim that stopped ran nothing
     assert record.error_type == "celery_fence.errors.JobDead"
-    history = fence_store.history(key)
+    history = fence_store.transitions.history(key)
     assert [t.action for t in history].count("claimed") == 3
     assert history[-1].action == "dead" and history[-1].reason == "attempts exhausted"
     # The loop has stopped: the message was acked (nothing of the queue is left in the broker,
     # ready or delivered: no delivery is left to run or claim the key again).
     wait_until(lambda: broker_queue_length(client_app) == 0, 15, what="the broker to drain")
     assert len(ledger.runs(redis_client, prefix, key)) == 2
-    assert len(fence_store.history(key)) == len(history)
+    assert len(fence_store.transitions.history(key)) == len(history)
     assert worker.proc is not None and worker.proc.poll() is None  # the worker itself lives on
 
 
@@ -219,7 +219,7 @@ def test_a_burst_of_failures_schedules_no_more_prompt_retries_than_the_budget(
     for key in keys:
         record = _wait_for(fence_store, key, "completed")
         assert record.attempts == 2
-        retries.extend(_actions(fence_store.history(key), "retry_scheduled"))
+        retries.extend(_actions(fence_store.transitions.history(key), "retry_scheduled"))
     assert len(retries) == 8
     # ... but only 2 retries were scheduled promptly; the other 6 were pushed out by the budget.
     prompt = [t for t in retries if "budget spent" not in (t.reason or "")]

@@ -92,7 +92,8 @@ def _paused_in_step_2(
     # A settles (stale or lease lost): its transition is recorded after B's completion.
     wait_until(
         lambda: any(
-            t.generation == 1 and t.action in ("stale", "lost") for t in store.history(key)
+            t.generation == 1 and t.action in ("stale", "lost")
+            for t in store.transitions.history(key)
         ),
         30,
         what="A settled",

@@ -115,17 +115,19 @@ def test_a_frozen_workers_job_is_taken_over_within_a_few_ttls(
         assert measured <= BOUND, f"taken over {measured:.1f}s after the freeze (TTL {TTL})"
         done = fence_store.get(key)
         assert done is not None and done.generation == 2
-        assert "recovered" in [t.action for t in fence_store.history(key)]
+        assert "recovered" in [t.action for t in fence_store.transitions.history(key)]
         # and the frozen attempt, resumed, performs its effect (it never checks) but cannot
         # complete: one completion, the newer generation's.
         faults.arm(redis_client, prefix, "unhang", key)
     finally:
         child.send_signal(signal.SIGCONT)
     wait_until(
-        lambda: "stale" in [t.action for t in fence_store.history(key)], 30, what="stale refused"
+        lambda: "stale" in [t.action for t in fence_store.transitions.history(key)],
+        30,
+        what="stale refused",
     )
     after = fence_store.get(key)
     assert after is not None and (after.attempt_id, after.result) == (done.attempt_id, done.result)
-    assert sum(1 for t in fence_store.history(key) if t.action == "completed") == 1
+    assert sum(1 for t in fence_store.transitions.history(key) if t.action == "completed") == 1
     broker = env["FENCE_T_BROKER"].split(":")[0]
     print(f"\ntakeover {broker}: {measured:.1f}s = {measured / TTL:.1f} TTLs")

@@ -62,7 +62,7 @@ def _completed(fence_store, key, timeout=30):
 
 
 def _reasons(fence_store, key):
-    return [t.reason for t in fence_store.history(key)]
+    return [t.reason for t in fence_store.transitions.history(key)]
 
 
 def test_group_full(fence_group_full, fenced_worker, fence_store):

@@ -107,7 +107,7 @@ def test_pause_scenario_signals_and_ordered_history(
     record = store.get(key)
     assert record is not None and (record.status, record.generation) == ("completed", 2)
     # and the transitions table holds the whole history, in order.
-    history = [(t.action, t.generation, t.attempt_id) for t in store.history(key)]
+    history = [(t.action, t.generation, t.attempt_id) for t in store.transitions.history(key)]
     assert history == [
         ("claimed", 1, attempt_a),
         ("claimed", 2, attempt_b),
@@ -115,7 +115,7 @@ def test_pause_scenario_signals_and_ordered_history(
         ("lost", 1, attempt_a),
         ("stale", 1, attempt_a),
     ]
-    assert all(t.at is not None for t in store.history(key))
+    assert all(t.at is not None for t in store.transitions.history(key))
 
 
 @acceptance
@@ -346,12 +346,12 @@ def test_record_transitions_off_writes_no_history(db_url: str) -> None:
     # then the job is stored and no history is written.
     record = store.get(key)
     assert record is not None and record.status == "completed"
-    assert store.history(key) == []
+    assert store.transitions.history(key) == []
     # (the default records the same steps)
     loud = Store(db_url)
     other = f"loud:{uuid.uuid4().hex[:8]}"
     loud.register(other, generation=1, attempt_id="a1", task_name="t")
     loud.end(other, Completion(generation=1, attempt_id="a1", result=None))
-    assert [t.action for t in loud.history(other)] == ["claimed", "completed"]
+    assert [t.action for t in loud.transitions.history(other)] == ["claimed", "completed"]
     store.dispose()
     loud.dispose()

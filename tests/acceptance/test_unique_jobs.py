@@ -159,4 +159,4 @@ def test_a_replaced_jobs_message_is_acked_unrun(
     assert ledger.runs(redis_client, prefix, name) == [f"{new.task_id}:1"]
     replaced = fence_store.get(old.key)
     assert replaced is not None and (replaced.status, replaced.generation) == ("dead", 0)
-    assert "claimed" not in [t.action for t in fence_store.history(old.key)]
+    assert "claimed" not in [t.action for t in fence_store.transitions.history(old.key)]

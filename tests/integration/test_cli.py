@@ -314,7 +314,7 @@ def test_requeue_runs_a_dead_job_to_completion_with_a_fresh_budget(
     assert record is not None
     assert record.attempts == 1 and record.generation == dead.generation + 1
     assert record.result["generation"] == record.generation
-    actions = [t.action for t in fence_store.history(key)]
+    actions = [t.action for t in fence_store.transitions.history(key)]
     assert actions[-3:] == ["requeued", "claimed", "completed"]
     # A completed job is refused without --completed: its result is replayed, not re-run ...
     assert_one_line_error(fence_cli(worker_env, "requeue", key), 1, "completed", "--completed")
@@ -332,7 +332,7 @@ def test_requeue_runs_a_dead_job_to_completion_with_a_fresh_budget(
     rerun = fence_store.get(key)
     assert rerun is not None and rerun.attempts == 1
     assert rerun.result["generation"] == record.generation + 1  # the new attempt's own result
-    history = fence_store.history(key)
+    history = fence_store.transitions.history(key)
     assert [t.action for t in history][-3:] == ["requeued", "claimed", "completed"]
     assert history[-3].reason == "completed job re-run by operator"
 
@@ -366,7 +366,7 @@ def test_requeue_puts_the_job_back_to_dead_when_the_broker_is_unreachable(
         attempt,
     )
     assert after.finished_at == before.finished_at
-    actions = [t.action for t in fence_store.history(key)]
+    actions = [t.action for t in fence_store.transitions.history(key)]
     assert actions[-2:] == ["requeued", "requeue_reverted"]
 
 
@@ -410,7 +410,7 @@ def test_purge_deletes_finished_jobs_before_the_date(
     out = ok(fence_cli(worker_env, "purge", "--completed-before", cutoff.isoformat(), "--force"))
     assert out.startswith("purged ") and "completed" in out
     assert re.search(r"and \d+ outbox row\(s\) delivered before", out), out
-    assert fence_store.get(old_done) is None and fence_store.history(old_done) == []
+    assert fence_store.get(old_done) is None and fence_store.transitions.history(old_done) == []
     for kept in (old_dead, new_done, running):  # dead jobs stay for inspection by default
         assert fence_store.get(kept) is not None
     # the old job's delivered effect is gone, its undelivered one stays; newer rows stay
@@ -444,7 +444,7 @@ def test_purge_below_the_retention_floor_needs_force(
     assert fence_store.get(done) is not None
     # and with --force the operator deletes it all.
     ok(fence_cli(worker_env, "purge", "--completed-before", "0d", "--force"))
-    assert fence_store.get(done) is None and fence_store.history(done) == []
+    assert fence_store.get(done) is None and fence_store.transitions.history(done) == []
 
 
 # -- error paths ----------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ def test_a_completion_whose_answer_was_lost_counts_and_is_announced(
     store = Store(pg_url)
     try:
         record = store.get(marker)
-        history = [t.action for t in store.history(marker)]
+        history = [t.action for t in store.transitions.history(marker)]
     finally:
         store.dispose()
     assert record is not None and record.status == "completed" and record.attempts == 1

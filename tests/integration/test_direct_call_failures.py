@@ -65,7 +65,7 @@ def _assert_failed_and_not_recovered(
     assert record is not None
     assert (record.status, record.error_type) == ("failed", error)
     assert record.retry_at is None and record.finished_at is not None
-    assert [t.reason for t in store.history(key) if t.action == "failed"] == [
+    assert [t.reason for t in store.transitions.history(key) if t.action == "failed"] == [
         f"raised in the caller's thread ({how})"
     ]
     report = recovery.recover(app.app, older_than=0)

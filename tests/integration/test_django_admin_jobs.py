@@ -140,7 +140,7 @@ requeue = client.post(
     base, {"action": "requeue_dead", "index": "0", "_selected_action": [dead]}, follow=True
 )
 store = Store(fence_config().database_url)
-history = [(t.action, t.reason) for t in store.history(dead)]
+history = [(t.action, t.reason) for t in store.transitions.history(dead)]
 print(json.dumps({
     "change": change, "by_task": by_task, "by_error": by_error, "by_nothing": by_nothing,
     "recover_status": recover.status_code, "recover": recover.content.decode(),

@@ -820,7 +820,7 @@ def test_a_django_write_outside_any_block_warns_once_records_and_signals(
     assert [s.get("where") for s in seen] == [f"Django's '{alias}' database connection"]
 
     def recorded() -> bool:
-        return any(t.action == "unfenced_write" for t in store.history(fence.key))
+        return any(t.action == "unfenced_write" for t in store.transitions.history(fence.key))
 
     wait_until(recorded, timeout=10)
 

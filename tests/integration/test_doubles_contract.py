@@ -90,7 +90,10 @@ class Jobs:
 
     def actions(self, key: str) -> list[tuple[str, int | None, str | None, str | None]]:
         """The key's history: (action, generation, attempt, reason), oldest first."""
-        return [(t.action, t.generation, t.attempt_id, t.reason) for t in self.store.history(key)]
+        return [
+            (t.action, t.generation, t.attempt_id, t.reason)
+            for t in self.store.transitions.history(key)
+        ]
 
 
 @pytest.fixture(params=["sqlite", "postgresql", "memory"])
@@ -670,13 +673,13 @@ def test_record_appends_to_the_history_in_order(jobs: Jobs, key: str) -> None:
         ("lost", 1, "A", "x" * 255),
         ("busy", None, None, None),
     ]
-    assert jobs.store.history(f"{key}:other") == []
+    assert jobs.store.transitions.history(f"{key}:other") == []
 
 
 def test_last_exit_skips_claims_losses_and_interrupted_retries(jobs: Jobs, key: str) -> None:
-    assert jobs.store.last_exit(key) is None
+    assert jobs.store.transitions.last_exit(key) is None
     jobs.store.register(key, generation=1, attempt_id="A", task_name="t")
-    assert jobs.store.last_exit(key) is None
+    assert jobs.store.transitions.last_exit(key) is None
     jobs.store.record(key, action=Action.TIME_LIMIT, generation=1, attempt_id="A")
     jobs.store.end(
         key,
@@ -690,9 +693,9 @@ def test_last_exit_skips_claims_losses_and_interrupted_retries(jobs: Jobs, key: 
     )
     jobs.store.record(key, action=Action.LOST, generation=1, attempt_id="A")
     jobs.store.register(key, generation=2, attempt_id="B", task_name="t")
-    assert jobs.store.last_exit(key) == "time_limit"
+    assert jobs.store.transitions.last_exit(key) == "time_limit"
     jobs.store.record(key, action=Action.STALE, generation=2, attempt_id="B")
-    assert jobs.store.last_exit(key) == "stale"
+    assert jobs.store.transitions.last_exit(key) == "stale"
 
 
 def test_last_exit_skips_a_retry_without_a_reason(jobs: Jobs, key: str) -> None:
@@ -710,7 +713,7 @@ def test_last_exit_skips_a_retry_without_a_reason(jobs: Jobs, key: str) -> None:
             reason="",
         ),
     )
-    assert jobs.store.last_exit(key) == "busy"
+    assert jobs.store.transitions.last_exit(key) == "busy"
     jobs.store.register(key, generation=2, attempt_id="B", task_name="t")
     jobs.store.end(
         key,
@@ -722,7 +725,7 @@ def test_last_exit_skips_a_retry_without_a_reason(jobs: Jobs, key: str) -> None:
             reason="failed",
         ),
     )
-    assert jobs.store.last_exit(key) == "retry_scheduled"
+    assert jobs.store.transitions.last_exit(key) == "retry_scheduled"
 
 
 def test_without_transitions_the_state_still_moves(
@@ -734,7 +737,7 @@ def test_without_transitions_the_state_still_moves(
     jobs.store.end(key, Completion(generation=1, attempt_id="A", result=1))
     assert _state(jobs.row(key)) == ("completed", 1, "A", 1)
     assert jobs.actions(key) == []
-    assert jobs.store.last_exit(key) is None
+    assert jobs.store.transitions.last_exit(key) is None
 
 
 def test_concurrent_completions_of_one_attempt_store_one_result(jobs: Jobs, key: str) -> None:

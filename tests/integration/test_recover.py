@@ -144,7 +144,7 @@ def test_stranded_is_unfinished_and_not_moved_and_the_take_is_compare_and_set(
     stored = fence_store.get(running.key)
     assert stored is not None
     assert (stored.status, stored.generation, stored.attempts) == ("pending", 1, 1)
-    assert [t.action for t in fence_store.history(running.key)][-1] == "recovered"
+    assert [t.action for t in fence_store.transitions.history(running.key)][-1] == "recovered"
     # The attempt that was running cannot write any more (its writes need ``running``).
     with pytest.raises(Exception, match="rejected"):
         fence_store.end(

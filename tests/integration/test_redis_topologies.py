@@ -474,7 +474,7 @@ def test_sentinel_failover_with_a_real_worker(
         assert (record.status, record.generation) == ("completed", result["generation"])
         assert runs(key)[0].startswith("1:")
         assert effects(key) == [f"{result['generation']}:{result['attempt_id']}"]
-        actions = [(t.action, t.generation) for t in store.history(key)]
+        actions = [(t.action, t.generation) for t in store.transitions.history(key)]
         assert ("completed", 1) not in actions
         # and new tasks continue on the promoted master.
         after = [client_app.work.delay(f"post:{i}") for i in range(4)]

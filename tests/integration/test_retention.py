@@ -38,7 +38,7 @@ def test_completed_jobs_older_than_the_retention_go_the_rest_stay(
     later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=1, minutes=1)
     assert purge_expired(app, now=later) >= 1
     # Then only the completed job and its history are gone
-    assert store.get(done) is None and store.history(done) == []
+    assert store.get(done) is None and store.transitions.history(done) == []
     assert store.get(dead) is not None and store.get(running) is not None
     # And the beat task is registered under its public name once the app is installed (here by
     # hand: the app has no fenced task of its own)

@@ -139,7 +139,7 @@ def test_purge_goes_in_batches_oldest_first_and_resumes_where_it_stopped(store: 
     left = {k for k in ours if store.get(k) is not None}
     # Then that batch is gone for good (history too), the rest untouched
     assert seen == [2] and len(ours - left) == 2
-    assert all(store.history(k) == [] for k in ours - left)
+    assert all(store.transitions.history(k) == [] for k in ours - left)
     # And run again it goes on, batch by batch, and keeps the unfinished job
     totals: list[int] = []
     store.admin.purge(finished_before=cutoff, batch_size=2, progress=totals.append)
@@ -147,7 +147,11 @@ def test_purge_goes_in_batches_oldest_first_and_resumes_where_it_stopped(store: 
     steps = [b - a for a, b in itertools.pairwise([0, *totals])]
     assert totals and all(0 < step <= 2 for step in steps)
     pending = store.get(rerun)
-    assert pending is not None and pending.status == "pending" and store.history(rerun) != []
+    assert (
+        pending is not None
+        and pending.status == "pending"
+        and store.transitions.history(rerun) != []
+    )
 
 
 def test_register_counts_attempts_durably(store: Store) -> None:
@@ -235,7 +239,7 @@ def test_concurrent_completions_from_two_attempts_exactly_one_wins(store: Store)
         (winner,) = [a for a, o in outcomes.items() if o == "won"]
         record = store.get(key)
         assert record is not None and record.status == "completed" and record.result == winner
-        assert [t.action for t in store.history(key)].count("completed") == 1
+        assert [t.action for t in store.transitions.history(key)].count("completed") == 1
 
 
 def test_concurrent_registrations_of_the_same_generation_one_wins(store: Store) -> None:
@@ -276,7 +280,7 @@ def test_transitions_are_recorded_with_the_state_change(store: Store) -> None:
     with pytest.raises(StaleGeneration):
         store.end(key, Completion(generation=1, attempt_id="A", result=None))
     store.end(key, Completion(generation=2, attempt_id="B", result=None))
-    assert [(t.action, t.generation, t.attempt_id) for t in store.history(key)] == [
+    assert [(t.action, t.generation, t.attempt_id) for t in store.transitions.history(key)] == [
         ("claimed", 1, "A"),
         ("claimed", 2, "B"),
         ("completed", 2, "B"),
@@ -377,7 +381,7 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     store.end(key, Completion(generation=5, attempt_id="D", result={"ok": True}, effects=[effect]))
     record = store.get(key)
     assert record is not None and (record.status, record.result) == ("completed", {"ok": True})
-    assert store.last_exit(key) == "completed"
+    assert store.transitions.last_exit(key) == "completed"
     # A job dead unregistered, a refused registration, a message never run.
     unregistered = _key()
     assert store.end(
@@ -404,7 +408,7 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     store.end(unrun, DeadUnrun(task_name="t", request=None, reason="expired"))
     store.record(unrun, action="lost", generation=2, attempt_id="U", reason="deadline")
     assert [_state(store, k)[0] for k in (unregistered, refused, unrun)] == ["dead"] * 3
-    assert store.history(unrun)[-1].action == "lost"
+    assert store.transitions.history(unrun)[-1].action == "lost"
     # The recovery: stranded jobs taken for a re-send, or dead.
     strays = [_key(), _key()]
     for stray in strays:
@@ -427,7 +431,7 @@ def test_every_statement_of_the_task_path_the_operators_and_the_recovery_runs(
     assert store.outbox_rows.purge(delivered_before=later) >= 1
     assert store.outbox_rows.rows(key=key) == []
     assert store.admin.purge(finished_before=later) >= 5
-    assert store.get(key) is None and store.history(key) == []
+    assert store.get(key) is None and store.transitions.history(key) == []
 
 
 @pytest.mark.parametrize("db_url", ["postgresql", "psycopg3"], indirect=True)
@@ -527,8 +531,8 @@ def test_a_revoked_message_of_a_shared_key_ends_the_job_only_when_the_job_waits_
         DeadUnrun(task_name="t", request=None, reason="revoked", only_insert=True, message_id="m2"),
     )
     assert [_state(store, k)[0] for k in (own, other)] == ["dead", "retrying"]
-    assert [t.action for t in store.history(own)][-1] == "dead"
-    assert [(t.action, t.reason) for t in store.history(other)][-1] == (
+    assert [t.action for t in store.transitions.history(own)][-1] == "dead"
+    assert [(t.action, t.reason) for t in store.transitions.history(other)][-1] == (
         "revoked",
         "message not run",
     )

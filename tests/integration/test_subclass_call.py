@@ -71,7 +71,7 @@ def test_a_subclass_call_runs_the_body_fenced(app: Celery, store: Store, base: t
     assert seen == [(1, ["app"])]
     record = store.get(key)
     assert record is not None and (record.status, record.attempts) == ("completed", 1)
-    assert [t.action for t in store.history(key)] == ["claimed", "completed"]
+    assert [t.action for t in store.transitions.history(key)] == ["claimed", "completed"]
 
 
 def test_a_call_assigned_after_the_class_was_made_is_refused_when_bound(app: Celery) -> None:

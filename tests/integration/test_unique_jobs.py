@@ -112,7 +112,7 @@ def test_replace_ends_an_unclaimed_job_and_refuses_a_started_one(
         "Replaced",
         None,
     )
-    assert [t.reason for t in store.history(first.key)][-1] == "replaced"
+    assert [t.reason for t in store.transitions.history(first.key)][-1] == "replaced"
     assert _queued(queue) == 2  # the old message finds its job dead and is acked unrun
 
     _claim(store, second.key, task.name)

@@ -374,7 +374,7 @@ def test_a_write_from_a_thread_started_inside_the_block_is_refused(
 
 
 def _history(store: Store, key: str) -> list[Any]:
-    return [t for t in store.history(key) if t.action == Action.UNFENCED_WRITE.value]
+    return [t for t in store.transitions.history(key) if t.action == Action.UNFENCED_WRITE.value]
 
 
 def test_a_write_outside_any_block_warns_once_records_and_signals(

@@ -72,6 +72,33 @@ def _reason(reason: str | None) -> str | None:
     return (reason or "")[:255] or None
 
 
+class MemoryTransitions:
+    """The transition reads of a :class:`MemoryStore` (``store.transitions``), as
+    :class:`celery_fence.store.transitions.TransitionReads`."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
+
+    def history(self, key: str) -> list[Transition]:
+        with self.store._lock:
+            return [t for t in self.store._transitions if t.key == key]
+
+    def last_exit(self, key: str) -> str | None:
+        """The action of the key's newest transition that is not a claim, a lease loss or the
+        retry of an interrupted attempt. As in SQL, a ``retry_scheduled`` row without a reason
+        is skipped too (``NOT (TRUE AND NULL LIKE ...)`` is NULL, not true)."""
+        with self.store._lock:
+            for t in reversed(self.store._transitions):
+                if t.key != key or t.action in (Action.CLAIMED.value, Action.LOST.value):
+                    continue
+                if t.action == Action.RETRY_SCHEDULED.value and (
+                    t.reason is None or t.reason.startswith(f"{INTERRUPTED_BY} ")
+                ):
+                    continue
+                return t.action
+        return None
+
+
 class MemoryStore:
     """The fenced job store in a dict: the job verbs of :class:`celery_fence.store.Store`.
 
@@ -94,6 +121,7 @@ class MemoryStore:
         self._transitions: list[Transition] = []
         self._effects: dict[str, Effect] = {}  # by idempotency key, in insertion order
         self._effect_keys: dict[str, str] = {}  # idempotency key -> job key
+        self.transitions = MemoryTransitions(self)
 
     @staticmethod
     def _new_row(
@@ -417,25 +445,6 @@ class MemoryStore:
         with self._lock:
             row = self._jobs.get(key)
             return None if row is None else self._read(row)
-
-    def history(self, key: str) -> list[Transition]:
-        with self._lock:
-            return [t for t in self._transitions if t.key == key]
-
-    def last_exit(self, key: str) -> str | None:
-        """The action of the key's newest transition that is not a claim, a lease loss or the
-        retry of an interrupted attempt. As in SQL, a ``retry_scheduled`` row without a reason
-        is skipped too (``NOT (TRUE AND NULL LIKE ...)`` is NULL, not true)."""
-        with self._lock:
-            for t in reversed(self._transitions):
-                if t.key != key or t.action in (Action.CLAIMED.value, Action.LOST.value):
-                    continue
-                if t.action == Action.RETRY_SCHEDULED.value and (
-                    t.reason is None or t.reason.startswith(f"{INTERRUPTED_BY} ")
-                ):
-                    continue
-                return t.action
-        return None
 
     def effects(self, key: str) -> list[Effect]:
         """The effects staged by ``key``'s completion (the outbox rows it wrote)."""

@@ -338,7 +338,7 @@ def test_a_hard_time_limit_gives_the_message_back_and_records_it(run: Any) -> No
     r = run()
     action = settle_exit(r.execution, o.TimeLimited(3.0))
     assert action == o.Requeue("hard time limit 3.0s")
-    assert [t.action for t in r.store.history(KEY)] == ["time_limit"]
+    assert [t.action for t in r.store.transitions.history(KEY)] == ["time_limit"]
 
 
 def test_an_expired_message_of_a_new_job_is_recorded_dead(run: Any) -> None:
@@ -397,4 +397,4 @@ def test_a_main_process_exit_settles_with_no_claim_and_writes_no_attempt(run: An
     # Then the running attempt's row is untouched: history only, no generation written
     record = r.store.get(KEY)
     assert record is not None and (record.status, record.generation) == ("running", 1)
-    assert [t.action for t in r.store.history(KEY)][-2:] == ["time_limit", "revoked"]
+    assert [t.action for t in r.store.transitions.history(KEY)][-2:] == ["time_limit", "revoked"]

@@ -56,13 +56,23 @@ def _record(status: str, result: Any = None) -> JobRecord:
 
 
 @dataclass
+class FakeTransitions:
+    """The transition read: ``last`` is the key's last exit."""
+
+    last: str | None = None
+
+    def last_exit(self, key: str) -> str | None:
+        return self.last
+
+
+@dataclass
 class FakeStore:
     """Records the writes; ``fail`` maps a write's name (a method's, or an ending value's class
     name) to the exception it raises."""
 
     fail: dict[str, BaseException] = field(default_factory=dict)
     current: JobRecord | None = None
-    last: str | None = None
+    transitions: FakeTransitions = field(default_factory=FakeTransitions)
     writes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def _write(self, name: str, **kw: Any) -> None:
@@ -92,9 +102,6 @@ class FakeStore:
         if "get" in self.fail:
             raise self.fail["get"]
         return self.current
-
-    def last_exit(self, key: str) -> str | None:
-        return self.last
 
 
 class NoBudget:
@@ -370,7 +377,7 @@ def test_outcome_to_store_write_and_action(
 
 
 def test_exhausted_keeps_the_executions_and_names_the_time_limit() -> None:
-    store = FakeStore(last="time_limit")
+    store = FakeStore(transitions=FakeTransitions(last="time_limit"))
     attempt = _attempt(store)
     attempt.claim = replace(attempt.claim, attempts=4)  # the fourth delivery: three were spent
     action = _settle(attempt, o.Exhausted())

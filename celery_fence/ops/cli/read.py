@@ -350,7 +350,7 @@ def show(ctx: click.Context, key: str, as_json: bool, values: bool) -> None:
     with scope_of(ctx) as scope:
         store, record = locate(scope, key)
         remaining, lease_generation = scope.lease(record)
-    history = store.history(key)
+    history = store.transitions.history(key)
     steps = store.steps.rows(key, values=values)
     effects = store.outbox_rows.rows(key=key)
     routing = recovery.routing_for(record, ctx.obj.app) if record.request else {}

@@ -42,7 +42,7 @@ def test_a_stale_worker_never_lands_its_invoice_write(fence_chaos, fence_store, 
     injection = fence_chaos.inject(window, bill_invoice.s(inv.pk))
 
     fence_chaos.assert_converged(key, check=billed_by_the_converged_attempt(inv.pk))
-    completed = [t for t in fence_store.history(key) if t.action == "completed"]
+    completed = [t for t in fence_store.transitions.history(key) if t.action == "completed"]
     took = completed[0].at.timestamp() - injection.started
     assert took < 8 * fence_chaos.env.lease_ttl, f"the newer attempt completed after {took:.1f}s"
     # and the stale worker's next task runs on a usable connection (the server may have ended
@@ -66,7 +66,7 @@ def test_a_plain_transaction_atomic_lets_the_stale_write_land(fence_chaos, fence
     # history (fence_unfenced_writes="warn": flagged, not refused), naming Django's connection
     # and the table.
     def flagged():
-        return [t for t in fence_store.history(key) if t.action == "unfenced_write"]
+        return [t for t in fence_store.transitions.history(key) if t.action == "unfenced_write"]
 
     wait_for(lambda: len(flagged()) >= 2, 30, "both attempts' unfenced_write transitions")
     for transition in flagged():
@@ -174,7 +174,7 @@ def test_the_admin_shows_a_dead_job_and_requeues_it(
     selected = {"_selected_action": [key]}
     requeued = admin_client.post(changelist, {"action": "requeue_dead", **selected}, follow=True)
     assert messages(requeued)[0].startswith(f"job {key}: requeued as")
-    reasons = [(t.action, t.reason) for t in fence_store.history(key)]
+    reasons = [(t.action, t.reason) for t in fence_store.transitions.history(key)]
     assert ("requeued", "requeued by admin user admin") in reasons  # who requeued it
     # then the worker bills it under the same key, in the test database,
     wait_for(lambda: fence_store.get(key).status == "completed", 30, "the requeued job")

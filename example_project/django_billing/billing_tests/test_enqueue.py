@@ -61,7 +61,7 @@ def test_a_committed_invoice_is_billed_once_a_rolled_back_one_leaves_nothing(
     fenced_worker.start()
     key = f"invoice:{kept.pk}"
     wait_for(lambda: fence_store.get(key).status == "completed", 30, "the billing job")
-    claims = [t for t in fence_store.history(key) if t.action == "claimed"]
+    claims = [t for t in fence_store.transitions.history(key) if t.action == "claimed"]
     assert len(claims) == 1 and fence_store.get(key).generation == 1
     assert Invoice.objects.get(pk=kept.pk).total_cents == 1749
     assert job.async_result.get(timeout=10)["database"] == connection.settings_dict["NAME"]
