@@ -66,12 +66,13 @@ from sqlalchemy.orm import Session, scoped_session
 
 from celery_fence.actions import LogAction
 from celery_fence.adapters import unique as unique_jobs
+from celery_fence.adapters.request import encode_request
 from celery_fence.adapters.task import FencedTask
 from celery_fence.announce import tracing
 from celery_fence.body import sqla
 from celery_fence.errors import ConfigurationError, FenceError
 from celery_fence.ops.recovery import KEY_HEADER
-from celery_fence.store.records import ENQUEUED_HEADER, encode_request
+from celery_fence.store.records import ENQUEUED_HEADER
 from celery_fence.store.urls import different_database
 
 logger = logging.getLogger("celery_fence.durable")

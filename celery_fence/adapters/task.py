@@ -29,6 +29,7 @@ from celery_fence.actions import LogAction
 from celery_fence.adapters import direct
 from celery_fence.adapters import unique as unique_jobs
 from celery_fence.adapters.installation import install
+from celery_fence.adapters.request import encode_request, message_publish_options, request_text
 from celery_fence.adapters.worker import FENCED_REQUEST, celery_command
 from celery_fence.announce import tracing
 from celery_fence.announce.transitions import Announcer
@@ -48,14 +49,7 @@ from celery_fence.pipeline.backends import Backends, backends, limits_for
 from celery_fence.pipeline.execution import Execution
 from celery_fence.schema import KEY_LENGTH
 from celery_fence.store import Store
-from celery_fence.store.records import (
-    ENQUEUED_HEADER,
-    RUN_HEADER,
-    TAKEOVER_HEADER,
-    encode_request,
-    message_publish_options,
-    request_text,
-)
+from celery_fence.store.records import ENQUEUED_HEADER, RUN_HEADER, TAKEOVER_HEADER
 
 logger = logging.getLogger("celery_fence")
 
@@ -588,7 +582,7 @@ class FencedTask(Task, Fenced):
         """Celery's ``retry``, with four differences for a fenced attempt:
 
         - The retry message is published with the message's serializer, compression and
-          delivery mode (:func:`~celery_fence.store.records.message_publish_options`), as the
+          delivery mode (:func:`~celery_fence.adapters.request.message_publish_options`), as the
           fence's own re-send is; options given to ``retry`` win.
         - The attempt gives its lease back (token-compared) right before the retry message is
           published, so an immediate retry (``countdown=0``, ``autoretry_for``) runs at once

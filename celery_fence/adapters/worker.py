@@ -48,6 +48,7 @@ from celery.utils.dispatch import Signal
 from celery.worker.request import Request
 
 from celery_fence.actions import LogAction
+from celery_fence.adapters.request import encode_request
 from celery_fence.app_state import app_state, installed, installed_apps
 from celery_fence.body import watch
 from celery_fence.errors import ConfigurationError
@@ -56,7 +57,6 @@ from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.exits import settle_exit
 from celery_fence.process.runtime import runtime
 from celery_fence.store.engine import missing_database
-from celery_fence.store.records import encode_request
 
 if TYPE_CHECKING:
     from celery_fence.pipeline.execution import Execution
@@ -76,7 +76,7 @@ class FencedRequest(Request):
         super().__init__(message, *args, **kwargs)
         # The body's request (Task.request) then says how the message was serialized, as AMQP's
         # properties already do (Redis' lack it): the stored request and the fence's re-sends
-        # publish with the same serializer (records.message_publish_options).
+        # publish with the same serializer (request.message_publish_options).
         if self._content_type:
             properties = dict(self._request_dict.get("properties") or {})
             properties.setdefault("content_type", self._content_type)

@@ -5,14 +5,16 @@ block statements of :mod:`.sql` on the user's own connection).
 - :mod:`.sql`: every statement, per dialect;
 - :mod:`.engine`: the engine, its bounds on every wait, the raw path and driver-error redaction;
 - :mod:`.fenced`: the one fenced write (statement + transition rows + outbox rows, atomically);
-- :mod:`.jobs`: :class:`Store`, the verbs of a task's path and the reads;
-- :mod:`.admin`: the operator's and the recovery's verbs (methods of :class:`Store` too);
+- :mod:`.jobs`: :class:`Store`, the verbs of a task's path and the read of one job;
+- :mod:`.admin`: the operator's and the recovery's verbs and reads, composed as ``store.admin``;
 - :mod:`.blocks`: a fenced block's side of the store (its bounds, its commit check), composed as
   ``store.blocks``;
 - :mod:`.pending`: what ``enqueue()`` writes in the caller's transaction, composed as
   ``store.pending``;
 - :mod:`.urls`: whether a URL names the store's database;
 - :mod:`.outbox`: the outbox's rows, composed as ``store.outbox_rows``;
+- :mod:`.transitions`: the reads of the transition rows (history, last exit), composed as
+  ``store.transitions``;
 - :mod:`.beat`: the beat scheduler's last tick per entry, composed as ``store.beat_ticks``.
 
 Its values (records, requests, effects) live in :mod:`celery_fence.store.records`.
@@ -32,7 +34,6 @@ from celery_fence.store.records import (
     Transition,
     decode_request,
     dumps_strict,
-    encode_request,
 )
 
 __all__ = [
@@ -54,6 +55,5 @@ __all__ = [
     "Transition",
     "decode_request",
     "dumps_strict",
-    "encode_request",
     "utcnow",
 ]

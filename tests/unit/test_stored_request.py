@@ -7,7 +7,7 @@ from typing import Any
 
 from celery.app.task import Context
 
-from celery_fence.store.records import request_text
+from celery_fence.adapters.request import request_text
 
 
 def _context(**fields: Any) -> Context:
