@@ -31,7 +31,7 @@ import sqlalchemy as sa
 
 from bench.harness import Services
 from bench.report import table
-from celery_fence.store import Store
+from celery_fence.store import Store, queries
 from celery_fence.store import sql as statements
 from celery_fence.store.records import Completion
 
@@ -269,7 +269,7 @@ def run(svc: Services, *, sizes: list[int], samples: int, out: Any) -> dict[str,
         "action": "claimed",
         "reason": None,
     }
-    pg = statements.STATEMENTS.rendered("postgresql")
+    pg = queries.STATEMENTS.rendered("postgresql")
     plans = {
         "register": pg.with_records(pg["register"], transition=True, effects=False),
         "complete": pg.with_records(pg["complete"], transition=True, effects=False),

@@ -163,7 +163,7 @@ BREAKAGES = (
         "outbox insert outside the completion's transaction",
         "store/fenced.py",
         "        if own_tx:\n"
-        "            cursor.execute(sql.BEGIN_IMMEDIATE)\n"
+        "            cursor.execute(session_sql.BEGIN_IMMEDIATE)\n"
         "        try:\n"
         "            cursor.execute(statement, params)\n",
         "        for e in effects:  # broken: outside the completion's transaction\n"
@@ -175,7 +175,7 @@ BREAKAGES = (
         "            )\n"
         "        effects = ()\n"
         "        if own_tx:\n"
-        "            cursor.execute(sql.BEGIN_IMMEDIATE)\n"
+        "            cursor.execute(session_sql.BEGIN_IMMEDIATE)\n"
         "        try:\n"
         "            cursor.execute(statement, params)\n",
         ("--scenario", "pause", "--runs", "3"),
@@ -221,7 +221,7 @@ BREAKAGES = (
     Breakage(
         "outbox-claim",
         "outbox delivery claims rows already delivered or claimed (each replay delivers again)",
-        "store/sql.py",
+        "store/outbox_sql.py",
         "        (outbox.c.status == OutboxStatus.PENDING.value)\n"
         "        & (outbox.c.available_at <= now)\n"
         "        & (outbox.c.claimed_until.is_(None) | (outbox.c.claimed_until < now))\n",

@@ -10,7 +10,7 @@ own (the connections of its own statements carry the execution option
 :func:`~celery_fence.body.watch.bookkeeping`).
 
 - **A transaction** (any connection not in autocommit): just before its COMMIT, did it write?
-  PostgreSQL: :data:`~celery_fence.store.sql.PG_TRANSACTION_WROTE` on the connection (a
+  PostgreSQL: :data:`~celery_fence.store.session_sql.PG_TRANSACTION_WROTE` on the connection (a
   transaction id is assigned and a writing lock is held: whatever the statement's text, a
   function, a procedure, a ``DO`` block, ``SELECT ... INTO``; a ``SELECT ... FOR UPDATE`` only
   locks, and is a read). SQLite: the connection's ``total_changes`` moved since the transaction
@@ -37,7 +37,7 @@ import sqlalchemy as sa
 
 from celery_fence.body import watch
 from celery_fence.body.watch import AMBIGUOUS, WATCH
-from celery_fence.store import sql
+from celery_fence.store import session_sql
 from celery_fence.store.engine import OWN
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ def _total_changes(dbapi: Any) -> int:
         return changes
     cursor = dbapi.cursor()
     try:
-        cursor.execute(sql.SQLITE_TOTAL_CHANGES)
+        cursor.execute(session_sql.SQLITE_TOTAL_CHANGES)
         return int(cursor.fetchone()[0])
     finally:
         cursor.close()
@@ -126,7 +126,7 @@ def transaction_wrote(conn: sa.Connection, dbapi: Any | None = None) -> bool:
         return bool(_total_changes(dbapi) != entry[1])
     cursor = dbapi.cursor()
     try:
-        cursor.execute(sql.pg_transaction_wrote(conn.dialect.server_version_info))
+        cursor.execute(session_sql.pg_transaction_wrote(conn.dialect.server_version_info))
         row = cursor.fetchone()
     finally:
         cursor.close()

@@ -60,7 +60,7 @@ from celery_fence import metrics
 from celery_fence.body import sqla, watch
 from celery_fence.body.blocks import Block, again
 from celery_fence.errors import BlockIdleTimeout, ConfigurationError, FenceError
-from celery_fence.store import sql
+from celery_fence.store import session_sql
 from celery_fence.store.urls import different_database
 from celery_fence.store.watchdog import watchdog
 
@@ -128,7 +128,7 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
         try:
             if busy_timeout is not None and not conn.invalidated:
                 with contextlib.suppress(Exception):
-                    _raw(conn, sql.sqlite_busy_timeout(busy_timeout))
+                    _raw(conn, session_sql.sqlite_busy_timeout(busy_timeout))
             if not conn.invalidated:  # (an invalidated connection would reconnect here)
                 _disarm_statement(conn)  # a statement that ended without either event
             if not conn.invalidated:
@@ -163,8 +163,8 @@ def _bound_waits(store: Store, block: Block) -> int | None:
     if conn.dialect.name == "sqlite":
         # The driver's own transaction handling off: the BEGIN (IMMEDIATE) is ours.
         conn.execution_options(isolation_level="AUTOCOMMIT")
-        previous = int(_raw(conn, sql.sqlite_busy_timeout()))
-        _raw(conn, sql.sqlite_busy_timeout(math.ceil(store.database_timeout * 1000)))
+        previous = int(_raw(conn, session_sql.sqlite_busy_timeout()))
+        _raw(conn, session_sql.sqlite_busy_timeout(math.ceil(store.database_timeout * 1000)))
         return previous
     conn.execution_options(isolation_level="READ COMMITTED")
     if block.engine is not store.engine:

@@ -44,7 +44,7 @@ from celery_fence.errors import ConfigurationError
 from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.backends import Backends, backends
 from celery_fence.pipeline.execution import Execution
-from celery_fence.store import Store, sql
+from celery_fence.store import Store, queries, session_sql
 from celery_fence.store.blocks import BlockOwner, Blocks
 
 
@@ -53,7 +53,7 @@ class UnfencedBlocks(Blocks):
 
     def begin(self, conn: sa.Connection, ttl: float) -> None:
         if conn.dialect.name == "sqlite":
-            conn.exec_driver_sql(sql.begin("sqlite", immediate=False))
+            conn.exec_driver_sql(session_sql.begin("sqlite", immediate=False))
 
     def bounds(self, ttl: float) -> str:
         return "SELECT 1"
@@ -66,8 +66,8 @@ class UnfencedBlocks(Blocks):
 
 
 def loosened(
-    statements: sql.Statements, names: tuple[str, ...], old: str, new: str
-) -> sql.Statements:
+    statements: queries.Statements, names: tuple[str, ...], old: str, new: str
+) -> queries.Statements:
     """``statements`` with ``old`` replaced by ``new`` in each of ``names`` (every dialect's
     text). A text without ``old`` is kept as it is (a mutation check's broken copy of
     queries.sql must still import): tests/unit/test_queries.py checks that every arm's
@@ -97,13 +97,13 @@ OWNER_ENDINGS = (
 #: write it was), a registration takes any live job (no generation term).
 UNFENCED_STATEMENTS = loosened(
     loosened(
-        loosened(sql.STATEMENTS, OWNER_ENDINGS, sql.OWNED, "key = :key"),
+        loosened(queries.STATEMENTS, OWNER_ENDINGS, queries.OWNED, "key = :key"),
         ("complete",),
         "error_message = NULL\n",
         "error_message = NULL, generation = :generation, attempt_id = :attempt_id\n",
     ),
     ("register",),
-    sql.NEWER_LIVE,
+    queries.NEWER_LIVE,
     "fence_jobs.status NOT IN ('completed', 'dead')",
 )
 
@@ -125,10 +125,10 @@ class UnfencedTask(FencedTask, fence_base=True):
 
 #: The ``--async-endings`` arm's statements: an ending's commit condition is the registration's
 #: (PostgreSQL: no wait for its WAL flush); on SQLite it is not synced to disk at its commit.
-ASYNC_ENDINGS_STATEMENTS = sql.STATEMENTS.replaced(
+ASYNC_ENDINGS_STATEMENTS = queries.STATEMENTS.replaced(
     {
-        ("durable_commit", "postgresql"): sql.STATEMENTS.template("async_commit", "postgresql"),
-        ("sync_ending", "sqlite"): sql.STATEMENTS.template("sync_default", "sqlite"),
+        ("durable_commit", "postgresql"): queries.STATEMENTS.template("async_commit", "postgresql"),
+        ("sync_ending", "sqlite"): queries.STATEMENTS.template("sync_default", "sqlite"),
     }
 )
 

@@ -77,7 +77,7 @@ from celery_fence.chaos.arms import (
 from celery_fence.chaos.workload_sql import beside_statement
 from celery_fence.errors import ConfigurationError
 from celery_fence.ops.outbox import Outbox, idempotency_key
-from celery_fence.store import Store, sql
+from celery_fence.store import Store, queries
 from celery_fence.testing import faults
 
 #: Environment variables the harness sets (all strings) and their defaults.
@@ -228,7 +228,7 @@ class RerunsFinished(FencedTask, fence_base=True):
         register = store.queries["register"]
         if TERMINAL_TERM in register:  # this store's own statements, the term taken out
             loose = register.replace(TERMINAL_TERM, "", 1)
-            store.queries = sql.Rendered({**store.queries, "register": loose})
+            store.queries = queries.Rendered({**store.queries, "register": loose})
         elif "NOT IN ('completed', 'dead')" in register:  # never run the arm unbroken silently
             raise RuntimeError("--rerun-finished: the registration's terminal term not found")
         return backends

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import sqlalchemy as sa
 
 from celery_fence.schema import utcnow
-from celery_fence.store import sql
+from celery_fence.store import session_sql, sql
 
 if TYPE_CHECKING:
     from celery_fence.store.jobs import Store
@@ -52,7 +52,7 @@ class Blocks:
         write lock from the first statement, so no registration commits while it is open); on
         PostgreSQL the block's bounds (:meth:`bounds`)."""
         if conn.dialect.name == "sqlite":
-            conn.exec_driver_sql(sql.begin("sqlite", immediate=True))
+            conn.exec_driver_sql(session_sql.begin("sqlite", immediate=True))
         else:
             conn.exec_driver_sql(self.bounds(ttl))
 
@@ -63,7 +63,7 @@ class Blocks:
         ttl_ms = math.ceil(ttl * 1000)
         timeout_ms = math.ceil(self.store.database_timeout * 1000)
         lock_ms = min(math.ceil(ttl_ms * LOCK_TIMEOUT_TTLS), timeout_ms)
-        return sql.pg_block_bounds(ttl_ms, lock_ms, timeout_ms)
+        return session_sql.pg_block_bounds(ttl_ms, lock_ms, timeout_ms)
 
     def owner(self, conn: sa.Connection, owner: BlockOwner) -> bool:
         """Whether ``owner``'s block may commit, just before it does: its lease (``LeaseLost``
@@ -82,7 +82,9 @@ class Blocks:
         """:meth:`owner` for a Django block: bounded, on its DB-API cursor."""
         owner.check()
         if self.store.dialect == "postgresql":
-            cursor.execute(sql.pg_statement_timeout(math.ceil(self.store.database_timeout * 1000)))
+            cursor.execute(
+                session_sql.pg_statement_timeout(math.ceil(self.store.database_timeout * 1000))
+            )
         return self.commit_check_cursor(
             cursor, owner.key, generation=owner.generation, attempt_id=owner.attempt_id
         )
@@ -102,7 +104,7 @@ class Blocks:
         One fenced ``UPDATE ... RETURNING`` of the job row (it touches ``updated_at``); why it
         is enough: docs/design.md, "Why the check is enough (Read Committed)". True when this
         attempt still owns the key (``in_block``, PostgreSQL: and the transaction is still the
-        one the block began, :data:`~celery_fence.store.sql.PG_BLOCK_MARKER`).
+        one the block began, :data:`~celery_fence.store.session_sql.PG_BLOCK_MARKER`).
         """
         stmt = sql.commit_check(key, generation, attempt_id, now=utcnow(), in_block=in_block)
         return conn.execute(stmt).first() is not None
@@ -132,7 +134,7 @@ class Blocks:
             return False
         cursor = dbapi.cursor()
         try:
-            cursor.execute(sql.PG_BLOCK_MARKER_READ)
+            cursor.execute(session_sql.PG_BLOCK_MARKER_READ)
             row = cursor.fetchone()
         finally:
             cursor.close()

@@ -20,7 +20,7 @@ from celery_fence import schema
 from celery_fence.errors import ConfigurationError
 from celery_fence.process.runtime import runtime
 from celery_fence.settings import DEFAULT_DATABASE_TIMEOUT
-from celery_fence.store import green, sql
+from celery_fence.store import green, session_sql
 from celery_fence.store.watchdog import watchdog
 
 #: SQLAlchemy's text form of a timestamp on SQLite (what its ``DateTime`` writes and compares).
@@ -121,7 +121,7 @@ class Database:
             @sa.event.listens_for(engine, "connect")
             def _sqlite_pragmas(dbapi_conn: Any, _: Any) -> None:
                 cur = dbapi_conn.cursor()
-                for pragma in sql.SQLITE_PRAGMAS:
+                for pragma in session_sql.SQLITE_PRAGMAS:
                     cur.execute(pragma)
                 cur.execute(f"PRAGMA busy_timeout={round(busy_timeout * 1000)}")
                 cur.close()
@@ -130,7 +130,7 @@ class Database:
             schema.create_schema(engine)
             return engine
         self._bound_calls(engine)
-        lock_timeout = sql.pg_lock_timeout(max(1, round(self.lock_timeout * 1000)))
+        lock_timeout = session_sql.pg_lock_timeout(max(1, round(self.lock_timeout * 1000)))
 
         @sa.event.listens_for(engine, "connect")
         def _pg_session(dbapi_conn: Any, _: Any) -> None:
@@ -207,14 +207,14 @@ class Database:
         (``celery fence check``) writes through it and leaves nothing. The connection is closed
         afterwards, not pooled (its prepared statements go with it)."""
         with self.engine.connect().execution_options(**{OWN: True}) as conn:
-            conn.exec_driver_sql(sql.begin(self.dialect))
+            conn.exec_driver_sql(session_sql.begin(self.dialect))
             try:
                 yield _Pinned(self, conn)
             finally:
                 # A ROLLBACK that fails (a broken connection) must not hide the probe's own
                 # error: closing the connection below ends its transaction all the same.
                 with suppress(Exception):
-                    conn.exec_driver_sql(sql.ROLLBACK)
+                    conn.exec_driver_sql(session_sql.ROLLBACK)
                 conn.invalidate()
 
     @contextmanager
@@ -226,15 +226,15 @@ class Database:
         with self.engine.connect().execution_options(**{OWN: True}) as conn:
             if unbounded:
                 conn = conn.execution_options(fence_unbounded=True)
-            conn.exec_driver_sql(sql.begin(self.dialect))
+            conn.exec_driver_sql(session_sql.begin(self.dialect))
             if unbounded and self.dialect == "postgresql":
-                conn.exec_driver_sql(sql.NO_STATEMENT_TIMEOUT)
+                conn.exec_driver_sql(session_sql.NO_STATEMENT_TIMEOUT)
             try:
                 yield conn
             except BaseException:
-                conn.exec_driver_sql(sql.ROLLBACK)
+                conn.exec_driver_sql(session_sql.ROLLBACK)
                 raise
-            conn.exec_driver_sql(sql.COMMIT)
+            conn.exec_driver_sql(session_sql.COMMIT)
 
     def stamp(self, value: Any) -> Any:
         """A timestamp parameter for the raw path, as a UTC instant (:func:`schema.as_utc`, as

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from celery_fence.actions import Action
 from celery_fence.schema import utcnow
-from celery_fence.store import sql
+from celery_fence.store import queries, session_sql
 from celery_fence.store.engine import SQLITE_TIMESTAMP, Database
 from celery_fence.store.records import Effect
 
@@ -40,7 +40,9 @@ class FencedWriter:
     named statements: the transition, outbox and commit parts); ``record_transitions`` off
     writes no transition rows (the state changes stay fenced)."""
 
-    def __init__(self, db: Database, statements: sql.Rendered, *, record_transitions: bool) -> None:
+    def __init__(
+        self, db: Database, statements: queries.Rendered, *, record_transitions: bool
+    ) -> None:
         self.db = db
         self.statements = statements
         self.record_transitions = record_transitions
@@ -126,7 +128,7 @@ class FencedWriter:
         # write inside the caller's open transaction.
         own_tx = (record or bool(effects) or clear_steps) and not self.db.pinned
         if own_tx:
-            cursor.execute(sql.BEGIN_IMMEDIATE)
+            cursor.execute(session_sql.BEGIN_IMMEDIATE)
         try:
             cursor.execute(statement, params)
             row = cursor.fetchone()
@@ -158,10 +160,10 @@ class FencedWriter:
                     cursor.execute(self.statements["clear_steps"], {"key": row[0]})
         except BaseException:
             if own_tx:
-                cursor.execute(sql.ROLLBACK)
+                cursor.execute(session_sql.ROLLBACK)
             raise
         if own_tx:
-            cursor.execute(sql.COMMIT)
+            cursor.execute(session_sql.COMMIT)
         return None if row is None else Row(*row)
 
     def record(

@@ -18,7 +18,7 @@ from celery_fence.actions import Action
 from celery_fence.errors import JobDead, StaleGeneration, StoreError
 from celery_fence.schema import COMPLETED, DEAD
 from celery_fence.settings import DEFAULT_DATABASE_TIMEOUT
-from celery_fence.store import admin, sql
+from celery_fence.store import admin, queries, sql
 from celery_fence.store.beat import BeatTicks
 from celery_fence.store.blocks import Blocks
 from celery_fence.store.engine import Database
@@ -53,7 +53,7 @@ class Store:
 
     #: Its named statements (:file:`queries.sql`); the chaos harness's control arms give their
     #: own (:mod:`celery_fence.chaos.arms`).
-    statements: sql.Statements = sql.STATEMENTS
+    statements: queries.Statements = queries.STATEMENTS
     #: Whether a registration's commit waits for its WAL flush (PostgreSQL). It does not: losing
     #: a registration in a database crash only costs a re-run, and any later commit of the
     #: attempt (a block, the completion) flushes it first. docs/design.md, "One durable commit

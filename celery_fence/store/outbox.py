@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from celery_fence.schema import OutboxStatus, utcnow
-from celery_fence.store import sql
+from celery_fence.store import outbox_sql, sql
 
 if TYPE_CHECKING:
     from celery_fence.store.jobs import Store
@@ -78,7 +78,7 @@ class OutboxRows:
         claim expired unmarked, it goes ``dead`` here instead of being claimed again.
         """
         return self._all(
-            sql.outbox_dead_exhausted(now=self._now(), max_attempts=max_attempts, key=key)
+            outbox_sql.outbox_dead_exhausted(now=self._now(), max_attempts=max_attempts, key=key)
         )
 
     def claim(
@@ -97,7 +97,7 @@ class OutboxRows:
         PostgreSQL: ``FOR UPDATE SKIP LOCKED`` in one statement; SQLite: the same conditional
         ``UPDATE`` under ``BEGIN IMMEDIATE`` (writers are serialized).
         """
-        stmt = sql.outbox_claim(
+        stmt = outbox_sql.outbox_claim(
             self._store.dialect,
             now=self._now(),
             until=self._later(claim_ttl),
@@ -121,7 +121,7 @@ class OutboxRows:
             "claimed_until": None,
             "last_error": None,
         }
-        return self._changed(sql.outbox_update_claimed(row_id, claimer, values))
+        return self._changed(outbox_sql.outbox_update_claimed(row_id, claimer, values))
 
     def fail(
         self,
@@ -146,7 +146,7 @@ class OutboxRows:
             values["available_at"] = retry_at
         else:
             values["status"] = OutboxStatus.DEAD.value
-        return self._changed(sql.outbox_update_claimed(row_id, claimer, values))
+        return self._changed(outbox_sql.outbox_update_claimed(row_id, claimer, values))
 
     def requeue(self, row_id: int) -> bool:
         """Move a ``dead`` outbox row back to ``pending`` with a fresh attempt count."""
@@ -158,19 +158,19 @@ class OutboxRows:
         ``dead`` when it runs — pending, delivered, requeued meanwhile — is left as it is)."""
         if not ids:
             return []
-        return self._ids(sql.outbox_requeue(ids, self._now()))
+        return self._ids(outbox_sql.outbox_requeue(ids, self._now()))
 
     def requeue_dead(self, *, key: str | None = None) -> list[int]:
         """Move every ``dead`` row (of ``key``, or all) back to ``pending`` as
         :meth:`requeue_many` does; the ids it moved."""
-        return self._ids(sql.outbox_requeue(None, self._now(), key=key))
+        return self._ids(outbox_sql.outbox_requeue(None, self._now(), key=key))
 
     def statuses(self, ids: Sequence[int]) -> dict[int, str]:
         """The status of each row of ``ids`` that exists (a missing id is not in the dict)."""
         if not ids:
             return {}
         with self._store.db.connect() as conn:
-            return {int(i): str(s) for i, s in conn.execute(sql.outbox_statuses(ids)).all()}
+            return {int(i): str(s) for i, s in conn.execute(outbox_sql.outbox_statuses(ids)).all()}
 
     def _ids(self, stmt: Any) -> list[int]:
         with self._store.db.connect() as conn:
@@ -179,7 +179,7 @@ class OutboxRows:
     def purge(self, *, delivered_before: dt.datetime) -> int:
         """Delete rows delivered before the date (``dead`` rows stay until requeued or fixed)."""
         with self._store.db.connect() as conn:
-            return int(conn.execute(sql.outbox_purge(delivered_before)).rowcount or 0)
+            return int(conn.execute(outbox_sql.outbox_purge(delivered_before)).rowcount or 0)
 
     def rows(
         self,
@@ -191,7 +191,7 @@ class OutboxRows:
     ) -> Sequence[OutboxRow]:
         """Outbox rows, oldest first (``newest_first``: the newest ``limit``, newest first)."""
         return self._all(
-            sql.outbox_rows(key=key, status=status, limit=limit, newest_first=newest_first)
+            outbox_sql.outbox_rows(key=key, status=status, limit=limit, newest_first=newest_first)
         )
 
     def summary(self) -> dict[str, tuple[int, dt.datetime | None]]:

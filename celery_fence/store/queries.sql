@@ -1,8 +1,8 @@
 -- The fenced statements of celery-fence, written out and named: every write of the task's path,
 -- the operator's and recovery's compare-and-sets, the step and checkpoint rows, the transition
 -- and outbox rows, and the PostgreSQL parts that ride along a fenced write in one statement.
--- Loaded once at import by celery_fence.store.sql (sql.STATEMENTS); reads and operator
--- statements built with SQLAlchemy Core are in sql.py.
+-- Loaded once at import by celery_fence.store.queries (queries.STATEMENTS); reads and operator
+-- statements built with SQLAlchemy Core are in sql.py, the outbox's in outbox_sql.py.
 --
 -- The format, as procrastinate's queries.sql:
 --   -- name: <name>               a statement for every dialect

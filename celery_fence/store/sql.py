@@ -1,37 +1,20 @@
-"""Every statement celery-fence runs against its own tables, per dialect: the one place to read
-(or change) its SQL. The store's modules run them (and :mod:`celery_fence.body.transaction` the
-block statements, on the user's connection); nothing else builds SQL on these tables.
+"""The store's SQLAlchemy Core statements on its own tables, built per call: the reads, the
+operator's and the recovery's statements, the steps and the beat ticks. The store's SQL is in
+four places, one kind each: the fenced writes written out and named in :file:`queries.sql`
+(loaded by :mod:`.queries`); these; the outbox's (:mod:`.outbox_sql`); the statements that set
+up a session and its transactions (:mod:`.session_sql`). The store's modules run them (and
+:mod:`celery_fence.body.transaction` the block statements, on the user's connection); nothing
+else builds SQL on these tables.
 
-Two kinds, by how often they run:
-
-- The fenced writes (register, the endings of a job, requeue, recover, steps, ...) are written
-  out and named in :file:`queries.sql` (``-- name: complete``), read once at import
-  (:data:`STATEMENTS`) and rendered once per dialect (:func:`render`; each driver runs them as
-  prepared statements its own way, :meth:`.engine.Database.run_prepared`): they skip
-  SQLAlchemy's statement building and compilation, which costs more CPU than the round trip on
-  the two that every task runs. Each returns ``(key, generation, attempt_id, attempts)`` of the
-  row it changed, or no row when its condition did not match.
-  :meth:`Rendered.with_records` wraps one in data-modifying CTEs (named there too) so its
-  transition row and staged outbox rows share its statement.
-- Reads, operator statements and the outbox's are SQLAlchemy Core, built here per call.
-
-Statuses come from :class:`~celery_fence.schema.Status` and
-:class:`~celery_fence.schema.OutboxStatus`, action names from
+Statuses come from :class:`~celery_fence.schema.Status`, action names from
 :class:`~celery_fence.actions.Action`.
-
-The outbox inserts ignore an existing idempotency key: with the fence on, a job completes once, so
-this never fires; under the chaos harness's store without the fence (its control arm, whose
-statements are its own: :mod:`celery_fence.chaos.arms`), a second (stale) completion then
-overwrites the result, as a plain write would, without failing on the outbox.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import re
 from collections.abc import Callable, Sequence
 from functools import cache
-from importlib import resources
 from typing import Any
 
 import sqlalchemy as sa
@@ -41,7 +24,6 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from celery_fence.actions import INTERRUPTED_BY, Action
 from celery_fence.schema import (
     COMPLETED,
-    OutboxStatus,
     Status,
     beat_ticks,
     jobs,
@@ -49,218 +31,9 @@ from celery_fence.schema import (
     steps,
     transitions,
 )
+from celery_fence.store.session_sql import PG_BLOCK_MARKER
 
 JOBS, TRANSITIONS, OUTBOX, STEPS = jobs.name, transitions.name, outbox.name, steps.name
-
-
-def render(dialect: str, template: str) -> str:
-    """A ``:name`` template in the dialect's parameter style: ``%(name)s`` on PostgreSQL
-    (``::type`` casts kept), which psycopg 3 and psycopg2 both take; as is on SQLite, its
-    ``::jsonb`` casts dropped (SQLite keeps JSON as text)."""
-    if dialect == "sqlite":
-        return template.replace("::jsonb", "")
-    return re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", template)
-
-
-# -- session and transaction statements -----------------------------------------------------------
-
-SQLITE_PRAGMAS = (
-    "PRAGMA journal_mode=WAL",
-    "PRAGMA synchronous=NORMAL",
-    "PRAGMA busy_timeout=30000",
-)
-#: SQLite: a job's ending is synced to disk at its COMMIT: ``sync_ending`` in queries.sql.
-BEGIN_IMMEDIATE, COMMIT, ROLLBACK = "BEGIN IMMEDIATE", "COMMIT", "ROLLBACK"
-NO_STATEMENT_TIMEOUT = "SET LOCAL statement_timeout = 0"
-
-
-def begin(dialect: str, *, immediate: bool = True) -> str:
-    """A transaction's start; on SQLite ``BEGIN IMMEDIATE`` takes the write lock up front."""
-    return BEGIN_IMMEDIATE if dialect == "sqlite" and immediate else "BEGIN"
-
-
-def pg_lock_timeout(ms: int) -> str:
-    return f"SET lock_timeout = {int(ms)}"
-
-
-def pg_block_bounds(idle_ms: int, lock_ms: int, statement_ms: int | None = None) -> str:
-    """A fenced block's limits on PostgreSQL, for its transaction only."""
-    statement = (
-        ""
-        if statement_ms is None
-        else (f", set_config('statement_timeout', '{int(statement_ms)}', true)")
-    )
-    return (
-        f"SELECT set_config('idle_in_transaction_session_timeout', '{int(idle_ms)}', true), "
-        f"set_config('lock_timeout', '{int(lock_ms)}', true){statement}, "
-        f"set_config('{PG_BLOCK_MARKER}', 'on', true)"
-    )
-
-
-#: Whether the current PostgreSQL transaction wrote (true/false), by what the server says, never
-#: by the statements' text: a transaction that changed data has a transaction id
-#: (``pg_current_xact_id_if_assigned()``) and still holds a lock stronger than ``RowShareLock`` on
-#: a relation (``RowExclusiveLock`` of an INSERT/UPDATE/DELETE/MERGE/COPY FROM, whatever function,
-#: procedure, trigger or ``DO`` block made it; the ``AccessExclusiveLock`` of DDL and TRUNCATE).
-#: A transaction that only locked rows (``SELECT ... FOR UPDATE [SKIP LOCKED]``) also has an id,
-#: but holds ``RowShareLock`` only: a read. The lock list is read only once an id is assigned
-#: (CASE evaluates in order), so a transaction that read costs one function call. PostgreSQL 13+.
-PG_TRANSACTION_WROTE = (
-    "SELECT CASE WHEN pg_current_xact_id_if_assigned() IS NULL THEN false ELSE EXISTS ("
-    "SELECT 1 FROM pg_catalog.pg_locks WHERE pid = pg_backend_pid() AND locktype = 'relation' "
-    "AND granted AND mode NOT IN ('AccessShareLock', 'RowShareLock')) END"
-)
-#: :data:`PG_TRANSACTION_WROTE` for PostgreSQL 10 to 12 (``txid_current_if_assigned()``).
-PG_TRANSACTION_WROTE_BEFORE_13 = PG_TRANSACTION_WROTE.replace(
-    "pg_current_xact_id_if_assigned()", "txid_current_if_assigned()"
-)
-#: SQLite: the rows this connection changed since it opened (INSERT/UPDATE/DELETE, triggers
-#: included; DDL is not counted). A transaction wrote when the count moved since its BEGIN.
-SQLITE_TOTAL_CHANGES = "SELECT total_changes()"
-#: A transaction-local marker a PostgreSQL ``fence.transaction()`` block sets at its BEGIN
-#: (:func:`pg_block_bounds`): still set at the block's commit only if the block's transaction
-#: did not end under it (a raw ``COMMIT`` on the block's connection).
-PG_BLOCK_MARKER = "celery_fence.block"
-PG_BLOCK_MARKER_READ = f"SELECT current_setting('{PG_BLOCK_MARKER}', true)"
-
-
-def pg_transaction_wrote(server_version: tuple[Any, ...] | None) -> str:
-    """:data:`PG_TRANSACTION_WROTE` for a server of ``server_version`` (None: 13 or later)."""
-    old = server_version is not None and tuple(server_version[:1]) < (13,)
-    return PG_TRANSACTION_WROTE_BEFORE_13 if old else PG_TRANSACTION_WROTE
-
-
-def pg_statement_timeout(ms: int) -> str:
-    """A statement timeout for the rest of the current transaction only."""
-    return f"SELECT set_config('statement_timeout', '{int(ms)}', true)"
-
-
-def sqlite_busy_timeout(ms: int | None = None) -> str:
-    """Read (``ms`` None) or set how long an SQLite connection waits for a lock."""
-    return "PRAGMA busy_timeout" if ms is None else f"PRAGMA busy_timeout = {int(ms)}"
-
-
-# -- the fenced writes: written out and named in queries.sql --------------------------------------
-
-
-def parse_statements(text: str) -> dict[tuple[str, str | None], str]:
-    """The blocks of a ``queries.sql`` text: ``{(name, dialect or None): statement}``. A block
-    starts at ``-- name: <name>`` or ``-- name: <name> (<dialect>)`` and runs to the next; its
-    ``--`` lines are comments (dropped); a name given twice for one dialect is an error."""
-    blocks: dict[tuple[str, str | None], str] = {}
-    current: tuple[str, str | None] | None = None
-    lines: list[str] = []
-
-    def close() -> None:
-        if current is not None:
-            body = "\n".join(lines).strip()
-            if not body:
-                raise ValueError(f"queries.sql: statement {current[0]!r} has no text")
-            blocks[current] = body
-
-    for line in text.splitlines():
-        header = _NAME_LINE.match(line)
-        if header is not None:
-            close()
-            current, lines = (header["name"], header["dialect"]), []
-            if current in blocks:
-                raise ValueError(f"queries.sql: statement {current[0]!r} given twice")
-        elif current is not None and not line.lstrip().startswith("--"):
-            lines.append(line.rstrip())
-    close()
-    return blocks
-
-
-_NAME_LINE = re.compile(r"^-- name: (?P<name>\w+)(?: \((?P<dialect>postgresql|sqlite)\))?\s*$")
-
-
-class Statements:
-    """The named fenced statements (:file:`queries.sql`), per dialect. ``rendered(dialect)``
-    gives each name's text in that dialect's parameter style, rendered once (the store's
-    statement cache); :meth:`replaced` gives a set with some texts replaced (the chaos
-    harness's control arms: their statements are theirs, never flags of the product's)."""
-
-    def __init__(self, texts: dict[tuple[str, str | None], str]) -> None:
-        self.texts = dict(texts)
-        self._rendered: dict[str, Rendered] = {}
-
-    def template(self, name: str, dialect: str) -> str:
-        """``name``'s text for ``dialect`` as written (``:name`` parameters)."""
-        text = self.texts.get((name, dialect)) or self.texts.get((name, None))
-        if text is None:
-            raise KeyError(f"no statement {name!r} for {dialect} in queries.sql")
-        return text
-
-    def names(self, dialect: str) -> list[str]:
-        return sorted({n for n, d in self.texts if d in (None, dialect)})
-
-    def replaced(self, texts: dict[tuple[str, str | None], str]) -> Statements:
-        """This set with ``texts`` (``{(name, dialect or None): text}``) in place of its own."""
-        return Statements({**self.texts, **texts})
-
-    def rendered(self, dialect: str) -> Rendered:
-        found = self._rendered.get(dialect)
-        if found is None:
-            texts = {n: render(dialect, self.template(n, dialect)) for n in self.names(dialect)}
-            found = self._rendered[dialect] = Rendered(texts)
-        return found
-
-
-class Rendered(dict[str, str]):
-    """One dialect's statements by name, as sent; on PostgreSQL, :meth:`with_records` composes
-    (once per shape) a fenced write with the parts that ride along in its statement."""
-
-    def __init__(self, texts: dict[str, str]) -> None:
-        super().__init__(texts)
-        self._composed: dict[tuple[str, bool, bool, bool, bool], str] = {}
-
-    def with_records(
-        self,
-        write: str,
-        *,
-        transition: bool,
-        effects: bool,
-        durable: bool = True,
-        clear_steps: bool = False,
-    ) -> str:
-        """PostgreSQL: ``write`` (a fenced write's text) in ``WITH fenced AS (...)``, then its
-        transition row (``with_transition``: ``%(action)s``, ``%(reason)s``), its outbox rows
-        (``with_effects``: ``%(effects)s``) and its steps cleared (``with_cleared_steps``), as
-        asked: one statement, one round trip, one commit. Its commit condition:
-        ``durable_commit`` (waits for its WAL flush whatever the server's default) or
-        ``async_commit`` (it does not), for the statement's own (AUTOCOMMIT) transaction."""
-        shape = (write, transition, effects, durable, clear_steps)
-        found = self._composed.get(shape)
-        if found is None:
-            parts = [f"WITH fenced AS ({write})"]
-            if transition:
-                parts.append(self["with_transition"])
-            if effects:
-                parts.append(self["with_effects"])
-            if clear_steps:
-                parts.append(self["with_cleared_steps"])
-            parts.append("SELECT * FROM fenced")  # a registration's also its stored run
-            parts.append("WHERE " + self["durable_commit" if durable else "async_commit"])
-            found = self._composed[shape] = "\n".join(parts)
-        return found
-
-
-def _read_statements() -> Statements:
-    text = (resources.files("celery_fence.store") / "queries.sql").read_text(encoding="utf-8")
-    return Statements(parse_statements(text))
-
-
-#: The fenced statements of :file:`queries.sql`, read once at import.
-STATEMENTS = _read_statements()
-#: The fence, as every fenced write of the task's path says it (:file:`queries.sql`).
-OWNED = (
-    "key = :key AND generation = :generation AND attempt_id = :attempt_id AND status = 'running'"
-)
-#: A registration's condition: a strictly greater generation of a live job.
-NEWER_LIVE = (
-    "fence_jobs.status NOT IN ('completed', 'dead')\n"
-    "    AND fence_jobs.generation < excluded.generation"
-)
 
 
 # -- steps and checkpoints (fence.step(), fence.checkpoint()) -------------------------------------
@@ -591,122 +364,6 @@ def delete_all(dialect: str) -> tuple[Any, ...]:
         )
         for table in (OUTBOX, TRANSITIONS, STEPS, JOBS)
     )
-
-
-# -- the outbox (SQLAlchemy Core; ``now`` is the database's clock or this process's) -------------
-
-
-def _due(now: Any) -> Any:
-    return (
-        (outbox.c.status == OutboxStatus.PENDING.value)
-        & (outbox.c.available_at <= now)
-        & (outbox.c.claimed_until.is_(None) | (outbox.c.claimed_until < now))
-    )
-
-
-def outbox_dead_exhausted(*, now: Any, max_attempts: int, key: str | None) -> Any:
-    exhausted = _due(now) & (outbox.c.attempts >= max_attempts)
-    if key is not None:
-        exhausted = exhausted & (outbox.c.key == key)
-    return (
-        outbox.update()
-        .where(exhausted)
-        .values(
-            status=OutboxStatus.DEAD.value,
-            claimed_until=None,
-            last_error=(
-                f"claimed {max_attempts} time(s) without being marked delivered or failed "
-                "(did the handler kill or hang its worker?)"
-            ),
-        )
-        .returning(*outbox.c)
-    )
-
-
-def outbox_claim(
-    dialect: str,
-    *,
-    now: Any,
-    until: Any,
-    claimer: str,
-    limit: int,
-    key: str | None,
-    after_id: int,
-) -> Any:
-    """Claim due rows: ``FOR UPDATE SKIP LOCKED`` in one statement on PostgreSQL (a CTE runs
-    once: ``id IN (SELECT ... SKIP LOCKED LIMIT n)`` may be re-run per row); the same
-    conditional ``UPDATE`` on SQLite, whose caller holds ``BEGIN IMMEDIATE``."""
-    due = _due(now) & (outbox.c.id > after_id)
-    if key is not None:
-        due = due & (outbox.c.key == key)
-    ids = sa.select(outbox.c.id).where(due).order_by(outbox.c.id).limit(limit)
-    claim = outbox.update().values(
-        claimed_by=claimer[:64], claimed_until=until, attempts=outbox.c.attempts + 1
-    )
-    if dialect == "postgresql":
-        picked = ids.with_for_update(skip_locked=True).cte("picked")
-        return claim.where(outbox.c.id == picked.c.id).returning(*outbox.c)
-    return claim.where(outbox.c.id.in_(ids.scalar_subquery()) & due).returning(*outbox.c)
-
-
-def outbox_update_claimed(row_id: int, claimer: str, values: dict[str, Any]) -> Any:
-    """Set ``values`` on a pending row only while ``claimer`` holds its claim."""
-    return (
-        outbox.update()
-        .where(
-            (outbox.c.id == row_id)
-            & (outbox.c.claimed_by == claimer[:64])
-            & (outbox.c.status == OutboxStatus.PENDING.value)
-        )
-        .values(**values)
-        .returning(outbox.c.id)
-    )
-
-
-def outbox_requeue(ids: Sequence[int] | None, now: Any, key: str | None = None) -> Any:
-    """``dead`` rows back to ``pending``, due now, with a fresh attempt count: those of ``ids``
-    (None: every dead row, or ``key``'s) that are still ``dead`` when the statement runs."""
-    still_dead = outbox.c.status == OutboxStatus.DEAD.value
-    if ids is not None:
-        still_dead = still_dead & outbox.c.id.in_(list(ids))
-    if key is not None:
-        still_dead = still_dead & (outbox.c.key == key)
-    return (
-        outbox.update()
-        .where(still_dead)
-        .values(
-            status=OutboxStatus.PENDING.value,
-            attempts=0,
-            available_at=now,
-            claimed_by=None,
-            claimed_until=None,
-        )
-        .returning(outbox.c.id)
-    )
-
-
-def outbox_statuses(ids: Sequence[int]) -> sa.Select[Any]:
-    """``(id, status)`` of the rows of ``ids`` that exist."""
-    return sa.select(outbox.c.id, outbox.c.status).where(outbox.c.id.in_(list(ids)))
-
-
-def outbox_purge(delivered_before: dt.datetime) -> Any:
-    return outbox.delete().where(
-        (outbox.c.status == OutboxStatus.DELIVERED.value)
-        & (outbox.c.delivered_at < delivered_before)
-    )
-
-
-def outbox_rows(
-    *, key: str | None, status: str | None, limit: int, newest_first: bool = False
-) -> sa.Select[Any]:
-    order = outbox.c.id.desc() if newest_first else outbox.c.id
-    query = sa.select(outbox).order_by(order).limit(limit)
-    if key is not None:
-        query = query.where(outbox.c.key == key)
-    if status is not None:
-        query = query.where(outbox.c.status == status)
-    return query
 
 
 # -- the beat scheduler's ticks -------------------------------------------------------------------

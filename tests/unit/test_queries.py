@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from celery_fence.chaos import arms
-from celery_fence.store import sql
+from celery_fence.store import queries
 
 DIALECTS = ("postgresql", "sqlite")
 #: Every name the store runs, for both dialects.
@@ -30,7 +30,7 @@ USED = (
 
 @pytest.mark.parametrize("dialect", DIALECTS)
 def test_every_statement_the_store_runs_is_named_for_the_dialect(dialect: str) -> None:
-    rendered = sql.STATEMENTS.rendered(dialect)
+    rendered = queries.STATEMENTS.rendered(dialect)
     assert set(USED) <= set(rendered), set(USED) - set(rendered)
     if dialect == "postgresql":
         assert {"with_transition", "with_effects", "durable_commit", "async_commit"} <= set(
@@ -44,17 +44,17 @@ def test_every_statement_the_store_runs_is_named_for_the_dialect(dialect: str) -
 
 def test_the_endings_of_a_running_attempt_say_the_fence_in_their_sql() -> None:
     for name in (*arms.OWNER_ENDINGS, "step_done", "checkpoint"):
-        assert sql.OWNED in sql.STATEMENTS.template(name, "sqlite"), name
+        assert queries.OWNED in queries.STATEMENTS.template(name, "sqlite"), name
     for dialect in DIALECTS:
-        assert sql.NEWER_LIVE in sql.STATEMENTS.template("register", dialect)
-        assert sql.NEWER_LIVE in sql.STATEMENTS.template("dead_refused", dialect)
+        assert queries.NEWER_LIVE in queries.STATEMENTS.template("register", dialect)
+        assert queries.NEWER_LIVE in queries.STATEMENTS.template("dead_refused", dialect)
 
 
 def test_the_control_arms_statements_differ_from_the_products() -> None:
     # Given the --unfenced arm's statements, each ending and the registration is its own text
     for dialect in DIALECTS:
         product, unfenced = (
-            sql.STATEMENTS.rendered(dialect),
+            queries.STATEMENTS.rendered(dialect),
             arms.UNFENCED_STATEMENTS.rendered(dialect),
         )
         for name in (*arms.OWNER_ENDINGS, "register"):
@@ -78,10 +78,10 @@ def test_the_control_arms_statements_differ_from_the_products() -> None:
 
 def test_a_statements_file_names_each_statement_once() -> None:
     text = "-- name: a\nSELECT 1\n-- a comment\n\n-- name: a (sqlite)\nSELECT 2\n"
-    assert sql.parse_statements(text) == {("a", None): "SELECT 1", ("a", "sqlite"): "SELECT 2"}
+    assert queries.parse_statements(text) == {("a", None): "SELECT 1", ("a", "sqlite"): "SELECT 2"}
     with pytest.raises(ValueError, match="'a' given twice"):
-        sql.parse_statements(text + "-- name: a\nSELECT 3\n")
+        queries.parse_statements(text + "-- name: a\nSELECT 3\n")
     with pytest.raises(ValueError, match="'b' has no text"):
-        sql.parse_statements("-- name: b\n-- only a comment\n")
+        queries.parse_statements("-- name: b\n-- only a comment\n")
     with pytest.raises(KeyError, match="no statement 'c'"):
-        sql.Statements(sql.parse_statements(text)).template("c", "sqlite")
+        queries.Statements(queries.parse_statements(text)).template("c", "sqlite")

@@ -9,10 +9,11 @@ runs), three of Django's methods are wrapped for every connection of every backe
 
 - ``BaseDatabaseWrapper._commit``: just before a Django transaction commits (the end of an
   outermost ``transaction.atomic()``, a ``connection.commit()``), did it write? PostgreSQL:
-  :func:`~celery_fence.store.sql.pg_transaction_wrote` on that connection, in that transaction (a
-  transaction id is assigned and a lock stronger than ``RowShareLock`` is held: whatever the
-  statement's text — a leading comment, ``WITH ... UPDATE``, ``SELECT writing_fn()``, ``CALL``,
-  ``cursor.callproc``; a ``SELECT ... FOR UPDATE [SKIP LOCKED]`` only locks, and is a read).
+  :func:`~celery_fence.store.session_sql.pg_transaction_wrote` on that connection, in that
+  transaction (a transaction id is assigned and a lock stronger than ``RowShareLock`` is held:
+  whatever the statement's text — a leading comment, ``WITH ... UPDATE``, ``SELECT
+  writing_fn()``, ``CALL``, ``cursor.callproc``; a ``SELECT ... FOR UPDATE [SKIP LOCKED]`` only
+  locks, and is a read).
   SQLite: the connection's ``total_changes`` moved since its ``BEGIN``.
 - ``CursorWrapper._execute_with_wrappers`` (``execute``/``executemany``, raw or ORM) and
   ``CursorWrapper.callproc``: a statement Django runs in autocommit (no transaction, so no commit
@@ -61,7 +62,7 @@ from django.db.utils import OperationalError
 
 from celery_fence.body import watch
 from celery_fence.body.watch import AMBIGUOUS, WATCH
-from celery_fence.store import sql
+from celery_fence.store import session_sql
 
 if TYPE_CHECKING:
     from celery_fence.body.fence import Fence
@@ -266,7 +267,7 @@ def _wrote(db: Any, subject: Any) -> bool:
     if db.vendor == "postgresql":
         cursor = raw.cursor()
         try:
-            cursor.execute(sql.pg_transaction_wrote((db.pg_version // 10000,)))
+            cursor.execute(session_sql.pg_transaction_wrote((db.pg_version // 10000,)))
             row = cursor.fetchone()
         finally:
             cursor.close()
