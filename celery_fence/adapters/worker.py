@@ -56,7 +56,7 @@ from celery_fence.ops.recovery_thread import start_recovery_thread
 from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.exits import settle_exit
 from celery_fence.process.runtime import runtime
-from celery_fence.store.engine import missing_database
+from celery_fence.store.driver_errors import missing_database
 
 if TYPE_CHECKING:
     from celery_fence.pipeline.execution import Execution

@@ -57,7 +57,7 @@ from celery_fence.pipeline.settle import settle
 from celery_fence.process.background import BackgroundWriter
 from celery_fence.process.runtime import runtime
 from celery_fence.store import Store
-from celery_fence.store.engine import refusal_reason
+from celery_fence.store.driver_errors import refusal_reason
 from celery_fence.store.records import JobRecord
 
 logger = logging.getLogger("celery_fence")

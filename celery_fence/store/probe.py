@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_fence.errors import StaleGeneration, StoreError
 from celery_fence.schema import COMPLETED, utcnow
-from celery_fence.store.engine import driver_error_line
+from celery_fence.store.driver_errors import driver_error_line
 from celery_fence.store.records import Completion, Effect, RetryScheduled
 
 if TYPE_CHECKING:

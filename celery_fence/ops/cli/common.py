@@ -17,7 +17,7 @@ from celery_fence.errors import FenceError
 from celery_fence.ops.scope import Scope
 from celery_fence.pipeline.backends import store_for
 from celery_fence.store import JobRecord, OutboxRow, Store
-from celery_fence.store.engine import missing_database_message, missing_database_name
+from celery_fence.store.driver_errors import missing_database_message, missing_database_name
 from celery_fence.store.records import never_claimed
 
 EX_FAILURE = 1

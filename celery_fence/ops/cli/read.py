@@ -35,7 +35,7 @@ from celery_fence.ops.cli.common import (
 from celery_fence.schema import CHECKPOINT, PENDING, STATUSES
 from celery_fence.settings import DJANGO_STORE_UNSET, read_setting
 from celery_fence.store import COMPLETED, UNFINISHED, JobRecord, Store, Transition, probe
-from celery_fence.store.engine import sqlstate
+from celery_fence.store.driver_errors import sqlstate
 from celery_fence.store.records import never_claimed as unclaimed
 from celery_fence.store.steps import StepRecord
 
