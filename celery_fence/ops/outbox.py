@@ -27,12 +27,10 @@ A sender claims a row for ``claim_ttl`` seconds (PostgreSQL ``FOR UPDATE SKIP LO
 conditional ``UPDATE`` under ``BEGIN IMMEDIATE``), calls the handler, and marks the row delivered
 — conditionally on its own claim. A failure is classified as a task's error is
 (``fence_permanent_exceptions`` go ``dead`` at once) and retried with a capped exponential backoff
-of its own, for hours by default: retry ``n`` of an effect waits
-``uniform(c / 2, c)`` seconds, ``c = min(fence_outbox_backoff_max, fence_outbox_backoff * 2 **
-(n - 1))`` ("equal jitter": each wait is at least the one before until the cap, and senders of
-one outage spread out), until ``fence_outbox_max_attempts`` deliveries failed; then it is
-``dead`` (:func:`dead_after` says how long that takes). Two senders never hold the same row at
-once, as long as a handler returns within ``claim_ttl``.
+of its own (:mod:`celery_fence.ops.outbox_backoff`), for hours by default ("equal jitter":
+each wait is at least the one before until the cap, and senders of one outage spread out),
+until ``fence_outbox_max_attempts`` deliveries failed; then it is ``dead``. Two senders never
+hold the same row at once, as long as a handler returns within ``claim_ttl``.
 
 At least once, not exactly once: a sender that crashes (or times out) after the provider accepted
 the effect and before the row is marked delivered leaves the row to be claimed again, and the
@@ -46,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import time
 import uuid
@@ -63,6 +60,7 @@ from celery_fence.app_state import AppSlot
 from celery_fence.body.effects import StagedEffects, idempotency_key, storage_key
 from celery_fence.config import FenceConfig
 from celery_fence.errors import FenceError
+from celery_fence.ops.outbox_backoff import retry_delay
 from celery_fence.pipeline.backends import store_for
 from celery_fence.pipeline.retry import give_up
 from celery_fence.store import OutboxRow, Store
@@ -84,31 +82,6 @@ RETRIGGER_MAX = 300.0
 
 #: ``fn(payload, *, idempotency_key=...)``; its return value is ignored, raising means "failed".
 Handler = Callable[..., Any]
-
-
-# -- backoff -------------------------------------------------------------------------------------
-
-
-def retry_ceiling(attempt: int, config: FenceConfig) -> float:
-    """The longest wait, in seconds, after an effect's failed delivery number ``attempt``
-    (1-based): ``min(fence_outbox_backoff_max, fence_outbox_backoff * 2 ** (attempt - 1))``."""
-    exponent = min(max(0, attempt - 1), 64)
-    return min(config.outbox_backoff_max, config.outbox_backoff * (2.0**exponent))
-
-
-def retry_delay(attempt: int, config: FenceConfig, rng: random.Random | None = None) -> float:
-    """The wait after failed delivery number ``attempt``: ``uniform(ceiling / 2, ceiling)``."""
-    top = retry_ceiling(attempt, config)
-    return (rng or random).uniform(top / 2, top)
-
-
-def dead_after(config: FenceConfig) -> tuple[float, float]:
-    """The shortest and longest time, in seconds, from an effect's first failed delivery to its
-    last (then it is ``dead``) when every delivery fails with an error that is retried: the sum
-    of the waits between ``fence_outbox_max_attempts`` deliveries (about 5.7 and 11.4 hours at
-    the defaults). The sender's own latency (the sweep's period, a busy worker) comes on top."""
-    top = sum(retry_ceiling(n, config) for n in range(1, config.outbox_max_attempts))
-    return top / 2, top
 
 
 # -- delivery ------------------------------------------------------------------------------------
@@ -450,13 +423,10 @@ __all__ = [
     "NoHandler",
     "Outbox",
     "StagedEffects",
-    "dead_after",
     "idempotency_key",
     "outbox_for",
     "register_handler",
     "registered_outbox",
-    "retry_ceiling",
-    "retry_delay",
     "storage_key",
     "sweep",
     "trigger_delivery",

@@ -24,9 +24,8 @@ from celery_fence.ops.outbox import (
     DELIVER_TASK,
     DeliveryReport,
     Outbox,
-    dead_after,
-    retry_ceiling,
 )
+from celery_fence.ops.outbox_backoff import dead_after, retry_ceiling
 from celery_fence.schema import outbox as outbox_table
 from celery_fence.store import Effect, OutboxRow, Store
 from celery_fence.store.records import Completion

@@ -200,7 +200,7 @@ def test_outbox_retry_settings_are_validated(settings: dict[str, object], names:
 
 
 def test_the_outbox_retries_for_hours_by_default() -> None:
-    from celery_fence.ops.outbox import dead_after, retry_ceiling
+    from celery_fence.ops.outbox_backoff import dead_after, retry_ceiling
 
     config = FenceConfig.from_mapping({})
     assert (config.outbox_max_attempts, config.outbox_backoff, config.outbox_backoff_max) == (
