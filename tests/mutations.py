@@ -203,7 +203,7 @@ BREAKAGES = (
     Breakage(
         "enqueue-row",
         "enqueue() publishes without writing the job's durable row",
-        "durable.py",
+        "durable/__init__.py",
         "    created, status, stored = target.insert(key, task.name, request, due)\n",
         '    created, status, stored = True, "pending", None  # broken: no durable row\n',
         ("--scenario", "enqueue-crash", "--runs", "1"),

@@ -121,7 +121,7 @@ def main(mode: str, when: str, keys: list[str]) -> None:
     """One transaction: an order row per key and its job (``enqueue``: in the transaction;
     ``delay``: ``.delay()`` after the commit). ``crash``: SIGKILL between commit and publish.
     Prints ``{key: task id}`` (of the jobs that will exist) before the commit."""
-    import celery_fence.durable
+    import celery_fence.durable.sends
     from celery_fence import enqueue
     from celery_fence.chaos import workload
 
@@ -132,7 +132,7 @@ def main(mode: str, when: str, keys: list[str]) -> None:
     orders_metadata.create_all(engine)
     task_ids: dict[str, str] = {}
     if when == "crash" and mode == "enqueue":
-        celery_fence.durable._publish = die  # type: ignore[assignment]  # after the commit
+        celery_fence.durable.sends._publish = die  # type: ignore[assignment]  # after the commit
     with engine.begin() as conn:
         for key in keys:
             conn.execute(ORDERS.insert().values(key=key))

@@ -11,7 +11,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-import celery_fence.durable
+import celery_fence.durable.sends
 from celery_fence import enqueue
 from tests.support import app as support
 
@@ -21,7 +21,7 @@ def _die(sends: Any) -> None:
 
 
 def main(keys: list[str]) -> None:
-    celery_fence.durable._publish = _die  # the commit has happened when this is called
+    celery_fence.durable.sends._publish = _die  # the commit has happened when this is called
     engine = sa.create_engine(os.environ["FENCE_T_DB"])
     with engine.begin() as conn:
         for key in keys:

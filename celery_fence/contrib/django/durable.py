@@ -35,6 +35,7 @@ from django.db import transaction as django_transaction
 from celery_fence import durable
 from celery_fence.actions import LogAction
 from celery_fence.contrib.django.database import same_database_problem
+from celery_fence.durable import sends
 from celery_fence.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -59,10 +60,10 @@ class DjangoTarget:
                 cursor, key, task_name=task_name, request=request, due=due
             )
 
-    def after_commit(self, send: durable.Send) -> None:
+    def after_commit(self, send: sends.Send) -> None:
         django_transaction.on_commit(lambda: self.publish_if_committed(send), using=self.alias)
 
-    def publish_if_committed(self, send: durable.Send) -> None:
+    def publish_if_committed(self, send: sends.Send) -> None:
         """Publish ``send`` when its row committed (it is there, with this send's task id)."""
         try:
             with connections[self.alias].cursor() as cursor:
@@ -86,7 +87,7 @@ class DjangoTarget:
                 extra={"action": LogAction.ENQUEUE_ROLLED_BACK, "fence_key": send.key},
             )
             return
-        durable.publish([send])
+        sends.publish([send])
 
 
 def enqueue(
