@@ -43,11 +43,11 @@ from celery.schedules import crontab, schedstate, schedule
 from celery.utils.time import remaining
 
 from celery_fence.actions import LogAction
-from celery_fence.adapters.task import KEY_HEADER, FencedTask
+from celery_fence.adapters.task import FencedTask
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError
 from celery_fence.ops.outbox import SWEEP_TASK
-from celery_fence.ops.recovery import RECOVER_TASK
+from celery_fence.ops.recovery import KEY_HEADER, RECOVER_TASK
 from celery_fence.ops.retention import PURGE_TASK
 from celery_fence.pipeline.backends import store_for
 from celery_fence.schema import as_utc, utcnow

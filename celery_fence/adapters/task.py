@@ -4,82 +4,54 @@
 ``__call__`` (or a subclass's own ``__call__``, wrapped when its class is made, which then runs
 as the body) reads what the execution needs from Celery's request (the key, whether this is the
 message's first delivery, the stored request), lets the execution claim, register, run the body
-and settle, and carries out the disposition it returns in Celery's terms
-(:meth:`FencedTask._carry_out`: return, raise, re-send, give the message back). The exits Celery
-drives in the worker's main process (hard time limit, expired or revoked message) are
-:class:`~celery_fence.adapters.worker.FencedRequest`'s.
+and settle, and carries out the disposition it returns in Celery's terms (its base
+:class:`~celery_fence.adapters.resend.FencedResending`: return, raise, re-send, give the message
+back); its sends are its other base's (:class:`~celery_fence.adapters.sending.FencedSending`).
+The exits Celery drives in the worker's main process (hard time limit, expired or revoked
+message) are :class:`~celery_fence.adapters.worker.FencedRequest`'s.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import functools
 import json
 import logging
-import time
 import warnings
 from collections.abc import Callable
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar
 
-from celery import Task
 from celery.app.task import _task_stack
-from celery.exceptions import Reject, Retry
 
-from celery_fence.actions import LogAction
 from celery_fence.adapters import direct
-from celery_fence.adapters import unique as unique_jobs
 from celery_fence.adapters.installation import install
-from celery_fence.adapters.request import encode_request, message_publish_options, request_text
+from celery_fence.adapters.request import request_text
+from celery_fence.adapters.resend import RETRIES_EXCEEDED, FencedResending
+from celery_fence.adapters.sending import FencedSending, published_at
 from celery_fence.adapters.worker import FENCED_REQUEST, celery_command
 from celery_fence.announce import tracing
 from celery_fence.announce.transitions import Announcer
-from celery_fence.body import watch
 from celery_fence.body.fence import Fence
 from celery_fence.config import FenceConfig, Fenced
-from celery_fence.errors import (
-    ConfigurationError,
-    FenceEagerWarning,
-    FenceError,
-    Rescheduled,
-    RetryNotSent,
-)
-from celery_fence.ops.outbox import registered_outbox, trigger_delivery
+from celery_fence.errors import ConfigurationError, FenceEagerWarning, FenceError
+from celery_fence.ops.recovery import KEY_HEADER
 from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.backends import Backends, backends, limits_for
 from celery_fence.pipeline.execution import Execution
 from celery_fence.schema import KEY_LENGTH
 from celery_fence.store import Store
-from celery_fence.store.records import ENQUEUED_HEADER, RUN_HEADER, TAKEOVER_HEADER
+from celery_fence.store.records import RUN_HEADER, TAKEOVER_HEADER
 
 logger = logging.getLogger("celery_fence")
 
 #: Seconds before a message is re-sent when the settings are invalid (fix them and restart).
 CONFIG_ERROR_COUNTDOWN = 30.0
 
-#: Bounds (seconds) of the pause before a message whose re-send the broker refused goes back to
-#: the broker: the re-send's countdown, at least the first, at most the second.
-REFUSED_RESEND_PAUSE = (1.0, 10.0)
-
-#: The header counting the fence's own re-sends of a message (busy lease, store unavailable, the
-#: fence's retry policy). They keep Celery's ``retries`` as it was: the task's ``max_retries``
-#: counts the body's own ``self.retry()`` and ``autoretry_for`` only, as in plain Celery.
-RESENDS_HEADER = "fence_resends"
-
 #: Marks a ``__call__`` that runs the fenced pipeline (:meth:`FencedTask.__init_subclass__`).
 FENCED_ENTRY = "__fence_entry__"
 
-#: Request flags: a subclass's ``__call__`` is the body (``super().__call__`` then runs ``run``
-#: only), and the body's ``retry()`` is about to send its message (release the lease first).
+#: Request flag: a subclass's ``__call__`` is the body (``super().__call__`` then runs ``run``
+#: only).
 IN_SUBCLASS_CALL = "fence_in_subclass_call"
-RELEASE_BEFORE_SEND = "fence_release_before_send"
-#: Request slot: the exception the body's ``retry()`` raised because ``max_retries`` is reached.
-RETRIES_EXCEEDED = "fence_retries_exceeded"
-
-#: The header naming the job's key on a recovery's or a requeue's re-send.
-KEY_HEADER = "fence_key"
-#: The header :meth:`FencedTask.apply_async` stamps: the wall-clock time of the publish, from
-#: which the metrics' queue wait runs (``celery_fence_queue_wait_seconds``).
-PUBLISHED_HEADER = "fence_published_at"
 
 
 def _fenced_entry(call: Callable[..., Any]) -> Callable[..., Any]:
@@ -96,25 +68,7 @@ def _fenced_entry(call: Callable[..., Any]) -> Callable[..., Any]:
     return __call__
 
 
-def published_at(request: Any) -> float | None:
-    """When ``request``'s message was published (:data:`PUBLISHED_HEADER`), or its ETA when
-    that is later: the start of its queue wait. None when the message does not say."""
-    stamp = request.get(PUBLISHED_HEADER)
-    if not isinstance(stamp, (int, float)) or isinstance(stamp, bool):
-        return None
-    eta = request.get("eta")
-    if isinstance(eta, str):
-        try:
-            when = dt.datetime.fromisoformat(eta)
-        except ValueError:
-            return float(stamp)
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=dt.timezone.utc)
-        return max(float(stamp), when.timestamp())
-    return float(stamp)
-
-
-class FencedTask(Task, Fenced):
+class FencedTask(FencedResending, FencedSending, Fenced):
     """Base class for fenced tasks: ``@app.task(base=FencedTask, bind=True, fence_key=...)``.
 
     Task options: ``fence_key`` (callable given the task's args and kwargs, returning the stable
@@ -487,244 +441,9 @@ class FencedTask(Task, Fenced):
             setattr(request, IN_SUBCLASS_CALL, False)
             setattr(request, RETRIES_EXCEEDED, None)
 
-    def _resends(self) -> int:
-        """How many times the fence itself re-sent this message (:data:`RESENDS_HEADER`)."""
-        count = self.request.get(RESENDS_HEADER)
-        return count if isinstance(count, int) and count > 0 else 0
-
     def _max_runtime(self, config: FenceConfig) -> float | None:
         """``fence_max_runtime``, else the hard time limit of this message or task, else None."""
         if config.max_runtime is not None:
             return config.max_runtime
         limit = (self.request.timelimit or (None, None))[0]
         return limit or self.time_limit or self.app.conf.task_time_limit or None
-
-    # -- Celery's side ---------------------------------------------------------------------------
-
-    def _carry_out(self, disposition: o.Disposition) -> Any:
-        """A settled disposition in Celery's terms, for the body's side (Celery then acks late);
-        the exits the worker drives are applied by
-        :meth:`~celery_fence.adapters.worker.FencedRequest._apply`."""
-        if isinstance(disposition, o.Return):
-            replay_only = disposition.replay and registered_outbox(self.app) is None
-            if disposition.deliver is not None and not replay_only:
-                trigger_delivery(self.app, disposition.deliver)
-            return disposition.result
-        if isinstance(disposition, (o.Fail, o.Reraise)):
-            raise disposition.error
-        if isinstance(disposition, o.Requeue):
-            raise Reject(disposition.reason, requeue=True)
-        if isinstance(disposition, o.Acknowledge):
-            return None
-        return self._resend(disposition)
-
-    def _resend(self, disposition: o.Resend) -> Any:
-        """Re-send this message (same task id) after the countdown; never drop it. ``expires``
-        is not carried over: a message the fence re-sends must arrive.
-
-        The fence's own re-send does not count as a Celery retry: the message keeps its
-        ``retries`` (so the task's ``max_retries`` counts the body's own ``self.retry()`` and
-        ``autoretry_for`` only, as in plain Celery; no ``MaxRetriesExceededError`` and no
-        ``FAILURE: Rescheduled`` for a busy lease) and counts its fence re-sends in the
-        :data:`RESENDS_HEADER` header instead (a re-send is no first delivery; store outages
-        back off on it)."""
-        request = self.request
-        if request.called_directly or request.is_eager:
-            # In the caller's thread there is no message to re-send: the caller gets the error
-            # (an eager retry would run again at once, inline and nested, until the recursion
-            # limit while another attempt holds the lease)
-            raise disposition.error
-        countdown = max(0.0, disposition.countdown)
-        logger.info(
-            "fence re-send task=%s id=%s in %.2fs: %s",
-            self.name,
-            request.id,
-            countdown,
-            disposition.reason,
-            extra={"action": LogAction.RESCHEDULE, "reason": disposition.reason},
-        )
-        headers = {
-            name: value
-            for name, value in dict(request.headers or {}).items()
-            if name not in ("x-death", ENQUEUED_HEADER)  # a re-send is not the first delivery
-        }
-        headers[RESENDS_HEADER] = self._resends() + 1
-        signature = self.signature_from_request(
-            request,
-            countdown=countdown,
-            retries=request.retries or 0,
-            headers=headers,
-            # the message's serializer and compression (Celery's signature keeps neither), then
-            # the options of this task's re-sends
-            **{**message_publish_options(request), **self._resend_options()},
-        )
-        error = Rescheduled(disposition.reason)
-        retry = Retry(exc=error, when=countdown, is_eager=request.is_eager, sig=signature)
-        if not request.is_eager:  # eagerly, Celery's apply() runs the signature itself
-            try:
-                signature.apply_async()
-            except Exception as exc:  # the broker refused it: the message goes back (requeue)
-                self._publish_refused(exc, countdown)
-        raise retry from None
-
-    def _resend_options(self) -> dict[str, Any]:
-        """Options of the fence's own re-send: ``expires`` is not carried over."""
-        return {"expires": None}
-
-    def update_state(self, *args: Any, **kwargs: Any) -> None:
-        """Celery's ``update_state``: the result backend's write is Celery's bookkeeping, never
-        the task's (with the database result backend, inside a fenced block too:
-        :func:`celery_fence.body.watch.bookkeeping`)."""
-        with watch.bookkeeping():
-            super().update_state(*args, **kwargs)
-
-    def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's ``retry``, with four differences for a fenced attempt:
-
-        - The retry message is published with the message's serializer, compression and
-          delivery mode (:func:`~celery_fence.adapters.request.message_publish_options`), as the
-          fence's own re-send is; options given to ``retry`` win.
-        - The attempt gives its lease back (token-compared) right before the retry message is
-          published, so an immediate retry (``countdown=0``, ``autoretry_for``) runs at once
-          instead of meeting this attempt's lease and waiting a whole lease TTL.
-        - When ``max_retries`` is reached, the exception Celery's ``retry`` raises
-          (``MaxRetriesExceededError``, or the ``exc`` given) ends the job ``dead`` and reaches
-          the caller as in plain Celery: the fence's retry policy does not retry it again.
-        - When the broker refuses the retry message, Celery would reject the original message
-          for good (``Reject(requeue=False)``, the message dropped); here it goes back to the
-          broker instead (:class:`RetryNotSent`, a requeue), and the settle step records the job
-          ``retrying``, so the next delivery runs it. The message goes back after a pause (the
-          retry's countdown within :data:`REFUSED_RESEND_PAUSE`): a broker that refuses every
-          publish must not make the worker redeliver, claim and re-send in a tight loop."""
-        request = self.request
-        throw = kwargs.get("throw", args[3] if len(args) > 3 else True)
-        fenced = request.get("fence") is not None
-        setattr(request, RELEASE_BEFORE_SEND, bool(fenced and throw and not request.is_eager))
-        if not request.called_directly and not request.is_eager:
-            # the message's serializer and compression, as the fence's own re-send keeps them
-            # (Celery's signature keeps neither); options the body passes win
-            kwargs = {**message_publish_options(request), **kwargs}
-        try:
-            return super().retry(*args, **kwargs)
-        except (Retry, RetryNotSent):
-            raise
-        except Reject as rejected:
-            if rejected.requeue:
-                raise
-            # Celery turns a failed publish of the retry message into Reject(requeue=False).
-            countdown = kwargs.get("countdown")
-            if countdown is None:
-                countdown = (
-                    REFUSED_RESEND_PAUSE[1] if kwargs.get("eta") else self.default_retry_delay
-                )
-            self._publish_refused(rejected.reason, countdown)
-        except Exception as exc:  # max_retries reached: Celery's final exception for this job
-            if fenced and not request.called_directly:
-                setattr(request, RETRIES_EXCEEDED, exc)
-            raise
-        finally:
-            setattr(request, RELEASE_BEFORE_SEND, False)
-
-    def apply_async(
-        self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
-    ) -> Any:
-        """Celery's ``apply_async``; when it publishes the body's own retry (see :meth:`retry`),
-        this attempt's lease is given back first. A task with ``fence_unique`` first writes its
-        job's ``pending`` row with its uniqueness key (:meth:`_send_unique`)."""
-        request = self.request
-        if request.get(RELEASE_BEFORE_SEND):
-            setattr(request, RELEASE_BEFORE_SEND, False)
-            fence = request.get("fence")
-            if fence is not None and isinstance(fence.execution, Execution):
-                fence.execution.release_before_retry()
-        # the publish time, for the metrics' queue wait (one header, metrics on or off)
-        options["headers"] = {**(options.get("headers") or {}), PUBLISHED_HEADER: time.time()}
-        if not self._fence_send(task_id, options):
-            args, kwargs = tuple(args or ()), dict(kwargs or {})
-            policy = self.unique_policy(args, kwargs)
-            if policy is not None:
-                return self._send_unique(args, kwargs, task_id, options, policy)
-        return super().apply_async(args, kwargs, task_id, **options)
-
-    def unique_policy(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        unique: bool | str | None = None,
-        on_conflict: str | None = None,
-    ) -> unique_jobs.UniquePolicy | None:
-        """This send's uniqueness (None: not unique): the ``fence_unique*`` options, or
-        ``enqueue()``'s ``unique`` and ``on_conflict`` (:func:`unique_jobs.policy_for`). The
-        celery-once and celery-singleton shims (:mod:`celery_fence.compat`) read theirs."""
-        return unique_jobs.policy_for(self, args, kwargs, unique=unique, on_conflict=on_conflict)
-
-    def _fence_send(self, task_id: str | None, options: dict[str, Any]) -> bool:
-        """Whether this publish is the fence's own (an enqueue's, a recovery's, a requeue's or a
-        re-send's, all naming the job's key; the body's retry of its own message) or an eager
-        run: not a new send of the job, so no uniqueness check."""
-        headers = options.get("headers") or {}
-        if KEY_HEADER in headers or RESENDS_HEADER in headers:
-            return True
-        if task_id is not None and task_id == self.request.id:
-            return True
-        return bool(self.app.conf.task_always_eager)
-
-    def _send_unique(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        task_id: str | None,
-        options: dict[str, Any],
-        policy: unique_jobs.UniquePolicy,
-    ) -> Any:
-        """A new send of a unique task: its job's ``pending`` row with its uniqueness key (one
-        statement on the store's connection, committed before the publish: a process that dies
-        in between leaves the row to ``fence recover``), then the message; or, when an
-        unfinished job holds the key, that job's ``AsyncResult`` (``on_conflict="return"``) or
-        :class:`~celery_fence.errors.AlreadyEnqueued` (``"raise"``)."""
-        task_id = task_id or unique_jobs.new_task_id()
-        key = self.logical_key(args, kwargs, task_id)
-        context = unique_jobs.message_context(self, args, kwargs, task_id, options)
-        stored = encode_request(self.name, args, kwargs, context)
-        if stored is None:
-            raise ConfigurationError(
-                f"{self.name}: a unique task's arguments must be JSON (its job is stored to be "
-                "re-sent); pass plain dicts, lists, str, int, float, bool or None"
-            )
-        due = unique_jobs.due_time(options)
-        if due is not None:
-            stored["execution"] = {**(stored.get("execution") or {}), "eta": due.isoformat()}
-        store = self.fence_backends().store
-        if not isinstance(store, Store):  # a store double (the testing plugin's): no index
-            raise ConfigurationError(
-                f"{self.name}: a unique task's send needs the SQL store (its unique index "
-                "decides); run it eagerly (task_always_eager) or against a real store in tests"
-            )
-        with store.db.connect() as conn:  # AUTOCOMMIT: each statement commits on its own
-            claimed = unique_jobs.claim(
-                store, conn, key, task_name=self.name, request=stored, due=due, policy=policy
-            )
-        if not claimed.created:
-            holder = claimed.existing
-            found = None if holder is None else unique_jobs.task_id_of(holder)
-            return self.AsyncResult(found or task_id)
-        headers = {**dict(options.pop("headers", None) or {}), KEY_HEADER: key, ENQUEUED_HEADER: 1}
-        return super().apply_async(args, kwargs, task_id, headers=headers, **options)
-
-    def _publish_refused(self, reason: Any, countdown: Any) -> NoReturn:
-        """The broker refused a retry or re-send message: the original message goes back to the
-        broker after a pause (:class:`RetryNotSent`), never dropped."""
-        low, high = REFUSED_RESEND_PAUSE
-        pause = min(max(float(countdown or 0.0), low), high)
-        logger.error(
-            "fence could not publish the retry of task=%s id=%s (%s); the original message "
-            "goes back to the broker in %.1fs",
-            self.name,
-            self.request.id,
-            type(reason).__name__,
-            pause,
-            extra={"action": LogAction.REQUEUE, "reason": "retry publish failed"},
-        )
-        time.sleep(pause)  # the message stays unacked meanwhile; the lease is renewed
-        raise RetryNotSent(reason) from None

@@ -18,7 +18,7 @@ import redis
 from kombu import Connection
 
 from celery_fence import recover
-from celery_fence.adapters.task import RESENDS_HEADER
+from celery_fence.adapters.sending import RESENDS_HEADER
 from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import Store
 from celery_fence.testing import faults
