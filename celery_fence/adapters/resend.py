@@ -33,11 +33,12 @@ RETRIES_EXCEEDED = "fence_retries_exceeded"
 
 
 class FencedResending(Task):
-    """The message side of a fenced task (the class is :class:`~celery_fence.adapters.task.
-    FencedTask`'s base, never used alone)."""
+    """The message side of a fenced task: a base of
+    :class:`~celery_fence.adapters.task.FencedTask`, never used alone."""
 
     def _resends(self) -> int:
-        """How many times the fence itself re-sent this message (:data:`RESENDS_HEADER`)."""
+        """How many times the fence itself re-sent this message
+        (:data:`~celery_fence.adapters.sending.RESENDS_HEADER`)."""
         count = self.request.get(RESENDS_HEADER)
         return count if isinstance(count, int) and count > 0 else 0
 
@@ -66,8 +67,8 @@ class FencedResending(Task):
         ``retries`` (so the task's ``max_retries`` counts the body's own ``self.retry()`` and
         ``autoretry_for`` only, as in plain Celery; no ``MaxRetriesExceededError`` and no
         ``FAILURE: Rescheduled`` for a busy lease) and counts its fence re-sends in the
-        :data:`RESENDS_HEADER` header instead (a re-send is no first delivery; store outages
-        back off on it)."""
+        :data:`~celery_fence.adapters.sending.RESENDS_HEADER` header instead (a re-send is no
+        first delivery; store outages back off on it)."""
         request = self.request
         if request.called_directly or request.is_eager:
             # In the caller's thread there is no message to re-send: the caller gets the error

@@ -54,8 +54,8 @@ def published_at(request: Any) -> float | None:
 
 
 class FencedSending(Task):
-    """``apply_async`` of a fenced task (the class is :class:`~celery_fence.adapters.task.
-    FencedTask`'s base, never used alone)."""
+    """``apply_async`` of a fenced task: a base of
+    :class:`~celery_fence.adapters.task.FencedTask`, never used alone."""
 
     if TYPE_CHECKING:  # FencedTask's
 
@@ -66,9 +66,10 @@ class FencedSending(Task):
     def apply_async(
         self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
     ) -> Any:
-        """Celery's ``apply_async``; when it publishes the body's own retry (see :meth:`retry`),
-        this attempt's lease is given back first. A task with ``fence_unique`` first writes its
-        job's ``pending`` row with its uniqueness key (:meth:`_send_unique`)."""
+        """Celery's ``apply_async``; when it publishes the body's own retry
+        (:meth:`~celery_fence.adapters.resend.FencedResending.retry`), this attempt's lease is
+        given back first. A task with ``fence_unique`` first writes its job's ``pending`` row
+        with its uniqueness key (:meth:`_send_unique`)."""
         request = self.request
         if request.get(RELEASE_BEFORE_SEND):
             setattr(request, RELEASE_BEFORE_SEND, False)
