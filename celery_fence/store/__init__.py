@@ -1,9 +1,12 @@
 """The fenced result store: the one place that runs SQL on celery-fence's tables (their DDL is
 :mod:`celery_fence.schema`'s and the migrations'; :mod:`celery_fence.body.transaction` sends the
-block statements of :mod:`.sql` on the user's own connection).
+block statements of :mod:`.session_sql` on the user's own connection).
 
-- :mod:`.sql`: every statement, per dialect;
-- :mod:`.engine`: the engine, its bounds on every wait, the raw path and driver-error redaction;
+- :file:`queries.sql` (loaded by :mod:`.queries`): the fenced writes, written out and named;
+- :mod:`.sql`: the Core reads and the operator's statements; :mod:`.outbox_sql`: the outbox's;
+  :mod:`.session_sql`: the statements that set up a session and its transactions;
+- :mod:`.engine`: the engine, its bounds on every wait, the raw path; :mod:`.driver_errors`:
+  driver errors reduced to what may be logged;
 - :mod:`.fenced`: the one fenced write (statement + transition rows + outbox rows, atomically);
 - :mod:`.jobs`: :class:`Store`, the verbs of a task's path and the read of one job;
 - :mod:`.admin`: the operator's and the recovery's verbs and reads, composed as ``store.admin``;

@@ -28,7 +28,7 @@ from celery_fence.store.watchdog import watchdog
 SQLITE_TIMESTAMP = "%Y-%m-%d %H:%M:%S.%f"
 
 #: The PostgreSQL drivers the store runs on (SQLAlchemy's names, as in ``postgresql+psycopg://``):
-#: both take the ``%(name)s`` parameters of :mod:`.sql`'s statements.
+#: both take the ``%(name)s`` parameters of :mod:`.queries`' statements.
 PG_DRIVERS = ("psycopg", "psycopg2")
 
 #: The execution option every connection the store uses for its own statements carries
@@ -293,7 +293,7 @@ class Database:
             raw.close()  # back to the pool
 
     def run_prepared(self, raw: Any, cursor: Any, statement: str, params: dict[str, Any]) -> Any:
-        """Run a PostgreSQL statement of :mod:`.sql` (``%(name)s`` parameters) on ``cursor`` of
+        """Run a PostgreSQL statement of :mod:`.queries` (``%(name)s`` parameters) on ``cursor`` of
         the pooled connection ``raw`` as a prepared statement, the way this URL's driver does it:
         :func:`execute_prepared` (psycopg2, whose parameters are sent inline) or
         :func:`execute_prepared_psycopg` (psycopg 3, whose parameters are sent apart, typed).

@@ -1,8 +1,10 @@
 """The fenced result store: the job verbs of the task's path (register, and :meth:`Store.end`,
-which applies every ending of a job), the reads of one job; the operator's verbs and reads
-(list, counts, stranded) are ``store.admin`` (:class:`.admin.JobAdmin`). Its fenced statements
-are in :file:`queries.sql` (by name), the rest of its SQL in :mod:`.sql`, its connection in
-:mod:`.engine`, its one fenced write in :mod:`.fenced`, its outbox in :mod:`.outbox`."""
+which applies every ending of a job), the read of one job; the operator's verbs and reads
+(list, counts, stranded) are ``store.admin`` (:class:`.admin.JobAdmin`), the transition reads
+``store.transitions`` (:class:`.transitions.TransitionReads`). Its fenced statements are in
+:file:`queries.sql` (by name, loaded by :mod:`.queries`), the rest of its SQL in :mod:`.sql`,
+its connection in :mod:`.engine`, its one fenced write in :mod:`.fenced`, its outbox in
+:mod:`.outbox`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The outbox's rows: claim, mark, fail, requeue and purge rows of ``fence_outbox`` (the
-statements are in :mod:`.sql`). Composed into the job store as ``store.outbox_rows``; rows
+statements are in :mod:`.outbox_sql`). Composed into the job store as ``store.outbox_rows``; rows
 are written only by the fenced completion (:mod:`.fenced`), with the result.
 The staging side is :class:`~celery_fence.body.effects.StagedEffects`, the delivery side
 :class:`~celery_fence.ops.outbox.Outbox`.
