@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from celery_fence import django_port
 from celery_fence.errors import ConfigurationError
 from celery_fence.leases.limits import parse_rate
 
@@ -311,13 +312,13 @@ def django_database_url(alias: str) -> str:
     :class:`ConfigurationError`: Django missing or not configured, unknown alias, an engine the
     store does not run on."""
     try:
-        from celery_fence.contrib.django.database import url_for_alias
+        side = django_port.django_side(f"fence_database={alias!r} (a Django DATABASES alias)")
     except ImportError as exc:  # Django is not installed
         raise ConfigurationError(
             f"fence_database={alias!r} names a Django DATABASES alias, but Django cannot be "
             f"imported ({exc}): install celery-fence[django], or set fence_database_url instead."
         ) from None
-    return url_for_alias(alias)
+    return side.url_for_alias(alias)
 
 
 def lookup(conf: Mapping[str, Any], name: str) -> tuple[bool, Any, str]:
