@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import json
 import logging
 import math
 from typing import Any
@@ -43,8 +44,9 @@ from celery.schedules import crontab, schedstate, schedule
 from celery.utils.time import remaining
 
 from celery_fence.actions import LogAction
-from celery_fence.adapters.task import KEY_HEADER, FencedTask
+from celery_fence.adapters.task import FencedTask
 from celery_fence.config import FenceConfig
+from celery_fence.durable import check_options, enqueue
 from celery_fence.errors import ConfigurationError
 from celery_fence.ops.outbox import SWEEP_TASK
 from celery_fence.ops.recovery import RECOVER_TASK
@@ -178,6 +180,8 @@ class Scheduler(beat.Scheduler):
                 "@app.task(base=FencedTask) (its ticks then run once each), or run it from a "
                 "plain, single celery beat"
             )
+        if task is not FencedTask:
+            self._check_enqueueable(entry, task)
         timing = entry.schedule
         if isinstance(timing, crontab):
             return
@@ -193,6 +197,26 @@ class Scheduler(beat.Scheduler):
                 f"celery_fence.beat.Scheduler needs at least {MIN_INTERVAL:g}s (a tick's key "
                 "has second precision)"
             )
+
+    @staticmethod
+    def _check_enqueueable(entry: Any, task: Any) -> None:
+        """Each tick is a job enqueued with its request and options stored (a lost message is
+        re-sent from them): its options must be ones enqueue() keeps, its arguments JSON."""
+        try:
+            check_options(task, entry.options)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"beat entry {entry.name!r}: {exc}") from None
+        values = [*entry.args, *entry.kwargs.values()]
+        if any(isinstance(v, beat.BeatLazyFunc) for v in values):
+            return  # evaluated at each tick; enqueue() refuses a value that is not JSON
+        try:
+            json.dumps(values, allow_nan=False)
+        except (TypeError, ValueError):
+            raise ConfigurationError(
+                f"beat entry {entry.name!r}: its args or kwargs are not JSON, so its ticks "
+                "cannot be stored to be re-sent; pass plain dicts, lists, str, int, float, bool "
+                "or None"
+            ) from None
 
     # -- when an entry is due -----------------------------------------------------------------
 
@@ -236,14 +260,8 @@ class Scheduler(beat.Scheduler):
 
     def _send_due(self, entry: Any, producer: Any) -> None:
         config = self.fence_config()
-        store = self.store()
-        recorded = store.beat_ticks.last(entry.name)
-        after = self._started
-        if recorded is not None:
-            after = recorded  # the replicas' record: what they missed follows the policy
-        fired = self._fired.get(entry.name)
-        if fired is not None and fired > after:
-            after = fired  # sent by this replica, not recorded (the store failed)
+        recorded = self.store().beat_ticks.last(entry.name)
+        after = self._started if recorded is None else recorded  # missed ones: by the policy
         ticks = due_ticks(
             entry.schedule,
             after,
@@ -251,37 +269,55 @@ class Scheduler(beat.Scheduler):
             missed=config.beat_missed,
             catch_up_max=config.beat_catch_up_max,
         )
+        fired = self._fired.get(entry.name)
         if recorded is not None and (fired is None or recorded > fired):
             self._fired[entry.name] = recorded
         for scheduled in ticks:
             self.send_tick(entry, scheduled, producer)
             self._fired[entry.name] = scheduled
-            store.beat_ticks.advance(entry.name, scheduled)
 
     def send_tick(self, entry: Any, scheduled: dt.datetime, producer: Any = None) -> Any:
-        """Send ``entry``'s tick scheduled at ``scheduled``, under its :func:`tick_key`."""
+        """Send ``entry``'s tick scheduled at ``scheduled`` and record it in
+        ``fence_beat_ticks``: a fenced task's through :func:`~celery_fence.durable.enqueue`
+        under its :func:`tick_key`, the job's ``pending`` row and the record in one transaction
+        and the message after its commit (the :class:`~celery_fence.durable.Enqueued`); a
+        maintenance task's sent without a key, then recorded (its ``AsyncResult``)."""
         self.check(entry)
         options = dict(entry.options)
         headers = dict(options.pop("headers", None) or {})
-        key = tick_key(entry.name, scheduled)
         headers["celery_beat_task"] = True
         args = beat._evaluate_entry_args(entry.args)
         kwargs = beat._evaluate_entry_kwargs(entry.kwargs)
+        ticks = self.store().beat_ticks
         if entry.task in MAINTENANCE_TASKS:  # not fenced: each replica's copy runs
-            return self.app.send_task(
+            result = self.app.send_task(
                 entry.task, args, kwargs, producer=producer, headers=headers, **options
             )
-        headers[KEY_HEADER] = key
-        result = self.app.tasks[entry.task].apply_async(
-            args, kwargs, producer=producer, headers=headers, **options
-        )
+            ticks.advance(entry.name, scheduled)
+            return result
+        key = tick_key(entry.name, scheduled)
+        task = self.app.tasks[entry.task]
+        with ticks.transaction() as conn:
+            job = enqueue(
+                conn,
+                task,
+                args,
+                kwargs,
+                key=key,
+                unique=False,
+                producer=producer,
+                headers=headers,
+                **options,
+            )
+            ticks.advance(entry.name, scheduled, conn=conn)
         logger.info(
-            "fence beat: sent %s (%s)",
+            "fence beat: %s %s (%s)",
+            "enqueued" if job.created else "found already enqueued",
             key,
             entry.task,
             extra={"action": LogAction.BEAT_SENT, "fence_key": key},
         )
-        return result
+        return job
 
     # -- settings and the store ---------------------------------------------------------------
 

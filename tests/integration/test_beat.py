@@ -128,6 +128,36 @@ def test_a_new_entry_starts_with_the_first_tick_after_the_replica_started(
     assert sent_keys(beat_app) == ["beat:every-second:2026-01-01T01:00:01Z"]
 
 
+def test_a_tick_is_a_pending_job_committed_with_its_record_and_a_second_replica_finds_it(
+    beat_app: Celery, store: Store, prefix: str
+) -> None:
+    # Given two replicas started at the same moment, one second before a tick (on each store)
+    name = f"{prefix}-tick"
+    beat_app.conf.fence_database_url = store.url
+    beat_app.conf.beat_schedule = {name: {"task": "beat_it.fenced", "schedule": 1.0}}
+    clock = Clock(T0)
+    first, second = Scheduler(beat_app, clock=clock), Scheduler(beat_app, clock=clock)
+    clock.now += dt.timedelta(seconds=1)
+    entry = first.schedule[name]
+    at = dt.datetime(2026, 1, 1, 0, 0, 1, tzinfo=UTC)
+    key = f"beat:{name}:2026-01-01T00:00:01Z"
+    # When the first sends the tick
+    job = first.send_tick(entry, at)
+    # Then the tick is a job under its key, pending with the request a re-send needs, recorded,
+    # and its message is in the queue under that key
+    record = store.get(key)
+    assert job.created and record is not None and record.status == "pending"
+    assert record.generation == 0 and record.request is not None
+    assert record.request["id"] == job.task_id
+    assert store.beat_ticks.last(name) == at
+    assert sent_keys(beat_app) == [key]
+    # And the second replica's copy of the same tick finds that job: no second row, no message
+    again = second.send_tick(entry, at)
+    assert (again.created, again.task_id, again.status) == (False, job.task_id, "pending")
+    assert sent_keys(beat_app) == [key]
+    assert store.get(key) == record
+
+
 @pytest.mark.parametrize(
     ("entry", "words"),
     [
@@ -137,6 +167,14 @@ def test_a_new_entry_starts_with_the_first_tick_after_the_replica_started(
         (
             {"task": "beat_it.fenced", "schedule": Jittered(60.0)},
             ["interval", "crontab", "Jittered"],
+        ),
+        (
+            {"task": "beat_it.fenced", "schedule": 1.0, "options": {"mandatory": True}},
+            ["mandatory", "cannot be kept with the job"],
+        ),
+        (
+            {"task": "beat_it.fenced", "schedule": 1.0, "args": (dt.date(2026, 1, 1),)},
+            ["not JSON", "re-sent"],
         ),
     ],
 )
