@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import json
 import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,9 +22,10 @@ import redis
 from celery import Celery
 
 from celery_fence.store import Store
+from celery_fence.store.records import JobRecord
 from celery_fence.testing.broker import delete_queues
-from celery_fence.testing.groups import kill_group, register
 from celery_fence.testing.redis_server import RedisServer, redis_server_binary
+from celery_fence.testing.workers import BeatReplica
 from tests.support import ledger
 from tests.support.env import BROKER_URL, REDIS_URL
 from tests.support.worker import ROOT, Worker, app_worker, wait_until
@@ -35,38 +34,9 @@ APP = "tests.support.beat_app"
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is missing")
 
 
-class Beat:
-    """One ``celery beat`` process of :data:`APP` in its own session (SIGKILL kills it all)."""
-
-    def __init__(self, env: dict[str, str], log_dir: Path, name: str, *, fenced: bool) -> None:
-        cmd = [sys.executable, "-m", "celery", "-A", APP, "beat", "-l", "INFO"]
-        cmd += ["-s", str(log_dir / f"{name}-schedule")]  # plain beat's own file, per replica
-        if fenced:
-            cmd += ["-S", "celery_fence.beat:Scheduler"]
-        self.log_path = log_dir / f"beat-{name}.log"
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                cmd,
-                cwd=ROOT,
-                env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        register(self.proc)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            kill_group(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            kill_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+def _beat(env: dict[str, str], log_dir: Path, name: str, *, fenced: bool) -> BeatReplica:
+    environ = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+    return BeatReplica(APP, env=environ, name=name, log_dir=log_dir, fenced=fenced, cwd=ROOT)
 
 
 @pytest.fixture
@@ -144,7 +114,7 @@ def test_three_fenced_replicas_run_every_tick_once_through_a_kill_and_a_redis_re
     tmp_path: Path,
 ) -> None:
     worker = _worker(beat_env, tmp_path)
-    beats = [Beat(beat_env, tmp_path, f"r{i}", fenced=True) for i in range(3)]
+    beats = [_beat(beat_env, tmp_path, f"r{i}", fenced=True) for i in range(3)]
     try:
         wait_until(lambda: len(_runs(redis_client, prefix)) >= 2, 60, what="the first ticks")
         time.sleep(3)
@@ -181,7 +151,7 @@ def test_control_three_plain_beats_run_each_tick_about_three_times(
     beat_env: dict[str, str], redis_client: redis.Redis, prefix: str, tmp_path: Path
 ) -> None:
     worker = _worker(beat_env, tmp_path)
-    beats = [Beat(beat_env, tmp_path, f"p{i}", fenced=False) for i in range(3)]
+    beats = [_beat(beat_env, tmp_path, f"p{i}", fenced=False) for i in range(3)]
     try:
         wait_until(lambda: len(_runs(redis_client, prefix)) >= 3, 60, what="the first ticks")
         started = time.monotonic()
@@ -198,3 +168,71 @@ def test_control_three_plain_beats_run_each_tick_about_three_times(
     assert len({run.split(" ")[1] for run in runs}) == len(runs)  # every message its own key
     ran = len(runs) - start_runs
     assert ran >= 2 * window, f"{ran} runs in {window:.1f} s of 1-second ticks from 3 beats"
+
+
+@pytest.fixture
+def broker_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+def _queued_keys(broker: RedisServer, queue: str) -> set[str]:
+    """The ``fence_key`` header of every message waiting in ``queue`` on ``broker``."""
+    client = redis.Redis.from_url(broker.url)
+    try:
+        return {json.loads(m)["headers"]["fence_key"] for m in client.lrange(queue, 0, -1)}
+    finally:
+        client.close()
+
+
+def test_ticks_the_broker_lost_before_any_worker_took_them_run_once_each(
+    beat_env: dict[str, str],
+    broker_redis: RedisServer,
+    redis_client: redis.Redis,
+    prefix: str,
+    pg_url: str,
+    tmp_path: Path,
+) -> None:
+    # Given two fenced replicas sending a 1-second entry to a broker of the test's own, no
+    # worker yet, and recovery re-sending a tick's job whose message is 1 s late
+    env = {**beat_env, "FENCE_T_BROKER": broker_redis.url, "FENCE_T_RECOVER_PENDING_AFTER": "1"}
+    queue, entry = env["FENCE_T_QUEUE"], env["FENCE_T_BEAT_ENTRY"]
+    beats = [_beat(env, tmp_path, f"b{i}", fenced=True) for i in range(2)]
+    worker = None
+    store = Store(pg_url)
+    try:
+        wait_until(lambda: len(_queued_keys(broker_redis, queue)) >= 2, 60, what="2 ticks queued")
+        lost = _queued_keys(broker_redis, queue)
+        # When the broker restarts empty (no persistence) before any worker took those ticks,
+        # and a worker starts while the replicas go on sending
+        broker_redis.restart()
+        assert _queued_keys(broker_redis, queue) == set()
+        worker = _worker(env, tmp_path)
+        for beat in beats:
+            beat.stop()
+
+        def rows() -> dict[str, JobRecord]:
+            jobs = store.admin.list_jobs(task_name="beat_tests.tick", limit=1000)
+            return {j.key: j for j in jobs if j.key.startswith(f"beat:{entry}:")}
+
+        def all_completed() -> bool:
+            found = rows()
+            return lost <= found.keys() and all(j.status == "completed" for j in found.values())
+
+        # Then every tick the replicas enqueued, the lost ones too, completes
+        wait_until(all_completed, 30, interval=0.2, what="every tick, the lost ones too, to run")
+        jobs = rows()
+        runs = _runs(redis_client, prefix)
+    finally:
+        for beat in beats:
+            beat.stop()
+        if worker is not None:
+            worker.stop()
+        store.dispose()
+    # exactly once each: one execution per tick's job (a second one, even a stale one, counts an
+    # attempt), one body run per tick, and a job for every tick that ran
+    assert all(j.attempts == 1 for j in jobs.values()), {k: j.attempts for k, j in jobs.items()}
+    counts = collections.Counter(run.split(" ")[1] for run in runs)
+    assert all(n == 1 for n in counts.values()), {k: n for k, n in counts.items() if n > 1}
+    assert set(counts) == set(jobs) and lost <= set(jobs)
