@@ -1,11 +1,23 @@
 """One periodic tick, any number of beat replicas: ``celery beat -S celery_fence.beat:Scheduler``.
 
 Plain ``celery beat`` must run as exactly one process: two send every tick twice (celery #2856),
-and none sends nothing. This scheduler sends each tick of each entry under the fence key
-:func:`tick_key` ``beat:<entry name>:<scheduled time, ISO 8601 UTC, second precision>``, in the
-``fence_key`` header, so every replica's copy of one tick is a message of the same fenced job:
-it completes once (a duplicate replays the stored completion, or is re-sent while the key is
-busy). Run two or three replicas and lose any of them.
+and none sends nothing. This scheduler enqueues each tick of each entry
+(:func:`celery_fence.durable.enqueue`) as the job of its fence key :func:`tick_key`
+``beat:<entry name>:<scheduled time, ISO 8601 UTC, second precision>``: the job's ``pending``
+row and the entry's record in ``fence_beat_ticks`` are written in one transaction on the store's
+database, and the message is published after that commit (a task whose ``fence_database_url``
+names another database: the record is written right after the row's commit; a replica that
+dies in between leaves the tick to a later pass, which finds its job). So every replica's copy
+of one tick is the same job: a replica that reaches a tick another one enqueued finds its job
+(no second row, no second message), and the job completes once (a duplicate message replays
+the stored completion, or is re-sent while the key is busy). Run two or three replicas and
+lose any of them.
+
+A tick's message lost after the commit (the publish failed, the replica died before it, or a
+broker without persistence restarted before a worker took it) leaves its job ``pending``: the
+workers' recovery re-sends it once it has not moved for ``fence_recover_pending_after`` seconds
+(60 by default), and it runs once. A transaction that fails leaves neither the row nor the
+record: the tick is sent on a later pass, under the same key.
 
 Every replica derives a tick's scheduled time from the schedule, never from its own "now":
 
@@ -16,18 +28,22 @@ Every replica derives a tick's scheduled time from the schedule, never from its 
 Any other schedule (``solar``, a custom class) is refused when the scheduler starts, and so is an
 entry whose task is not a :class:`~celery_fence.FencedTask` registered in the beat process: a
 plain task's copies would each run. Make it ``@app.task(base=FencedTask)`` (its body then runs
-once per tick), or keep it under a plain single ``celery beat``. celery-fence's own
+once per tick), or keep it under a plain single ``celery beat``. An entry's ``options`` must be
+ones ``enqueue()`` keeps with the job and its ``args``/``kwargs`` JSON (a re-send publishes the
+tick from its row); anything else is refused at start too. A tick is keyed on the tick alone: a
+task's ``fence_key`` and ``fence_unique`` do not apply to its beat ticks. celery-fence's own
 maintenance tasks (:data:`MAINTENANCE_TASKS`: ``celery_fence.recover``, ``celery_fence.purge``,
-``celery_fence.outbox.sweep``) are plain tasks safe to run concurrently: sent without a key,
-a tick of theirs runs once per replica that reached it before another recorded it (1 to N
-times). Celery's own ``celery.backend_cleanup`` entry (a plain task) is not installed.
+``celery_fence.outbox.sweep``) are plain tasks safe to run concurrently: sent without a key (and
+recorded after the send), a tick of theirs runs once per replica that reached it before another
+recorded it (1 to N times). Celery's own ``celery.backend_cleanup`` entry (a plain task) is not
+installed.
 
-After a replica sends a tick it records the tick's scheduled time in ``fence_beat_ticks`` (a
-conditional upsert that only moves forward); ``celery fence beat ls`` shows it. Ticks an entry
-missed while every replica was down (between its recorded tick and now) follow
-``fence_beat_missed``: ``skip`` (the default) sends only the latest, ``catch_up`` each of them,
-at most ``fence_beat_catch_up_max`` (the latest ones), each under its own key. An entry with no
-recorded tick starts with the first tick after the replica started.
+The record in ``fence_beat_ticks`` (a conditional upsert that only moves forward) is each
+entry's last fired tick; ``celery fence beat ls`` shows it. Ticks an entry missed while every
+replica was down (between its recorded tick and now) follow ``fence_beat_missed``: ``skip`` (the
+default) sends only the latest, ``catch_up`` each of them, at most ``fence_beat_catch_up_max``
+(the latest ones), each under its own key. An entry with no recorded tick starts with the first
+tick after the replica started.
 """
 
 from __future__ import annotations
@@ -39,6 +55,7 @@ import logging
 import math
 from typing import Any
 
+import sqlalchemy as sa
 from celery import beat
 from celery.schedules import crontab, schedstate, schedule
 from celery.utils.time import remaining
@@ -55,6 +72,7 @@ from celery_fence.pipeline.backends import store_for
 from celery_fence.schema import as_utc, utcnow
 from celery_fence.store import Store
 from celery_fence.store.beat import TICK_PREFIX, tick_key
+from celery_fence.store.urls import different_database
 
 logger = logging.getLogger("celery_fence.beat")
 
@@ -280,7 +298,8 @@ class Scheduler(beat.Scheduler):
         """Send ``entry``'s tick scheduled at ``scheduled`` and record it in
         ``fence_beat_ticks``: a fenced task's through :func:`~celery_fence.durable.enqueue`
         under its :func:`tick_key`, the job's ``pending`` row and the record in one transaction
-        and the message after its commit (the :class:`~celery_fence.durable.Enqueued`); a
+        (a task whose store is another database: the record right after the row's commit) and
+        the message after its commit (the :class:`~celery_fence.durable.Enqueued`); a
         maintenance task's sent without a key, then recorded (its ``AsyncResult``)."""
         self.check(entry)
         options = dict(entry.options)
@@ -288,7 +307,8 @@ class Scheduler(beat.Scheduler):
         headers["celery_beat_task"] = True
         args = beat._evaluate_entry_args(entry.args)
         kwargs = beat._evaluate_entry_kwargs(entry.kwargs)
-        ticks = self.store().beat_ticks
+        ticks_store = self.store()
+        ticks = ticks_store.beat_ticks
         if entry.task in MAINTENANCE_TASKS:  # not fenced: each replica's copy runs
             result = self.app.send_task(
                 entry.task, args, kwargs, producer=producer, headers=headers, **options
@@ -297,7 +317,9 @@ class Scheduler(beat.Scheduler):
             return result
         key = tick_key(entry.name, scheduled)
         task = self.app.tasks[entry.task]
-        with ticks.transaction() as conn:
+        jobs = task.fence_backends().store  # the task's own store (fence_database_url) ...
+        apart = different_database(sa.make_url(ticks_store.url), sa.make_url(jobs.url))
+        with jobs.beat_ticks.transaction() as conn:
             job = enqueue(
                 conn,
                 task,
@@ -309,7 +331,10 @@ class Scheduler(beat.Scheduler):
                 headers=headers,
                 **options,
             )
-            ticks.advance(entry.name, scheduled, conn=conn)
+            if apart is None:  # ... is beat's: the row and the record commit together
+                ticks.advance(entry.name, scheduled, conn=conn)
+        if apart is not None:  # recorded after the row's commit (a failure: sent again)
+            ticks.advance(entry.name, scheduled)
         logger.info(
             "fence beat: %s %s (%s)",
             "enqueued" if job.created else "found already enqueued",

@@ -158,6 +158,38 @@ def test_a_tick_is_a_pending_job_committed_with_its_record_and_a_second_replica_
     assert store.get(key) == record
 
 
+def test_a_task_on_a_store_of_its_own_has_its_tick_job_there_and_the_record_in_beats(
+    beat_app: Celery, sqlite_url: str, tmp_path: Path
+) -> None:
+    # Given an entry whose task keeps its jobs in a database other than beat's store
+    other = f"sqlite:///{tmp_path / 'elsewhere.sqlite3'}"
+
+    @beat_app.task(
+        base=FencedTask, shared=False, name="beat_it.elsewhere", fence_database_url=other
+    )
+    def elsewhere() -> None:
+        pass
+
+    beat_app.conf.beat_schedule = {"apart": {"task": "beat_it.elsewhere", "schedule": 1.0}}
+    clock = Clock(T0)
+    scheduler = Scheduler(beat_app, clock=clock)
+    clock.now += dt.timedelta(seconds=1)
+    # When a tick is sent
+    scheduler.apply_entry(scheduler.schedule["apart"])
+    # Then its job is in the task's store, the record in beat's, the message in the queue
+    key = "beat:apart:2026-01-01T00:00:01Z"
+    jobs, ticks = Store(other), Store(sqlite_url)
+    try:
+        record = jobs.get(key)
+        assert record is not None and record.status == "pending"
+        assert ticks.get(key) is None
+        assert ticks.beat_ticks.last("apart") == dt.datetime(2026, 1, 1, 0, 0, 1, tzinfo=UTC)
+    finally:
+        jobs.dispose()
+        ticks.dispose()
+    assert sent_keys(beat_app) == [key]
+
+
 @pytest.mark.parametrize(
     ("entry", "words"),
     [
