@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from celery_fence.testing.groups import kill_group, read_log, register
+from celery_fence.testing.groups import kill_child, kill_group, read_log, register, stop_child
 from celery_fence.testing.waiting import WaitTimeout, poll_until
 
 
@@ -222,18 +222,11 @@ class BeatReplica:
 
     def kill(self) -> None:
         """SIGKILL the whole replica (mid-tick: nothing of its pass is finished)."""
-        if self.proc.poll() is None:
-            kill_group(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
+        kill_child(self.proc)
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if it has not exited within 10 s."""
-        if self.proc.poll() is None:
-            kill_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_child(self.proc)
 
 
 @contextlib.contextmanager
