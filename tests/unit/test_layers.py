@@ -39,7 +39,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipeline",),  # one attempt: execution, settle, retry, and the backends it is built from
     ("ops",),  # the operator's side: recovery, retention, requeue, outbox delivery, the CLI
     ("adapters",),  # Celery's side: FencedTask, FencedRequest, install(app)
-    ("durable", "beat"),  # enqueue(): a pending row in the caller's transaction; the scheduler
+    ("durable",),  # enqueue(): a pending row in the caller's transaction
+    ("beat",),  # the scheduler: each tick enqueued under its tick key
     ("compat",),  # the celery-once and celery-singleton shims, over unique jobs
     ("contrib",),  # the optional Django integration
     ("__init__",),  # the public names: ``from celery_fence import FencedTask``
