@@ -86,7 +86,13 @@ class Store:
         self.error_message_length = error_message_length
         #: The statements by name, in this database's dialect, as sent.
         self.queries = self.statements.rendered(self.dialect)
-        self.writer = FencedWriter(self.db, self.queries, record_transitions=record_transitions)
+        self._bind_verbs()
+
+    def _bind_verbs(self) -> None:
+        """The verb groups on this store's ``db`` (made again for a view: :meth:`on`)."""
+        self.writer = FencedWriter(
+            self.db, self.queries, record_transitions=self.record_transitions
+        )
         self.outbox_rows = OutboxRows(self)
         #: The completed steps and the checkpoint of each job (``fence_steps``).
         self.steps = StepRows(self)
@@ -107,13 +113,7 @@ class Store:
         """This store's verbs on ``db``, a view of its database (:meth:`Database.rolled_back`)."""
         view = copy.copy(self)
         view.db = db
-        view.writer = FencedWriter(db, self.queries, record_transitions=self.record_transitions)
-        view.outbox_rows = OutboxRows(view)
-        view.steps = StepRows(view)
-        view.beat_ticks = BeatTicks(view)
-        view.admin = admin.JobAdmin(view)
-        view.blocks = self._blocks_class(view)
-        view.pending = PendingRows(view)
+        view._bind_verbs()
         return view
 
     def dispose(self) -> None:
