@@ -29,6 +29,7 @@ from celery_fence.actions import LogAction
 from celery_fence.adapters import direct
 from celery_fence.adapters import unique as unique_jobs
 from celery_fence.adapters.installation import install
+from celery_fence.adapters.metrics import stamps_publish
 from celery_fence.adapters.worker import FENCED_REQUEST, celery_command
 from celery_fence.announce import tracing
 from celery_fence.announce.transitions import Announcer
@@ -83,8 +84,9 @@ RETRIES_EXCEEDED = "fence_retries_exceeded"
 
 #: The header naming the job's key on a recovery's or a requeue's re-send.
 KEY_HEADER = "fence_key"
-#: The header :meth:`FencedTask.apply_async` stamps: the wall-clock time of the publish, from
-#: which the metrics' queue wait runs (``celery_fence_queue_wait_seconds``).
+#: The header :meth:`FencedTask.apply_async` stamps when metrics may be on (``stamps_publish``):
+#: the wall-clock time of the publish, from which the metrics' queue wait runs
+#: (``celery_fence_queue_wait_seconds``).
 PUBLISHED_HEADER = "fence_published_at"
 
 
@@ -649,8 +651,8 @@ class FencedTask(Task, Fenced):
             fence = request.get("fence")
             if fence is not None and isinstance(fence.execution, Execution):
                 fence.execution.release_before_retry()
-        # the publish time, for the metrics' queue wait (one header, metrics on or off)
-        options["headers"] = {**(options.get("headers") or {}), PUBLISHED_HEADER: time.time()}
+        if stamps_publish(self.app):  # the publish time, for the metrics' queue wait
+            options["headers"] = {**(options.get("headers") or {}), PUBLISHED_HEADER: time.time()}
         if not self._fence_send(task_id, options):
             args, kwargs = tuple(args or ()), dict(kwargs or {})
             policy = self.unique_policy(args, kwargs)

@@ -366,11 +366,13 @@ def _rollback(store: Store, conn: sa.Connection) -> None:
         conn.invalidate()
 
 
-def store_of(fence: Fence) -> Store:
+def store_of(fence: Fence, block: str = "fence.transaction()", task: str = "@app.task") -> Store:
+    """The store ``fence``'s ``block`` runs on; a :class:`FenceError` outside a fenced body
+    (``task``: how the user declares one, as the error shows it)."""
     if fence.store is None:
         raise FenceError(
-            f"fence.transaction() for {fence.key!r} has no store: it is only available inside "
-            "a fenced task's body (self.fence, with @app.task(base=FencedTask, bind=True))"
+            f"{block} for {fence.key!r} has no store: it is only available inside a fenced "
+            f"task's body (self.fence, with {task}(base=FencedTask, bind=True))"
         )
     return fence.store
 

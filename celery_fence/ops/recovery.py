@@ -352,15 +352,7 @@ def _recover_one(app: Any, store: Store, record: JobRecord, report: RecoveryRepo
         stranded = DeadStranded(record, error, "stranded, not resendable")
         if store.end(record.key, stranded):
             report.dead.append(record.key)
-            emit_transition(
-                Action.DEAD,
-                _sender(app, record),
-                key=record.key,
-                attempt_id=record.attempt_id,
-                generation=record.generation,
-                reason="stranded, not resendable",
-                attempts=record.attempts,
-            )
+            _announce(app, record, Action.DEAD, "stranded, not resendable")
         else:
             report.raced.append(record.key)
         return
@@ -379,22 +371,24 @@ def _recover_one(app: Any, store: Store, record: JobRecord, report: RecoveryRepo
         report.raced.append(record.key)
         return
     report.sent.append(record.key)
+    reason = f"stranded {record.status}, re-sent as {task_id}"
+    _announce(app, record, Action.RECOVERED, reason, countdown=0.0)
+
+
+def _announce(app: Any, record: JobRecord, action: Action, reason: str, **extra: Any) -> None:
+    """The job's transition as recovery found it, sent by its task (or the task's name when
+    this app lacks it)."""
+    name = str((record.request or {}).get("task") or record.task_name)
     emit_transition(
-        Action.RECOVERED,
-        _sender(app, record),
+        action,
+        app.tasks.get(name, name),
         key=record.key,
         attempt_id=record.attempt_id,
         generation=record.generation,
-        reason=f"stranded {record.status}, re-sent as {task_id}",
-        countdown=0.0,
+        reason=reason,
         attempts=record.attempts,
+        **extra,
     )
-
-
-def _sender(app: Any, record: JobRecord) -> Any:
-    """The signal's sender for a job: its task, or the task's name when this app lacks it."""
-    name = str((record.request or {}).get("task") or record.task_name)
-    return app.tasks.get(name, name)
 
 
 def recover_task(self: Any, older_than: float | None = None) -> dict[str, Any]:
