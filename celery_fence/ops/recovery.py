@@ -133,6 +133,7 @@ def stranded_jobs(
         while len(found) < limit:
             page = database.store.admin.stranded(
                 older_than=floor,
+                running_older_than=0.0 if older_than is None else older_than,
                 limit=limit,
                 task_name=task_name,
                 now=now,
@@ -365,7 +366,7 @@ def _recover_one(app: Any, store: Store, record: JobRecord, report: RecoveryRepo
             report.raced.append(record.key)
         return
     try:
-        task_id = resend(app, store, record, reason=f"stranded {record.status}")
+        task_id = resend_announced(app, store, record, reason=f"stranded {record.status}")
     except Exception as exc:  # one job's failure must not stop the others
         report.failed.append(record.key)
         logger.error(
@@ -379,16 +380,24 @@ def _recover_one(app: Any, store: Store, record: JobRecord, report: RecoveryRepo
         report.raced.append(record.key)
         return
     report.sent.append(record.key)
-    emit_transition(
-        Action.RECOVERED,
-        _sender(app, record),
-        key=record.key,
-        attempt_id=record.attempt_id,
-        generation=record.generation,
-        reason=f"stranded {record.status}, re-sent as {task_id}",
-        countdown=0.0,
-        attempts=record.attempts,
-    )
+
+
+def resend_announced(app: Any, store: Store, record: JobRecord, *, reason: str) -> str | None:
+    """:func:`resend`, then the ``job_recovered`` transition (``reason``, re-sent as ...) when
+    this call took the row."""
+    task_id = resend(app, store, record, reason=reason)
+    if task_id is not None:
+        emit_transition(
+            Action.RECOVERED,
+            _sender(app, record),
+            key=record.key,
+            attempt_id=record.attempt_id,
+            generation=record.generation,
+            reason=f"{reason}, re-sent as {task_id}",
+            countdown=0.0,
+            attempts=record.attempts,
+        )
+    return task_id
 
 
 def _sender(app: Any, record: JobRecord) -> Any:
@@ -414,6 +423,7 @@ __all__ = [
     "recover",
     "recover_task",
     "resend",
+    "resend_announced",
     "routing_for",
     "send_stored",
     "stranded_jobs",
