@@ -4,9 +4,12 @@ A job written with a uniqueness key (``enqueue(conn, task, ..., unique=True)``, 
 task declared with ``fence_unique``) carries it in ``fence_jobs.unique_key``; a partial unique
 index admits one ``pending``, ``running`` or ``retrying`` job per key, so the store itself
 refuses a second one, in the transaction that writes it. The key is released by the job's own
-end (completed, dead): a worker killed mid-run leaves its job ``running``, recovery re-sends it
-a few lease TTLs later (``fence_recover_after``), and the key stays held by that one job until it
-ends — nothing waits for a lock to expire, and no later send is silently dropped.
+end (completed, dead): a worker killed mid-run leaves its job ``running``; once its lease runs
+out (at most one TTL after the kill) the job is stranded, and the workers' recovery check (every
+``fence_recover_interval``, half a TTL) re-sends it, or at once the next send of its key
+(:func:`take_over`): it runs again within one TTL of its lease's end. The key stays held by that
+one job until it ends — nothing waits for a lock to expire, and no later send is silently
+dropped.
 
 Policy, per task (``fence_unique_*`` options) or per call (``enqueue(..., unique=...,
 on_conflict=...)``):
