@@ -8,8 +8,9 @@ job, or a ``pending`` one recovery sent — it has not moved for ``fence_recover
 (default: 3 x ``fence_lease_ttl``; for a ``retrying`` job, counted from its ``retry_at`` too). A
 ``running`` job needs no quiet time: its attempt renews its lease every fraction of the TTL, so
 the lease's absence is the signal (the row is read before the lease, and a claim takes its lease
-before it registers: a job just claimed is never taken). A job :func:`~celery_fence.enqueue` wrote and no attempt has
-claimed (``pending``, generation 0) has no attempt to wait out: its threshold is the shorter
+before it registers: a job just claimed is never taken). A job :func:`~celery_fence.enqueue`
+wrote and no attempt has claimed (``pending``, generation 0) has no attempt to wait out: its
+threshold is the shorter
 ``fence_recover_pending_after`` (counted from its countdown or eta, if it has one). One whose
 message is still waiting in a long broker backlog is then sent twice; the claim fences both
 copies on the key, so it completes once. Each job is judged with its own task's settings
