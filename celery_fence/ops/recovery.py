@@ -10,13 +10,12 @@ job, or a ``pending`` one recovery sent — it has not moved for ``fence_recover
 the lease's absence is the signal (the row is read before the lease, and a claim takes its lease
 before it registers: a job just claimed is never taken). A job :func:`~celery_fence.enqueue`
 wrote and no attempt has claimed (``pending``, generation 0) has no attempt to wait out: its
-threshold is the shorter
-``fence_recover_pending_after`` (counted from its countdown or eta, if it has one). One whose
-message is still waiting in a long broker backlog is then sent twice; the claim fences both
-copies on the key, so it completes once. Each job is judged with its own task's settings
-(:class:`~celery_fence.ops.scope.Scope`): its lease is looked up under its task's Redis and key
-prefix, its threshold is its task's ``fence_recover_after``, and every database the app's fenced
-tasks write to is scanned.
+threshold is the shorter ``fence_recover_pending_after`` (counted from its countdown or eta,
+if it has one). One whose message is still waiting in a long broker backlog is then sent twice;
+the claim fences both copies on the key, so it completes once. Each job is judged with its own
+task's settings (:class:`~celery_fence.ops.scope.Scope`): its lease is looked up under its task's
+Redis and key prefix, its threshold is its task's ``fence_recover_after``, and every database the
+app's fenced tasks write to is scanned.
 
 :func:`recover` re-sends each stranded job from its stored request: task, args, kwargs, the
 exchange and routing key it was delivered with, and what Celery needs to carry its workflow on
