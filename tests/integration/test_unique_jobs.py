@@ -273,6 +273,33 @@ def test_singleton_returns_the_existing_async_result_or_raises(
     assert released is not None and released.unique_key is None
 
 
+def test_the_shims_take_over_a_running_holder_whose_lease_is_gone(
+    client_app: ModuleType, store: Store, worker_env: dict[str, str]
+) -> None:
+    from celery_fence.compat import AlreadyQueued
+
+    queue, broker = worker_env["FENCE_T_QUEUE"], redis.Redis.from_url(BROKER_URL)
+    a = int(uuid.uuid4().int % 10**9)
+    # Given a celery-singleton job and a celery-once job whose attempts registered and whose
+    # leases are gone (their worker died holding the messages),
+    single = client_app.singleton_add.delay(a, 1)
+    once = client_app.once_add.delay(a, 1)
+    broker.delete(queue)
+    for task, first in ((client_app.singleton_add, single), (client_app.once_add, once)):
+        registered = store.register(first.id, generation=1, attempt_id="a1", task_name=task.name)
+        assert registered.outcome == "registered"
+    # when each key is sent again (a duplicate: returned, or AlreadyQueued),
+    assert client_app.singleton_add.delay(a, 2).id == single.id
+    with pytest.raises(AlreadyQueued) as caught:
+        client_app.once_add.delay(a, 2)
+    assert caught.value.task_id == once.id
+    # then each send re-sent its holder first, under its key and task id.
+    for first in (single, once):
+        assert getattr(store.get(first.id), "status", None) == "pending"
+    sent = sorted(json.loads(raw)["headers"]["id"] for raw in broker.lrange(queue, 0, -1))
+    assert sent == sorted([single.id, once.id])
+
+
 def test_fence_show_names_the_uniqueness_key(
     client_app: ModuleType, engine: sa.Engine, worker_env: dict[str, str]
 ) -> None:
