@@ -239,6 +239,7 @@ def enqueue_on(
             request=request,
             due=due,
             policy=policy,
+            take_over=unique_jobs.taking_over(task, store, target.connection),
         )
         holder = claimed.existing
         created = claimed.created

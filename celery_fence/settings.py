@@ -60,10 +60,12 @@ DEFAULT_CHECKPOINT_MAX_BYTES = 64 * 1024
 #: Seconds any one database call may take (statement timeout, TCP user timeout, keepalive
 #: detection, connect timeout and the client-side deadline all derive from it).
 DEFAULT_DATABASE_TIMEOUT = 10.0
-#: ``fence recover`` / the recover task: a non-terminal job whose lease is gone counts as
-#: stranded once it has not moved for this many lease TTLs (unless ``fence_recover_after`` is set).
-#: Three: a frozen or killed worker's job is taken over about three TTLs after its last move (a
-#: re-send while the frozen worker still holds its message is fenced: see docs/design.md).
+#: ``fence recover`` / the recover task: a ``retrying`` job, or a ``pending`` one recovery already
+#: re-sent, whose lease is gone counts as stranded once it has not moved for this many lease TTLs
+#: (unless ``fence_recover_after`` is set): its message may only be waiting in a queue. A
+#: ``running`` job is stranded as soon as its lease is gone (renewed every fraction of the TTL,
+#: its absence is the signal: a frozen or killed worker's job is taken over within one check of
+#: its lease's end; see docs/design.md).
 RECOVER_AFTER_TTLS = 3
 #: Every fenced worker's own recovery check runs every this many lease TTLs (unless
 #: ``fence_recover_interval`` is set): a stranded job waits at most about this long for a check.

@@ -717,7 +717,14 @@ class FencedTask(Task, Fenced):
             )
         with store.db.connect() as conn:  # AUTOCOMMIT: each statement commits on its own
             claimed = unique_jobs.claim(
-                store, conn, key, task_name=self.name, request=stored, due=due, policy=policy
+                store,
+                conn,
+                key,
+                task_name=self.name,
+                request=stored,
+                due=due,
+                policy=policy,
+                take_over=lambda holder: unique_jobs.take_over(self, store, holder),
             )
         if not claimed.created:
             holder = claimed.existing
