@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from celery_fence import durable
+from celery_fence import django_port, durable
 from celery_fence.adapters.installation import install
 from celery_fence.adapters.task import FencedTask
 from celery_fence.body.fence import Fence
@@ -48,6 +48,20 @@ try:  # one version, in setup.cfg: the installed distribution's metadata
     __version__ = _version("celery-fence")
 except PackageNotFoundError:  # pragma: no cover - run from a source tree that is not installed
     __version__ = "0+unknown"
+
+
+def _load_django() -> object:
+    """Import the Django integration, which registers itself with :mod:`celery_fence.django_port`:
+    what the core calls the first time it needs Django (Django configured, ``fence.atomic()``,
+    ``fence_database``), whether or not the app is in ``INSTALLED_APPS``. The edge points down
+    (this package is above ``contrib``), and Python runs this ``__init__`` before any module of
+    the core: the loader is always there."""
+    from celery_fence.contrib import django  # Django is optional: imported when needed
+
+    return django
+
+
+django_port.register_loader(_load_django)
 
 
 def enqueue(

@@ -48,7 +48,7 @@ class LogAction(str, Enum):
 
     DB_TIMEOUT = "db_timeout"
     ENQUEUE_UNSENT = "enqueue_unsent"
-    BEAT_SENT = "beat_sent"  # the beat scheduler sent a tick (celery_fence.beat)
+    BEAT_SENT = "beat_sent"  # the beat scheduler enqueued a tick, or found it enqueued
     BEAT_SEND_FAILED = "beat_send_failed"  # it could not send or record one; sent on a later pass
     ENQUEUE_ROLLED_BACK = "enqueue_rolled_back"
     INTERRUPTED = "interrupted"

@@ -1,11 +1,23 @@
 """One periodic tick, any number of beat replicas: ``celery beat -S celery_fence.beat:Scheduler``.
 
 Plain ``celery beat`` must run as exactly one process: two send every tick twice (celery #2856),
-and none sends nothing. This scheduler sends each tick of each entry under the fence key
-:func:`tick_key` ``beat:<entry name>:<scheduled time, ISO 8601 UTC, second precision>``, in the
-``fence_key`` header, so every replica's copy of one tick is a message of the same fenced job:
-it completes once (a duplicate replays the stored completion, or is re-sent while the key is
-busy). Run two or three replicas and lose any of them.
+and none sends nothing. This scheduler enqueues each tick of each entry
+(:func:`celery_fence.durable.enqueue`) as the job of its fence key :func:`tick_key`
+``beat:<entry name>:<scheduled time, ISO 8601 UTC, second precision>``: the job's ``pending``
+row and the entry's record in ``fence_beat_ticks`` are written in one transaction on the store's
+database, and the message is published after that commit (a task whose ``fence_database_url``
+names another database: the record is written right after the row's commit; a replica that
+dies in between leaves the tick to a later pass, which finds its job). So every replica's copy
+of one tick is the same job: a replica that reaches a tick another one enqueued finds its job
+(no second row, no second message), and the job completes once (a duplicate message replays
+the stored completion, or is re-sent while the key is busy). Run two or three replicas and
+lose any of them.
+
+A tick's message lost after the commit (the publish failed, the replica died before it, or a
+broker without persistence restarted before a worker took it) leaves its job ``pending``: the
+workers' recovery re-sends it once it has not moved for ``fence_recover_pending_after`` seconds
+(60 by default), and it runs once. A transaction that fails leaves neither the row nor the
+record: the tick is sent on a later pass, under the same key.
 
 Every replica derives a tick's scheduled time from the schedule, never from its own "now":
 
@@ -16,28 +28,34 @@ Every replica derives a tick's scheduled time from the schedule, never from its 
 Any other schedule (``solar``, a custom class) is refused when the scheduler starts, and so is an
 entry whose task is not a :class:`~celery_fence.FencedTask` registered in the beat process: a
 plain task's copies would each run. Make it ``@app.task(base=FencedTask)`` (its body then runs
-once per tick), or keep it under a plain single ``celery beat``. celery-fence's own
+once per tick), or keep it under a plain single ``celery beat``. An entry's ``options`` must be
+ones ``enqueue()`` keeps with the job and its ``args``/``kwargs`` JSON (a re-send publishes the
+tick from its row); anything else is refused at start too. A tick is keyed on the tick alone: a
+task's ``fence_key`` and ``fence_unique`` do not apply to its beat ticks. celery-fence's own
 maintenance tasks (:data:`MAINTENANCE_TASKS`: ``celery_fence.recover``, ``celery_fence.purge``,
-``celery_fence.outbox.sweep``) are plain tasks safe to run concurrently: sent without a key,
-a tick of theirs runs once per replica that reached it before another recorded it (1 to N
-times). Celery's own ``celery.backend_cleanup`` entry (a plain task) is not installed.
+``celery_fence.outbox.sweep``) are plain tasks safe to run concurrently: sent without a key (and
+recorded after the send), a tick of theirs runs once per replica that reached it before another
+recorded it (1 to N times). Celery's own ``celery.backend_cleanup`` entry (a plain task) is not
+installed.
 
-After a replica sends a tick it records the tick's scheduled time in ``fence_beat_ticks`` (a
-conditional upsert that only moves forward); ``celery fence beat ls`` shows it. Ticks an entry
-missed while every replica was down (between its recorded tick and now) follow
-``fence_beat_missed``: ``skip`` (the default) sends only the latest, ``catch_up`` each of them,
-at most ``fence_beat_catch_up_max`` (the latest ones), each under its own key. An entry with no
-recorded tick starts with the first tick after the replica started.
+The record in ``fence_beat_ticks`` (a conditional upsert that only moves forward) is each
+entry's last fired tick; ``celery fence beat ls`` shows it. Ticks an entry missed while every
+replica was down (between its recorded tick and now) follow ``fence_beat_missed``: ``skip`` (the
+default) sends only the latest, ``catch_up`` each of them, at most ``fence_beat_catch_up_max``
+(the latest ones), each under its own key. An entry with no recorded tick starts with the first
+tick after the replica started.
 """
 
 from __future__ import annotations
 
 import collections
 import datetime as dt
+import json
 import logging
 import math
 from typing import Any
 
+import sqlalchemy as sa
 from celery import beat
 from celery.schedules import crontab, schedstate, schedule
 from celery.utils.time import remaining
@@ -45,14 +63,16 @@ from celery.utils.time import remaining
 from celery_fence.actions import LogAction
 from celery_fence.adapters.task import FencedTask
 from celery_fence.config import FenceConfig
+from celery_fence.durable import check_options, enqueue
 from celery_fence.errors import ConfigurationError
 from celery_fence.ops.outbox import SWEEP_TASK
-from celery_fence.ops.recovery import KEY_HEADER, RECOVER_TASK
+from celery_fence.ops.recovery import RECOVER_TASK
 from celery_fence.ops.retention import PURGE_TASK
 from celery_fence.pipeline.backends import store_for
 from celery_fence.schema import as_utc, utcnow
 from celery_fence.store import Store
 from celery_fence.store.beat import TICK_PREFIX, tick_key
+from celery_fence.store.urls import different_database
 
 logger = logging.getLogger("celery_fence.beat")
 
@@ -178,6 +198,8 @@ class Scheduler(beat.Scheduler):
                 "@app.task(base=FencedTask) (its ticks then run once each), or run it from a "
                 "plain, single celery beat"
             )
+        if task is not FencedTask:
+            self._check_enqueueable(entry, task)
         timing = entry.schedule
         if isinstance(timing, crontab):
             return
@@ -193,6 +215,26 @@ class Scheduler(beat.Scheduler):
                 f"celery_fence.beat.Scheduler needs at least {MIN_INTERVAL:g}s (a tick's key "
                 "has second precision)"
             )
+
+    @staticmethod
+    def _check_enqueueable(entry: Any, task: Any) -> None:
+        """Each tick is a job enqueued with its request and options stored (a lost message is
+        re-sent from them): its options must be ones enqueue() keeps, its arguments JSON."""
+        try:
+            check_options(task, entry.options)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"beat entry {entry.name!r}: {exc}") from None
+        values = [*entry.args, *entry.kwargs.values()]
+        if any(isinstance(v, beat.BeatLazyFunc) for v in values):
+            return  # evaluated at each tick; enqueue() refuses a value that is not JSON
+        try:
+            json.dumps(values, allow_nan=False)
+        except (TypeError, ValueError):
+            raise ConfigurationError(
+                f"beat entry {entry.name!r}: its args or kwargs are not JSON, so its ticks "
+                "cannot be stored to be re-sent; pass plain dicts, lists, str, int, float, bool "
+                "or None"
+            ) from None
 
     # -- when an entry is due -----------------------------------------------------------------
 
@@ -236,14 +278,8 @@ class Scheduler(beat.Scheduler):
 
     def _send_due(self, entry: Any, producer: Any) -> None:
         config = self.fence_config()
-        store = self.store()
-        recorded = store.beat_ticks.last(entry.name)
-        after = self._started
-        if recorded is not None:
-            after = recorded  # the replicas' record: what they missed follows the policy
-        fired = self._fired.get(entry.name)
-        if fired is not None and fired > after:
-            after = fired  # sent by this replica, not recorded (the store failed)
+        recorded = self.store().beat_ticks.last(entry.name)
+        after = self._started if recorded is None else recorded  # missed ones: by the policy
         ticks = due_ticks(
             entry.schedule,
             after,
@@ -251,37 +287,62 @@ class Scheduler(beat.Scheduler):
             missed=config.beat_missed,
             catch_up_max=config.beat_catch_up_max,
         )
+        fired = self._fired.get(entry.name)
         if recorded is not None and (fired is None or recorded > fired):
             self._fired[entry.name] = recorded
         for scheduled in ticks:
             self.send_tick(entry, scheduled, producer)
             self._fired[entry.name] = scheduled
-            store.beat_ticks.advance(entry.name, scheduled)
 
     def send_tick(self, entry: Any, scheduled: dt.datetime, producer: Any = None) -> Any:
-        """Send ``entry``'s tick scheduled at ``scheduled``, under its :func:`tick_key`."""
+        """Send ``entry``'s tick scheduled at ``scheduled`` and record it in
+        ``fence_beat_ticks``: a fenced task's through :func:`~celery_fence.durable.enqueue`
+        under its :func:`tick_key`, the job's ``pending`` row and the record in one transaction
+        (a task whose store is another database: the record right after the row's commit) and
+        the message after its commit (the :class:`~celery_fence.durable.Enqueued`); a
+        maintenance task's sent without a key, then recorded (its ``AsyncResult``)."""
         self.check(entry)
         options = dict(entry.options)
         headers = dict(options.pop("headers", None) or {})
-        key = tick_key(entry.name, scheduled)
         headers["celery_beat_task"] = True
         args = beat._evaluate_entry_args(entry.args)
         kwargs = beat._evaluate_entry_kwargs(entry.kwargs)
+        ticks_store = self.store()
+        ticks = ticks_store.beat_ticks
         if entry.task in MAINTENANCE_TASKS:  # not fenced: each replica's copy runs
-            return self.app.send_task(
+            result = self.app.send_task(
                 entry.task, args, kwargs, producer=producer, headers=headers, **options
             )
-        headers[KEY_HEADER] = key
-        result = self.app.tasks[entry.task].apply_async(
-            args, kwargs, producer=producer, headers=headers, **options
-        )
+            ticks.advance(entry.name, scheduled)
+            return result
+        key = tick_key(entry.name, scheduled)
+        task = self.app.tasks[entry.task]
+        jobs = task.fence_backends().store  # the task's own store (fence_database_url) ...
+        apart = different_database(sa.make_url(ticks_store.url), sa.make_url(jobs.url))
+        with jobs.beat_ticks.transaction() as conn:
+            job = enqueue(
+                conn,
+                task,
+                args,
+                kwargs,
+                key=key,
+                unique=False,
+                producer=producer,
+                headers=headers,
+                **options,
+            )
+            if apart is None:  # ... is beat's: the row and the record commit together
+                ticks.advance(entry.name, scheduled, conn=conn)
+        if apart is not None:  # recorded after the row's commit (a failure: sent again)
+            ticks.advance(entry.name, scheduled)
         logger.info(
-            "fence beat: sent %s (%s)",
+            "fence beat: %s %s (%s)",
+            "enqueued" if job.created else "found already enqueued",
             key,
             entry.task,
             extra={"action": LogAction.BEAT_SENT, "fence_key": key},
         )
-        return result
+        return job
 
     # -- settings and the store ---------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Drop-in bases for code written against celery-once and celery-singleton, as fenced unique
 jobs (:mod:`celery_fence.adapters.unique`): the "lock" is the job's own row, released by the
 job's end (completed, dead) — never by a TTL, so a worker killed mid-run (SIGKILL, OOM, a hard
-time limit) leaves no stranded lock: recovery runs its job again a few lease TTLs later.
+time limit) leaves no stranded lock: its job runs again within one lease TTL of its lease's end
+(a workers' recovery check, every half TTL, or the next send of its key re-sends it).
 
 celery-once::
 

@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from celery_fence import django_port
 from celery_fence.errors import ConfigurationError
 from celery_fence.leases.limits import parse_rate
 
@@ -59,10 +60,12 @@ DEFAULT_CHECKPOINT_MAX_BYTES = 64 * 1024
 #: Seconds any one database call may take (statement timeout, TCP user timeout, keepalive
 #: detection, connect timeout and the client-side deadline all derive from it).
 DEFAULT_DATABASE_TIMEOUT = 10.0
-#: ``fence recover`` / the recover task: a non-terminal job whose lease is gone counts as
-#: stranded once it has not moved for this many lease TTLs (unless ``fence_recover_after`` is set).
-#: Three: a frozen or killed worker's job is taken over about three TTLs after its last move (a
-#: re-send while the frozen worker still holds its message is fenced: see docs/design.md).
+#: ``fence recover`` / the recover task: a ``retrying`` job, or a ``pending`` one recovery already
+#: re-sent, whose lease is gone counts as stranded once it has not moved for this many lease TTLs
+#: (unless ``fence_recover_after`` is set): its message may only be waiting in a queue. A
+#: ``running`` job is stranded as soon as its lease is gone (renewed every fraction of the TTL,
+#: its absence is the signal: a frozen or killed worker's job is taken over within one check of
+#: its lease's end; see docs/design.md).
 RECOVER_AFTER_TTLS = 3
 #: Every fenced worker's own recovery check runs every this many lease TTLs (unless
 #: ``fence_recover_interval`` is set): a stranded job waits at most about this long for a check.
@@ -311,13 +314,13 @@ def django_database_url(alias: str) -> str:
     :class:`ConfigurationError`: Django missing or not configured, unknown alias, an engine the
     store does not run on."""
     try:
-        from celery_fence.contrib.django.database import url_for_alias
+        side = django_port.django_side(f"fence_database={alias!r} (a Django DATABASES alias)")
     except ImportError as exc:  # Django is not installed
         raise ConfigurationError(
             f"fence_database={alias!r} names a Django DATABASES alias, but Django cannot be "
             f"imported ({exc}): install celery-fence[django], or set fence_database_url instead."
         ) from None
-    return url_for_alias(alias)
+    return side.url_for_alias(alias)
 
 
 def lookup(conf: Mapping[str, Any], name: str) -> tuple[bool, Any, str]:

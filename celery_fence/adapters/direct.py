@@ -25,13 +25,13 @@ Django's test runner).
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from typing import Any
 
 import sqlalchemy as sa
 
+from celery_fence import django_port
 from celery_fence.store import Store, sql
 from celery_fence.store.urls import different_database
 
@@ -143,19 +143,13 @@ def _backend_pid(dbapi: Any) -> int | None:
 def _django_reasons(store: Store) -> list[str]:
     """The Django aliases on the store's database with an atomic block open in this thread (in a
     process with Django configured; Django is never imported here)."""
-    conf = sys.modules.get("django.conf")
-    try:
-        configured = conf is not None and "django.db" in sys.modules and conf.settings.configured
-    except Exception:  # settings that cannot be read
-        configured = False
-    if not configured:
+    if not django_port.django_configured():
         return []
-    from celery_fence.contrib.django.database import atomic_aliases_on
-
+    side = django_port.django_side("The direct-call check for an open transaction.atomic()")
     return [
         f"Django's transaction.atomic() is open on alias {alias!r} (ATOMIC_REQUESTS, an atomic "
         "management command, pytest-django's test transaction, ...)"
-        for alias in atomic_aliases_on(store.url)
+        for alias in side.atomic_aliases_on(store.url)
     ]
 
 

@@ -20,9 +20,10 @@ from celery.signals import worker_init, worker_shutdown
 from celery.utils.dispatch import Signal
 
 from celery_fence import metrics
-from celery_fence.app_state import installed
+from celery_fence.app_state import AppSlot, installed
 from celery_fence.config import FenceConfig
 from celery_fence.errors import ConfigurationError
+from celery_fence.settings import read_setting
 
 logger = logging.getLogger("celery_fence")
 
@@ -123,6 +124,31 @@ def stop() -> None:
     metrics.disable()
 
 
+#: Whether an app's fenced messages carry their publish time, decided once per app.
+_STAMPS: AppSlot[bool] = AppSlot("stamps_publish")
+
+
+def stamps_publish(app: Any) -> bool:
+    """Whether a fenced ``apply_async`` of ``app`` stamps its message with the publish time
+    (``fence_published_at``, where the metrics' queue wait starts): when metrics are on in this
+    process, or the app's ``fence_metrics`` / ``fence_metrics_port`` (or
+    ``PROMETHEUS_MULTIPROC_DIR``) would turn them on in a worker. Read from ``app.conf`` once
+    per app (an invalid value: stamped, the worker's settings check names it)."""
+    if metrics.active is not None:
+        return True
+    decided = _STAMPS.get(app)
+    if decided is None:
+        try:
+            setting = read_setting(app.conf, "metrics")
+            port = read_setting(app.conf, "metrics_port")
+        except ConfigurationError:
+            decided = True
+        else:
+            decided = metrics.may_observe(setting=setting, port=port)
+        _STAMPS.set(app, decided)
+    return decided
+
+
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     app: Any = getattr(sender, "app", None)
     if not installed(app):
@@ -155,4 +181,12 @@ RECEIVERS: tuple[tuple[Signal, Any], ...] = (
     (worker_shutdown, _on_worker_shutdown),
 )
 
-__all__ = ["RECEIVERS", "is_prefork", "multiprocess_dir", "registry_to_serve", "start", "stop"]
+__all__ = [
+    "RECEIVERS",
+    "is_prefork",
+    "multiprocess_dir",
+    "registry_to_serve",
+    "stamps_publish",
+    "start",
+    "stop",
+]

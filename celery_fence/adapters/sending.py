@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Task
 
 from celery_fence.adapters import unique as unique_jobs
+from celery_fence.adapters.metrics import stamps_publish
 from celery_fence.adapters.request import encode_request
 from celery_fence.errors import ConfigurationError
 from celery_fence.ops.recovery import KEY_HEADER
@@ -30,8 +31,9 @@ RESENDS_HEADER = "fence_resends"
 
 #: Request flag: the body's ``retry()`` is about to send its message (release the lease first).
 RELEASE_BEFORE_SEND = "fence_release_before_send"
-#: The header :meth:`FencedTask.apply_async` stamps: the wall-clock time of the publish, from
-#: which the metrics' queue wait runs (``celery_fence_queue_wait_seconds``).
+#: The header :meth:`FencedTask.apply_async` stamps when metrics may be on (``stamps_publish``):
+#: the wall-clock time of the publish, from which the metrics' queue wait runs
+#: (``celery_fence_queue_wait_seconds``).
 PUBLISHED_HEADER = "fence_published_at"
 
 
@@ -76,8 +78,8 @@ class FencedSending(Task):
             fence = request.get("fence")
             if fence is not None and isinstance(fence.execution, Execution):
                 fence.execution.release_before_retry()
-        # the publish time, for the metrics' queue wait (one header, metrics on or off)
-        options["headers"] = {**(options.get("headers") or {}), PUBLISHED_HEADER: time.time()}
+        if stamps_publish(self.app):  # the publish time, for the metrics' queue wait
+            options["headers"] = {**(options.get("headers") or {}), PUBLISHED_HEADER: time.time()}
         if not self._fence_send(task_id, options):
             args, kwargs = tuple(args or ()), dict(kwargs or {})
             policy = self.unique_policy(args, kwargs)
@@ -142,7 +144,14 @@ class FencedSending(Task):
             )
         with store.db.connect() as conn:  # AUTOCOMMIT: each statement commits on its own
             claimed = unique_jobs.claim(
-                store, conn, key, task_name=self.name, request=stored, due=due, policy=policy
+                store,
+                conn,
+                key,
+                task_name=self.name,
+                request=stored,
+                due=due,
+                policy=policy,
+                take_over=lambda holder: unique_jobs.take_over(self, store, holder),
             )
         if not claimed.created:
             holder = claimed.existing

@@ -68,6 +68,12 @@ def _fenced_entry(call: Callable[..., Any]) -> Callable[..., Any]:
     return __call__
 
 
+def valid_key(key: Any) -> bool:
+    """Whether ``key`` can be a job's fence key: a non-empty str of at most ``KEY_LENGTH``
+    characters without NUL."""
+    return isinstance(key, str) and bool(key) and len(key) <= KEY_LENGTH and "\x00" not in key
+
+
 class FencedTask(FencedResending, FencedSending, Fenced):
     """Base class for fenced tasks: ``@app.task(base=FencedTask, bind=True, fence_key=...)``.
 
@@ -199,7 +205,7 @@ class FencedTask(FencedResending, FencedSending, Fenced):
                 f"fence_key of task {self.name} raised {type(exc).__name__}: {exc}; it is called "
                 "with the task's own args and kwargs and must return a str"
             ) from exc
-        if not isinstance(key, str) or not key or len(key) > KEY_LENGTH or "\x00" in key:
+        if not valid_key(key):
             raise ConfigurationError(
                 f"fence_key of task {self.name} returned a {type(key).__name__} "
                 f"({len(key) if isinstance(key, str) else '-'} chars); it must return a non-empty "

@@ -4,9 +4,12 @@ A job written with a uniqueness key (``enqueue(conn, task, ..., unique=True)``, 
 task declared with ``fence_unique``) carries it in ``fence_jobs.unique_key``; a partial unique
 index admits one ``pending``, ``running`` or ``retrying`` job per key, so the store itself
 refuses a second one, in the transaction that writes it. The key is released by the job's own
-end (completed, dead): a worker killed mid-run leaves its job ``running``, recovery re-sends it
-a few lease TTLs later (``fence_recover_after``), and the key stays held by that one job until it
-ends — nothing waits for a lock to expire, and no later send is silently dropped.
+end (completed, dead): a worker killed mid-run leaves its job ``running``; once its lease runs
+out (at most one TTL after the kill) the job is stranded, and the workers' recovery check (every
+``fence_recover_interval``, half a TTL) re-sends it, or at once the next send of its key
+(:func:`take_over`): it runs again within one TTL of its lease's end. The key stays held by that
+one job until it ends — nothing waits for a lock to expire, and no later send is silently
+dropped.
 
 Policy, per task (``fence_unique_*`` options) or per call (``enqueue(..., unique=...,
 on_conflict=...)``):
@@ -24,9 +27,12 @@ on_conflict=...)``):
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import json
+import logging
+import sqlite3
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -35,9 +41,14 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from celery_fence.actions import LogAction
 from celery_fence.errors import AlreadyEnqueued, ConfigurationError, FenceError
+from celery_fence.ops import recovery
+from celery_fence.ops.scope import Scope
 from celery_fence.schema import KEY_LENGTH, PENDING, RETRYING, RUNNING, as_utc, utcnow
 from celery_fence.store import JobRecord, Store
+
+logger = logging.getLogger("celery_fence.unique")
 
 #: The states in which a unique job holds its key, by default: all the unfinished ones.
 UNIQUE_STATES = (PENDING, RUNNING, RETRYING)
@@ -212,10 +223,13 @@ def claim(
     request: Mapping[str, Any],
     due: dt.datetime | None,
     policy: UniquePolicy | None,
+    take_over: Callable[[JobRecord], JobRecord] | None = None,
 ) -> Claimed:
     """Write job ``key`` as ``pending`` on ``conn`` (the caller's transaction, or the store's
     own connection: each statement commits) under ``policy``: :class:`Claimed`, or
-    :class:`AlreadyEnqueued` (``on_conflict="raise"``, or a started holder to replace)."""
+    :class:`AlreadyEnqueued` (``on_conflict="raise"``, or a started holder to replace). A
+    ``running`` holder goes through ``take_over`` first (:func:`take_over`: re-sent at once
+    when its lease is gone), whatever ``on_conflict`` then does with it."""
     if policy is None:
         created, existing = store.pending.insert(
             conn, key, task_name=task_name, request=request, due=due
@@ -234,6 +248,8 @@ def claim(
                 conn, holder.key, unique_key=policy.key, status=holder.status
             )
             continue
+        if holder.status == RUNNING and take_over is not None:
+            holder = take_over(holder)
         if policy.on_conflict == "return":
             return Claimed(False, holder)
         if policy.on_conflict == "replace" and holder.status == PENDING and holder.generation == 0:
@@ -244,6 +260,60 @@ def claim(
         f"unique job {policy.key!r}: the key changed hands {_PASSES} times while this send "
         "resolved its conflict; send again"
     )
+
+
+def take_over(task: Any, store: Store, holder: JobRecord) -> JobRecord:
+    """A ``running`` holder whose lease is gone from Redis, met by a send of its uniqueness key:
+    its attempt died or froze past its lease (a killed worker: on the Redis broker its message
+    comes back only after the visibility timeout), so it is re-sent now, under its key and task
+    id, as recovery would (:func:`~celery_fence.ops.recovery.resend`: a compare-and-set to
+    ``pending`` on the row as read, then the send), rather than waiting for the next recovery
+    check. The row was read before the lease (a claim takes its lease before it registers), so
+    a job just claimed is never taken. Returns the holder as it is now: ``pending`` when this
+    send re-sent it, else as read (its lease is live, it moved meanwhile, or the re-send
+    failed: the workers' recovery check sends it)."""
+    if holder.status != RUNNING or not holder.request or _lease_held(task, holder):
+        return holder
+    try:
+        sent = recovery.resend_announced(
+            task.app, store, holder, reason="stranded running, met by a unique send"
+        )
+    except Exception as exc:  # the send still answers with its holder; recovery retries
+        logger.warning(
+            "fence unique send could not take over key=%s: %s",
+            holder.key,
+            type(exc).__name__,
+            extra={"action": LogAction.RECOVER_FAILED, "fence_key": holder.key},
+        )
+        return holder
+    if sent is None:
+        return holder
+    return dataclasses.replace(holder, status=PENDING, updated_at=utcnow(), retry_at=None)
+
+
+def taking_over(
+    task: Any, store: Store, connection: sa.Connection
+) -> Callable[[JobRecord], JobRecord]:
+    """How :func:`~celery_fence.enqueue` takes over a ``running`` holder whose lease is gone
+    (:func:`take_over`, on the store's own connection); not on SQLite inside the caller's
+    transaction, whose write lock that connection would wait on (the workers' recovery check
+    re-sends it instead, within its interval)."""
+
+    def take(holder: JobRecord) -> JobRecord:
+        dbapi = connection.connection.dbapi_connection  # judged after the insert began it
+        if isinstance(dbapi, sqlite3.Connection) and dbapi.in_transaction:
+            return holder
+        return take_over(task, store, holder)
+
+    return take
+
+
+def _lease_held(task: Any, holder: JobRecord) -> bool:
+    """Whether a live lease holds the holder's key, where its own task claims it."""
+    if str((holder.request or {}).get("task") or holder.task_name) == task.name:
+        return task.fence_backends().leases.remaining(holder.key)[0] is not None
+    with Scope(task.app) as scope:  # another task's job holds the key: its Redis and prefix
+        return scope.lease_held(holder)
 
 
 def already_enqueued(holder: JobRecord, policy: UniquePolicy) -> AlreadyEnqueued:
@@ -348,4 +418,6 @@ __all__ = [
     "claim",
     "default_unique_key",
     "policy_for",
+    "take_over",
+    "taking_over",
 ]

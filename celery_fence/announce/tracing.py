@@ -203,8 +203,16 @@ def child(name: str, attributes: Mapping[str, Any]) -> Iterator[Any]:
     if not ENABLED or not trace.get_current_span().get_span_context().is_valid:
         yield None
         return
+    with _span(name, attributes=dict(attributes)) as span:
+        yield span
+
+
+@contextlib.contextmanager
+def _span(name: str, **options: Any) -> Iterator[Any]:
+    """A span ``name`` made current (``options``: ``start_as_current_span``'s); an exception
+    marks it by :func:`_failed` alone (its message is never recorded)."""
     with _tracer().start_as_current_span(
-        name, attributes=dict(attributes), record_exception=False, set_status_on_exception=False
+        name, record_exception=False, set_status_on_exception=False, **options
     ) as span:
         try:
             yield span
@@ -241,19 +249,13 @@ def delivery(
 
 @contextlib.contextmanager
 def _delivery(name: str, key: str, row_id: int, request: Any) -> Iterator[Any]:
-    with _tracer().start_as_current_span(
+    with _span(
         f"fence deliver {name}",
         context=_parent_context(message_headers(request)),
         kind=SpanKind.PRODUCER,
         attributes={"fence.key": key, "fence.outbox_id": row_id},
-        record_exception=False,
-        set_status_on_exception=False,
     ) as span:
-        try:
-            yield span
-        except BaseException as exc:
-            _failed(span, exc)
-            raise
+        yield span
 
 
 __all__ = [

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
+from celery_fence import django_port
 from celery_fence.body import steps as _steps
 from celery_fence.body.blocks import OpenBlocks, unrecorded_loss
 from celery_fence.body.effects import StagedEffects
@@ -135,11 +136,7 @@ class Fence:
         the ownership check ``transaction()`` makes runs; stale, everything inside rolls back and
         :class:`~celery_fence.StaleGeneration` is raised. Needs the store in that alias's
         database (``CELERY_FENCE_DATABASE``). See :mod:`celery_fence.contrib.django.atomic`."""
-        from celery_fence.contrib.django.atomic import (
-            atomic,  # Django is optional: imported when used
-        )
-
-        return atomic(self, using)
+        return django_port.django_side("self.fence.atomic()").atomic(self, using)
 
     def run_step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``value = self.fence.run_step("charge", charge, order_id)`` — run ``fn(*args,

@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -56,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from celery_fence import metrics
+from celery_fence import django_port, metrics
 from celery_fence.body import sqla, watch
 from celery_fence.body.blocks import Block, again
 from celery_fence.errors import BlockIdleTimeout, ConfigurationError, FenceError
@@ -141,16 +140,10 @@ def open_block(fence: Fence, bind: sa.Engine | None) -> Iterator[Block]:
 def watch_django() -> None:
     """In a process with Django configured, watch its ORM writes too (once per process): a Django
     write beside an open block is refused, one outside every block of a fenced body flagged
-    (:mod:`celery_fence.contrib.django.guard`). Django is never imported here."""
-    conf = sys.modules.get("django.conf")
-    try:
-        configured = conf is not None and "django.db" in sys.modules and conf.settings.configured
-    except Exception:  # settings that cannot be read: nothing of Django's to guard
-        configured = False
-    if configured:
-        from celery_fence.contrib.django.guard import install
-
-        install()
+    (:mod:`celery_fence.contrib.django.guard`, reached through :mod:`celery_fence.django_port`).
+    Django is never imported here."""
+    if django_port.django_configured():
+        django_port.django_side("Watching Django's ORM writes in a fenced body").watch_writes()
 
 
 def _bound_waits(store: Store, block: Block) -> int | None:
@@ -373,11 +366,13 @@ def _rollback(store: Store, conn: sa.Connection) -> None:
         conn.invalidate()
 
 
-def store_of(fence: Fence) -> Store:
+def store_of(fence: Fence, block: str = "fence.transaction()", task: str = "@app.task") -> Store:
+    """The store ``fence``'s ``block`` runs on; a :class:`FenceError` outside a fenced body
+    (``task``: how the user declares one, as the error shows it)."""
     if fence.store is None:
         raise FenceError(
-            f"fence.transaction() for {fence.key!r} has no store: it is only available inside "
-            "a fenced task's body (self.fence, with @app.task(base=FencedTask, bind=True))"
+            f"{block} for {fence.key!r} has no store: it is only available inside a fenced "
+            f"task's body (self.fence, with {task}(base=FencedTask, bind=True))"
         )
     return fence.store
 

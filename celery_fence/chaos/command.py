@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -14,6 +15,9 @@ from pathlib import Path
 from celery_fence.chaos import checker
 from celery_fence.chaos.options import SCENARIOS, Options
 from celery_fence.chaos.runner import run
+
+#: RabbitMQ for ``--broker amqp`` when ``FENCE_TEST_AMQP_URL`` is not set (the tests' default).
+AMQP_DEFAULT = "amqp://guest:guest@127.0.0.1:5672//"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Options:
@@ -39,6 +43,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         help="Redis for leases, the ledger and results (default %(default)s)",
     )
     p.add_argument("--broker-url", default=Options.broker_url, help="default %(default)s")
+    p.add_argument(
+        "--broker",
+        choices=("redis", "amqp"),
+        default=None,
+        help="amqp: RabbitMQ at FENCE_TEST_AMQP_URL (or the tests' default, guest at "
+        "127.0.0.1:5672) instead of --broker-url",
+    )
     p.add_argument(
         "--database-url",
         default=None,
@@ -194,7 +205,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         runs=a.runs,
         seed=a.seed,
         redis_url=a.redis_url,
-        broker_url=a.broker_url,
+        broker_url=os.environ.get("FENCE_TEST_AMQP_URL", AMQP_DEFAULT)
+        if a.broker == "amqp"
+        else a.broker_url,
         database_url=a.database_url,
         pg_admin_url=a.pg_admin_url,
         ttl=a.ttl,

@@ -49,6 +49,9 @@ OWN_WORKERS = (
     "group",
     "rate",
 )
+#: Scenarios whose workers run their own recovery checks, at the fence's defaults (the others
+#: run recovery themselves, at the points each names: see workload.make_app).
+WORKERS_RECOVER = ("unique",)
 #: Scenarios that run against a PostgreSQL cluster the harness starts (and crashes) itself.
 OWN_CLUSTER = ("store-crash",)
 

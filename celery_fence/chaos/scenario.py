@@ -19,7 +19,7 @@ from celery import Celery
 
 from celery_fence.chaos import TASK_NAME, app_metadata
 from celery_fence.chaos.checker import Job
-from celery_fence.chaos.options import OWN_WORKERS, Options
+from celery_fence.chaos.options import OWN_WORKERS, WORKERS_RECOVER, Options
 from celery_fence.leases.lease import LeaseStore
 from celery_fence.ops.outbox import SWEEP_TASK
 from celery_fence.store import Store
@@ -93,6 +93,9 @@ class Scenario:
             "CHAOS_TTL_LOCK": "1" if self.opts.ttl_lock else "0",
             "CHAOS_PROVIDER_URL": self.provider.url,
             "CHAOS_REMOTE_TIMEOUT": str(self.opts.remote_timeout),
+            "CHAOS_RECOVER_INTERVAL": "default"
+            if self.name in WORKERS_RECOVER and not self.opts.ttl_lock
+            else "0",
         }
 
     def start(self) -> None:

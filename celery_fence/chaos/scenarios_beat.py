@@ -20,19 +20,16 @@ import collections
 import datetime as dt
 import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from typing import Any
 
 from celery_fence.chaos.checker import Job
 from celery_fence.chaos.scenario import WORKLOAD_APP, Scenario
 from celery_fence.store.beat import tick_key
-from celery_fence.testing.groups import kill_group, register, register_closer
+from celery_fence.testing.groups import register_closer
 from celery_fence.testing.redis_server import RedisServer
 from celery_fence.testing.waiting import poll_until
-from celery_fence.testing.workers import Worker
+from celery_fence.testing.workers import BeatReplica, Worker
 
 #: Beat replicas a run starts.
 REPLICAS = 3
@@ -42,39 +39,6 @@ AFTER_RESTART = 4.0
 QUIET = 3.0
 #: The scenario's own lease Redis and its worker, per scenario run id (started by the first run).
 _WORLDS: dict[str, tuple[RedisServer, Worker]] = {}
-
-
-class BeatReplica:
-    """One ``celery beat`` process of the workload in its own process group."""
-
-    def __init__(self, s: Scenario, env: dict[str, str], name: str) -> None:
-        cmd = [sys.executable, "-m", "celery", "-A", WORKLOAD_APP, "beat", "-l", "INFO"]
-        cmd += ["-s", str(s.workdir / f"{name}-schedule"), "--pidfile="]
-        if not s.opts.stock_beat:
-            cmd += ["-S", "celery_fence.beat:Scheduler"]
-        with (s.workdir / f"beat-{name}.log").open("ab") as log:
-            self.proc = subprocess.Popen(
-                cmd,
-                cwd=s.workdir,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        register(self.proc)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            kill_group(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            kill_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 def _world(s: Scenario) -> tuple[RedisServer, Worker]:
@@ -92,7 +56,17 @@ def run_beat(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     lease_redis, _ = _world(s)
     entry = f"tick-{s.run_id}-{i}"
     env = {**os.environ, **s.env(), "CHAOS_REDIS_URL": lease_redis.url, "CHAOS_BEAT_ENTRY": entry}
-    replicas = [BeatReplica(s, env, f"{entry}-r{n}") for n in range(REPLICAS)]
+    replicas = [
+        BeatReplica(
+            WORKLOAD_APP,
+            env=env,
+            name=f"{entry}-r{n}",
+            log_dir=s.workdir,
+            fenced=not s.opts.stock_beat,
+            cwd=s.workdir,
+        )
+        for n in range(REPLICAS)
+    ]
     try:
         if not poll_until(lambda: len(_starts(s, entry)) >= 2, 60, interval=0.1):
             raise RuntimeError(f"beat: no two ticks of {entry} ran within 60s")

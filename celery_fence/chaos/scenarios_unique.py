@@ -1,5 +1,6 @@
 """The ``unique`` scenario: the holder of a unique job dies, and the uniqueness key's later
-sends must still run, within a lease TTL and a recovery pass — never wait for a lock's timeout.
+sends must still run, within one TTL of the holder's lease's end — never wait for a lock's
+timeout.
 
 Each run has one uniqueness key and three waves of :data:`WAVE` sends of
 :data:`~celery_fence.chaos.workload_unique.UNIQUE_TASK`, each wave one child process (the app's
@@ -9,20 +10,23 @@ side: ``python -m`` this module, its ``apply_async`` calls):
    ``overrun`` flag), and its holder dies: even runs SIGKILL its whole worker (a spare worker is
    started), odd runs send it with a hard time limit that kills its pool process;
 2. right after the death, the second wave: every send must return the same, unfinished job,
-   which then runs again — after a SIGKILL recovery re-sends it (the harness sends
-   ``celery_fence.recover`` as beat would, every TTL), after a time limit the fence's own re-send
-   does — within :func:`takeover_bound` of the death;
+   which then runs again — after a SIGKILL the workers' own recovery check re-sends it (this
+   scenario's workers run it at the fence's defaults: a ``running`` job whose lease is gone is
+   stranded at once, checked every half TTL), after a time limit the fence's own re-send does —
+   within :data:`SLACK` of one TTL after the lease's end (what was left of it at the SIGKILL,
+   read in Redis), and within :func:`takeover_bound` of the death;
 3. once it completed, the third wave: a new job (the key was released by the job's end), which
    runs and completes once.
 
 Checked per wave: every send answered by one job, that job completed exactly once (the store's
 history, the ledger's witness). A send that got no job (discarded) counts as a lost job; a
-wave answered by two jobs, or a takeover later than the bound, as an unexpected outcome.
+wave answered by two jobs, or a takeover later than either bound, as an unexpected outcome.
 Expected: the holder starts twice, the third wave's job once. Faults: the deaths (1 a run).
 
 ``--ttl-lock`` (the control arm): the task is not unique in the store; a celery-once-style Redis
-lock with a 60 s timeout guards its sends (:class:`~celery_fence.chaos.arms.TTLLockTask`). The
-SIGKILLed holder strands its lock, and the second wave is discarded: lost.
+lock with a 60 s timeout guards its sends (:class:`~celery_fence.chaos.arms.TTLLockTask`), and
+no recovery runs (celery-once keeps no job to re-send). The SIGKILLed holder strands its lock,
+and the second wave is discarded: lost.
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ import time
 from celery_fence.chaos import UNIQUE_TASK
 from celery_fence.chaos.checker import Job
 from celery_fence.chaos.scenario import Scenario
-from celery_fence.ops.recovery import RECOVER_TASK
 from celery_fence.testing import faults
 
 #: Sends of the uniqueness key in each wave (all at once, from one process).
@@ -50,11 +53,17 @@ TIME_LIMIT = 3.0
 RERUN_S = 2.5
 
 
+#: Seconds a re-run may take beyond one TTL after the lease's end: the send, a worker's pickup
+#: and claim, the ledger's record, on a loaded machine.
+SLACK = 1.5
+
+
 def takeover_bound(ttl: float) -> float:
-    """Seconds from the holder's death to its job's next start, at most: the lease's TTL, a
-    recovery pass every TTL, a worker's pickup, with room for a loaded machine (still far
-    inside any lock timeout: celery-once's default is an hour)."""
-    return 2 * ttl + 10.0
+    """Seconds from the holder's death to its job's next start, at most: the lease runs out
+    (at most one TTL: its last renewal was before the death), then one TTL (a workers' check
+    comes every half TTL) and :data:`SLACK` — far inside any lock timeout (celery-once's
+    default is an hour)."""
+    return 2 * ttl + SLACK
 
 
 def run_unique(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
@@ -78,16 +87,24 @@ def run_unique(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
     else:
         time.sleep(max(0.0, overrun["t"] + TIME_LIMIT - time.time()))
     died, died_wall = time.monotonic(), time.time()
+    # a whole worker killed renews nothing more: its lease ends when what is left of it runs out
+    lease_end = (s.lease_store.remaining(holder)[0] or 0.0) if kill else None
     waves.append(_wave(s, ukey))
-    # celery-once's world (--ttl-lock) keeps no job to re-send: nothing runs recovery there
-    rerun = _takeover(s, holder, died_wall, recover=kill and not s.opts.ttl_lock)
+    rerun = _takeover(s, holder, died_wall)
     problems = []
+    ttl = s.opts.ttl
     if rerun is None:
-        problems.append(f"never ran again after its holder died ({bound:.0f}s)")
+        problems.append(f"never ran again after its holder died ({bound:.1f}s)")
     elif rerun > bound:
-        problems.append(f"ran again {rerun:.1f}s after its holder died (bound {bound:.0f}s)")
+        problems.append(f"ran again {rerun:.1f}s after its holder died (bound {bound:.1f}s)")
+    elif lease_end is not None and rerun - lease_end > ttl + SLACK:
+        problems.append(
+            f"ran again {rerun - lease_end:.1f}s after its lease's end (bound {ttl + SLACK:.1f}s)"
+        )
     if not s.opts.quiet:
-        took = "never" if rerun is None else f"{rerun:.2f}s"
+        took = "never" if rerun is None else f"{rerun:.2f}s ({rerun / ttl:.1f} TTL)"
+        if rerun is not None and lease_end is not None:
+            took += f", {rerun - lease_end:.2f}s after the lease's end"
         print(f"  unique run {i + 1}: {'SIGKILL' if kill else 'time limit'}, ran again: {took}")
     jobs = {holder: Job(holder, expect_starts=2)}
     if rerun is not None:
@@ -115,14 +132,24 @@ def run_unique(s: Scenario, i: int, rng: random.Random) -> tuple[int, float]:
 def _check_wave(
     s: Scenario, ukey: str, n: int, answers: list[str | None], sent_at: float, holder: Job
 ) -> None:
-    """One wave: a body of the key started after its first send (else its sends were lost: a
+    """One wave: a body of the key started after its first send, or a job the wave was answered
+    with (running when it was sent) completed after it (else its sends were lost: a
     :class:`Job` of its own that never existed); fenced, no send discarded. (A wave may be
     answered by two jobs, one after the other: the holder ended between two sends. Two jobs of
     the key unfinished at once are :func:`_overlaps`.)"""
     discarded = sum(1 for k in answers if k is None)
     if discarded and not s.opts.ttl_lock:
         holder.observed.append(f"{discarded} sends of wave {n} of {ukey} were discarded")
-    if any(e["ev"] == "start" and e.get("ukey") == ukey and e["t"] > sent_at for e in s.events()):
+    answered = {k for k in answers if k is not None}
+    if any(
+        e["t"] > sent_at
+        and (
+            (e["ev"] == "start" and e.get("ukey") == ukey)
+            # or a job the wave was answered with, unfinished then (already running), ended
+            or (e["key"] in answered and e["ev"] == "outcome" and e["outcome"] == "completed")
+        )
+        for e in s.events()
+    ):
         return
     lost = Job(f"{ukey}:wave{n}")
     lock = s.ledger.ttl(f"{s.ledger_prefix}:qo:{UNIQUE_TASK}:{ukey}")
@@ -155,19 +182,14 @@ def _overlaps(s: Scenario, keys: list[str]) -> list[str]:
     ]
 
 
-def _takeover(s: Scenario, key: str, died: float, *, recover: bool) -> float | None:
-    """Seconds from ``died`` (wall clock) to the job's next body start; with ``recover``, send
-    ``celery_fence.recover`` every TTL meanwhile, as beat does. None: no start in the bound."""
-    ttl = s.opts.ttl
-    deadline = time.monotonic() + takeover_bound(ttl)
-    last = 0.0
+def _takeover(s: Scenario, key: str, died: float) -> float | None:
+    """Seconds from ``died`` (wall clock) to the job's next body start (None: no start within
+    :func:`takeover_bound`, and a little more to see how late)."""
+    deadline = time.monotonic() + takeover_bound(s.opts.ttl) + SLACK
     while time.monotonic() < deadline:
         starts = [e["t"] for e in s.events(key) if e["ev"] == "start" and e["t"] > died]
         if starts:
             return min(starts) - died
-        if recover and time.monotonic() - last >= ttl:
-            s.client.send_task(RECOVER_TASK, kwargs={"older_than": ttl}, queue=s.queue)
-            last = time.monotonic()
         time.sleep(0.05)
     return None
 

@@ -101,6 +101,7 @@ ENV_DEFAULTS = {
     "CHAOS_RENEW_INTERVAL": "",  # empty: ttl / 3 (the misconfig scenario sets an invalid one)
     "CHAOS_PROVIDER_URL": "",
     "CHAOS_REMOTE_TIMEOUT": "0.5",
+    "CHAOS_RECOVER_INTERVAL": "0",  # "default": the fence's own (options.WORKERS_RECOVER)
 }
 
 
@@ -137,8 +138,11 @@ def make_app(s: Mapping[str, str]) -> Celery:
         # recovery checks would re-send jobs in the middle of those windows (the store-crash
         # scenario's recovery phase raced them) and re-send the jobs the --unsettled and
         # --async-endings arms lose, hiding what those arms show. tests/acceptance/
-        # test_takeover.py measures the workers' checks.
-        fence_recover_interval=0.0,
+        # test_takeover.py measures the workers' checks; so does the unique scenario
+        # (options.WORKERS_RECOVER), at the fence's defaults.
+        fence_recover_interval=None
+        if s["CHAOS_RECOVER_INTERVAL"] == "default"
+        else float(s["CHAOS_RECOVER_INTERVAL"]),
         # the scenarios' own tasks, on this app (a worker and beat import them): unique and beat,
         # the limited tasks of the group and rate scenarios
         imports=("celery_fence.chaos.workload_unique", "celery_fence.chaos.workload_limits"),

@@ -9,8 +9,8 @@
   (:class:`~celery_fence.chaos.arms.TTLLockTask`, ``CHAOS_LOCK_TIMEOUT`` seconds) guards its
   sends instead, and a send that finds the lock taken is discarded (``apply_async`` returns
   None, celery-once's ``graceful``).
-- :data:`TICK_TASK` ``(entry)``: a beat entry's tick (a fenced task: its key is the tick's
-  ``fence_key`` header under ``celery_fence.beat:Scheduler``, the message's task id under
+- :data:`TICK_TASK` ``(entry)``: a beat entry's tick (a fenced task: its key is the tick key
+  ``celery_fence.beat:Scheduler`` enqueues the tick's job under, the message's task id under
   Celery's stock scheduler). Ledger ``start`` and ``effect`` under its fence key, with
   ``entry``. With ``CHAOS_BEAT_ENTRY`` set, the app's ``beat_schedule`` is that one entry, every
   :data:`TICK_EVERY` seconds (``fence_beat_missed=catch_up``).

@@ -64,10 +64,11 @@ from sqlalchemy.orm import Session, scoped_session
 
 from celery_fence.adapters import unique as unique_jobs
 from celery_fence.adapters.request import encode_request
-from celery_fence.adapters.task import FencedTask
+from celery_fence.adapters.task import FencedTask, valid_key
 from celery_fence.announce import tracing
 from celery_fence.durable import sends
 from celery_fence.errors import ConfigurationError
+from celery_fence.schema import KEY_LENGTH
 from celery_fence.store.urls import different_database
 
 logger = logging.getLogger("celery_fence.durable")
@@ -128,6 +129,7 @@ def enqueue(
     args: Iterable[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     *,
+    key: str | None = None,
     unique: bool | str | None = None,
     on_conflict: str | None = None,
     **options: Any,
@@ -136,6 +138,10 @@ def enqueue(
     it when that transaction commits. ``options`` are ``apply_async``'s (countdown, eta, queue,
     priority, headers, expires, task_id, serializer, compression, retry_policy, ...). See the
     module docstring.
+
+    ``key``: the job's fence key, when it is not the task's (its ``fence_key(*args, **kwargs)``,
+    else the task id): the message carries it, and so does every re-send (the beat scheduler
+    enqueues each tick under its tick key).
 
     ``unique``: True (the task's uniqueness key, :func:`~celery_fence.adapters.unique.policy_for`),
     a uniqueness key, False, or None (as the task declares with ``fence_unique``): while an
@@ -156,6 +162,7 @@ def enqueue(
         task,
         args,
         kwargs,
+        key=key,
         unique=unique,
         on_conflict=on_conflict,
         **options,
@@ -168,6 +175,7 @@ def enqueue_on(
     args: Iterable[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     *,
+    key: str | None = None,
     unique: bool | str | None = None,
     on_conflict: str | None = None,
     **options: Any,
@@ -183,10 +191,10 @@ def enqueue_on(
         )
     args, kwargs = tuple(args), dict(kwargs or {})
     task_id = str(options.pop("task_id", None) or uuid.uuid4())
-    _check_options(task, options)
+    check_options(task, options)
     _with_trace(options)
     due = _due(options)
-    key = task.logical_key(args, kwargs, task_id)
+    key = task.logical_key(args, kwargs, task_id) if key is None else _checked_key(task, key)
     policy = task.unique_policy(args, kwargs, unique=unique, on_conflict=on_conflict)
     store = task.fence_backends().store
     target = target_for(store)
@@ -215,6 +223,7 @@ def enqueue_on(
             request=request,
             due=due,
             policy=policy,
+            take_over=unique_jobs.taking_over(task, store, target.connection),
         )
         holder = claimed.existing
         created = claimed.created
@@ -274,7 +283,19 @@ class _SqlAlchemyTarget:
         sends.after_commit(self.connection, send)
 
 
-def _check_options(task: Any, options: Mapping[str, Any]) -> None:
+def _checked_key(task: Any, key: Any) -> str:
+    if not valid_key(key):
+        raise ConfigurationError(
+            f"enqueue({task.name}, key=...): a key must be a non-empty str of at most "
+            f"{KEY_LENGTH} characters without NUL (\\x00), not a {type(key).__name__} "
+            f"({len(key) if isinstance(key, str) else '-'} chars)"
+        )
+    return key
+
+
+def check_options(task: Any, options: Mapping[str, Any]) -> None:
+    """Refuse (:class:`ConfigurationError`) the options :func:`enqueue` cannot keep with the
+    job (the beat scheduler checks its entries' options with it when it starts)."""
     unknown = sorted(set(options) - _ACCEPTED)
     if unknown:
         raise ConfigurationError(
@@ -395,6 +416,7 @@ __all__ = [
     "PUBLISH_OPTIONS",
     "Enqueued",
     "Target",
+    "check_options",
     "enqueue",
     "enqueue_on",
 ]

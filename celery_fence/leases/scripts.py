@@ -10,8 +10,21 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
+#: A line of a script that stands for another file's text (shared parts: ``_claim_parts.lua``).
+INCLUDE = "-- include: "
+
 
 def _script_source(name: str) -> str:
+    """The text Redis runs: ``lua/<name>.lua`` with each ``-- include: <part>`` line replaced
+    by ``lua/<part>.lua`` (one level: a part includes nothing)."""
+    text = _read(name)
+    return "".join(
+        _read(line[len(INCLUDE) :].strip()) if line.startswith(INCLUDE) else line
+        for line in text.splitlines(keepends=True)
+    )
+
+
+def _read(name: str) -> str:
     return resources.files("celery_fence.leases").joinpath(f"lua/{name}.lua").read_text("utf-8")
 
 

@@ -44,15 +44,22 @@ def wanted(*, setting: bool | None, port: int | None) -> bool:
     when ``prometheus_client`` is importable and ``fence_metrics_port`` (``port``) or
     ``PROMETHEUS_MULTIPROC_DIR`` is set. Raises :class:`ConfigurationError` when metrics are asked
     for explicitly (``fence_metrics=True`` or a port) and ``prometheus_client`` is missing."""
-    if setting is False:
-        return False
-    asked = setting is True or port is not None
-    if asked and not available():
+    if setting is not False and (setting is True or port is not None) and not available():
         named = "fence_metrics=True" if setting else "fence_metrics_port"
         raise ConfigurationError(
             f"{named} needs prometheus_client, which is not installed: {INSTALL_HINT} "
             "(or unset it)."
         )
+    return may_observe(setting=setting, port=port)
+
+
+def may_observe(*, setting: bool | None, port: int | None) -> bool:
+    """:func:`wanted` without its refusal: whether a worker given these settings observes. A
+    sender reads it to decide whether its messages carry their publish time (the queue wait's
+    start), where ``prometheus_client`` need not be installed."""
+    if setting is False:
+        return False
+    asked = setting is True or port is not None
     return asked or (bool(os.environ.get(MULTIPROC_ENV)) and available())
 
 
@@ -87,6 +94,7 @@ __all__ = [
     "available",
     "disable",
     "enable",
+    "may_observe",
     "observe_transition",
     "wanted",
 ]

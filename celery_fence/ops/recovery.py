@@ -3,16 +3,19 @@
 A job row can stay ``running``, ``retrying`` or ``pending`` with no message left to finish it: a
 purged queue, a broker that lost messages, a ``fence requeue`` that died between its commit and
 its send, a worker killed while the Redis broker's visibility timeout is still hours away.
-Such a row is **stranded** when no live lease holds its key in Redis and it has not moved for
-``fence_recover_after`` seconds (default: 3 x ``fence_lease_ttl``) — for a ``retrying`` job,
-counted from its ``retry_at`` too. A job :func:`~celery_fence.enqueue` wrote and no attempt has
-claimed (``pending``, generation 0) has no attempt to wait out: its threshold is the shorter
-``fence_recover_pending_after`` (counted from its countdown or eta, if it has one). One whose
-message is still waiting in a long broker backlog is then sent twice; the claim fences both
-copies on the key, so it completes once. Each job is judged with its own task's settings
-(:class:`~celery_fence.ops.scope.Scope`): its lease is looked up under its task's Redis and key
-prefix, its threshold is its task's ``fence_recover_after``, and every database the app's fenced
-tasks write to is scanned.
+Such a row is **stranded** when no live lease holds its key in Redis and — for a ``retrying``
+job, or a ``pending`` one recovery sent — it has not moved for ``fence_recover_after`` seconds
+(default: 3 x ``fence_lease_ttl``; for a ``retrying`` job, counted from its ``retry_at`` too). A
+``running`` job needs no quiet time: its attempt renews its lease every fraction of the TTL, so
+the lease's absence is the signal (the row is read before the lease, and a claim takes its lease
+before it registers: a job just claimed is never taken). A job :func:`~celery_fence.enqueue`
+wrote and no attempt has claimed (``pending``, generation 0) has no attempt to wait out: its
+threshold is the shorter ``fence_recover_pending_after`` (counted from its countdown or eta,
+if it has one). One whose message is still waiting in a long broker backlog is then sent twice;
+the claim fences both copies on the key, so it completes once. Each job is judged with its own
+task's settings (:class:`~celery_fence.ops.scope.Scope`): its lease is looked up under its task's
+Redis and key prefix, its threshold is its task's ``fence_recover_after``, and every database the
+app's fenced tasks write to is scanned.
 
 :func:`recover` re-sends each stranded job from its stored request: task, args, kwargs, the
 exchange and routing key it was delivered with, and what Celery needs to carry its workflow on
@@ -133,6 +136,7 @@ def stranded_jobs(
         while len(found) < limit:
             page = database.store.admin.stranded(
                 older_than=floor,
+                running_older_than=0.0 if older_than is None else older_than,
                 limit=limit,
                 task_name=task_name,
                 now=now,
@@ -352,20 +356,12 @@ def _recover_one(app: Any, store: Store, record: JobRecord, report: RecoveryRepo
         stranded = DeadStranded(record, error, "stranded, not resendable")
         if store.end(record.key, stranded):
             report.dead.append(record.key)
-            emit_transition(
-                Action.DEAD,
-                _sender(app, record),
-                key=record.key,
-                attempt_id=record.attempt_id,
-                generation=record.generation,
-                reason="stranded, not resendable",
-                attempts=record.attempts,
-            )
+            _announce(app, record, Action.DEAD, "stranded, not resendable")
         else:
             report.raced.append(record.key)
         return
     try:
-        task_id = resend(app, store, record, reason=f"stranded {record.status}")
+        task_id = resend_announced(app, store, record, reason=f"stranded {record.status}")
     except Exception as exc:  # one job's failure must not stop the others
         report.failed.append(record.key)
         logger.error(
@@ -379,22 +375,31 @@ def _recover_one(app: Any, store: Store, record: JobRecord, report: RecoveryRepo
         report.raced.append(record.key)
         return
     report.sent.append(record.key)
+
+
+def _announce(app: Any, record: JobRecord, action: Action, reason: str, **extra: Any) -> None:
+    """The job's transition as recovery found it, sent by its task (or the task's name when
+    this app lacks it)."""
+    name = str((record.request or {}).get("task") or record.task_name)
     emit_transition(
-        Action.RECOVERED,
-        _sender(app, record),
+        action,
+        app.tasks.get(name, name),
         key=record.key,
         attempt_id=record.attempt_id,
         generation=record.generation,
-        reason=f"stranded {record.status}, re-sent as {task_id}",
-        countdown=0.0,
+        reason=reason,
         attempts=record.attempts,
+        **extra,
     )
 
 
-def _sender(app: Any, record: JobRecord) -> Any:
-    """The signal's sender for a job: its task, or the task's name when this app lacks it."""
-    name = str((record.request or {}).get("task") or record.task_name)
-    return app.tasks.get(name, name)
+def resend_announced(app: Any, store: Store, record: JobRecord, *, reason: str) -> str | None:
+    """:func:`resend`, then the ``job_recovered`` transition (``reason``, re-sent as ...) when
+    this call took the row."""
+    task_id = resend(app, store, record, reason=reason)
+    if task_id is not None:
+        _announce(app, record, Action.RECOVERED, f"{reason}, re-sent as {task_id}", countdown=0.0)
+    return task_id
 
 
 def recover_task(self: Any, older_than: float | None = None) -> dict[str, Any]:
@@ -414,6 +419,7 @@ __all__ = [
     "recover",
     "recover_task",
     "resend",
+    "resend_announced",
     "routing_for",
     "send_stored",
     "stranded_jobs",

@@ -1,5 +1,6 @@
-"""The recovery check every fenced worker runs itself: stranded jobs are taken over a few lease
-TTLs after their worker froze or died, whether or not beat schedules ``celery_fence.recover``.
+"""The recovery check every fenced worker runs itself: a frozen or dead worker's ``running`` job
+is taken over within one check (half a TTL) of its lease's end, whether or not beat schedules
+``celery_fence.recover``.
 
 One daemon thread in the worker's main process (started when the worker is ready, stopped with
 the process's other background threads: :mod:`celery_fence.process.background`), so one per

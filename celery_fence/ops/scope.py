@@ -26,7 +26,7 @@ from celery_fence.config import FenceConfig, Fenced
 from celery_fence.leases.lease import LeaseStore, make_redis_client
 from celery_fence.leases.redis_client import client_identity
 from celery_fence.pipeline.backends import store_for
-from celery_fence.schema import PENDING, RETRYING
+from celery_fence.schema import PENDING, RETRYING, RUNNING
 from celery_fence.store import Store
 from celery_fence.store.records import JobRecord, never_claimed
 
@@ -133,6 +133,8 @@ class Scope(contextlib.AbstractContextManager["Scope"]):
         a ``retrying`` job, or a ``pending`` one enqueued with a countdown or eta, is counted from
         its due time too."""
         threshold = self.threshold(record, older_than)
+        if threshold <= 0 and record.status == RUNNING:
+            return True  # its lease alone decides (no clock of another host compared)
         cutoff = (now or dt.datetime.now(dt.timezone.utc)) - dt.timedelta(seconds=threshold)
         moved = _utc(record.updated_at)
         if record.status in (RETRYING, PENDING) and record.retry_at is not None:
@@ -140,16 +142,21 @@ class Scope(contextlib.AbstractContextManager["Scope"]):
         return moved < cutoff
 
     def threshold(self, record: JobRecord, older_than: float | None) -> float:
-        """``older_than``, or the job's own task's threshold: ``fence_recover_pending_after`` for
-        a job never claimed, ``fence_recover_after`` otherwise."""
+        """``older_than``, or the job's own task's threshold: none (0) for a ``running`` job
+        (renewed every fraction of its TTL, its lease's absence is the signal),
+        ``fence_recover_pending_after`` for a job never claimed, ``fence_recover_after`` for a
+        ``retrying`` or re-sent ``pending`` one."""
         if older_than is not None:
             return older_than
+        if record.status == RUNNING:
+            return 0.0
         if never_claimed(record):
             return self.config_of(record).recover_pending_after_seconds
         return self.config_of(record).recover_after_seconds
 
     def min_threshold(self, older_than: float | None) -> float:
-        """The smallest quiet time any job may be stranded after (the database scan's)."""
+        """The smallest quiet time a ``retrying`` or ``pending`` job may be stranded after (the
+        database scan's; a ``running`` one is scanned at ``older_than``, or at any age)."""
         if older_than is not None:
             return older_than
         return min(config.recover_pending_after_seconds for config in self.configs())

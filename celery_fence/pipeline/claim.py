@@ -25,8 +25,6 @@ from celery_fence.leases.limits import Limits, Slot
 from celery_fence.leases.ports import LeaseBackend
 from celery_fence.leases.renewer import Renewer
 from celery_fence.pipeline.outcomes import Limited, Outcome, Unavailable
-from celery_fence.schema import RUNNING
-from celery_fence.store.records import JobRecord
 
 logger = logging.getLogger("celery_fence")
 
@@ -210,17 +208,10 @@ def regressed(key: str, token: str, generation: int, stored: int) -> None:
     )
 
 
-def count_takeover(
-    previous: JobRecord, claim: Claim, task_name: str, observer: metrics.Metrics
-) -> None:
-    """Count a takeover when ``previous`` (the row ``claim`` registered over) was left
-    ``running`` by an older generation of another attempt: with the seconds since that
-    row last moved (its registration, or its last fenced commit)."""
-    if previous.status != RUNNING or previous.attempt_id == claim.token:
-        return
-    if not 0 < previous.generation < (claim.generation or 0):
-        return
-    moved = previous.updated_at
+def count_takeover(moved: dt.datetime, task_name: str, observer: metrics.Metrics) -> None:
+    """Count a takeover: the registration took over a row another attempt of an older
+    generation left ``running``, which last moved at ``moved`` (its registration, or its last
+    fenced commit; :attr:`~celery_fence.store.records.Registration.took_over_from`)."""
     if moved.tzinfo is None:
         moved = moved.replace(tzinfo=dt.timezone.utc)
     seconds = (dt.datetime.now(dt.timezone.utc) - moved).total_seconds()

@@ -58,7 +58,6 @@ from celery_fence.process.background import BackgroundWriter
 from celery_fence.process.runtime import runtime
 from celery_fence.store import Store
 from celery_fence.store.driver_errors import refusal_reason
-from celery_fence.store.records import JobRecord
 
 logger = logging.getLogger("celery_fence")
 
@@ -298,12 +297,6 @@ class Execution:
                 observer.waited(self.task_name, time.time() - self.published_at)
             if request is None:
                 request = request_json() or ""
-            # With metrics on, a repeat claim reads the row first: a takeover is a registration
-            # over a row a previous generation left running.
-            previous: JobRecord | None = None
-            if observer is not None and generation > 1:
-                with contextlib.suppress(Exception):  # the registration says what is wrong
-                    previous = self.store.get(self.key)
             try:
                 outcome = self._register(self.claim, request or None)
             except sa_exc.DataError as exc:  # the database refuses the request: every time
@@ -315,8 +308,6 @@ class Execution:
                 return outcomes.Unavailable(exc, f"store unavailable ({type(exc).__name__})")
             if outcome is None:
                 claim = self.claim
-                if previous is not None and observer is not None:
-                    count_takeover(previous, claim, self.task_name, observer)
                 return outcomes.Exhausted() if claim.attempts > config.max_attempts else claim
             if not isinstance(outcome, outcomes.Stale):
                 return outcome
@@ -355,15 +346,19 @@ class Execution:
         already dead, or stale: a newer generation got there first)."""
         generation = claim.generation
         assert generation is not None
+        observer = metrics.active
         registration = self.store.register(
             self.key,
             generation=generation,
             attempt_id=self.attempt_id,
             task_name=self.task_name,
             request_json=request,
+            took_over=observer is not None,
         )
         attempts = registration.attempts
         if registration.outcome == "registered":
+            if observer is not None and registration.took_over_from is not None:
+                count_takeover(registration.took_over_from, self.task_name, observer)
             took_over = None
             if self.takeover is not None:  # a recovery's re-send
                 took_over = announce_takeover(self.announce, self.takeover, generation)

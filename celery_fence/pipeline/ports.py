@@ -48,6 +48,7 @@ class JobStore(Protocol):
         task_name: str,
         request: Mapping[str, Any] | None = None,
         request_json: str | None = None,
+        took_over: bool = False,
     ) -> Registration: ...
 
     def end(self, key: str, ending: Ending) -> bool:

@@ -131,18 +131,29 @@ class JobAdmin:
         now: dt.datetime | None = None,
         statuses: Sequence[str] = UNFINISHED,
         after: tuple[dt.datetime, str] | None = None,
+        running_older_than: float | None = None,
     ) -> Sequence[JobRecord]:
         """Unfinished jobs (``running``, ``retrying``, ``pending``; or those of ``statuses``)
         that have not moved for ``older_than`` seconds, oldest first: ``updated_at`` before the
-        cutoff and, for a ``retrying`` job, its ``retry_at`` too. ``after`` (the last row's
+        cutoff and, for a ``retrying`` job, its ``retry_at`` too. A ``running`` job is judged by
+        ``running_older_than`` (None: ``older_than``; 0: at any age). ``after`` (the last row's
         ``(updated_at, key)``) gives the next page. Whether a live lease still holds one is for
-        the caller to ask Redis (:func:`celery_fence.ops.recovery.stranded_jobs`)."""
+        the caller to ask Redis, after this read (:func:`celery_fence.ops.recovery.stranded_jobs`:
+        a claim takes its lease before it registers, so a row read ``running`` had its lease
+        set before the read)."""
         unknown = set(statuses) - set(UNFINISHED)
         if unknown:
             raise StoreError(f"stranded jobs are unfinished ({', '.join(UNFINISHED)}): {unknown}")
-        cutoff = (now or utcnow()) - dt.timedelta(seconds=older_than)
+        now = now or utcnow()
+        cutoff = now - dt.timedelta(seconds=older_than)
+        running = older_than if running_older_than is None else running_older_than
         query = sql.stranded(
-            unfinished=tuple(statuses), cutoff=cutoff, limit=limit, task_name=task_name, after=after
+            unfinished=tuple(statuses),
+            cutoff=cutoff,
+            running_cutoff=now - dt.timedelta(seconds=running) if running > 0 else None,
+            limit=limit,
+            task_name=task_name,
+            after=after,
         )
         with self.store.db.connect() as conn:
             return [job_record(r) for r in conn.execute(query).all()]

@@ -8,8 +8,9 @@ is behind (its clock, or a send that took long) never moves an entry back to an 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,14 +59,30 @@ class BeatTicks:
         """Whether the database has ``fence_beat_ticks`` (``celery fence init-db`` adds it)."""
         return bool(sa.inspect(self._store.engine).has_table(beat_ticks.name))
 
-    def advance(self, entry: str, scheduled: dt.datetime) -> bool:
+    def advance(
+        self, entry: str, scheduled: dt.datetime, *, conn: sa.Connection | None = None
+    ) -> bool:
         """Record ``scheduled`` as ``entry``'s last fired tick if it is later than the stored one;
-        returns whether the row moved (False: a tick as late or later was already stored)."""
+        returns whether the row moved (False: a tick as late or later was already stored).
+        On ``conn`` (in its transaction) when given, else on its own (autocommit)."""
         stmt = sql.beat_tick_advance(
             self._store.dialect, entry=entry, scheduled=as_utc(scheduled), now=utcnow()
         )
-        with self._store.db.connect() as conn:
+        if conn is not None:
             return conn.execute(stmt).first() is not None
+        with self._store.db.connect() as own:
+            return own.execute(stmt).first() is not None
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sa.Connection]:
+        """A connection of the store's engine in a transaction of its own (the engine's
+        ``AUTOCOMMIT`` set aside for it): a tick's ``pending`` job row (``enqueue()``) and its
+        :meth:`advance` commit together, and ``enqueue()``'s send goes after that commit."""
+        level = "SERIALIZABLE" if self._store.dialect == "sqlite" else "READ COMMITTED"
+        with self._store.db.connect() as conn:
+            conn.execution_options(isolation_level=level)  # back to AUTOCOMMIT in the pool
+            with conn.begin():
+                yield conn
 
     def last(self, entry: str) -> dt.datetime | None:
         """``entry``'s last fired tick (UTC), or None when it never fired."""

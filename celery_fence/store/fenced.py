@@ -33,6 +33,9 @@ class Row(NamedTuple):
     attempts: int
     #: A registration's: the re-run number its stored request carries (``register``).
     run: Any = None
+    #: A PostgreSQL registration's: when the running row of another attempt it took over last
+    #: moved (``register``), else None.
+    took_over_from: Any = None
 
 
 class FencedWriter:

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from celery_fence import schema
 from celery_fence.actions import Action
 from celery_fence.errors import JobDead, StaleGeneration, StoreError
-from celery_fence.schema import COMPLETED, DEAD
+from celery_fence.schema import COMPLETED, DEAD, RUNNING
 from celery_fence.settings import DEFAULT_DATABASE_TIMEOUT
 from celery_fence.store import admin, queries, sql
 from celery_fence.store.beat import BeatTicks
@@ -88,7 +88,13 @@ class Store:
         self.error_message_length = error_message_length
         #: The statements by name, in this database's dialect, as sent.
         self.queries = self.statements.rendered(self.dialect)
-        self.writer = FencedWriter(self.db, self.queries, record_transitions=record_transitions)
+        self._bind_verbs()
+
+    def _bind_verbs(self) -> None:
+        """The verb groups on this store's ``db`` (made again for a view: :meth:`on`)."""
+        self.writer = FencedWriter(
+            self.db, self.queries, record_transitions=self.record_transitions
+        )
         self.outbox_rows = OutboxRows(self)
         #: The completed steps and the checkpoint of each job (``fence_steps``).
         self.steps = StepRows(self)
@@ -111,14 +117,7 @@ class Store:
         """This store's verbs on ``db``, a view of its database (:meth:`Database.rolled_back`)."""
         view = copy.copy(self)
         view.db = db
-        view.writer = FencedWriter(db, self.queries, record_transitions=self.record_transitions)
-        view.outbox_rows = OutboxRows(view)
-        view.steps = StepRows(view)
-        view.beat_ticks = BeatTicks(view)
-        view.admin = admin.JobAdmin(view)
-        view.blocks = self._blocks_class(view)
-        view.pending = PendingRows(view)
-        view.transitions = TransitionReads(view)
+        view._bind_verbs()
         return view
 
     def dispose(self) -> None:
@@ -138,12 +137,16 @@ class Store:
         task_name: str,
         request: Mapping[str, Any] | None = None,
         request_json: str | None = None,
+        took_over: bool = False,
     ) -> Registration:
         """Register generation ``generation`` as the owner of ``key`` before the body runs.
 
         One statement: the row takes (generation, attempt, running) and counts one attempt only
         if ``generation`` is strictly greater than the stored one and the job is neither completed
-        nor dead. Otherwise nothing changes and the stored state says why.
+        nor dead. Otherwise nothing changes and the stored state says why. The registration
+        says whether it took over a running row of another attempt (``took_over_from``): on
+        PostgreSQL always, from its own statement; on SQLite when ``took_over`` asks (the row
+        read first, in process).
         """
         params = {
             "key": key,
@@ -154,12 +157,22 @@ class Store:
             if request is None
             else json.dumps(request, separators=(",", ":")),
         }
+        previous = self.get(key) if took_over and self.dialect != "postgresql" else None
         statement = self.queries["register"]
         row = self.writer.write(
             statement, params, actions=_CLAIMED, durable=self.durable_registration
         )
         if row is not None:
-            return Registration("registered", row.attempts, row.generation, run=run_value(row.run))
+            moved = row.took_over_from  # PostgreSQL: the statement says; SQLite: the row read
+            if previous is not None and previous.status == RUNNING and previous.generation > 0:
+                moved = None if previous.attempt_id == attempt_id else previous.updated_at
+            return Registration(
+                "registered",
+                row.attempts,
+                row.generation,
+                run=run_value(row.run),
+                took_over_from=moved,
+            )
         record = self.get(key)
         if record is None:  # deleted between the two statements (purge): let the caller retry
             raise StoreError(f"job {key!r} vanished during registration; retry")

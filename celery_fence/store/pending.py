@@ -41,15 +41,7 @@ class PendingRows:
         ``(True, None)``; or, when the key already has a job, nothing and ``(False, that job)``
         as this transaction sees it. With ``unique_key``, also nothing when an unfinished job
         holds that uniqueness key: ``(False, that holder)``."""
-        statement = sql.insert_pending(
-            self.store.dialect,
-            key=key,
-            task_name=task_name,
-            request=dict(request),
-            now=utcnow(),
-            due=due,
-            unique_key=unique_key,
-        )
+        statement = self._insert(key, task_name, request, due, unique_key)
         if conn.execute(statement).first() is not None:
             return True, None
         row = None
@@ -58,6 +50,25 @@ class PendingRows:
         if row is None:
             row = conn.execute(sql.get_job(key)).first()
         return False, None if row is None else job_record(row)
+
+    def _insert(
+        self,
+        key: str,
+        task_name: str,
+        request: Mapping[str, Any],
+        due: dt.datetime | None,
+        unique_key: str | None,
+    ) -> Any:
+        """The one statement both inserts run: the ``pending`` row, written now."""
+        return sql.insert_pending(
+            self.store.dialect,
+            key=key,
+            task_name=task_name,
+            request=dict(request),
+            now=utcnow(),
+            due=due,
+            unique_key=unique_key,
+        )
 
     def unique_holder(self, conn: sa.Connection, unique_key: str) -> JobRecord | None:
         """The unfinished job holding ``unique_key``, if any (as ``conn`` sees it)."""
@@ -93,14 +104,7 @@ class PendingRows:
         """:meth:`insert` on a DB-API cursor that is not SQLAlchemy's (a Django cursor on
         the store's database, in the caller's transaction), the same statement in ``%s`` style:
         ``(True, None, None)``, or ``(False, status, request)`` of the key's existing job."""
-        statement = sql.insert_pending(
-            self.store.dialect,
-            key=key,
-            task_name=task_name,
-            request=dict(request),
-            now=utcnow(),
-            due=due,
-        )
+        statement = self._insert(key, task_name, request, due, None)
         cursor.execute(*sql.format_style(statement, self.store.dialect))
         if cursor.fetchone() is not None:
             return True, None, None

@@ -27,7 +27,9 @@
 -- name: register (postgresql)
 -- Takes the row only for a strictly greater generation of a live job. Over a 'failed' row (a
 -- call in the caller's thread raised to its caller) the attempt count starts again. Returns the
--- re-run number (fence_run) the stored request carries, an integer or NULL.
+-- re-run number (fence_run) the stored request carries, an integer or NULL, and, when it took
+-- over a row another attempt left 'running', when that row last moved (else NULL): its subquery
+-- reads the statement's snapshot, the row as it was before this statement changed it.
 INSERT INTO fence_jobs (key, task_name, status, generation, attempt_id, attempts, request,
                         created_at, updated_at)
 VALUES (:key, :task_name, 'running', :generation, :attempt_id, 1, :request::jsonb, :now, :now)
@@ -39,7 +41,10 @@ WHERE fence_jobs.status NOT IN ('completed', 'dead')
     AND fence_jobs.generation < excluded.generation
 RETURNING key, generation, attempt_id, attempts,
     CASE WHEN jsonb_typeof(fence_jobs.request #> '{execution,headers,fence_run}') = 'number'
-    THEN fence_jobs.request #>> '{execution,headers,fence_run}' END AS run
+    THEN fence_jobs.request #>> '{execution,headers,fence_run}' END AS run,
+    (SELECT previous.updated_at FROM fence_jobs AS previous WHERE previous.key = :key
+        AND previous.status = 'running' AND previous.attempt_id <> :attempt_id
+        AND previous.generation > 0) AS took_over_from
 
 -- name: register (sqlite)
 -- As on PostgreSQL; json_type() raises on text that is not JSON: json_valid() first (CASE

@@ -70,6 +70,10 @@ class Registration:
     #: 0: none), returned by the registration itself: a late message without the header (the
     #: key's first message, redelivered after ``fence requeue --completed``) still runs as it.
     run: int = 0
+    #: When the registration took over a row another attempt of an older generation had left
+    #: ``running``: when that row last moved (its registration, or its last fenced commit); None
+    #: otherwise. PostgreSQL's registration always returns it; SQLite's when asked (a read first).
+    took_over_from: dt.datetime | None = None
 
 
 @dataclass(frozen=True)

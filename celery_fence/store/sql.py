@@ -301,21 +301,28 @@ def stranded(
     limit: int,
     task_name: str | None,
     after: tuple[dt.datetime, str] | None = None,
+    running_cutoff: dt.datetime | None = None,
 ) -> sa.Select[Any]:
     """Unfinished jobs unchanged since ``cutoff`` (a ``retrying`` one, or a ``pending`` one
-    enqueued with a countdown or eta: due since then too), oldest first; ``after`` (the
-    ``updated_at`` and key of the last row of the previous page) pages on."""
+    enqueued with a countdown or eta: due since then too), a ``running`` one since
+    ``running_cutoff`` (None: at any age), oldest first; ``after`` (the ``updated_at`` and key
+    of the last row of the previous page) pages on."""
     # The statuses as literals, so the planner matches the partial index on the unfinished
     # jobs (a bound parameter would hide them from a generic plan).
     statuses: Any = sa.bindparam(
         "unfinished", tuple(unfinished), expanding=True, literal_execute=True
     )
-    still = jobs.c.status.in_(statuses) & (jobs.c.updated_at < cutoff)
+    running = jobs.c.status == Status.RUNNING.value
+    if running_cutoff is not None:
+        running = running & (jobs.c.updated_at < running_cutoff)
     retry_due = jobs.c.retry_at.is_(None) | (jobs.c.retry_at < cutoff)
     waits = jobs.c.status.in_((Status.RETRYING.value, Status.PENDING.value))
     query = (
         sa.select(jobs)
-        .where(still & (sa.not_(waits) | retry_due))
+        .where(
+            jobs.c.status.in_(statuses)
+            & (running | (waits & (jobs.c.updated_at < cutoff) & retry_due))
+        )
         .order_by(jobs.c.updated_at, jobs.c.key)
         .limit(limit)
     )

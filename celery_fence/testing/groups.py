@@ -52,6 +52,23 @@ def kill_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
 
 
+def kill_child(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc``'s whole group (one of ours) and reap it."""
+    if proc.poll() is None:
+        kill_group(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def stop_child(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """SIGTERM ``proc``'s whole group; SIGKILL it if it has not exited within ``timeout``."""
+    if proc.poll() is None:
+        kill_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_child(proc)
+
+
 def group_alive(pid: int) -> bool:
     """True while any process of group ``pid`` exists (zombies of our own children excluded)."""
     try:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from celery_fence.testing.groups import kill_group, read_log, register
+from celery_fence.testing.groups import kill_child, read_log, register, stop_child
 from celery_fence.testing.waiting import free_port, wait_until
 
 
@@ -102,19 +101,12 @@ class RedisServer:
 
     def kill(self) -> None:
         """SIGKILL: everything it held is gone (no persistence)."""
-        if self.proc is not None and self.proc.poll() is None:
-            kill_group(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        if self.proc is not None:
+            kill_child(self.proc)
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            kill_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.proc is not None:
+            stop_child(self.proc)
 
     def restart(self) -> None:
         self.kill()

@@ -1,4 +1,5 @@
-"""Celery workers as child processes: ``celery -A <app> worker`` in its own process group."""
+"""Celery workers and beat replicas as child processes, each in its own process group:
+``celery -A <app> worker``, ``celery -A <app> beat``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from celery_fence.testing.groups import kill_group, read_log, register
+from celery_fence.testing.groups import kill_child, kill_group, read_log, register, stop_child
 from celery_fence.testing.waiting import WaitTimeout, poll_until
 
 
@@ -178,6 +179,54 @@ class Worker:
         kill_group(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+
+
+class BeatReplica:
+    """One ``celery -A <app> beat`` process in its own process group (SIGKILL kills it all):
+    ``fenced`` runs ``-S celery_fence.beat:Scheduler``, else Celery's stock scheduler with its
+    own schedule file. The one beat process class: the chaos harness's beat scenario and the
+    project's beat tests.
+
+    ``env`` is the whole environment of the process; its log (stdout and stderr) goes to
+    ``log_dir/beat-<name>.log``, its stock schedule file beside it; ``cwd`` is where ``-A`` is
+    imported from (with ``env``'s ``PYTHONPATH``)."""
+
+    def __init__(
+        self,
+        app: str,
+        *,
+        env: Mapping[str, str],
+        name: str,
+        log_dir: Path,
+        fenced: bool = True,
+        cwd: Path | str | None = None,
+    ) -> None:
+        cmd = [sys.executable, "-m", "celery", "-A", app, "beat", "-l", "INFO"]
+        cmd += ["-s", str(Path(log_dir) / f"{name}-schedule"), "--pidfile="]
+        if fenced:
+            cmd += ["-S", "celery_fence.beat:Scheduler"]
+        self.log_path = Path(log_dir) / f"beat-{name}.log"
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=cwd,
+                env=dict(env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        register(self.proc)
+
+    def log(self) -> str:
+        return read_log(self.log_path)
+
+    def kill(self) -> None:
+        """SIGKILL the whole replica (mid-tick: nothing of its pass is finished)."""
+        kill_child(self.proc)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within 10 s."""
+        stop_child(self.proc)
 
 
 @contextlib.contextmanager

@@ -438,6 +438,26 @@ def test_unique_jobs_and_beat_replicas_hold_and_their_control_arms_fail(
     assert code == 1 and report["ok"] is False, output
 
 
+@pytest.mark.timeout(120)
+def test_unique_on_rabbitmq_a_killed_holder_s_job_runs_again_within_a_ttl_of_its_lease_s_end(
+    tmp_path: Path,
+) -> None:
+    # Given the unique scenario's SIGKILL run on RabbitMQ, which gives the dead worker's message
+    # back at once (it meets the holder's lease: a busy reschedule),
+    args = ["--scenario", "unique", "--runs", "1", "--seed", "7", "--broker", "amqp"]
+    code, report, output = _chaos(tmp_path, *args, timeout=110)
+    row = _by_name(report)["unique"]
+    # then the job ran again within one TTL of its lease's end and two of the kill (the
+    # scenario's own bounds), and every later send ran: all safety columns zero.
+    assert row["runs"] == 1 and row["faults"] == 1, (row, output)
+    assert "SIGKILL, ran again" in output and "after the lease's end" in output, output
+    assert {c: row[c] for c in SAFETY_COLUMNS} == dict.fromkeys(SAFETY_COLUMNS, 0), (
+        row["violations"],
+        output,
+    )
+    assert code == 0, output
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("arm", ["fenced", "--no-group-limit"])
 def test_a_group_of_limit_3_never_runs_more_than_3_and_killed_slots_come_back(

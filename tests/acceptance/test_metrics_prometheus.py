@@ -54,8 +54,10 @@ def test_prometheus_sees_a_takeover_and_the_stale_completion_refused(
     port_a, port_b = free_port(), free_port()
     prom = Prometheus(tmp_path, [port_a, port_b])
     prometheus_servers.append(prom)
-    # Given worker A (prefork, 2 children, multiprocess mode) serving /metrics ...
+    # Given worker A (prefork, 2 children, multiprocess mode) serving /metrics, and a sender
+    # whose settings say metrics are on (its messages carry their publish time: the queue wait)
     a = spawn_worker("a", concurrency=2, FENCE_T_METRICS_PORT=str(port_a))
+    client_app.app.conf.fence_metrics = True
     # ... whose two children each run a job at once: its /metrics sums both children.
     warm = [client_app.work.delay(f"warm:{uuid.uuid4().hex[:8]}", sleep=1.0) for _ in range(2)]
     for r in warm:

@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from celery_fence import recover
+from celery_fence.leases.lease import LeaseStore
 from celery_fence.store import Store
 from celery_fence.testing import faults
 from tests.support import ledger
@@ -51,10 +52,11 @@ def _die(
 
 
 def _recover_until(app: Any, done: Any, timeout: float) -> None:
-    """What the ``celery_fence.recover`` beat task does, every half second, until ``done()``."""
+    """What the ``celery_fence.recover`` beat task (and a worker's own check) does, at its
+    default thresholds, every half second, until ``done()``."""
     end = time.monotonic() + timeout
     while time.monotonic() < end and not done():
-        recover(app, older_than=0.5)
+        recover(app)
         time.sleep(0.5)
 
 
@@ -96,6 +98,49 @@ def test_a_dead_holder_of_a_unique_job_is_taken_over_within_one_lease_ttl(
     later = task.delay(name)
     assert later.id != first.id
     wait_until(lambda: ledger.run_count(redis_client, prefix, name) == 3, 30, what="a new run")
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_send_that_meets_a_killed_holder_whose_lease_is_gone_takes_the_job_over_at_once(
+    spawn_worker: SpawnWorker,
+    client_app: ModuleType,
+    redis_client: redis.Redis,
+    prefix: str,
+    fence_store: Store,
+    leases: LeaseStore,
+) -> None:
+    task = client_app.unique_work
+    name = uuid.uuid4().hex[:10]
+    # Given the holder of unique job `name` SIGKILLed with its worker while the body runs (its
+    # message unacked: the Redis broker gives it back after an hour), no recovery check running
+    # (the test app's fence_recover_interval is 0), and its lease run out,
+    first, _ = _die("sigkill", spawn_worker, task, name, redis_client, prefix)
+    spawn_worker("rescuer")
+    wait_until(lambda: leases.remaining(first.id)[0] is None, LEASE_TTL + 5, what="lease gone")
+    assert getattr(fence_store.get(first.id), "status", None) == "running"
+    # when the key is sent again,
+    sent = time.monotonic()
+    again = task.delay(name)
+    # then that send took the job over before it returned: the same job, re-sent under its key
+    # (a compare-and-set to pending, as recovery's), and it runs again at once and completes.
+    assert again.id == first.id
+    record = fence_store.get(first.id)
+    assert record is not None and record.status in ("pending", "running", "completed")
+    assert any(
+        t.action == "recovered" and "met by a unique send" in (t.reason or "")
+        for t in fence_store.transitions.history(first.id)
+    )
+    wait_until(lambda: ledger.run_count(redis_client, prefix, name) >= 2, 10, what="re-run")
+    print(f"\nunique send takeover: ran again {time.monotonic() - sent:.2f}s after the send")
+    wait_until(
+        lambda: getattr(fence_store.get(first.id), "status", None) == "completed",
+        30,
+        what="the job completed",
+    )
+    done = fence_store.get(first.id)
+    assert done is not None and done.generation == 2
+    assert ledger.run_count(redis_client, prefix, name) == 2
+    assert ledger.effects(redis_client, prefix, name) == [f"{first.id}:2"]
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # celery-once keeps no job row

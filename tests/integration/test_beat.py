@@ -128,6 +128,68 @@ def test_a_new_entry_starts_with_the_first_tick_after_the_replica_started(
     assert sent_keys(beat_app) == ["beat:every-second:2026-01-01T01:00:01Z"]
 
 
+def test_a_tick_is_a_pending_job_committed_with_its_record_and_a_second_replica_finds_it(
+    beat_app: Celery, store: Store, prefix: str
+) -> None:
+    # Given two replicas started at the same moment, one second before a tick (on each store)
+    name = f"{prefix}-tick"
+    beat_app.conf.fence_database_url = store.url
+    beat_app.conf.beat_schedule = {name: {"task": "beat_it.fenced", "schedule": 1.0}}
+    clock = Clock(T0)
+    first, second = Scheduler(beat_app, clock=clock), Scheduler(beat_app, clock=clock)
+    clock.now += dt.timedelta(seconds=1)
+    entry = first.schedule[name]
+    at = dt.datetime(2026, 1, 1, 0, 0, 1, tzinfo=UTC)
+    key = f"beat:{name}:2026-01-01T00:00:01Z"
+    # When the first sends the tick
+    job = first.send_tick(entry, at)
+    # Then the tick is a job under its key, pending with the request a re-send needs, recorded,
+    # and its message is in the queue under that key
+    record = store.get(key)
+    assert job.created and record is not None and record.status == "pending"
+    assert record.generation == 0 and record.request is not None
+    assert record.request["id"] == job.task_id
+    assert store.beat_ticks.last(name) == at
+    assert sent_keys(beat_app) == [key]
+    # And the second replica's copy of the same tick finds that job: no second row, no message
+    again = second.send_tick(entry, at)
+    assert (again.created, again.task_id, again.status) == (False, job.task_id, "pending")
+    assert sent_keys(beat_app) == [key]
+    assert store.get(key) == record
+
+
+def test_a_task_on_a_store_of_its_own_has_its_tick_job_there_and_the_record_in_beats(
+    beat_app: Celery, sqlite_url: str, tmp_path: Path
+) -> None:
+    # Given an entry whose task keeps its jobs in a database other than beat's store
+    other = f"sqlite:///{tmp_path / 'elsewhere.sqlite3'}"
+
+    @beat_app.task(
+        base=FencedTask, shared=False, name="beat_it.elsewhere", fence_database_url=other
+    )
+    def elsewhere() -> None:
+        pass
+
+    beat_app.conf.beat_schedule = {"apart": {"task": "beat_it.elsewhere", "schedule": 1.0}}
+    clock = Clock(T0)
+    scheduler = Scheduler(beat_app, clock=clock)
+    clock.now += dt.timedelta(seconds=1)
+    # When a tick is sent
+    scheduler.apply_entry(scheduler.schedule["apart"])
+    # Then its job is in the task's store, the record in beat's, the message in the queue
+    key = "beat:apart:2026-01-01T00:00:01Z"
+    jobs, ticks = Store(other), Store(sqlite_url)
+    try:
+        record = jobs.get(key)
+        assert record is not None and record.status == "pending"
+        assert ticks.get(key) is None
+        assert ticks.beat_ticks.last("apart") == dt.datetime(2026, 1, 1, 0, 0, 1, tzinfo=UTC)
+    finally:
+        jobs.dispose()
+        ticks.dispose()
+    assert sent_keys(beat_app) == [key]
+
+
 @pytest.mark.parametrize(
     ("entry", "words"),
     [
@@ -137,6 +199,14 @@ def test_a_new_entry_starts_with_the_first_tick_after_the_replica_started(
         (
             {"task": "beat_it.fenced", "schedule": Jittered(60.0)},
             ["interval", "crontab", "Jittered"],
+        ),
+        (
+            {"task": "beat_it.fenced", "schedule": 1.0, "options": {"mandatory": True}},
+            ["mandatory", "cannot be kept with the job"],
+        ),
+        (
+            {"task": "beat_it.fenced", "schedule": 1.0, "args": (dt.date(2026, 1, 1),)},
+            ["not JSON", "re-sent"],
         ),
     ],
 )

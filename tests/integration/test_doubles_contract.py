@@ -175,6 +175,25 @@ def test_a_greater_generation_takes_the_row_and_counts_an_attempt(jobs: Jobs, ke
     assert (row.task_name, row.request) == ("t", {"id": "m1"})
 
 
+def test_a_registration_says_when_the_running_row_it_took_over_last_moved(
+    jobs: Jobs, key: str
+) -> None:
+    first = jobs.store.register(key, generation=1, attempt_id="A", task_name="t", took_over=True)
+    assert first.took_over_from is None  # a new row: nothing taken over
+    moved = _utc(jobs.row(key).updated_at)
+    # A newer generation of another attempt takes over the row A left running: when it moved
+    reg = jobs.store.register(key, generation=2, attempt_id="B", task_name="t", took_over=True)
+    assert reg.outcome == "registered" and _utc(reg.took_over_from) == moved
+    # a row that was not left running (a retry scheduled) is no takeover
+    retry = RetryScheduled(2, "B", None, retry_at=dt.datetime.now(dt.timezone.utc), reason="r")
+    assert jobs.store.end(key, retry)
+    reg = jobs.store.register(key, generation=3, attempt_id="C", task_name="t", took_over=True)
+    assert reg.outcome == "registered" and reg.took_over_from is None
+    # nor is a stale registration
+    stale = jobs.store.register(key, generation=3, attempt_id="D", task_name="t", took_over=True)
+    assert stale.outcome == "stale" and stale.took_over_from is None
+
+
 @pytest.mark.parametrize("generation", [1, 2])
 def test_an_equal_or_lower_generation_is_stale_and_changes_nothing(
     jobs: Jobs, key: str, generation: int

@@ -306,3 +306,25 @@ def test_an_option_a_re_send_cannot_keep_is_refused(
         enqueue(conn, client_app.work, args=(key,), retry_policy={"max_retries": object()})
     engine.dispose()
     assert _status(store, key) is None and _queued(worker_env["FENCE_T_QUEUE"]) == 0
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the statements: tests above
+def test_a_key_given_names_the_job_and_its_message_and_a_bad_one_is_refused(
+    client_app: ModuleType, store: Store, worker_env: dict[str, str], db_url: str
+) -> None:
+    queue = worker_env["FENCE_T_QUEUE"]
+    arg, key = f"arg:{uuid.uuid4().hex[:8]}", f"given:{uuid.uuid4().hex[:8]}"
+    engine = sa.create_engine(db_url)
+    # Given keys that cannot be a job's: nothing is written or sent, and the rule is named
+    for bad in ("", "a\x00b", "k" * 513, 7):
+        with engine.begin() as conn, pytest.raises(ConfigurationError, match="non-empty str"):
+            enqueue(conn, client_app.work, args=(arg,), key=bad)
+    assert _queued(queue) == 0
+    # When a job is enqueued with a key of its own
+    with engine.begin() as conn:
+        job = enqueue(conn, client_app.work, args=(arg,), key=key)
+    engine.dispose()
+    # Then the row is under that key (not the task's fence_key of its args), and so is its message
+    assert job.key == key and _status(store, key) == "pending" and _status(store, arg) is None
+    (message,) = _take_messages(queue)
+    assert message.headers["fence_key"] == key and message.headers["id"] == job.task_id

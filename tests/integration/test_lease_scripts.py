@@ -215,3 +215,13 @@ def test_after_a_lost_claim_reply_the_token_release_frees_the_key_at_once(
     lease_key = leases.keys_for("report:10").lease
     assert leases.claim("report:10", "B", 30_000, releases=[(lease_key, "A:")]) == 2
     assert redis_client.get(lease_key) == b"B:2"
+
+
+def test_the_claims_share_one_written_part_and_redis_is_sent_it_inlined() -> None:
+    from celery_fence.leases import lease, limits
+    from celery_fence.leases.scripts import INCLUDE, _read
+
+    part = _read("_claim_parts")
+    for script in (lease.CLAIM, limits.CLAIM_IN_GROUP):
+        assert INCLUDE + "_claim_parts" in _read(script.name)  # written once, included
+        assert part in script.source and INCLUDE not in script.source  # sent whole

@@ -204,11 +204,12 @@ def test_ls_stuck_and_recover_resend_stranded_jobs_under_their_key(
     # ls --stuck lists exactly the stranded ones (not the one a lease holds)
     listed = json.loads(ok(fence_cli(worker_env, "ls", "--stuck", "--older-than", "0", "--json")))
     assert {j["key"] for j in listed} & ours == {running.key, retrying.key, requeued.key}
-    # nothing has moved for 3 x TTL yet (TTL 30 s here: a slow CLI start on a loaded machine
-    # must not age the rows past the default threshold)
+    # at the default thresholds, the running job whose lease is gone is stranded at once; the
+    # others have not been quiet for 3 x TTL yet (TTL 30 s here: a slow CLI start on a loaded
+    # machine must not age the rows past the default threshold)
     slow = {**worker_env, "FENCE_T_TTL": "30"}
     default = json.loads(ok(fence_cli(slow, "ls", "--stuck", "--json")))
-    assert not {j["key"] for j in default} & ours
+    assert {j["key"] for j in default} & ours == {running.key}
 
     # --dry-run sends nothing and changes nothing
     dry = json.loads(
@@ -420,12 +421,25 @@ OWN_PREFIX_TASK = "tests.support.app.own_prefix"  # own lease prefix, fence_reco
 OWN_DATABASE_TASK = "tests.support.app.own_database"  # its own database (FENCE_T_OWN_DB)
 
 
-def _stranded_row(store: Store, key: str, task: str, queue: str, **execution: Any) -> None:
+def _stranded_row(
+    store: Store, key: str, task: str, queue: str, *, retrying: bool = False, **execution: Any
+) -> None:
     request: dict[str, Any] = {"task": task, "id": None, "args": [key], "kwargs": {}}
     request["options"] = {"exchange": queue, "routing_key": queue, "priority": None}
     if execution:
         request["execution"] = execution
-    store.register(key, generation=1, attempt_id=uuid.uuid4().hex, task_name=task, request=request)
+    attempt = uuid.uuid4().hex
+    store.register(key, generation=1, attempt_id=attempt, task_name=task, request=request)
+    if retrying:  # its attempt scheduled a retry whose message was lost
+        now = dt.datetime.now(dt.timezone.utc)
+        retry = RetryScheduled(
+            generation=1,
+            attempt_id=attempt,
+            error=ConnectionError("down"),
+            retry_at=now,
+            reason="test",
+        )
+        assert store.end(key, retry)
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -439,14 +453,15 @@ def test_recover_scans_a_task_s_own_database_and_judges_each_job_by_its_task_s_t
     queue = worker_env["FENCE_T_QUEUE"]
     # (check covers the task's database as well as the app's)
     assert f"database: ok ({own_url}, schema current)" in ok(fence_cli(env, "check"))
-    # Given a stranded job in a task's own database, one of a task whose fence_recover_after
-    # is 2 s, and one of a task with the app's (3 x its 2 s TTL = 6 s), none moved for 2 s,
+    # Given a stranded retrying job in a task's own database, one of a task whose
+    # fence_recover_after is 2 s, and one of a task with the app's (3 x its 2 s TTL = 6 s), none
+    # moved for 2 s (a running job is judged by its lease alone: retrying ones here),
     own = f"own-db:{uuid.uuid4().hex[:8]}"
     short = f"short:{uuid.uuid4().hex[:8]}"
     default = f"default:{uuid.uuid4().hex[:8]}"
-    _stranded_row(own_store, own, OWN_DATABASE_TASK, queue)
-    _stranded_row(fence_store, short, OWN_PREFIX_TASK, queue)
-    _stranded_row(fence_store, default, WORK, queue)
+    _stranded_row(own_store, own, OWN_DATABASE_TASK, queue, retrying=True)
+    _stranded_row(fence_store, short, OWN_PREFIX_TASK, queue, retrying=True)
+    _stranded_row(fence_store, default, WORK, queue, retrying=True)
     time.sleep(2.1)
     # when recover runs with each task's own threshold,
     first = json.loads(ok(fence_cli(env, "recover", "--json")))
@@ -473,7 +488,7 @@ def test_a_never_claimed_enqueued_job_is_recovered_after_the_shorter_pending_thr
     from celery_fence import enqueue
 
     queue = worker_env["FENCE_T_QUEUE"]
-    # (a 30 s lease TTL: the running job's threshold is 3 x 30 s, however slow the CLI runs)
+    # (a 30 s lease TTL: fence_recover_after, 3 x 30 s, is far above the pending threshold)
     env = {**worker_env, "FENCE_T_RECOVER_PENDING_AFTER": "1", "FENCE_T_TTL": "30"}
     # Given, with no worker, two enqueued jobs whose messages are lost, one of them due in an
     # hour (countdown), and a running job whose lease is gone,
@@ -495,11 +510,12 @@ def test_a_never_claimed_enqueued_job_is_recovered_after_the_shorter_pending_thr
     time.sleep(1.2)  # past fence_recover_pending_after=1: a clock, no event to wait on
     # when recover runs with each job's own threshold,
     report = json.loads(ok(fence_cli(env, "recover", "--json")))
-    # then only the never-claimed job is sent again: the running one waits for its own
-    # threshold, the one with a countdown for its due time
-    assert report["keys"]["sent"] == [never]
-    assert [m["body"][0][0] for m in _messages(broker, queue)] == [never]
-    assert (fence_store.get(running) or pytest.fail()).status == "running"
+    # then the never-claimed job is sent again, and the running one whose lease is gone (no
+    # quiet time: its lease's absence is the signal); the one with a countdown waits for its
+    # due time
+    assert sorted(report["keys"]["sent"]) == sorted([never, running])
+    assert sorted(m["body"][0][0] for m in _messages(broker, queue)) == sorted([never, running])
+    assert (fence_store.get(running) or pytest.fail()).status == "pending"
     assert (fence_store.get(later) or pytest.fail()).generation == 0
 
 

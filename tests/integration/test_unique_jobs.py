@@ -9,6 +9,7 @@ unique task's ``delay()``. The messages are counted in the broker's queue.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ import sqlalchemy as sa
 from celery_fence import AlreadyEnqueued, ConfigurationError, enqueue
 from celery_fence.adapters.unique import default_unique_key
 from celery_fence.store import Store
-from celery_fence.store.records import Completion
+from celery_fence.store.records import TAKEOVER_HEADER, Completion
 from tests.support.env import BROKER_URL
 
 
@@ -41,9 +42,11 @@ def _name() -> str:
     return uuid.uuid4().hex[:10]
 
 
-def _claim(store: Store, key: str, task_name: str) -> None:
-    """What a worker's claim does to the row: generation 1 registered, ``running``."""
-    outcome = store.register(key, generation=1, attempt_id="a1", task_name=task_name)
+def _claim(store: Store, key: str, task: Any) -> None:
+    """What a worker's claim does: a live lease in Redis (30 s), then its generation registered
+    in the row, ``running``."""
+    generation = task.fence_backends().leases.claim(key, uuid.uuid4().hex, 30_000)
+    outcome = store.register(key, generation=generation, attempt_id="a1", task_name=task.name)
     assert outcome.outcome == "registered"
 
 
@@ -62,7 +65,7 @@ def test_return_gives_the_unfinished_job_and_sends_nothing(
     assert record is not None and record.unique_key == f"unique:{name}"
 
     # while it runs too (a worker's claim), and a different name is its own job
-    _claim(store, first.key, task.name)
+    _claim(store, first.key, task)
     with engine.begin() as conn:
         third = enqueue(conn, task, args=(name,))
         other = enqueue(conn, task, args=(_name(),))
@@ -76,7 +79,7 @@ def test_the_jobs_own_end_releases_its_key(
     name, task = _name(), client_app.unique_work
     with engine.begin() as conn:
         first = enqueue(conn, task, args=(name,))
-    _claim(store, first.key, task.name)
+    _claim(store, first.key, task)
     assert store.end(first.key, Completion(generation=1, attempt_id="a1", result={}))
     with engine.begin() as conn:
         again = enqueue(conn, task, args=(name,))
@@ -115,7 +118,7 @@ def test_replace_ends_an_unclaimed_job_and_refuses_a_started_one(
     assert [t.reason for t in store.transitions.history(first.key)][-1] == "replaced"
     assert _queued(queue) == 2  # the old message finds its job dead and is acked unrun
 
-    _claim(store, second.key, task.name)
+    _claim(store, second.key, task)
     with pytest.raises(AlreadyEnqueued, match="cannot be replaced"), engine.begin() as conn:
         enqueue(conn, task, args=(name,), on_conflict="replace")
     running = store.get(second.key)
@@ -129,7 +132,7 @@ def test_unique_states_while_queued_only(
     with engine.begin() as conn:
         first = enqueue(conn, task, args=(name,))
         assert not enqueue(conn, task, args=(name,)).created  # pending: held
-    _claim(store, first.key, task.name)
+    _claim(store, first.key, task)
     with engine.begin() as conn:
         second = enqueue(conn, task, args=(name,))  # started: its key is given up
     assert second.created and second.key != first.key
@@ -270,6 +273,33 @@ def test_singleton_returns_the_existing_async_result_or_raises(
     assert released is not None and released.unique_key is None
 
 
+def test_the_shims_take_over_a_running_holder_whose_lease_is_gone(
+    client_app: ModuleType, store: Store, worker_env: dict[str, str]
+) -> None:
+    from celery_fence.compat import AlreadyQueued
+
+    queue, broker = worker_env["FENCE_T_QUEUE"], redis.Redis.from_url(BROKER_URL)
+    a = int(uuid.uuid4().int % 10**9)
+    # Given a celery-singleton job and a celery-once job whose attempts registered and whose
+    # leases are gone (their worker died holding the messages),
+    single = client_app.singleton_add.delay(a, 1)
+    once = client_app.once_add.delay(a, 1)
+    broker.delete(queue)
+    for task, first in ((client_app.singleton_add, single), (client_app.once_add, once)):
+        registered = store.register(first.id, generation=1, attempt_id="a1", task_name=task.name)
+        assert registered.outcome == "registered"
+    # when each key is sent again (a duplicate: returned, or AlreadyQueued),
+    assert client_app.singleton_add.delay(a, 2).id == single.id
+    with pytest.raises(AlreadyQueued) as caught:
+        client_app.once_add.delay(a, 2)
+    assert caught.value.task_id == once.id
+    # then each send re-sent its holder first, under its key and task id.
+    for first in (single, once):
+        assert getattr(store.get(first.id), "status", None) == "pending"
+    sent = sorted(json.loads(raw)["headers"]["id"] for raw in broker.lrange(queue, 0, -1))
+    assert sent == sorted([single.id, once.id])
+
+
 def test_fence_show_names_the_uniqueness_key(
     client_app: ModuleType, engine: sa.Engine, worker_env: dict[str, str]
 ) -> None:
@@ -283,3 +313,40 @@ def test_fence_show_names_the_uniqueness_key(
     assert f"unique:{name}" in ok(fence_cli(worker_env, "show", job.key))
     shown = json.loads(ok(fence_cli(worker_env, "show", job.key, "--json")))
     assert shown["unique_key"] == f"unique:{name}"
+
+
+def test_a_running_holder_whose_lease_is_gone_is_taken_over_by_the_next_send(
+    client_app: ModuleType, store: Store, engine: sa.Engine, worker_env: dict[str, str]
+) -> None:
+    # Given a unique job whose attempt registered and whose lease is gone (its worker died
+    # holding the message)
+    queue, name, task = worker_env["FENCE_T_QUEUE"], _name(), client_app.unique_work
+    broker = redis.Redis.from_url(BROKER_URL)
+    with engine.begin() as conn:
+        first = enqueue(conn, task, args=(name,))
+    broker.delete(queue)
+    assert store.register(first.key, generation=1, attempt_id="a1", task_name=task.name).outcome
+    # When the uniqueness key is sent again (the task's own send)
+    result = task.apply_async((name,))
+    # Then that send re-sent the holder at once, under its key and task id, and returned it
+    assert result.id == first.task_id
+    record = store.get(first.key)
+    assert record is not None and (record.status, record.generation) == ("pending", 1)
+    assert [t.action for t in store.transitions.history(first.key)][-1] == "recovered"
+    (message,) = [json.loads(raw) for raw in broker.lrange(queue, 0, -1)]
+    headers = message["headers"]
+    assert (headers["id"], headers["fence_key"]) == (first.task_id, first.key)
+    assert headers[TAKEOVER_HEADER]["generation"] == 1
+    # and a send that meets the re-sent (pending) job returns it and sends nothing
+    assert task.apply_async((name,)).id == first.task_id and _queued(queue) == 1
+
+    # When its next attempt dies too and enqueue() meets it inside the caller's transaction
+    assert store.register(first.key, generation=2, attempt_id="a2", task_name=task.name).outcome
+    with engine.begin() as conn:
+        again = enqueue(conn, task, args=(name,))
+    # Then PostgreSQL takes it over at once; SQLite, whose write lock the caller's transaction
+    # holds, leaves it to the workers' recovery check
+    taken = store.dialect == "postgresql"
+    assert (again.key, again.created) == (first.key, False)
+    assert again.status == ("pending" if taken else "running")
+    assert _queued(queue) == (2 if taken else 1)

@@ -2,7 +2,8 @@
 
 One entry (``FENCE_T_BEAT_ENTRY``, ``tick`` by default), every ``FENCE_T_BEAT_EVERY`` seconds (1
 by default), of a fenced task whose body appends ``<unix time> <fence key>`` to the Redis
-list ``<prefix>:beat-runs``: one entry per body run.
+list ``<prefix>:beat-runs``: one entry per body run. ``FENCE_T_RECOVER_PENDING_AFTER``: how long
+a tick's ``pending`` job waits for its message before the workers' recovery re-sends it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ app.conf.update(
     fence_retry_backoff=0.2,
     fence_retry_backoff_max=1.0,
     fence_beat_missed=E.get("FENCE_T_BEAT_MISSED", "skip"),
+    # a tick whose message the broker lost is re-sent by the workers' recovery after this long
+    fence_recover_pending_after=float(E.get("FENCE_T_RECOVER_PENDING_AFTER", "60")),
 )
 ledger = redis.Redis.from_url(E.get("FENCE_T_LEDGER", E.get("FENCE_T_REDIS", "")))
 

@@ -156,12 +156,17 @@ class MemoryStore:
         task_name: str,
         request: Mapping[str, Any] | None = None,
         request_json: str | None = None,
+        took_over: bool = False,
     ) -> Registration:
-        """Take the row for a strictly greater generation of a live job (``register_sql``)."""
+        """Take the row for a strictly greater generation of a live job (``register_sql``),
+        saying when the running row of another attempt it took over last moved."""
         text = request_json if request is None else _json(request)
         with self._lock:
             now = self._now()
             row = self._jobs.get(key)
+            moved = None
+            if row is not None and row.status == RUNNING and row.attempt_id != attempt_id:
+                moved = row.updated_at if row.generation > 0 else None
             if row is None:
                 row = self._new_row(
                     key,
@@ -192,7 +197,9 @@ class MemoryStore:
                 return Registration("stale", row.attempts, row.generation, stored)
             self._write(row, (Action.CLAIMED,), None, (), now)
             run = run_of(decode_request(row.request))
-            return Registration("registered", row.attempts, row.generation, run=run)
+            return Registration(
+                "registered", row.attempts, row.generation, run=run, took_over_from=moved
+            )
 
     def end(self, key: str, ending: Ending) -> bool:
         """Apply ``ending`` (:meth:`celery_fence.store.Store.end`): each ending's statement,

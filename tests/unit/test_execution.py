@@ -398,3 +398,39 @@ def test_a_main_process_exit_settles_with_no_claim_and_writes_no_attempt(run: An
     record = r.store.get(KEY)
     assert record is not None and (record.status, record.generation) == ("running", 1)
     assert [t.action for t in r.store.transitions.history(KEY)][-2:] == ["time_limit", "revoked"]
+
+
+def test_with_metrics_on_a_takeover_is_counted_from_the_registration_alone(run: Any) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from celery_fence import metrics
+    from celery_fence.metrics.families import Metrics
+
+    class Reads(MemoryStore):
+        """The store double, counting the reads of a job row the pipeline makes."""
+
+        reads = 0
+
+        def get(self, key: str) -> Any:
+            self.reads += 1
+            return super().get(key)
+
+    # Given a row an older generation left running (its worker froze), its lease expired,
+    store = Reads()
+    store.register(KEY, generation=1, attempt_id="frozen", task_name="t")
+    leases = MemoryLeaseStore()
+    leases.claim(KEY, "frozen", 2000)
+    leases.release(leases.keys_for(KEY).lease, "frozen:1")
+    registry = CollectorRegistry()
+    previous, metrics.active = metrics.active, Metrics(registry)
+    try:
+        # when a new attempt with metrics on claims generation 2 and completes,
+        r = run(store=store, leases=leases)
+        assert r() == o.Return({"generation": 2})
+    finally:
+        metrics.active = previous
+    # then the takeover is counted once, and no read of the row preceded the registration.
+    labels = {"task": "t"}
+    assert registry.get_sample_value("celery_fence_takeovers_total", labels) == 1
+    assert registry.get_sample_value("celery_fence_takeover_seconds_count", labels) == 1
+    assert store.reads == 0

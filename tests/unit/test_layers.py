@@ -5,7 +5,8 @@ Read from the source (``ast``), so a test needs no import order to be right. Eve
 import is an edge, the ones under ``if TYPE_CHECKING:`` (a reader follows a type up as surely as
 a call) and relative ones (``from ..pipeline import x``) included; the cycle check alone leaves
 the type-only ones out, since they never run. An import inside a function is not a module-level
-edge: its own test keeps those to the optional Django integration.
+edge, but it must go down the layers too (its own test), and only the optional Django integration
+is imported that way: the core reaches it through ``celery_fence.django_port``, never by name.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ PACKAGE = Path(celery_fence.__file__).resolve().parent
 #: Tools beside the product, free to import any of it (and the plugin imports lazily on purpose:
 #: pytest loads it in every run of a user's suite).
 TOOLS = ("celery_fence.testing", "celery_fence.chaos", "celery_fence.migrations")
-#: Django is optional: the core reaches its integration only inside the function that needs it.
-OPTIONAL = "celery_fence.contrib.django"
+#: Django is optional: the public names (above it) import its integration only inside the
+#: function that needs it; the core reaches it only through the port ``celery_fence.django_port``,
+#: where the integration registers itself.
+DJANGO = "celery_fence.contrib.django"
 #: The layers, bottom first: a module imports (at module level) only from its own layer and the
 #: layers below it. Two packages in one layer import neither of each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "actions", "schema", "signals", "app_state", "migrate"),  # what everything uses
+    # what everything uses; the port through which the core reaches the Django integration
+    ("errors", "actions", "schema", "signals", "app_state", "migrate", "django_port"),
     ("process", "metrics"),  # the per-process registry and threads; the metrics observer
     ("leases",),  # the Redis side
     ("settings",),  # each setting's name, default and type; how one is read from app.conf
@@ -35,7 +39,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipeline",),  # one attempt: execution, settle, retry, and the backends it is built from
     ("ops",),  # the operator's side: recovery, retention, requeue, outbox delivery, the CLI
     ("adapters",),  # Celery's side: FencedTask, FencedRequest, install(app)
-    ("durable", "beat"),  # enqueue(): a pending row in the caller's transaction; the scheduler
+    ("durable",),  # enqueue(): a pending row in the caller's transaction
+    ("beat",),  # the scheduler: each tick enqueued under its tick key
     ("compat",),  # the celery-once and celery-singleton shims, over unique jobs
     ("contrib",),  # the optional Django integration
     ("__init__",),  # the public names: ``from celery_fence import FencedTask``
@@ -44,7 +49,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("migrations",),  # Alembic's scripts
 )
 CORE = tuple(f"celery_fence.{name}" for layer in LAYERS[: LAYERS.index(("ops",))] for name in layer)
-ABOVE_CORE = ("celery_fence.adapters", "celery_fence.ops", OPTIONAL, *TOOLS)
+ABOVE_CORE = ("celery_fence.adapters", "celery_fence.ops", DJANGO, *TOOLS)
 
 
 def layer_of(module: str) -> int:
@@ -108,6 +113,14 @@ def _in_functions(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
     for fn in ast.walk(tree):
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield from (n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)))
+
+
+def in_functions(modules: dict[str, ast.Module] | None = None) -> dict[str, set[str]]:
+    """Each module's imports inside its functions (methods and nested functions included)."""
+    return {
+        name: {t for node in _in_functions(tree) for t in _targets(node, name) if t != name}
+        for name, tree in (MODULES if modules is None else modules).items()
+    }
 
 
 def _under(name: str, packages: tuple[str, ...]) -> bool:
@@ -184,20 +197,60 @@ def test_the_cycle_finder_finds_one() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_no_import_in_a_function_goes_up_the_layers() -> None:
+    # (the tools included: an import deferred into a function is an edge all the same)
+    assert upward(in_functions()) == []
+
+
 def test_no_import_in_a_function_stands_in_for_a_module_level_one() -> None:
     # Given every import inside a function of the product (the tools beside it left out) ...
     deferred = [
         f"{name}: {target}"
-        for name, tree in MODULES.items()
+        for name, targets in in_functions().items()
         if not _under(name, TOOLS)
-        for node in _in_functions(tree)
-        for target in _targets(node, name)
-        # ... the only ones are the core reaching the optional Django integration, and that
-        # integration's own AppConfig.ready (Django's place to register system checks)
-        if not (_under(target, (OPTIONAL,)) and not _under(name, (OPTIONAL,)))
-        and name != f"{OPTIONAL}.apps"
+        for target in targets
+        # ... the only ones are the public names reaching down for the optional Django
+        # integration (enqueue(None, ...), the port's loader), and that integration's own
+        # AppConfig.ready (Django's place to register system checks)
+        if not (name == "celery_fence" and _under(target, (DJANGO,))) and name != f"{DJANGO}.apps"
     ]
     assert deferred == []
+
+
+def test_the_layer_check_sees_an_upward_import_inside_a_function() -> None:
+    # (a check that cannot fire is no check) Given the core reaching the Django integration
+    # by name inside a method, a nested function and a relative import, as it once did ...
+    sources = {
+        "celery_fence.body.fenced": (
+            "class Fence:\n"
+            "    def atomic(self, using=None):\n"
+            "        from celery_fence.contrib.django.atomic import atomic\n"
+            "        return atomic(self, using)\n"
+        ),
+        "celery_fence.settings": (
+            "def outer():\n"
+            "    def inner():\n"
+            "        from .contrib.django import database\n"
+            "    return inner\n"
+        ),
+        "celery_fence.adapters.down": "def f():\n    from celery_fence.store import sql\n",
+    }
+    modules = {name: ast.parse(source) for name, source in sources.items()}
+    # Then each upward one is found, the downward one is not, and none is a module-level edge
+    assert upward(in_functions(modules)) == [
+        "celery_fence.body.fenced -> celery_fence.contrib.django.atomic",
+        "celery_fence.settings -> celery_fence.contrib.django.database",
+    ]
+    assert in_functions(modules)["celery_fence.adapters.down"] == {"celery_fence.store.sql"}
+    assert upward(graph(modules)) == []
+
+
+def test_the_core_reaches_django_only_through_the_port() -> None:
+    # (the integration registers itself in its package __init__, which every import of it and
+    # Django's app loading run; the public names register the loader that imports it)
+    assert "celery_fence.django_port" in graph()[DJANGO]
+    assert "celery_fence.django_port" in graph()["celery_fence"]
+    assert DJANGO in in_functions()["celery_fence"]
 
 
 def test_every_module_level_import_goes_down_the_layers_or_stays_in_its_own() -> None:
@@ -287,5 +340,5 @@ def test_enqueue_and_djangos_enqueue_import_one_way() -> None:
         if isinstance(node, (ast.Import, ast.ImportFrom))
         for target in _targets(node, name)
     }
-    assert not any(_under(target, (OPTIONAL,)) for target in reached)
-    assert "celery_fence.durable" in graph()[f"{OPTIONAL}.durable"]
+    assert not any(_under(target, (DJANGO,)) for target in reached)
+    assert "celery_fence.durable" in graph()[f"{DJANGO}.durable"]

@@ -110,3 +110,50 @@ def test_off_no_family_is_registered_even_with_prometheus_installed() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     # ... transitions register and observe nothing.
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("settings", "observing", "stamped"),
+    [
+        ({}, False, False),  # metrics off: the message carries no publish time
+        ({"fence_metrics": False, "fence_metrics_port": 9808}, False, False),
+        ({"fence_metrics_port": 9808}, False, True),  # a worker with these settings observes
+        ({"CELERY_FENCE_METRICS": True}, False, True),  # any spelling of the setting
+        ({}, True, True),  # metrics on in the sending process (a worker's own send)
+    ],
+)
+def test_a_send_carries_its_publish_time_only_when_metrics_may_observe_it(
+    settings: dict[str, object], observing: bool, stamped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery import Celery
+    from celery.signals import before_task_publish
+
+    from celery_fence import FencedTask
+    from celery_fence.adapters.sending import PUBLISHED_HEADER
+
+    monkeypatch.delenv(metrics.MULTIPROC_ENV, raising=False)
+    monkeypatch.setattr(metrics, "active", Metrics(CollectorRegistry()) if observing else None)
+    # Given an app with these settings and a fenced task ...
+    app = Celery("stamps", broker="memory://", set_as_current=False)
+    app.conf.update(settings)
+
+    @app.task(base=FencedTask, bind=True, fence_key=lambda n: f"n:{n}")
+    def job(self: FencedTask, n: int) -> int:
+        return n
+
+    seen: list[dict[str, object]] = []
+
+    def published(headers: dict[str, object], **_: object) -> None:
+        seen.append(headers)
+
+    before_task_publish.connect(published, weak=False)
+    try:
+        # ... when it is sent twice (the decision is read once per app),
+        job.delay(1)
+        job.apply_async((2,), headers={"mine": 1})
+    finally:
+        before_task_publish.disconnect(published)
+        app.close()
+    # then both messages carry the publish time exactly when a worker may observe the queue wait.
+    assert [PUBLISHED_HEADER in h for h in seen] == [stamped, stamped]
+    assert seen[1]["mine"] == 1

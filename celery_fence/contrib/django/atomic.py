@@ -62,7 +62,7 @@ from django.db import transaction as django_transaction
 
 from celery_fence import signals
 from celery_fence.body import watch
-from celery_fence.body.transaction import idle_timeout
+from celery_fence.body.transaction import idle_timeout, store_of
 from celery_fence.contrib.django import guard
 from celery_fence.contrib.django.database import autocommit_off, same_database_problem
 from celery_fence.errors import ConfigurationError, FenceError, LeaseLost
@@ -90,7 +90,7 @@ def _record_loss(fence: Fence) -> None:
 def atomic(fence: Fence, using: str | None = None) -> Iterator[None]:
     """``with self.fence.atomic():`` — see the module docstring."""
     alias = using or DEFAULT_DB_ALIAS
-    store = _store_of(fence)
+    store = store_of(fence, "fence.atomic()", "@shared_task")
     if fence.blocks.current() is not None:
         raise FenceError(
             "fence.atomic() inside an open fence.transaction()/session() block: the two are "
@@ -196,12 +196,3 @@ def _check(fence: Fence, store: Store, connection: Any) -> None:
         owner = store.blocks.owner_cursor(cursor, fence)  # LeaseLost: paused past the lease
     if not owner:
         raise _Refused
-
-
-def _store_of(fence: Fence) -> Store:
-    if fence.store is None:
-        raise FenceError(
-            f"fence.atomic() for {fence.key!r} has no store: it is only available inside a "
-            "fenced task's body (self.fence, with @shared_task(base=FencedTask, bind=True))"
-        )
-    return fence.store

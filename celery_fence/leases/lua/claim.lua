@@ -14,21 +14,10 @@
 --          whatever its generation: the release of a claim whose reply was lost.
 -- Returns {1, generation} when claimed,
 --         {0, remaining_ms} when a live lease exists (busy; -1 means it has no expiry).
-for i = 3, #KEYS do
-  local value = redis.call('GET', KEYS[i])
-  local expected = ARGV[i + 1]
-  if value and (value == expected
-      or (string.sub(expected, -1) == ':' and string.sub(value, 1, #expected) == expected)) then
-    redis.call('DEL', KEYS[i])
-  end
-end
+-- include: _claim_parts
+release_finished(1)
 local remaining = redis.call('PTTL', KEYS[1])
 if remaining ~= -2 then
   return {0, remaining}
 end
-local generation = redis.call('INCR', KEYS[2])
-if tonumber(ARGV[3]) > 0 then
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
-end
-redis.call('SET', KEYS[1], ARGV[1] .. ':' .. generation, 'PX', ARGV[2])
-return {1, generation}
+return {1, take_generation()}

@@ -21,15 +21,9 @@
 --         {0, remaining_ms, 0} the key's lease is live (busy; -1: it has no expiry),
 --         {2, soonest_ms, 0}   every slot is held (soonest_ms: the soonest expiry among
 --                              them; -1 when one has no expiry); nothing was taken.
+-- include: _claim_parts
 local n = tonumber(ARGV[4])
-for i = 3, #KEYS do
-  local value = redis.call('GET', KEYS[i])
-  local expected = ARGV[i + 5]
-  if value and (value == expected
-      or (string.sub(expected, -1) == ':' and string.sub(value, 1, #expected) == expected)) then
-    redis.call('DEL', KEYS[i])
-  end
-end
+release_finished(5)
 local remaining = redis.call('PTTL', KEYS[1])
 if remaining ~= -2 then
   return {0, remaining, 0}
@@ -53,9 +47,4 @@ if slot == nil then
   end
   return {2, soonest or -1, 0}
 end
-local generation = redis.call('INCR', KEYS[2])
-if tonumber(ARGV[3]) > 0 then
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
-end
-redis.call('SET', KEYS[1], ARGV[1] .. ':' .. generation, 'PX', ARGV[2])
-return {1, generation, slot}
+return {1, take_generation(), slot}

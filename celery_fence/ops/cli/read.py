@@ -188,8 +188,9 @@ def _write_fix(exc: BaseException, store: Store, celery: str) -> str:
     type=click.FloatRange(min=0),
     default=None,
     help_group="Filter Options",
-    help="With --stuck: seconds without movement (default: each job's task's fence_recover_after, "
-    "3 x its lease TTL; fence_recover_pending_after for a never-claimed one).",
+    help="With --stuck: seconds without movement (default: none for a running job, its lease "
+    "alone decides; each job's task's fence_recover_after, 3 x its lease TTL, for a retrying or "
+    "re-sent one; fence_recover_pending_after for a never-claimed one).",
 )
 @click.option(
     "--never-claimed",

@@ -166,9 +166,10 @@ def _requeued(ctx: click.Context, record: JobRecord, task_id: str) -> None:
     type=click.FloatRange(min=0),
     default=None,
     help_group="Recover Options",
-    help="Seconds an unfinished job must not have moved (default: each job's task's "
-    "fence_recover_after, 3 x its lease TTL; fence_recover_pending_after, 60, for a job "
-    "enqueued and never claimed).",
+    help="Seconds an unfinished job must not have moved (default: none for a running job, "
+    "whose lease alone decides; each job's task's fence_recover_after, 3 x its lease TTL, for "
+    "a retrying or re-sent one; fence_recover_pending_after, 60, for a job enqueued and never "
+    "claimed).",
 )
 @click.option(
     "--dry-run",
