@@ -29,8 +29,14 @@ from tests.support.worker import SpawnWorker, Worker, app_worker
 
 
 def _slow_seconds(item: pytest.Item) -> float | None:
+    """``slow(seconds)``, or ``slow(seconds, by_param={id: seconds})`` where a parametrized test's
+    cases differ."""
     marker = item.get_closest_marker("slow")
-    return None if marker is None else float(marker.args[0])
+    if marker is None:
+        return None
+    callspec = getattr(item, "callspec", None)
+    by_param = marker.kwargs.get("by_param", {})
+    return float(by_param.get(callspec.id if callspec else None, marker.args[0]))
 
 
 @pytest.hookimpl(trylast=True)
