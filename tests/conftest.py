@@ -6,6 +6,7 @@ database created for this session (and dropped after it), with keys unique per t
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +23,29 @@ from celery_fence.store import Store
 from celery_fence.testing.broker import delete_queues
 from celery_fence.testing.proxy import TcpProxy
 from tests.support.env import BROKER_URL, PG_ADMIN_URL, REDIS_URL
+from tests.support.schedule import longest_first
 from tests.support.stores import DEFAULT, store_url, with_driver
 from tests.support.worker import SpawnWorker, Worker, app_worker
+
+
+def _slow_seconds(item: pytest.Item) -> float | None:
+    """``slow(seconds)``, or ``slow(seconds, by_param={id: seconds})`` where a parametrized test's
+    cases differ."""
+    marker = item.get_closest_marker("slow")
+    if marker is None:
+        return None
+    callspec = getattr(item, "callspec", None)
+    by_param = marker.kwargs.get("by_param", {})
+    return float(by_param.get(callspec.id if callspec else None, marker.args[0]))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``-n N`` (N > 1), the tests marked ``slow`` start first, spread over the processes
+    (:mod:`tests.support.schedule`); a run without xdist keeps the collection order."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        items[:] = longest_first(items, _slow_seconds, workers)
 
 
 @pytest.fixture(scope="session")

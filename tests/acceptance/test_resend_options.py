@@ -80,7 +80,8 @@ def _lose_unacked(broker: redis.Redis, task_id: str) -> int:
 
 def _raw_messages(broker: redis.Redis, queue: str, task_id: str) -> list[dict[str, Any]]:
     """The messages of ``task_id`` the Redis broker keeps: waiting in ``queue``, or held (unacked)
-    by a worker, as published (content type, headers, properties)."""
+    by a worker, as published (content type, headers, properties). A message being fetched is in
+    neither for a moment (moved from the list to the hash): use what a wait found, not a re-read."""
     raws = [json.loads(raw) for raw in broker.lrange(queue, 0, -1)]
     raws += [json.loads(raw)[0] for raw in broker.hgetall("unacked").values()]
     return [m for m in raws if m["headers"].get("id") == task_id]
@@ -151,9 +152,9 @@ def test_the_fences_own_re_send_keeps_the_messages_serializer_and_compression(
         found = _raw_messages(broker, queue, duplicate.id)
         return [m for m in found if m["headers"].get(RESENDS_HEADER)]  # a fence re-send
 
-    wait_until(lambda: re_sent(), 30, what="the duplicate re-sent")
+    found = wait_until(re_sent, 30, what="the duplicate re-sent")
     # then the fence's re-send is published as the duplicate was.
-    message = re_sent()[0]
+    message = found[0]
     published = _published(message["content-type"], message["headers"], message["properties"])
     assert published == AS_PUBLISHED
     faults.arm(redis_client, prefix, "unhang", key)
@@ -178,9 +179,9 @@ def test_the_bodys_own_retry_keeps_the_messages_serializer_and_compression(
         found = _raw_messages(broker, queue, sent.id)
         return [m for m in found if m["headers"].get("retries")]  # the retry's message
 
-    wait_until(lambda: retried(), 30, what="the retry message published")
+    found = wait_until(retried, 30, what="the retry message published")
     # then the retry's message is published with the message's serializer and compression.
-    message = retried()[0]
+    message = found[0]
     published = _published(message["content-type"], message["headers"], message["properties"])
     assert (published["content_type"], published["compression"]) == (PICKLE, ZLIB)
     assert published["delivery_mode"] == 1

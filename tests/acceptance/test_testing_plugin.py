@@ -433,6 +433,7 @@ def _passes_windows_and_fails_unfenced(outcomes: dict[str, tuple[str, str]]) -> 
     assert "transition history of 'job:1':" in text
 
 
+@pytest.mark.slow(30)
 def test_fenced_task_passes_every_window_and_a_plain_task_fails_on_sqlite(tmp_path: Path) -> None:
     # Given a user project with a fenced task and a plain task doing the same write, run with
     # pytest-celery loaded (no -p no:celery) and no Docker engine,
@@ -622,6 +623,7 @@ def test_kill_after_block(fence_chaos, my_rows, task):
 """
 
 
+@pytest.mark.slow(30)
 def test_windows_reach_a_write_after_the_check_and_a_block_that_ran_twice(tmp_path: Path) -> None:
     # Given tasks that check the lease then write with a plain transaction, or append a row in
     # their fenced block, and their right versions (a fenced block, an upsert by key), each
@@ -895,6 +897,7 @@ def test_broken(fence_chaos, case):
 """
 
 
+@pytest.mark.slow(40)
 def test_each_check_of_assert_converged_fails_the_broken_task_of_its_kind(tmp_path: Path) -> None:
     # Given broken tasks, each of the kind a window and a check exist for: the fence's task on a
     # store without the generation fence (pause, redis-loss), a result the store never kept

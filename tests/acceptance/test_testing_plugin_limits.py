@@ -102,6 +102,7 @@ def test_kill_slot_holder_without_a_limit(fence_chaos):
 """
 
 
+@pytest.mark.slow(35)
 def test_the_limit_faults_reach_a_users_task_and_a_killed_slot_comes_back(tmp_path: Path) -> None:
     # Given a user project with a task of a group limited to 2, one of a group with no limit and
     # one limited to 1/s, and tests using fence_group_full, fence_rate_limited and fence_chaos's

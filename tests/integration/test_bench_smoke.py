@@ -106,6 +106,7 @@ def test_before_after_runs_the_revision_in_the_same_rounds_in_both_orders(tmp_pa
     assert "forward, reversed" in stdout
 
 
+@pytest.mark.slow(35)
 @pytest.mark.timeout(300)
 def test_the_bench_refuses_to_report_a_variant_whose_tasks_failed(tmp_path: Path) -> None:
     # Given a worker whose fenced-pg and redis-lock bodies raise (BENCH_FAIL_TASKS)
@@ -134,6 +135,7 @@ def test_the_bench_refuses_to_report_a_variant_whose_tasks_failed(tmp_path: Path
     assert not (tmp_path / "result.json").exists()
 
 
+@pytest.mark.slow(70)
 @pytest.mark.timeout(600)
 def test_throughput_mode_reports_every_variant_and_counts_at_most_three_round_trips(
     tmp_path: Path,

@@ -299,42 +299,45 @@ def test_the_unfenced_control_arm_accepts_stale_writes(db_url: str) -> None:
     unfenced.dispose()
 
 
-def _create_schema_at_once(url: str, barrier: Any, errors: Any) -> None:
-    engine = sa.create_engine(url)
-    barrier.wait()
-    try:
-        create_schema(engine)
-    except Exception as exc:  # reported to the parent, which fails the test with it
-        errors.put(f"{type(exc).__name__}: {exc}")
-    finally:
-        engine.dispose()
+def _create_schemas_at_once(urls: list[str], barrier: Any, errors: Any) -> None:
+    for url in urls:  # one round per file: the processes meet at the barrier, then race
+        engine = sa.create_engine(url)
+        barrier.wait(timeout=60)
+        try:
+            create_schema(engine)
+        except Exception as exc:  # reported to the parent, which fails the test with it
+            errors.put(f"{url}: {type(exc).__name__}: {exc}")
+        finally:
+            engine.dispose()
 
 
 def test_processes_creating_the_schema_at_once_on_a_fresh_sqlite_file_all_succeed(
     tmp_path: Path,
 ) -> None:
-    # Given 6 processes (worker children on their first task) and fresh SQLite files,
+    # Given 6 processes (worker children on their first task) and 3 fresh SQLite files,
     ctx = multiprocessing.get_context("spawn")
-    for n in range(3):
-        url = f"sqlite:///{tmp_path / f'fresh-{n}.sqlite3'}"
-        barrier, errors = ctx.Barrier(6), ctx.Queue()
-        procs = [
-            ctx.Process(target=_create_schema_at_once, args=(url, barrier, errors))
-            for _ in range(6)
-        ]
-        # When they all create the schema at the same moment,
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-        # then none fails ("table already exists" for the losers of the race) and the tables
-        # are there.
-        assert [p.exitcode for p in procs] == [0] * 6
-        failures = [errors.get(timeout=1) for _ in range(errors.qsize())]
-        assert failures == [], failures
+    urls = [f"sqlite:///{tmp_path / f'fresh-{n}.sqlite3'}" for n in range(3)]
+    barrier, errors = ctx.Barrier(6), ctx.Queue()
+    procs = [
+        ctx.Process(target=_create_schemas_at_once, args=(urls, barrier, errors)) for _ in range(6)
+    ]
+    # When they all create the schema at the same moment, on each file in turn (a fresh engine
+    # each time, so each round is a first creation in every process),
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    # then none fails ("table already exists" for the losers of the race) and the tables
+    # are there.
+    assert [p.exitcode for p in procs] == [0] * 6
+    failures = [errors.get(timeout=1) for _ in range(errors.qsize())]
+    assert failures == [], failures
+    for url in urls:
+        engine = sa.create_engine(url)
         assert {"fence_jobs", "fence_transitions", "fence_outbox"} <= set(
-            sa.inspect(sa.create_engine(url)).get_table_names()
+            sa.inspect(engine).get_table_names()
         )
+        engine.dispose()
 
 
 def _state(store: Store, key: str) -> tuple[str, int, str, int]:
