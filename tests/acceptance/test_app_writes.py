@@ -235,8 +235,13 @@ def test_a_write_outside_any_block_is_flagged_or_refused(
     wait_until(lambda: (r := store.get(key)) is not None and r.status == wanted, 30, what=wanted)
     record = store.get(key)
     assert record is not None
-    flagged = [t for t in store.transitions.history(key) if t.action == "unfenced_write"]
-    assert len(flagged) == 1 and "app_lines" in (flagged[0].reason or "")
+
+    # (the flag's transition row is written off the body's thread: it may land after the end)
+    def flagged() -> list[Any]:
+        return [t for t in store.transitions.history(key) if t.action == "unfenced_write"]
+
+    wait_until(lambda: flagged(), 10, what="the unfenced_write transition")
+    assert len(flagged()) == 1 and "app_lines" in (flagged()[0].reason or "")
     if mode == "warn":
         # then under "warn" the write landed, and it was said out loud: the transition row, and
         # the worker's WARNING naming the task, the table and the fix
