@@ -61,6 +61,12 @@ Timestamp = UtcTimestamp()
 KEY_LENGTH = 512
 
 
+def valid_key(key: Any) -> bool:
+    """Whether ``key`` can be a job's fence key: a non-empty str of at most :data:`KEY_LENGTH`
+    characters without NUL."""
+    return isinstance(key, str) and bool(key) and len(key) <= KEY_LENGTH and "\x00" not in key
+
+
 class Status(str, Enum):
     """A job's status. ``completed`` and ``dead`` are terminal (until an operator requeues the
     job); ``pending`` is a job waiting for a message that :func:`~celery_fence.enqueue`, an

@@ -37,7 +37,7 @@ from celery_fence.ops.recovery import KEY_HEADER
 from celery_fence.pipeline import outcomes as o
 from celery_fence.pipeline.backends import Backends, backends, limits_for
 from celery_fence.pipeline.execution import Execution
-from celery_fence.schema import KEY_LENGTH
+from celery_fence.schema import KEY_LENGTH, valid_key
 from celery_fence.store import Store
 from celery_fence.store.records import RUN_HEADER, TAKEOVER_HEADER
 
@@ -66,12 +66,6 @@ def _fenced_entry(call: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(__call__, FENCED_ENTRY, True)
     return __call__
-
-
-def valid_key(key: Any) -> bool:
-    """Whether ``key`` can be a job's fence key: a non-empty str of at most ``KEY_LENGTH``
-    characters without NUL."""
-    return isinstance(key, str) and bool(key) and len(key) <= KEY_LENGTH and "\x00" not in key
 
 
 class FencedTask(FencedResending, FencedSending, Fenced):

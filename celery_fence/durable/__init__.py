@@ -64,11 +64,11 @@ from sqlalchemy.orm import Session, scoped_session
 
 from celery_fence.adapters import unique as unique_jobs
 from celery_fence.adapters.request import encode_request
-from celery_fence.adapters.task import FencedTask, valid_key
+from celery_fence.adapters.task import FencedTask
 from celery_fence.announce import tracing
 from celery_fence.durable import sends
 from celery_fence.errors import ConfigurationError
-from celery_fence.schema import KEY_LENGTH
+from celery_fence.schema import KEY_LENGTH, valid_key
 from celery_fence.store.urls import different_database
 
 logger = logging.getLogger("celery_fence.durable")
