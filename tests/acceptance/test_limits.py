@@ -45,6 +45,15 @@ def _max_overlap(spans: list[tuple[float, float]]) -> int:
     return best
 
 
+def _all_completed(store: Store, keys: list[str], what: str) -> None:
+    wait_until(
+        lambda: all((r := store.get(k)) is not None and r.status == "completed" for k in keys),
+        90,
+        interval=0.2,
+        what=what,
+    )
+
+
 def _eight_processes(spawn_worker: SpawnWorker) -> None:
     for name in ("a", "b"):
         spawn_worker(name, concurrency=4)
@@ -66,14 +75,7 @@ def test_a_group_of_limit_3_never_runs_more_than_3_across_8_processes_even_with_
     for key in keys:
         client_app.grouped.delay(key, sleep=0.5)
     # ... every job completes,
-    wait_until(
-        lambda: all(
-            (r := fence_store.get(k)) is not None and r.status == "completed" for k in keys
-        ),
-        90,
-        interval=0.2,
-        what="every grouped job completed",
-    )
+    _all_completed(fence_store, keys, "every grouped job completed")
     spans = _spans(redis_client, prefix)
     kills = [s for s in spans if s[1] - s[0] < 0.4]
     assert len(kills) == 2, spans  # both killed bodies ran, and died mid-body
@@ -86,14 +88,7 @@ def test_a_group_of_limit_3_never_runs_more_than_3_across_8_processes_even_with_
     later = [f"grp:{uuid.uuid4().hex[:8]}" for _ in range(9)]
     for key in later:
         client_app.grouped.delay(key, sleep=0.5)
-    wait_until(
-        lambda: all(
-            (r := fence_store.get(k)) is not None and r.status == "completed" for k in later
-        ),
-        60,
-        interval=0.2,
-        what="every job of the later batch completed",
-    )
+    _all_completed(fence_store, later, "every job of the later batch completed")
     spans = _spans(redis_client, prefix)
     assert _max_overlap([s for s in spans if s[0] >= after - 0.1]) == 3
     # the re-sends over the limit said so in the store, and none counted as an attempt.
